@@ -1,0 +1,14 @@
+"""pagedserve: an LLM inference and serving engine with a paged KV cache."""
+
+import os
+
+# Spin-waiting OpenMP threads collapse when the cores are shared with other processes;
+# this must be set before torch loads its OpenMP runtime.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from pagedserve.engine.llm import LLM  # noqa: E402
+from pagedserve.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from pagedserve.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestOutputKind", "__version__"]

@@ -1,0 +1,65 @@
+"""Engine configuration: the one home of defaults. CLI flags are derived from these fields."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+# 2 GiB of KV holds ~46k tokens of the default model: plenty of concurrency on a small CPU box.
+DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
+
+
+@dataclass
+class EngineConfig:
+    """Every knob of the engine. Field docs double as CLI --help text."""
+
+    model: str = field(default=DEFAULT_MODEL, metadata={"help": "HF-format directory, .gguf file, or the default model's name"})
+    tokenizer: str | None = field(default=None, metadata={"help": "tokenizer directory (defaults to the model's)"})
+    dtype: str = field(default="auto", metadata={"help": "float32, bfloat16, float16, or auto (float32 on CPU)"})
+    device: str = field(default="auto", metadata={"help": "cpu, cuda, or auto"})
+    seed: int = field(default=0, metadata={"help": "seed of the sampler for requests without their own seed"})
+    max_model_len: int | None = field(default=None, metadata={"help": "context length (default: the model's, capped by the KV cache)"})
+    block_size: int = field(default=16, metadata={"help": "tokens per KV cache block"})
+    kv_cache_memory: int = field(default=DEFAULT_CPU_KV_CACHE_BYTES, metadata={"help": "bytes of KV cache on CPU"})
+    gpu_memory_utilization: float = field(default=0.9, metadata={"help": "fraction of GPU memory the engine may use (CUDA)"})
+    num_gpu_blocks_override: int | None = field(default=None, metadata={"help": "force the number of KV blocks (testing)"})
+    enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse KV blocks of shared prefixes"})
+    max_num_batched_tokens: int = field(default=2048, metadata={"help": "token budget of one engine step"})
+    max_num_seqs: int = field(default=256, metadata={"help": "most requests running at once"})
+    long_prefill_token_threshold: int = field(default=0, metadata={"help": "cap of one prompt's chunk per step (0: no cap)"})
+    scheduling_policy: str = field(default="fcfs", metadata={"help": "fcfs or priority"})
+    num_threads: int | None = field(default=None, metadata={"help": "torch intra-op threads of the engine (default: all cores)"})
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        _require(self.block_size in (8, 16, 32, 64, 128), "block_size", "one of 8, 16, 32, 64, 128", self.block_size)
+        _require(self.kv_cache_memory > 0, "kv_cache_memory", "> 0 bytes", self.kv_cache_memory)
+        _require(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "(0, 1]", self.gpu_memory_utilization)
+        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", ">= 1", self.max_num_batched_tokens)
+        _require(self.max_num_seqs >= 1, "max_num_seqs", ">= 1", self.max_num_seqs)
+        _require(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold", ">= 0", self.long_prefill_token_threshold)
+        _require(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy", "'fcfs' or 'priority'", self.scheduling_policy)
+        _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", "auto, float32, bfloat16, float16", self.dtype)
+        _require(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device", "auto, cpu, cuda", self.device)
+        if self.max_model_len is not None:
+            _require(self.max_model_len >= 1, "max_model_len", ">= 1", self.max_model_len)
+        if self.num_gpu_blocks_override is not None:
+            _require(self.num_gpu_blocks_override >= 1, "num_gpu_blocks_override", ">= 1", self.num_gpu_blocks_override)
+        if self.num_threads is not None:
+            _require(self.num_threads >= 1, "num_threads", ">= 1", self.num_threads)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> EngineConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**kwargs)
+
+
+def _require(ok: bool, name: str, allowed: str, value) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")

@@ -1,0 +1,74 @@
+"""The contract between the scheduler and the model runner, and what the engine core reports."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedserve.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen (or must rebuild after preemption): everything it needs."""
+
+    request_id: str
+    token_ids: list[int]  # prompt + any outputs generated before a preemption
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    # Prompt logprobs already reported (for prompt tokens 1..start): a recompute after preemption skips them.
+    prompt_logprobs_start: int = 0
+
+
+@dataclass
+class CachedRequestData:
+    """A request the runner already holds: only what changed."""
+
+    request_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests the runner must forget: finished, aborted or preempted since the last step.
+    finished_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+# Top-N logprobs of one position: (token ids, logprobs, ranks); index 0 is the sampled/actual token.
+@dataclass
+class LogprobsLists:
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, int]  # only requests that reached the end of their known tokens
+    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+
+
+@dataclass
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: LogprobsLists | None = None
+    new_prompt_logprobs: LogprobsLists | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

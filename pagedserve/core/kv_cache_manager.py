@@ -1,0 +1,120 @@
+"""KV cache manager: which blocks each request owns, prefix-cache lookups, and allocation per step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedserve.core.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block
+from pagedserve.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of which found in the cache
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.req_to_block_hashes: dict[str, list[BlockHash]] = {}
+        self.num_cached_blocks: dict[str, int] = {}  # per request: how many leading blocks are hashed
+        self.prefix_cache_stats = PrefixCacheStats()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    def usage(self) -> float:
+        return self.block_pool.usage()
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest run of cached full blocks that starts the request's tokens (no references taken)."""
+        if not self.enable_caching or request.skips_prefix_cache:
+            return [], 0
+        block_hashes = self._block_hashes(request)
+        # The last token is always recomputed: its logits are needed to sample.
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        computed: list[KVCacheBlock] = []
+        for block_hash in block_hashes[:max_hit_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            computed.append(block)
+        num_computed_tokens = len(computed) * self.block_size
+        self.prefix_cache_stats.queries += request.num_tokens
+        self.prefix_cache_stats.hits += num_computed_tokens
+        return computed, num_computed_tokens
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] | None = None
+    ) -> list[KVCacheBlock] | None:
+        """Make room for num_new_tokens more tokens after the computed ones. None if the pool can't."""
+        new_computed_blocks = new_computed_blocks or []
+        req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        num_computed_tokens = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_required_blocks = cdiv(num_computed_tokens + num_new_tokens, self.block_size)
+        num_new_blocks = num_required_blocks - len(req_blocks) - len(new_computed_blocks)
+        # Cached blocks sitting in the free queue stop being free once touched.
+        num_evictable_computed = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+        if num_new_blocks > self.block_pool.num_free_blocks - num_evictable_computed:
+            if not req_blocks:
+                del self.req_to_blocks[request.request_id]
+            return None
+        self.block_pool.touch(new_computed_blocks)
+        req_blocks.extend(new_computed_blocks)
+        new_blocks = self.block_pool.get_new_blocks(max(num_new_blocks, 0))
+        req_blocks.extend(new_blocks)
+        if self.enable_caching and not request.skips_prefix_cache:
+            self._cache_full_blocks(request, num_computed_tokens + num_new_tokens)
+        return new_blocks
+
+    def free(self, request: Request) -> None:
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.block_pool.free_blocks(reversed(blocks))
+        self.num_cached_blocks.pop(request.request_id, None)
+        if request.is_finished:
+            self.req_to_block_hashes.pop(request.request_id, None)
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [block.block_id for block in self.req_to_blocks.get(request_id, [])]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()
+
+    def _block_hashes(self, request: Request) -> list[BlockHash]:
+        """Hashes of the request's full blocks of known tokens, extended as tokens arrive."""
+        hashes = self.req_to_block_hashes.setdefault(request.request_id, [])
+        num_full_blocks = request.num_tokens // self.block_size
+        tokens = request.all_token_ids
+        for index in range(len(hashes), num_full_blocks):
+            parent = hashes[-1] if hashes else None
+            start = index * self.block_size
+            hashes.append(hash_block(parent, tuple(tokens[start:start + self.block_size])))
+        return hashes
+
+    def _cache_full_blocks(self, request: Request, num_tokens_after_step: int) -> None:
+        num_full_blocks = num_tokens_after_step // self.block_size
+        num_cached = self.num_cached_blocks.get(request.request_id, 0)
+        if num_full_blocks <= num_cached:
+            return
+        block_hashes = self._block_hashes(request)
+        blocks = self.req_to_blocks[request.request_id]
+        for index in range(num_cached, num_full_blocks):
+            self.block_pool.cache_full_block(blocks[index], block_hashes[index])
+        self.num_cached_blocks[request.request_id] = num_full_blocks

@@ -1,0 +1,254 @@
+"""Token-budget scheduler with chunked prefill and preemption by recompute (vLLM V1 semantics).
+
+Each step hands out at most max_num_batched_tokens tokens: running requests first (a decode
+takes one token, an unfinished prompt its next chunk), then waiting requests in policy order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedserve.core.interface import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.request_queue import make_waiting_queue
+from pagedserve.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        long_prefill_token_threshold: int = 0,
+        policy: str = "fcfs",
+    ) -> None:
+        self.kv_cache_manager = kv_cache_manager
+        self.max_model_len = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.policy = policy
+        self.requests: dict[str, Request] = {}
+        self.waiting = make_waiting_queue(policy)
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()  # to tell the runner next step
+        self.num_preemptions = 0
+        # Prompt logprob positions already reported per request, so a recompute does not repeat them.
+        self.num_prompt_logprobs_sent: dict[str, int] = {}
+
+    # ---- requests in and out -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use by a running request")
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> list[Request]:
+        """Abort (or otherwise end) requests wherever they are; unknown ids are ignored."""
+        finished = []
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free_request(request)
+            finished.append(request)
+        return finished
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    def get_stats(self) -> SchedulerStats:
+        prefix = self.kv_cache_manager.prefix_cache_stats
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage(),
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
+            num_preemptions=self.num_preemptions,
+        )
+
+    # ---- one step --------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        token_budget = self.max_num_batched_tokens
+        num_scheduled_tokens: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        preempted_any = False
+
+        index = 0
+        while index < len(self.running) and token_budget > 0:
+            request = self.running[index]
+            num_new_tokens = self._chunk_size(request.num_tokens - request.num_computed_tokens, token_budget)
+            new_blocks = None
+            while True:
+                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+                if new_blocks is not None:
+                    break
+                victim = self._preempt_one()
+                preempted_any = True
+                if victim is request:
+                    break
+            if new_blocks is None:
+                break
+            cached_reqs.append(
+                CachedRequestData(request.request_id, [b.block_id for b in new_blocks], request.num_computed_tokens)
+            )
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+            index += 1
+
+        # New prompts only when nothing was preempted: memory is tight, let the running ones finish.
+        if not preempted_any:
+            token_budget = self._schedule_waiting(token_budget, num_scheduled_tokens, new_reqs)
+
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - token_budget,
+            finished_req_ids=self.finished_req_ids,
+        )
+        self.finished_req_ids = set()
+        for request_id, num_tokens in num_scheduled_tokens.items():
+            self.requests[request_id].num_computed_tokens += num_tokens
+        return output
+
+    def _schedule_waiting(self, token_budget: int, num_scheduled_tokens: dict, new_reqs: list) -> int:
+        skipped = []
+        while len(self.waiting) > 0 and token_budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting.peek()
+            if self._sibling_is_prefilling(request):
+                # Wait one step for the sibling's prompt blocks, then reuse them from the prefix cache.
+                skipped.append(self.waiting.pop())
+                continue
+            computed_blocks, num_computed_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            num_new_tokens = self._chunk_size(request.num_tokens - num_computed_tokens, token_budget)
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens, computed_blocks)
+            if new_blocks is None:
+                break
+            self.waiting.pop()
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_computed_tokens
+            request.num_computed_tokens = num_computed_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            new_reqs.append(
+                NewRequestData(
+                    request_id=request.request_id,
+                    token_ids=list(request.all_token_ids),
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    sampling_params=request.sampling_params,
+                    block_ids=self.kv_cache_manager.block_ids(request.request_id),
+                    num_computed_tokens=num_computed_tokens,
+                    prompt_logprobs_start=self.num_prompt_logprobs_sent.get(request.request_id, 0),
+                )
+            )
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+        for request in reversed(skipped):
+            self.waiting.add_front(request)
+        return token_budget
+
+    def _chunk_size(self, num_remaining_tokens: int, token_budget: int) -> int:
+        num_tokens = min(num_remaining_tokens, token_budget)
+        if self.long_prefill_token_threshold > 0:
+            num_tokens = min(num_tokens, self.long_prefill_token_threshold)
+        return num_tokens
+
+    def _sibling_is_prefilling(self, request: Request) -> bool:
+        if request.group_id is None or not self.kv_cache_manager.enable_caching:
+            return False
+        return any(
+            other.group_id == request.group_id and other.num_computed_tokens < other.num_prompt_tokens
+            for other in self.running
+        )
+
+    def _preempt_one(self) -> Request:
+        """Free the running request that matters least: lowest priority, then the latest arrival."""
+        if self.policy == "priority":
+            victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        else:
+            victim = max(self.running, key=lambda r: r.arrival_time)
+        self.running.remove(victim)
+        self.kv_cache_manager.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.finished_req_ids.add(victim.request_id)
+        self.waiting.add_front(victim)
+        return victim
+
+    # ---- after the model ran ---------------------------------------------------------------
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        stopped: list[Request] = []
+        for request_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue  # aborted while the step ran
+            new_token_ids = []
+            token_id = runner_output.sampled_token_ids.get(request_id)
+            if token_id is not None:
+                request.append_output_token(token_id)
+                new_token_ids.append(token_id)
+                if request.check_stop(self.max_model_len):
+                    stopped.append(request)
+            prompt_logprobs = runner_output.prompt_logprobs.get(request_id)
+            if prompt_logprobs is not None:
+                sent = self.num_prompt_logprobs_sent.get(request_id, 0)
+                self.num_prompt_logprobs_sent[request_id] = sent + len(prompt_logprobs.ranks)
+            if not new_token_ids and prompt_logprobs is None:
+                continue
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=request_id,
+                    new_token_ids=new_token_ids,
+                    new_logprobs=runner_output.logprobs.get(request_id),
+                    new_prompt_logprobs=prompt_logprobs,
+                    finish_reason=request.status.finish_reason,
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                )
+            )
+        for request in stopped:
+            self.running.remove(request)
+            self._free_request(request)
+        return outputs
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        self.num_prompt_logprobs_sent.pop(request.request_id, None)
+        del self.requests[request.request_id]

@@ -1,0 +1,110 @@
+"""LLM: the offline batch API."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from pagedserve.config import DEFAULT_MODEL, EngineConfig
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.processor import PromptType
+from pagedserve.outputs import RequestOutput
+from pagedserve.sampling_params import RequestOutputKind, SamplingParams
+
+ChatMessages = list[dict]
+
+
+class LLM:
+    """Generate for many prompts at once.
+
+    >>> llm = LLM()  # SmolLM2-135M-Instruct
+    >>> llm.generate(["Hello, my name is"], SamplingParams(max_tokens=16))[0].outputs[0].text
+    """
+
+    def __init__(self, model: str = DEFAULT_MODEL, **engine_args) -> None:
+        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Outputs come back in the order of the prompts."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _broadcast(sampling_params or SamplingParams(), len(prompt_list), "sampling_params")
+        priorities = _broadcast(list(priority) if priority is not None else 0, len(prompt_list), "priority")
+        request_ids = []
+        try:
+            for prompt, params, prio in zip(prompt_list, params_list, priorities):
+                request_id = str(next(self._request_counter))
+                final_params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+                self.llm_engine.add_request(request_id, prompt, final_params, priority=prio)
+                request_ids.append(request_id)
+            return self._run_engine(request_ids, use_tqdm)
+        except BaseException:
+            self.llm_engine.abort_request(request_ids)
+            raise
+
+    def chat(
+        self,
+        messages: ChatMessages | list[ChatMessages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            {"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt, chat_template_kwargs)} for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, conversation: ChatMessages, add_generation_prompt: bool = True, kwargs: dict | None = None) -> list[int]:
+        tokenizer = self.get_tokenizer()
+        if not tokenizer.chat_template:
+            raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
+        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **(kwargs or {}))
+        return tokenizer(text, add_special_tokens=False).input_ids
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        progress = tqdm(total=len(request_ids), desc="Processed prompts", unit="req", disable=not use_tqdm, dynamic_ncols=True)
+        start, prompt_tokens, output_tokens = time.perf_counter(), 0, 0
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    finished[output.request_id] = output
+                    prompt_tokens += len(output.prompt_token_ids)
+                    output_tokens += sum(len(c.token_ids) for c in output.outputs)
+                    elapsed = max(time.perf_counter() - start, 1e-9)
+                    progress.set_postfix_str(f"input: {prompt_tokens / elapsed:.1f} tok/s, output: {output_tokens / elapsed:.1f} tok/s")
+                    progress.update(1)
+        progress.close()
+        return [finished[request_id] for request_id in request_ids]
+
+
+def _as_prompt_list(prompts) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt of token ids
+    return list(prompts)
+
+
+def _broadcast(value, count: int, name: str) -> list:
+    if isinstance(value, (list, tuple)):
+        if len(value) != count:
+            raise ValueError(f"{name} has {len(value)} entries but there are {count} prompts")
+        return list(value)
+    return [value] * count

@@ -1,0 +1,192 @@
+"""OutputProcessor: engine-core outputs -> RequestOutputs (text, stop strings, logprobs, n samples)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedserve.core.interface import EngineCoreOutput, LogprobsLists
+from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.processor import child_request_id
+from pagedserve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from pagedserve.sampling_params import RequestOutputKind, SamplingParams
+
+
+@dataclass
+class SampleState:
+    index: int
+    detokenizer: IncrementalDetokenizer
+    logprobs: list[PositionLogprobs] | None
+    cumulative_logprob: float | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    sent_tokens: int = 0
+    sent_logprobs: int = 0
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    samples: dict[str, SampleState]  # engine request id -> sample
+    prompt_logprobs: list[PositionLogprobs | None] | None
+    num_cached_tokens: int = 0
+    prompt_logprobs_sent: bool = False
+    metrics: dict = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples.values())
+
+
+@dataclass
+class ProcessedOutputs:
+    request_outputs: list[RequestOutput]
+    reqs_to_abort: list[str]  # engine requests that hit a stop string: the core must stop them
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.request_states: dict[str, RequestState] = {}
+        self.engine_to_request: dict[str, str] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams) -> list[str]:
+        if request_id in self.request_states:
+            raise ValueError(f"request_id {request_id!r} is already in use by a running request")
+        engine_ids = [request_id] if params.n == 1 else [child_request_id(request_id, i) for i in range(params.n)]
+        samples = {
+            engine_id: SampleState(
+                index=index,
+                detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params),
+                logprobs=[] if params.logprobs is not None else None,
+                cumulative_logprob=0.0 if params.logprobs is not None else None,
+            )
+            for index, engine_id in enumerate(engine_ids)
+        }
+        self.request_states[request_id] = RequestState(
+            request_id, prompt, prompt_token_ids, params, samples,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+        )
+        for engine_id in engine_ids:
+            self.engine_to_request[engine_id] = request_id
+        return engine_ids
+
+    def engine_ids(self, request_id: str) -> list[str]:
+        state = self.request_states.get(request_id)
+        return list(state.samples) if state else []
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Mark every unfinished sample aborted; returns the final output, or None if unknown."""
+        state = self.request_states.get(request_id)
+        if state is None:
+            return None
+        for sample in state.samples.values():
+            if sample.finish_reason is None:
+                sample.finish_reason = "abort"
+        output = self._make_output(state)
+        self._forget(state)
+        return output
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.request_states)
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        touched: dict[str, RequestState] = {}
+        reqs_to_abort = []
+        for output in outputs:
+            request_id = self.engine_to_request.get(output.request_id)
+            if request_id is None:
+                continue  # aborted in the front end while the step ran
+            state = self.request_states[request_id]
+            if self._apply(state, state.samples[output.request_id], output):
+                reqs_to_abort.append(output.request_id)
+            touched[request_id] = state
+        request_outputs = []
+        for state in touched.values():
+            result = self._make_output(state)
+            if result is not None:
+                request_outputs.append(result)
+            if state.finished:
+                self._forget(state)
+        return ProcessedOutputs(request_outputs, reqs_to_abort)
+
+    def _apply(self, state: RequestState, sample: SampleState, output: EngineCoreOutput) -> bool:
+        """Fold one engine output into the sample; True if a stop string ended it here."""
+        state.num_cached_tokens = output.num_cached_tokens
+        if output.new_prompt_logprobs is not None and state.prompt_logprobs is not None:
+            state.prompt_logprobs.extend(self._to_position_logprobs(output.new_prompt_logprobs))
+        if output.new_logprobs is not None and sample.logprobs is not None:
+            positions = self._to_position_logprobs(output.new_logprobs)
+            sample.logprobs.extend(positions)
+            sample.cumulative_logprob += sum(output.new_logprobs.logprobs[i][0] for i in range(len(positions)))
+        stop_terminated = output.finish_reason == "stop" and not isinstance(output.stop_reason, str)
+        stop_string = sample.detokenizer.update(output.new_token_ids, stop_terminated)
+        if stop_string is not None:
+            sample.finish_reason, sample.stop_reason = "stop", stop_string
+            if sample.logprobs is not None:
+                del sample.logprobs[len(sample.detokenizer.token_ids):]
+            return output.finish_reason is None
+        if output.finish_reason is not None:
+            sample.finish_reason, sample.stop_reason = output.finish_reason, output.stop_reason
+        return False
+
+    def _to_position_logprobs(self, lists: LogprobsLists) -> list[PositionLogprobs]:
+        positions = []
+        for token_ids, logprobs, rank in zip(lists.token_ids, lists.logprobs, lists.ranks):
+            entry: PositionLogprobs = {}
+            for order, (token_id, logprob) in enumerate(zip(token_ids, logprobs)):
+                if token_id in entry:
+                    continue
+                token_rank = rank if order == 0 else order
+                entry[token_id] = Logprob(logprob, token_rank, self.tokenizer.convert_ids_to_tokens(token_id))
+            positions.append(entry)
+        return positions
+
+    def _make_output(self, state: RequestState) -> RequestOutput | None:
+        kind = state.params.output_kind
+        finished = state.finished
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = kind == RequestOutputKind.DELTA
+        completions = [self._completion(sample, finished, delta) for sample in state.samples.values()]
+        prompt_logprobs = state.prompt_logprobs
+        if delta and prompt_logprobs is not None:
+            prompt_logprobs = None if state.prompt_logprobs_sent else prompt_logprobs
+            state.prompt_logprobs_sent = state.prompt_logprobs_sent or len(state.prompt_logprobs) == len(state.prompt_token_ids)
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=sorted(completions, key=lambda c: c.index),
+            finished=finished,
+            prompt_logprobs=prompt_logprobs,
+            num_cached_tokens=state.num_cached_tokens,
+        )
+
+    def _completion(self, sample: SampleState, request_finished: bool, delta: bool) -> CompletionOutput:
+        finished = sample.finish_reason is not None
+        detok = sample.detokenizer
+        text = detok.next_text(finished, delta)
+        token_ids, logprobs = detok.token_ids, sample.logprobs
+        if delta:
+            token_ids = token_ids[sample.sent_tokens:]
+            sample.sent_tokens = len(detok.token_ids)
+            if logprobs is not None:
+                logprobs = logprobs[sample.sent_logprobs:]
+                sample.sent_logprobs = len(sample.logprobs)
+        return CompletionOutput(
+            index=sample.index,
+            text=text,
+            token_ids=list(token_ids),
+            logprobs=list(logprobs) if logprobs is not None else None,
+            cumulative_logprob=sample.cumulative_logprob,
+            finish_reason=sample.finish_reason,
+            stop_reason=sample.stop_reason,
+        )
+
+    def _forget(self, state: RequestState) -> None:
+        self.request_states.pop(state.request_id, None)
+        for engine_id in state.samples:
+            self.engine_to_request.pop(engine_id, None)

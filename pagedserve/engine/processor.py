@@ -1,0 +1,102 @@
+"""Processor: turn user prompts and parameters into validated engine requests (front-end side)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Union
+
+from pagedserve.engine.core import EngineCoreRequest
+from pagedserve.sampling_params import SamplingParams
+
+# A prompt is text, token ids, or a dict with "prompt" or "prompt_token_ids".
+PromptType = Union[str, list[int], dict]
+
+
+@dataclass
+class ProcessedPrompt:
+    prompt: str | None
+    prompt_token_ids: list[int]
+
+
+def child_request_id(request_id: str, index: int) -> str:
+    return f"{index}_{request_id}"
+
+
+class Processor:
+    def __init__(self, tokenizer, max_model_len: int, eos_token_ids: list[int], vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.vocab_size = vocab_size
+
+    def tokenize_prompt(self, prompt: PromptType) -> ProcessedPrompt:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return ProcessedPrompt(prompt.get("prompt"), list(prompt["prompt_token_ids"]))
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            return ProcessedPrompt(prompt, self.tokenizer(prompt).input_ids)
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return ProcessedPrompt(None, list(prompt))
+        raise TypeError(f"prompt must be a string, a list of token ids, or a dict; got {type(prompt).__name__}")
+
+    def process(
+        self,
+        request_id: str,
+        prompt: ProcessedPrompt,
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> tuple[SamplingParams, list[EngineCoreRequest]]:
+        """Validate; returns the completed params and one engine request per sample (n)."""
+        params = self.complete_params(prompt.prompt_token_ids, params)
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        if params.n == 1:
+            return params, [EngineCoreRequest(request_id, prompt.prompt_token_ids, params, arrival_time, priority)]
+        children = []
+        for index in range(params.n):
+            seed = None if params.seed is None else params.seed + index
+            child_params = dataclasses.replace(params, n=1, seed=seed)
+            children.append(
+                EngineCoreRequest(
+                    child_request_id(request_id, index), prompt.prompt_token_ids, child_params, arrival_time, priority, request_id
+                )
+            )
+        return params, children
+
+    def complete_params(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
+        self.validate_prompt(prompt_token_ids)
+        prompt_len = len(prompt_token_ids)
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = self.max_model_len - prompt_len
+            if max_tokens < 1:
+                raise ValueError(
+                    f"the prompt ({prompt_len} tokens) leaves no room to generate within max_model_len {self.max_model_len}"
+                )
+        elif prompt_len + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion); "
+                "reduce the prompt or max_tokens"
+            )
+        bad_stop_ids = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad_stop_ids:
+            raise ValueError(f"stop_token_ids must be < vocab size {self.vocab_size}, got {bad_stop_ids}")
+        return dataclasses.replace(params, max_tokens=max_tokens, eos_token_ids=list(self.eos_token_ids))
+
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
+            raise ValueError("prompt must not be empty")
+        if len(prompt_token_ids) > self.max_model_len:
+            raise ValueError(
+                f"the prompt is {len(prompt_token_ids)} tokens long, more than max_model_len {self.max_model_len}"
+            )
+        out_of_range = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if out_of_range:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {out_of_range[:5]}")

@@ -1,0 +1,14 @@
+"""Load the HF tokenizer of a model directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def load_tokenizer(model_dir: str | Path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError(f"{model_dir}: a fast (tokenizer.json) tokenizer is required")
+    return tokenizer

@@ -1,0 +1,138 @@
+"""Model runner: keeps the requests' token state, runs the model on one flat batch, samples."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pagedserve.core.interface import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from pagedserve.executor.input_batch import CachedRequestState, ModelInputs, prepare_inputs
+from pagedserve.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
+
+logger = logging.getLogger(__name__)
+
+# Odd 64-bit constant (golden ratio): spreads (seed, step) pairs over generator states.
+_SEED_MIX = 0x9E3779B97F4A7C15
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int, device: torch.device, seed: int) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+        default_generator = torch.Generator(device=device)
+        default_generator.manual_seed(seed)
+        self.sampler = Sampler(default_generator)
+        self.requests: dict[str, CachedRequestState] = {}
+        self._seeded_generators: dict[str, torch.Generator] = {}
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(scheduler_output)
+        if scheduler_output.is_empty:
+            return ModelRunnerOutput(sampled_token_ids={})
+        inputs = prepare_inputs(self.requests, scheduler_output.num_scheduled_tokens, self.block_size, self.device)
+        hidden_states = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+        output = ModelRunnerOutput(sampled_token_ids={})
+        if inputs.sampling_req_ids:
+            self._sample(inputs, hidden_states, output)
+        if inputs.prompt_logprobs:
+            self._prompt_logprobs(inputs, hidden_states, output)
+        return output
+
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        for request_id in scheduler_output.finished_req_ids:
+            self.requests.pop(request_id, None)
+            self._seeded_generators.pop(request_id, None)
+        for new in scheduler_output.scheduled_new_reqs:
+            self.requests[new.request_id] = CachedRequestState(
+                request_id=new.request_id,
+                token_ids=list(new.token_ids),
+                num_prompt_tokens=new.num_prompt_tokens,
+                sampling_params=new.sampling_params,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                prompt_logprobs_start=new.prompt_logprobs_start,
+            )
+        for cached in scheduler_output.scheduled_cached_reqs:
+            state = self.requests[cached.request_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def _sample(self, inputs: ModelInputs, hidden_states: torch.Tensor, output: ModelRunnerOutput) -> None:
+        states = [self.requests[rid] for rid in inputs.sampling_req_ids]
+        logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
+        metadata = self._sampling_metadata(states)
+        sampled, raw_logprobs = self.sampler(logits, metadata)
+        sampled_list = sampled.tolist()
+        for state, token_id in zip(states, sampled_list):
+            state.token_ids.append(token_id)
+            output.sampled_token_ids[state.request_id] = token_id
+        if raw_logprobs is not None:
+            rows = [i for i, s in enumerate(states) if s.sampling_params.logprobs is not None]
+            row_index = torch.tensor(rows, dtype=torch.long, device=self.device)
+            lists = gather_logprobs(
+                raw_logprobs[row_index], sampled[row_index], [states[i].sampling_params.logprobs for i in rows]
+            )
+            for i, entry in zip(rows, lists):
+                output.logprobs[states[i].request_id] = entry
+
+    def _prompt_logprobs(self, inputs: ModelInputs, hidden_states: torch.Tensor, output: ModelRunnerOutput) -> None:
+        for prompt_slice in inputs.prompt_logprobs:
+            state = self.requests[prompt_slice.request_id]
+            index = torch.tensor(prompt_slice.flat_indices, dtype=torch.long, device=self.device)
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden_states[index]).float(), dim=-1)
+            targets = torch.tensor(prompt_slice.target_token_ids, dtype=torch.long, device=self.device)
+            rows = gather_logprobs(logprobs, targets, [state.sampling_params.prompt_logprobs] * len(targets))
+            output.prompt_logprobs[state.request_id] = LogprobsLists(
+                token_ids=[ids for row in rows for ids in row.token_ids],
+                logprobs=[values for row in rows for values in row.logprobs],
+                ranks=[rank for row in rows for rank in row.ranks],
+            )
+
+    def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
+        params = [s.sampling_params for s in states]
+        device = self.device
+        all_greedy = all(p.is_greedy for p in params)
+        any_penalty = any(p.has_penalties for p in params)
+
+        def column(values, dtype=torch.float32):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        min_tokens_bans = [
+            (row, sorted(p.all_stop_token_ids()))
+            for row, (p, s) in enumerate(zip(params, states))
+            if s.num_output_tokens < p.min_tokens and p.all_stop_token_ids()
+        ]
+        return SamplingMetadata(
+            temperature=column([0.0 if p.is_greedy else p.temperature for p in params]),
+            all_greedy=all_greedy,
+            top_k=column([p.top_k for p in params], torch.long) if any(p.top_k for p in params) else None,
+            top_p=column([p.top_p for p in params]) if any(p.top_p < 1.0 for p in params) else None,
+            min_p=column([p.min_p for p in params]) if any(p.min_p > 0 for p in params) else None,
+            presence_penalty=column([p.presence_penalty for p in params]) if any_penalty else None,
+            frequency_penalty=column([p.frequency_penalty for p in params]) if any_penalty else None,
+            repetition_penalty=column([p.repetition_penalty for p in params]) if any_penalty else None,
+            output_token_ids=[s.token_ids[s.num_prompt_tokens:] for s in states] if any_penalty else [],
+            prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] for s in states] if any_penalty else [],
+            min_tokens_bans=min_tokens_bans,
+            generators=self._generators_for(states) if not all_greedy else {},
+            max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
+        )
+
+    def _generators_for(self, states: list[CachedRequestState]) -> dict[int, torch.Generator]:
+        """Seeded rows draw from a generator keyed by (seed, output index): reproducible whatever the
+        batch, and unchanged by a preemption that rebuilds the request."""
+        generators = {}
+        for row, state in enumerate(states):
+            seed = state.sampling_params.seed
+            if seed is None or state.sampling_params.is_greedy:
+                continue
+            generator = self._seeded_generators.get(state.request_id)
+            if generator is None:
+                generator = self._seeded_generators[state.request_id] = torch.Generator(device=self.device)
+            generator.manual_seed((seed * _SEED_MIX + state.num_output_tokens) % (2**63))
+            generators[row] = generator
+        return generators

@@ -1,0 +1,87 @@
+"""Worker: picks device and dtype, loads the model, sizes and allocates the paged KV cache."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pagedserve.config import EngineConfig
+from pagedserve.executor.model_runner import ModelRunner
+from pagedserve.models.llama import head_dim_of
+from pagedserve.models.loader import load_hf_config, load_model, max_position_of, resolve_model_dir
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(config: EngineConfig) -> torch.device:
+    if config.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(config.device)
+
+
+def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
+    if config.dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return _DTYPES[config.dtype]
+
+
+class Worker:
+    def __init__(self, config: EngineConfig) -> None:
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.device = resolve_device(config)
+        self.dtype = resolve_dtype(config, self.device)
+        self.model_dir = resolve_model_dir(config.model)
+        self.hf_config = load_hf_config(self.model_dir)
+        model_max_len = max_position_of(self.hf_config)
+        if config.max_model_len is not None and config.max_model_len > model_max_len:
+            raise ValueError(f"max_model_len must be <= {model_max_len} (the model's context length), got {config.max_model_len}")
+        self.model = load_model(self.hf_config, self.model_dir, self.dtype, self.device, model_max_len)
+        self.num_blocks = self._num_kv_blocks()
+        self.max_model_len = self._max_model_len(model_max_len)
+        self.kv_caches = self._allocate_kv_caches()
+        self.model_runner = ModelRunner(self.model, self.kv_caches, config.block_size, self.device, config.seed)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens); max concurrency at max_model_len=%d: %.2fx",
+            self.num_blocks, config.block_size, self.num_blocks * config.block_size,
+            self.max_model_len, self.num_blocks * config.block_size / self.max_model_len,
+        )
+
+    def _kv_bytes_per_block(self) -> int:
+        cfg = self.hf_config
+        per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim_of(cfg) * self.dtype.itemsize
+        return per_token * self.config.block_size
+
+    def _num_kv_blocks(self) -> int:
+        if self.config.num_gpu_blocks_override is not None:
+            return self.config.num_gpu_blocks_override
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - total * (1 - self.config.gpu_memory_utilization)
+        else:
+            budget = self.config.kv_cache_memory
+        num_blocks = int(budget // self._kv_bytes_per_block())
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache budget ({int(budget)} bytes) holds no block; raise kv_cache_memory")
+        return num_blocks
+
+    def _max_model_len(self, model_max_len: int) -> int:
+        capacity = self.num_blocks * self.config.block_size
+        requested = self.config.max_model_len
+        if requested is None:
+            return min(model_max_len, capacity)
+        if requested > capacity:
+            raise ValueError(
+                f"max_model_len {requested} does not fit in the KV cache ({capacity} tokens); "
+                "raise kv_cache_memory or lower max_model_len"
+            )
+        return requested
+
+    def _allocate_kv_caches(self) -> list[torch.Tensor]:
+        cfg = self.hf_config
+        shape = (2, self.num_blocks, self.config.block_size, cfg.num_key_value_heads, head_dim_of(cfg))
+        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_hidden_layers)]

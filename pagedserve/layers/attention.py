@@ -1,0 +1,90 @@
+"""Paged attention: the reference backend in plain, device-agnostic torch.
+
+The flat batch holds decodes first (one query token each), then prefill chunks. K/V of the new
+tokens are written into the paged cache through slot_mapping; attention then reads each
+sequence's keys and values through its block table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class PrefillChunk:
+    query_start: int  # offset in the flat batch
+    query_len: int
+    seq_len: int  # context + this chunk
+    block_table: torch.Tensor  # [num_blocks_of_this_sequence]
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens]: flat cache slot of each new token
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks]
+    decode_seq_lens: torch.Tensor | None  # [num_decodes]
+    prefills: list[PrefillChunk]
+    decode_key_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size]
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.num_kv_heads = num_kv_heads
+
+    def forward(self, query, key, value, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """query [T, H, D], key/value [T, KV, D], kv_cache [2, num_blocks, block_size, KV, D] -> [T, H*D]."""
+        write_kv_cache(kv_cache, key, value, meta.slot_mapping)
+        out = torch.empty_like(query)
+        num_decodes = meta.num_decode_tokens
+        if num_decodes:
+            out[:num_decodes] = decode_attention(query[:num_decodes], kv_cache, meta)
+        for chunk in meta.prefills:
+            rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
+            out[rows] = prefill_attention(query[rows], key[rows], value[rows], kv_cache, chunk)
+        return out.view(out.shape[0], -1)
+
+
+def write_kv_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+def gather_sequence_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int):
+    """One sequence's K and V as [seq_len, KV, D], read through its block table."""
+    blocks = kv_cache[:, block_table]  # [2, nb, bs, KV, D]
+    flat = blocks.flatten(1, 2)[:, :seq_len]
+    return flat[0], flat[1]
+
+
+def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    num_decodes = query.shape[0]
+    blocks = kv_cache[:, meta.decode_block_tables]  # [2, B, max_blocks, bs, KV, D]
+    keys = blocks[0].flatten(1, 2).transpose(1, 2)  # [B, KV, L, D]
+    values = blocks[1].flatten(1, 2).transpose(1, 2)
+    q = query.unsqueeze(2)  # [B, H, 1, D]
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=meta.decode_key_mask, enable_gqa=True)
+    return out.view(num_decodes, query.shape[1], query.shape[2])
+
+
+def prefill_attention(query, key, value, kv_cache: torch.Tensor, chunk: PrefillChunk) -> torch.Tensor:
+    context_len = chunk.seq_len - chunk.query_len
+    if context_len == 0:
+        keys, values, mask, causal = key, value, None, True
+    else:
+        keys, values = gather_sequence_kv(kv_cache, chunk.block_table, chunk.seq_len)
+        query_positions = torch.arange(context_len, chunk.seq_len, device=query.device)
+        key_positions = torch.arange(chunk.seq_len, device=query.device)
+        mask, causal = key_positions[None, :] <= query_positions[:, None], False
+    out = F.scaled_dot_product_attention(
+        query.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask, is_causal=causal, enable_gqa=True
+    )
+    return out.transpose(0, 1)

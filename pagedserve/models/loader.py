@@ -1,0 +1,97 @@
+"""Find a model's files, read its config, build the module and load its weights."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from pagedserve.config import DEFAULT_MODEL
+from pagedserve.models import gguf_convert
+from pagedserve.models.registry import resolve_model_class
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_model_dir(model: str) -> Path:
+    """An HF-format directory for `model`: the default model's name, a .gguf file, or a directory."""
+    if model == DEFAULT_MODEL:
+        return gguf_convert.ensure_converted(gguf_convert.default_gguf_path())
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        return gguf_convert.ensure_converted(path)
+    if not path.exists():
+        raise FileNotFoundError(f"model not found: {model!r} is neither a directory, a .gguf file, nor {DEFAULT_MODEL!r}")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model directory {path} has no config.json")
+    return path
+
+
+def load_hf_config(model_dir: Path):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(model_dir))
+    except (ValueError, KeyError, json.JSONDecodeError, OSError) as exc:
+        raise ValueError(f"bad config.json in {model_dir}: {exc}") from exc
+
+
+def iterate_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = _safetensors_files(model_dir)
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
+
+
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"shards listed in {index.name} are missing: {', '.join(missing)}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+    return files
+
+
+def load_model(hf_config, model_dir: Path, dtype: torch.dtype, device: torch.device, max_position: int) -> torch.nn.Module:
+    model_class = resolve_model_class(hf_config)
+    with torch.device(device):
+        model = model_class(hf_config, max_position)
+    model.load_weights(iterate_safetensors(model_dir))
+    # Rotary caches stay float32 (they are cast per step); weights take the serving dtype.
+    for name, param in model.named_parameters():
+        param.data = param.data.to(dtype)
+    return model.eval()
+
+
+def eos_token_ids(model_dir: Path, hf_config) -> list[int]:
+    """EOS ids from generation_config.json (it may list several), else from config.json."""
+    generation_config = model_dir / "generation_config.json"
+    value = None
+    if generation_config.is_file():
+        value = json.loads(generation_config.read_text()).get("eos_token_id")
+    if value is None:
+        value = getattr(hf_config, "eos_token_id", None)
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else list(value)
+
+
+def max_position_of(hf_config) -> int:
+    max_position = getattr(hf_config, "max_position_embeddings", None) or 2048
+    # Sliding-window attention is not implemented: stay within the window, where it equals full attention.
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True):
+        max_position = min(max_position, window)
+    return max_position

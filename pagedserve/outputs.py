@@ -1,0 +1,42 @@
+"""What users get back: RequestOutput with one CompletionOutput per sample."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int  # 1 = the most likely token
+    decoded_token: str | None = None
+
+
+# One dict per position: token id -> Logprob (the sampled/actual token plus the top-N).
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None  # "stop", "length", "abort"
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    num_cached_tokens: int = 0
+    metrics: dict = field(default_factory=dict)

