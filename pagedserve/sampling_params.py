@@ -84,7 +84,8 @@ class SamplingParams:
         if self.seed is not None:
             _check(isinstance(self.seed, int), "seed", "an integer", self.seed)
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings", self.stop)
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "non-negative token ids", self.stop_token_ids)
+        valid_ids = all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids)
+        _check(valid_ids, "stop_token_ids", "non-negative token ids", self.stop_token_ids)
 
 
 def _check(ok: bool, name: str, allowed: str, value) -> None:

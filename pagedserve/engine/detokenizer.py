@@ -36,7 +36,7 @@ class IncrementalDetokenizer:
         skipped_stop_token = None
         if stop_terminated and not self.include_stop_str_in_output and new_token_ids:
             skipped_stop_token, new_token_ids = new_token_ids[-1], new_token_ids[:-1]
-        for index, token_id in enumerate(new_token_ids):
+        for _index, token_id in enumerate(new_token_ids):
             self.token_ids.append(token_id)
             text_before = len(self.output_text)
             chunk = self._stream.step(self._backend, token_id)

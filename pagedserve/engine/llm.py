@@ -26,7 +26,16 @@ class LLM:
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, **engine_args) -> None:
-        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
+        self._init(EngineConfig.from_kwargs(model=model, **engine_args))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        llm = cls.__new__(cls)
+        llm._init(config)
+        return llm
+
+    def _init(self, config: EngineConfig) -> None:
+        self.llm_engine = LLMEngine(config)
         self._request_counter = itertools.count()
 
     def get_tokenizer(self):

@@ -5,13 +5,12 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Union
 
 from pagedserve.engine.core import EngineCoreRequest
 from pagedserve.sampling_params import SamplingParams
 
 # A prompt is text, token ids, or a dict with "prompt" or "prompt_token_ids".
-PromptType = Union[str, list[int], dict]
+PromptType = str | list[int] | dict
 
 
 @dataclass

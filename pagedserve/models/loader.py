@@ -70,7 +70,7 @@ def load_model(hf_config, model_dir: Path, dtype: torch.dtype, device: torch.dev
         model = model_class(hf_config, max_position)
     model.load_weights(iterate_safetensors(model_dir))
     # Rotary caches stay float32 (they are cast per step); weights take the serving dtype.
-    for name, param in model.named_parameters():
+    for _name, param in model.named_parameters():
         param.data = param.data.to(dtype)
     return model.eval()
 

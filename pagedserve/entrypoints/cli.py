@@ -1,0 +1,36 @@
+"""The `pagedserve` command: generate | chat (serve and bench join as they land)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads (see pagedserve/__init__.py)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("PAGEDSERVE_LOG_LEVEL", "INFO"), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.handler(args)
+    except (ValueError, FileNotFoundError, TypeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from pagedserve.entrypoints import generate_cmd
+
+    parser = argparse.ArgumentParser(prog="pagedserve", description="LLM inference and serving engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    generate_cmd.register(sub)
+    return parser
+
+
+if __name__ == "__main__":
+    sys.exit(main())

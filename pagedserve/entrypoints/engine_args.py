@@ -1,0 +1,31 @@
+"""CLI flags derived from EngineConfig's fields, so defaults and help live in one place."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+
+from pagedserve.config import EngineConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    hints = typing.get_type_hints(EngineConfig)
+    group = parser.add_argument_group("engine")
+    for f in dataclasses.fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f.metadata.get("help", "")
+        if hints[f.name] is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+            continue
+        kind = _scalar_type(hints[f.name])
+        group.add_argument(flag, type=kind, default=f.default, help=f"{help_text} (default: {f.default})")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+
+
+def _scalar_type(hint):
+    options = [t for t in typing.get_args(hint) if t is not type(None)] or [hint]
+    return options[0]

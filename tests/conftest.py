@@ -1,0 +1,123 @@
+"""Shared fixtures: the default model's files, tiny random-weight HF models, HF reference generation."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from pagedserve.config import DEFAULT_MODEL  # noqa: E402
+from pagedserve.models.loader import resolve_model_dir  # noqa: E402
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+# Tiny configs, one per supported architecture family. Weights are random but large enough
+# (initializer_range) that greedy choices are not near-ties.
+TINY_ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0,
+                                                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                                       "original_max_position_embeddings": 128}}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": False}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"use_sliding_window": False, "head_dim": 16}),
+}
+
+
+@pytest.fixture(scope="session")
+def default_model_dir():
+    return resolve_model_dir(DEFAULT_MODEL)
+
+
+def make_tiny_model(out_dir, arch: str, tokenizer_dir, tie_word_embeddings: bool = False, max_shard_size: str | None = None):
+    import transformers
+
+    config_name, model_name, extra = TINY_ARCHS[arch]
+    config = getattr(transformers, config_name)(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.3, tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5, **extra,
+    )
+    torch.manual_seed(1234)
+    model = getattr(transformers, model_name)(config).eval()
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out_dir, **kwargs)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, out_dir / name)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, default_model_dir):
+    """arch -> directory of a tiny random-weight model saved in HF format."""
+    root = tmp_path_factory.mktemp("tiny_models")
+    dirs = {}
+    for arch in TINY_ARCHS:
+        # Exercise the loader's variants: Qwen2 tied embeddings, Mistral sharded with an index file.
+        dirs[arch] = make_tiny_model(
+            root / arch, arch, default_model_dir,
+            tie_word_embeddings=(arch == "qwen2"), max_shard_size="1MB" if arch == "mistral" else None,
+        )
+    return dirs
+
+
+def hf_greedy(model_dir, prompt_ids_list, max_new_tokens):
+    """Reference: transformers greedy generation, one prompt at a time (no padding effects)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    results = []
+    with torch.inference_mode():
+        for prompt_ids in prompt_ids_list:
+            input_ids = torch.tensor([prompt_ids])
+            out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0)
+            results.append(out[0, len(prompt_ids):].tolist())
+    return results
+
+
+def hf_token_logprobs(model_dir, prompt_ids, output_ids):
+    """Reference log-probabilities of output_ids after prompt_ids, from one transformers forward pass."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        ids = torch.tensor([prompt_ids + output_ids])
+        logprobs = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+    start = len(prompt_ids) - 1
+    return [logprobs[start + i, token].item() for i, token in enumerate(output_ids)], logprobs
+
+
+@pytest.fixture(scope="session")
+def default_llm():
+    """The default model, shared by the tests that only read from it."""
+    from pagedserve import LLM
+
+    return LLM(max_model_len=2048, kv_cache_memory=512 * 1024**2)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(default_llm):
+    return default_llm.get_tokenizer()
+
+
+PROMPTS = [
+    "Hello, my name is",
+    "The capital of France is",
+    "Here is a short story about a robot who learns to paint:",
+    "def fibonacci(n):",
+]
+
+
+def greedy(max_tokens: int, **kwargs):
+    from pagedserve import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
+
+
+def token_ids_of(outputs):
+    return [o.outputs[0].token_ids for o in outputs]

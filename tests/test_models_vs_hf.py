@@ -1,0 +1,54 @@
+"""Greedy outputs and logprobs match HuggingFace transformers on the same weights."""
+
+import pytest
+from conftest import PROMPTS, TINY_ARCHS, greedy, hf_greedy, hf_token_logprobs, token_ids_of
+
+from pagedserve import LLM
+
+
+def test_default_model_greedy_matches_transformers(default_llm, default_model_dir, tokenizer):
+    prompt_ids = [tokenizer(p).input_ids for p in PROMPTS]
+    outputs = default_llm.generate(PROMPTS, greedy(32), use_tqdm=False)
+    assert [o.prompt_token_ids for o in outputs] == prompt_ids
+    assert token_ids_of(outputs) == hf_greedy(default_model_dir, prompt_ids, 32)
+    assert all(len(o.outputs[0].token_ids) == 32 and o.outputs[0].finish_reason == "length" for o in outputs)
+    assert outputs[1].outputs[0].text == tokenizer.decode(outputs[1].outputs[0].token_ids, skip_special_tokens=True)
+
+
+def test_default_model_logprobs_match_transformers(default_llm, default_model_dir, tokenizer):
+    prompt = PROMPTS[2]
+    output = default_llm.generate(prompt, greedy(12, logprobs=5), use_tqdm=False)[0].outputs[0]
+    reference, full = hf_token_logprobs(default_model_dir, tokenizer(prompt).input_ids, output.token_ids)
+    start = len(tokenizer(prompt).input_ids) - 1
+    assert len(output.logprobs) == len(output.token_ids) == 12
+    for step, (token_id, position) in enumerate(zip(output.token_ids, output.logprobs)):
+        assert position[token_id].logprob == pytest.approx(reference[step], abs=1e-3)
+        assert position[token_id].rank == 1  # greedy picks the most likely token
+        top5 = full[start + step].topk(5).indices.tolist()
+        assert set(position) == set(top5)  # the sampled token is among the top 5 here
+    assert output.cumulative_logprob == pytest.approx(sum(reference), abs=1e-2)
+
+
+def test_prompt_logprobs_match_transformers(default_llm, default_model_dir, tokenizer):
+    prompt = PROMPTS[2]
+    prompt_ids = tokenizer(prompt).input_ids
+    output = default_llm.generate(prompt, greedy(1, prompt_logprobs=2), use_tqdm=False)[0]
+    _, full = hf_token_logprobs(default_model_dir, prompt_ids[:1], prompt_ids[1:])
+    assert output.prompt_logprobs[0] is None
+    assert len(output.prompt_logprobs) == len(prompt_ids)
+    for index in range(1, len(prompt_ids)):
+        entry = output.prompt_logprobs[index]
+        assert entry[prompt_ids[index]].logprob == pytest.approx(full[index - 1, prompt_ids[index]].item(), abs=1e-3)
+        assert len(entry) <= 3
+
+
+@pytest.mark.parametrize("arch", sorted(TINY_ARCHS))
+def test_tiny_architectures_match_transformers(arch, tiny_models):
+    model_dir = tiny_models[arch]
+    prompts = [[1, 400, 500, 600, 700], list(range(100, 170)), [5] * 3]
+    llm = LLM(str(model_dir), kv_cache_memory=16 * 1024**2)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(24, logprobs=1), use_tqdm=False)
+    assert token_ids_of(outputs) == hf_greedy(model_dir, prompts, 24)
+    reference, _ = hf_token_logprobs(model_dir, prompts[1], outputs[1].outputs[0].token_ids)
+    ours = [pos[tok].logprob for tok, pos in zip(outputs[1].outputs[0].token_ids, outputs[1].outputs[0].logprobs)]
+    assert ours == pytest.approx(reference, abs=1e-3)
