@@ -147,8 +147,8 @@ class Scheduler:
         skipped = []
         while len(self.waiting) > 0 and token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
-            if self._sibling_is_prefilling(request):
-                # Wait one step for the sibling's prompt blocks, then reuse them from the prefix cache.
+            if self._sibling_is_prefilling(request, num_scheduled_tokens):
+                # Wait for the sibling's prompt blocks, then reuse them from the prefix cache.
                 skipped.append(self.waiting.pop())
                 continue
             computed_blocks, num_computed_tokens = self.kv_cache_manager.get_computed_blocks(request)
@@ -185,11 +185,14 @@ class Scheduler:
             num_tokens = min(num_tokens, self.long_prefill_token_threshold)
         return num_tokens
 
-    def _sibling_is_prefilling(self, request: Request) -> bool:
+    def _sibling_is_prefilling(self, request: Request, num_scheduled_tokens: dict[str, int]) -> bool:
+        """True while another sample of the same request has prompt tokens left after this step.
+        (Blocks computed within this step are already cached: K/V are written before attention reads.)"""
         if request.group_id is None or not self.kv_cache_manager.enable_caching:
             return False
         return any(
-            other.group_id == request.group_id and other.num_computed_tokens < other.num_prompt_tokens
+            other.group_id == request.group_id
+            and other.num_computed_tokens + num_scheduled_tokens.get(other.request_id, 0) < other.num_prompt_tokens
             for other in self.running
         )
 

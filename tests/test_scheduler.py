@@ -1,0 +1,224 @@
+"""Scheduler and KV cache manager behaviour, with a fake model."""
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from scheduler_harness import check_block_accounting, make_request, make_scheduler, step
+
+from pagedserve.request import RequestStatus
+
+
+def test_decodes_go_first_and_the_prompt_gets_the_rest_of_the_budget():
+    sched = make_scheduler(budget=16, block_size=4, num_blocks=128)
+    for i in range(3):
+        sched.add_request(make_request(f"d{i}", prompt_len=4, max_tokens=50))
+    step(sched)  # all three prefilled (12 tokens)
+    sched.add_request(make_request("long", prompt_len=100, max_tokens=4))
+    for _ in range(5):
+        output, _ = step(sched)
+        assert all(output.num_scheduled_tokens[f"d{i}"] == 1 for i in range(3))
+        assert output.num_scheduled_tokens["long"] == 13
+        assert output.total_num_scheduled_tokens == 16
+
+
+def test_long_prefill_threshold_caps_one_prompts_chunk():
+    sched = make_scheduler(budget=64, threshold=10, num_blocks=128)
+    sched.add_request(make_request("a", prompt_len=35))
+    sched.add_request(make_request("b", prompt_len=35))
+    output, _ = step(sched)
+    assert output.num_scheduled_tokens == {"a": 10, "b": 10}
+
+
+def test_max_num_seqs_limits_running_requests():
+    sched = make_scheduler(max_num_seqs=2, num_blocks=128)
+    for i in range(4):
+        sched.add_request(make_request(str(i), prompt_len=3))
+    output, _ = step(sched)
+    assert set(output.num_scheduled_tokens) == {"0", "1"} and len(sched.waiting) == 2
+
+
+def test_duplicate_request_id_is_rejected():
+    sched = make_scheduler()
+    sched.add_request(make_request("x", prompt_len=3))
+    with pytest.raises(ValueError, match="already in use"):
+        sched.add_request(make_request("x", prompt_len=3))
+
+
+def test_abort_returns_every_block_and_ends_with_abort():
+    sched = make_scheduler()
+    request = make_request("x", prompt_len=10, max_tokens=20)
+    sched.add_request(request)
+    sched.add_request(make_request("waiting", prompt_len=10))
+    step(sched)
+    sched.finish_requests(["x", "waiting", "unknown"])
+    assert request.status == RequestStatus.FINISHED_ABORTED and request.status.finish_reason == "abort"
+    assert sched.kv_cache_manager.num_free_blocks == sched.kv_cache_manager.num_blocks
+    assert not sched.has_unfinished_requests()
+    check_block_accounting(sched)
+
+
+def test_fcfs_preempts_the_latest_arrival_and_it_recomputes_later():
+    sched = make_scheduler(num_blocks=6, block_size=4, budget=64)
+    sched.add_request(make_request("early", prompt_len=8, max_tokens=8, arrival=1.0))
+    sched.add_request(make_request("late", prompt_len=8, max_tokens=8, arrival=2.0))
+    step(sched)  # 4 blocks used, 2 free
+    for _ in range(6):
+        step(sched)
+    assert sched.num_preemptions >= 1
+    late = sched.requests.get("late")
+    assert late is None or late.num_preemptions >= 1
+    finished = {}
+    for _ in range(60):
+        _, outputs = step(sched)
+        finished.update({o.request_id: o.finish_reason for o in outputs if o.finished})
+        if not sched.has_unfinished_requests():
+            break
+    assert not sched.has_unfinished_requests()
+    check_block_accounting(sched)
+
+
+def test_priority_policy_preempts_the_lowest_priority():
+    sched = make_scheduler(num_blocks=6, block_size=4, budget=64, policy="priority")
+    important = make_request("important", prompt_len=10, max_tokens=8, priority=0, arrival=2.0)
+    background = make_request("background", prompt_len=10, max_tokens=8, priority=5, arrival=1.0)
+    sched.add_request(background)
+    sched.add_request(important)
+    step(sched)
+    while important.num_output_tokens < 4:
+        step(sched)
+    assert background.num_preemptions >= 1 and important.num_preemptions == 0
+
+
+def test_priority_policy_admits_higher_priority_first():
+    sched = make_scheduler(max_num_seqs=1, policy="priority")
+    sched.add_request(make_request("low", prompt_len=3, priority=10, arrival=1.0))
+    sched.add_request(make_request("high", prompt_len=3, priority=-1, arrival=2.0))
+    output, _ = step(sched)
+    assert list(output.num_scheduled_tokens) == ["high"]
+
+
+def test_prefix_hit_computes_only_the_new_tokens():
+    sched = make_scheduler(block_size=4, num_blocks=64, budget=64)
+    shared = list(range(200, 220))  # 5 full blocks
+    sched.add_request(make_request("first", prompt=shared + [1, 2], max_tokens=2))
+    while sched.has_unfinished_requests():
+        step(sched)
+    sched.add_request(make_request("second", prompt=shared + [3, 4, 5], max_tokens=2))
+    output, _ = step(sched)
+    assert output.num_scheduled_tokens["second"] == 3
+    assert output.scheduled_new_reqs[0].num_computed_tokens == 20
+    stats = sched.kv_cache_manager.prefix_cache_stats
+    assert stats.hits == 20
+
+
+def test_full_prompt_hit_still_recomputes_the_last_token():
+    sched = make_scheduler(block_size=4, budget=64)
+    prompt = list(range(300, 316))  # exactly 4 blocks
+    for name in ("a", "b"):
+        sched.add_request(make_request(name, prompt=prompt, max_tokens=1))
+        output, _ = step(sched)
+    assert output.num_scheduled_tokens["b"] == 4  # the last block is recomputed (hit stops before the last token)
+
+
+def test_eviction_takes_least_recently_freed_blocks_first():
+    sched = make_scheduler(block_size=4, num_blocks=8, budget=64)
+    sched.add_request(make_request("a", prompt=list(range(0, 12)), max_tokens=1))
+    step(sched)
+    sched.add_request(make_request("b", prompt=list(range(50, 62)), max_tokens=1))
+    step(sched)
+    # a's and b's blocks are free but cached; c needs 7 blocks: a's (freed first) go before b's.
+    sched.add_request(make_request("c", prompt=list(range(100, 124)), max_tokens=1))
+    step(sched)
+    sched.add_request(make_request("b2", prompt=list(range(50, 62)) + [7], max_tokens=1))
+    output, _ = step(sched)
+    assert output.scheduled_new_reqs[0].num_computed_tokens == 8  # b's first two blocks survived
+
+
+@pytest.mark.parametrize("budget", [64, 8])
+def test_samples_of_one_request_share_prompt_blocks(budget):
+    sched = make_scheduler(block_size=4, budget=budget)
+    prompt = list(range(400, 421))
+    for i in range(3):
+        sched.add_request(make_request(f"{i}_r", prompt=prompt, max_tokens=4, group="r"))
+    output, _ = step(sched)
+    while "1_r" not in output.num_scheduled_tokens:
+        assert list(output.num_scheduled_tokens) == ["0_r"]  # siblings wait while the shared prompt is chunked
+        output, _ = step(sched)
+    assert output.num_scheduled_tokens["1_r"] == 1 and output.num_scheduled_tokens["2_r"] == 1
+    blocks = sched.kv_cache_manager.req_to_blocks
+    assert blocks["0_r"][:5] == blocks["1_r"][:5] == blocks["2_r"][:5]
+    assert all(b.ref_cnt == 3 for b in blocks["0_r"][:5])
+
+
+def test_length_and_eos_finish_reasons():
+    sched = make_scheduler()
+    sched.add_request(make_request("len", prompt_len=3, max_tokens=2))
+    reasons = {}
+    while sched.has_unfinished_requests():
+        _, outputs = step(sched)
+        reasons.update({o.request_id: o.finish_reason for o in outputs if o.finished})
+    assert reasons == {"len": "length"}
+
+
+# ---- randomized: arrivals, lengths, aborts and finishes ------------------------------------------
+
+operations = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 12), st.integers(0, 3)),
+        st.tuples(st.just("abort"), st.integers(0, 30)),
+        st.tuples(st.just("step"), st.integers(1, 4)),
+    ),
+    min_size=1,
+    max_size=40,
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=operations, num_blocks=st.integers(12, 40), budget=st.integers(4, 48), caching=st.booleans(),
+       policy=st.sampled_from(["fcfs", "priority"]), seed=st.integers(0, 1000))
+def test_random_workloads_never_leak_or_double_free(ops, num_blocks, budget, caching, policy, seed):
+    rng = random.Random(seed)
+    sched = make_scheduler(num_blocks=num_blocks, block_size=4, max_model_len=48, budget=budget, caching=caching, policy=policy)
+    added, finish_reasons, counter = [], {}, 0
+    shared_prefix = [rng.randrange(60, 90) for _ in range(8)]
+
+    def run_step():
+        decoding = [r.request_id for r in sched.running if r.num_computed_tokens == r.num_tokens - 1]
+        preemptions_before = sched.num_preemptions
+        output, outputs = step(sched, rng)
+        preempted = sched.num_preemptions > preemptions_before
+        # A running decode is never starved: it runs unless memory forced a preemption this step.
+        for request_id in decoding:
+            assert request_id in output.num_scheduled_tokens or preempted, "a running decode was starved"
+        assert output.total_num_scheduled_tokens <= budget
+        finish_reasons.update({o.request_id: o.finish_reason for o in outputs if o.finished})
+        check_block_accounting(sched)
+
+    for op in ops:
+        if op[0] == "add":
+            _, prompt_len, max_tokens, priority = op
+            prompt = (shared_prefix if rng.random() < 0.5 else []) + [rng.randrange(60, 200) for _ in range(prompt_len)]
+            prompt = prompt[:40]
+            request = make_request(f"r{counter}", prompt=prompt, max_tokens=min(max_tokens, 48 - len(prompt)) or 1,
+                                   priority=priority, eos=True)
+            counter += 1
+            sched.add_request(request)
+            added.append(request)
+        elif op[0] == "abort" and added:
+            target = added[op[1] % len(added)]
+            for r in sched.finish_requests([target.request_id]):
+                finish_reasons[r.request_id] = "abort"
+            check_block_accounting(sched)
+        else:
+            for _ in range(op[1]):
+                run_step()
+    for _ in range(2000):
+        if not sched.has_unfinished_requests():
+            break
+        run_step()
+    assert not sched.has_unfinished_requests()
+    assert all(r.is_finished and r.status.finish_reason in ("stop", "length", "abort") for r in added)
+    assert all(finish_reasons.get(r.request_id) == r.status.finish_reason for r in added)
+    assert sched.kv_cache_manager.num_free_blocks == num_blocks
