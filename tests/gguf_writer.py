@@ -1,0 +1,105 @@
+"""Write a tiny Llama model as a GGUF file, the way llama.cpp's converter lays it out."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import torch
+from tokenizers import pre_tokenizers
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+QUANT_TYPES = {
+    "F32": gguf.GGMLQuantizationType.F32,
+    "F16": gguf.GGMLQuantizationType.F16,
+    "BF16": gguf.GGMLQuantizationType.BF16,
+    "Q8_0": gguf.GGMLQuantizationType.Q8_0,
+    "Q4_0": gguf.GGMLQuantizationType.Q4_0,
+    "Q4_1": gguf.GGMLQuantizationType.Q4_1,
+}
+MERGES = ["h e", "l l", "Ġ w", "o r"]
+# Byte-level BPE: every byte, plus a few merged pairs.
+VOCAB = SPECIAL_TOKENS + sorted(pre_tokenizers.ByteLevel.alphabet()) + [m.replace(" ", "") for m in MERGES]
+
+
+def _permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp stores q/k rows interleaved per rotary pair; readers undo this."""
+    return weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def tiny_llama_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=len(VOCAB), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3, tie_word_embeddings=False,
+        bos_token_id=0, eos_token_id=2, rms_norm_eps=1e-5, rope_theta=10000.0,
+    )
+
+
+def write_gguf(path, state_dict: dict[str, torch.Tensor], config, type_name: str) -> None:
+    qtype = QUANT_TYPES[type_name]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tiny-llama")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(len(VOCAB))
+    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(VOCAB)
+    writer.add_token_types([gguf.TokenType.CONTROL] * len(SPECIAL_TOKENS) + [gguf.TokenType.NORMAL] * (len(VOCAB) - len(SPECIAL_TOKENS)))
+    writer.add_token_merges(MERGES)
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(2)
+    writer.add_chat_template(CHAT_TEMPLATE)
+    for name, tensor in _gguf_tensors(state_dict, config):
+        if tensor.ndim == 1:  # norms stay F32, as llama.cpp keeps them
+            writer.add_tensor(name, tensor.astype(np.float32))
+        elif qtype == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, tensor.astype(np.float32))
+        elif qtype == gguf.GGMLQuantizationType.F16:
+            writer.add_tensor(name, tensor.astype(np.float16))
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(tensor.astype(np.float32), qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def quantized_round_trip(weight: np.ndarray, type_name: str) -> np.ndarray:
+    """What a reader must get back for a weight stored as type_name."""
+    qtype = QUANT_TYPES[type_name]
+    if qtype == gguf.GGMLQuantizationType.F32:
+        return weight.astype(np.float32)
+    if qtype == gguf.GGMLQuantizationType.F16:
+        return weight.astype(np.float16).astype(np.float32)
+    return gguf.quants.dequantize(gguf.quants.quantize(weight.astype(np.float32), qtype), qtype)
+
+
+def _gguf_tensors(state_dict, config):
+    sd = {k: v.float().numpy() for k, v in state_dict.items()}
+    yield "token_embd.weight", sd["model.embed_tokens.weight"]
+    yield "output_norm.weight", sd["model.norm.weight"]
+    yield "output.weight", sd["lm_head.weight"]
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        yield f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"]
+        yield f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"]
+        yield f"blk.{i}.attn_q.weight", _permute(sd[p + "self_attn.q_proj.weight"], config.num_attention_heads)
+        yield f"blk.{i}.attn_k.weight", _permute(sd[p + "self_attn.k_proj.weight"], config.num_key_value_heads)
+        yield f"blk.{i}.attn_v.weight", sd[p + "self_attn.v_proj.weight"]
+        yield f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"]
+        yield f"blk.{i}.ffn_gate.weight", sd[p + "mlp.gate_proj.weight"]
+        yield f"blk.{i}.ffn_up.weight", sd[p + "mlp.up_proj.weight"]
+        yield f"blk.{i}.ffn_down.weight", sd[p + "mlp.down_proj.weight"]

@@ -1,0 +1,79 @@
+"""GGUF files: every supported tensor type dequantizes to what gguf's reference gives, and F32 is token-exact."""
+
+import numpy as np
+import pytest
+import torch
+from conftest import greedy
+from gguf_writer import QUANT_TYPES, quantized_round_trip, tiny_llama_config, write_gguf
+
+from pagedserve import LLM
+
+
+@pytest.fixture(scope="module")
+def tiny_hf_llama():
+    from transformers import LlamaForCausalLM
+
+    config = tiny_llama_config()
+    torch.manual_seed(0)
+    return config, LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("type_name", sorted(QUANT_TYPES))
+def test_gguf_weights_load_as_their_dequantized_values(type_name, tiny_hf_llama, tmp_path):
+    config, hf_model = tiny_hf_llama
+    path = tmp_path / f"tiny-{type_name}.gguf"
+    write_gguf(path, hf_model.state_dict(), config, type_name)
+    llm = LLM(str(path), kv_cache_memory=4 * 1024**2)
+    ours = llm.llm_engine.engine_core.worker.model
+    layer, hf_layer = ours.model.layers[1], hf_model.model.layers[1]
+    q_size = layer.self_attn.q_size
+    pairs = [
+        (layer.self_attn.qkv_proj.weight[:q_size], hf_layer.self_attn.q_proj.weight),  # q rows un-permuted
+        (layer.mlp.gate_up_proj.weight[config.intermediate_size:], hf_layer.mlp.up_proj.weight),
+        (ours.lm_head.weight, hf_model.lm_head.weight),
+    ]
+    for loaded, original in pairs:
+        expected = quantized_round_trip(original.detach().numpy(), type_name)
+        if type_name == "BF16":
+            expected = original.detach().to(torch.bfloat16).float().numpy()
+        np.testing.assert_allclose(loaded.detach().numpy(), expected, rtol=0, atol=1e-6)
+    out = llm.generate("hello world", greedy(8), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 8
+    assert llm.get_tokenizer().chat_template  # carried over from the GGUF metadata
+
+
+def test_f32_gguf_generates_exactly_like_the_original_model(tiny_hf_llama, tmp_path):
+    config, hf_model = tiny_hf_llama
+    path = tmp_path / "tiny-F32.gguf"
+    write_gguf(path, hf_model.state_dict(), config, "F32")
+    llm = LLM(str(path), kv_cache_memory=4 * 1024**2)
+    out = llm.generate(["hello world", "or"], greedy(12), use_tqdm=False)
+    for output in out:
+        ids = torch.tensor([output.prompt_token_ids])
+        with torch.inference_mode():
+            reference = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                                          eos_token_id=None, pad_token_id=0)
+        assert output.outputs[0].token_ids == reference[0, ids.shape[1]:].tolist()
+
+
+def test_converted_gguf_is_cached(tiny_hf_llama, tmp_path):
+    from pagedserve.models import gguf_convert
+
+    config, hf_model = tiny_hf_llama
+    path = tmp_path / "tiny-Q8_0.gguf"
+    write_gguf(path, hf_model.state_dict(), config, "Q8_0")
+    first = gguf_convert.ensure_converted(path)
+    marker_time = (first / ".pagedserve-complete").stat().st_mtime_ns
+    assert gguf_convert.ensure_converted(path) == first
+    assert (first / ".pagedserve-complete").stat().st_mtime_ns == marker_time
+    assert (first / "model.safetensors").is_file() and (first / "tokenizer.json").is_file()
+
+
+def test_missing_gguf_file_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="GGUF file not found"):
+        LLM(str(tmp_path / "absent.gguf"))
