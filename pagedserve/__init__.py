@@ -6,9 +6,17 @@ import os
 # this must be set before torch loads its OpenMP runtime.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from pagedserve.engine.llm import LLM  # noqa: E402
 from pagedserve.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestOutputKind", "__version__"]
+
+
+def __getattr__(name: str):
+    # LLM pulls in torch; the HTTP front end imports this package and needs no torch.
+    if name == "LLM":
+        from pagedserve.engine.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'pagedserve' has no attribute {name!r}")

@@ -8,6 +8,18 @@ from pagedserve.sampling_params import SamplingParams
 
 
 @dataclass
+class EngineCoreRequest:
+    """What the front end sends the engine core: a tokenized, validated request (one sample)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    priority: int = 0
+    group_id: str | None = None  # the user's request id when it asked for n > 1 samples
+
+
+@dataclass
 class NewRequestData:
     """A request the runner has not seen (or must rebuild after preemption): everything it needs."""
 
@@ -72,3 +84,21 @@ class EngineCoreOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0  # cumulative
+    prefix_cache_hits: int = 0  # cumulative
+    num_preemptions: int = 0  # cumulative
+
+
+@dataclass
+class EngineCoreOutputs:
+    """One message from the engine core: the step's outputs and the scheduler's state after it."""
+
+    outputs: list[EngineCoreOutput]
+    scheduler_stats: SchedulerStats | None = None

@@ -6,28 +6,17 @@ takes one token, an unfinished prompt its next chunk), then waiting requests in 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from pagedserve.core.interface import (
     CachedRequestData,
     EngineCoreOutput,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
+    SchedulerStats,
 )
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request_queue import make_waiting_queue
 from pagedserve.request import Request, RequestStatus
-
-
-@dataclass
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
 
 
 class Scheduler:

@@ -4,27 +4,15 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 from pagedserve.config import EngineConfig
-from pagedserve.core.interface import EngineCoreOutput
+from pagedserve.core.interface import EngineCoreOutput, EngineCoreRequest
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.executor.worker import Worker
 from pagedserve.request import Request
-from pagedserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineCoreRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    arrival_time: float
-    priority: int = 0
-    group_id: str | None = None
 
 
 class EngineCore:

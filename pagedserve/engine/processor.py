@@ -6,7 +6,7 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
-from pagedserve.engine.core import EngineCoreRequest
+from pagedserve.core.interface import EngineCoreRequest
 from pagedserve.sampling_params import SamplingParams
 
 # A prompt is text, token ids, or a dict with "prompt" or "prompt_token_ids".

@@ -1,4 +1,4 @@
-"""The `pagedserve` command: generate | chat (serve and bench join as they land)."""
+"""The `pagedserve` command: serve | generate | chat."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads (see p
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("PAGEDSERVE_LOG_LEVEL", "INFO"), format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=os.environ.get("PAGEDSERVE_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.handler(args)
     except (ValueError, FileNotFoundError, TypeError) as exc:
@@ -24,10 +24,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pagedserve.entrypoints import generate_cmd
+    from pagedserve.entrypoints import generate_cmd, serve_cmd
 
     parser = argparse.ArgumentParser(prog="pagedserve", description="LLM inference and serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
+    serve_cmd.register(sub)
     generate_cmd.register(sub)
     return parser
 

@@ -1,0 +1,148 @@
+"""AsyncLLM: the online front end. Tokenizes, streams each request's outputs, aborts on disconnect."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+
+from pagedserve.config import EngineConfig
+from pagedserve.engine.client import AsyncMPClient, EngineDeadError
+from pagedserve.engine.output_processor import OutputProcessor
+from pagedserve.engine.processor import Processor, PromptType
+from pagedserve.engine.tokenizer import load_tokenizer
+from pagedserve.metrics import EngineMetrics
+from pagedserve.outputs import RequestOutput
+from pagedserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    pass
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig, served_model_name: str | None = None, max_waiting_requests: int | None = None,
+                 on_engine_dead: Callable[[], None] | None = None) -> None:
+        self.config = config
+        self.client = AsyncMPClient(config)
+        ready = self.client.ready
+        self.model_dir = ready.model_dir
+        self.max_model_len = ready.max_model_len
+        self.tokenizer = load_tokenizer(config.tokenizer or ready.model_dir)
+        self.processor = Processor(self.tokenizer, ready.max_model_len, ready.eos_token_ids, ready.vocab_size)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.metrics = EngineMetrics(served_model_name or config.model)
+        self.max_waiting_requests = max_waiting_requests
+        self.on_engine_dead = on_engine_dead
+        self._queues: dict[str, asyncio.Queue] = {}
+        # The engine's waiting queue as of its last step, plus what was sent since.
+        self._engine_waiting = 0
+        self._sent_since_stats = 0
+        self._output_task: asyncio.Task | None = None
+        self.dead_error: Exception | None = None
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.dead_error is None and self.client.is_alive()
+
+    async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Yields the request's outputs as they come; leaving the loop early aborts the request."""
+        queue = await self.add_request(prompt, params, request_id, priority)
+        async for output in self.iterate(request_id, queue):
+            yield output
+
+    async def iterate(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        """The outputs of a request added with add_request; leaving early aborts it."""
+        finished = False
+        try:
+            while True:
+                item = queue.get_nowait() if not queue.empty() else await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                await self.abort(request_id)
+
+    async def add_request(self, prompt: PromptType, params: SamplingParams, request_id: str, priority: int = 0) -> asyncio.Queue:
+        if self.dead_error is not None:
+            raise EngineDeadError("the engine core is dead") from self.dead_error
+        num_waiting = self._engine_waiting + self._sent_since_stats
+        if self.max_waiting_requests is not None and num_waiting >= self.max_waiting_requests:
+            raise QueueFullError(f"the server is at capacity: {num_waiting} requests are waiting")
+        processed = self.processor.tokenize_prompt(prompt)
+        params, engine_requests = self.processor.process(request_id, processed, params, priority)
+        engine_ids = self.output_processor.add_request(request_id, processed.prompt, processed.prompt_token_ids, params)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        self._sent_since_stats += len(engine_requests)
+        for engine_id, engine_request in zip(engine_ids, engine_requests):
+            self.metrics.request_added(engine_id, engine_request.arrival_time, len(processed.prompt_token_ids))
+        self._ensure_output_handler()
+        await self.client.add_requests(engine_requests)
+        return queue
+
+    async def abort(self, request_id: str) -> None:
+        engine_ids = self.output_processor.engine_ids(request_id)
+        self.output_processor.abort_request(request_id)
+        self._forget(request_id, engine_ids)
+        await self.client.abort_requests(engine_ids)
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self.client.call_utility("reset_prefix_cache")
+
+    def _forget(self, request_id: str, engine_ids: list[str]) -> None:
+        self._queues.pop(request_id, None)
+        for engine_id in engine_ids:
+            self.metrics.request_removed(engine_id)
+
+    def _ensure_output_handler(self) -> None:
+        if self._output_task is None or self._output_task.done():
+            self._output_task = asyncio.get_running_loop().create_task(self._output_handler(), name="output-handler")
+
+    async def _output_handler(self) -> None:
+        try:
+            while True:
+                core_outputs = await self.client.get_output()
+                self.metrics.record_outputs(core_outputs.outputs, core_outputs.scheduler_stats, time.monotonic())
+                if core_outputs.scheduler_stats is not None:
+                    self._engine_waiting, self._sent_since_stats = core_outputs.scheduler_stats.num_waiting, 0
+                processed = self.output_processor.process_outputs(core_outputs.outputs)
+                for output in processed.request_outputs:
+                    queue = self._queues.get(output.request_id)
+                    if queue is not None:
+                        queue.put_nowait(output)
+                    if output.finished:
+                        self._queues.pop(output.request_id, None)
+                if processed.reqs_to_abort:
+                    await self.client.abort_requests(processed.reqs_to_abort)
+        except EngineDeadError as exc:
+            self.mark_dead(exc)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug here must not leave clients hanging
+            logger.exception("output handler failed")
+            self.mark_dead(exc)
+
+    def mark_dead(self, exc: Exception) -> None:
+        """The engine core is gone: fail every in-flight request and tell the server."""
+        if self.dead_error is not None:
+            return
+        logger.error("engine core is dead: %s", exc)
+        self.dead_error = exc
+        for queue in self._queues.values():
+            queue.put_nowait(EngineDeadError(str(exc)))
+        self._queues.clear()
+        if self.on_engine_dead is not None:
+            self.on_engine_dead()
+
+    def shutdown(self) -> None:
+        if self._output_task is not None:
+            self._output_task.cancel()
+        self.client.shutdown()

@@ -1,0 +1,134 @@
+"""The engine core in its own process: a busy loop over ZMQ.
+
+Front end -> core (PULL): add / abort / utility / shutdown messages.
+Core -> front end (PUSH): a ready (or failed) handshake, then EngineCoreOutputs per step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+import traceback
+
+import zmq
+
+from pagedserve.config import EngineConfig
+from pagedserve.core.interface import EngineCoreOutputs
+from pagedserve.engine.messages import (
+    EngineFailed,
+    EngineReady,
+    RequestType,
+    UtilityResult,
+    decode_request,
+    encode_output,
+)
+
+logger = logging.getLogger(__name__)
+
+# While idle the loop blocks on the socket; this bounds how long before it notices shutdown.
+_IDLE_POLL_MS = 200
+
+
+def run_engine_core(config: EngineConfig, input_address: str, output_address: str, parent_pid: int) -> None:
+    """Process entry point."""
+    # Ctrl-C reaches the whole process group: the front end decides when the core stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    logging.basicConfig(level=os.environ.get("PAGEDSERVE_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _exit_with_parent(parent_pid)
+    context = zmq.Context()
+    input_socket = context.socket(zmq.PULL)
+    input_socket.connect(input_address)
+    output_socket = context.socket(zmq.PUSH)
+    output_socket.connect(output_address)
+    try:
+        proc = EngineCoreProc(config, input_socket, output_socket)
+    except Exception as exc:  # report why, so the front end can say it
+        logger.exception("engine core failed to start")
+        output_socket.send(encode_output(EngineFailed(f"{type(exc).__name__}: {exc}")))
+        output_socket.close(linger=2000)
+        os._exit(1)
+    proc.run_busy_loop()
+    output_socket.close(linger=1000)
+    input_socket.close(linger=0)
+    context.term()
+    logging.shutdown()
+    os._exit(0)  # skip interpreter teardown of torch: nothing is left to flush
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """No orphans: if the front end dies without shutting us down, stop too."""
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(1)
+            time.sleep(0.5)
+
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+
+
+class EngineCoreProc:
+    def __init__(self, config: EngineConfig, input_socket, output_socket) -> None:
+        from pagedserve.engine.core import EngineCore
+        from pagedserve.models.loader import eos_token_ids
+
+        self.engine_core = EngineCore(config)
+        self.input_socket = input_socket
+        self.output_socket = output_socket
+        self.running = True
+        worker = self.engine_core.worker
+        self.output_socket.send(
+            encode_output(
+                EngineReady(
+                    model_dir=str(worker.model_dir),
+                    max_model_len=worker.max_model_len,
+                    vocab_size=worker.hf_config.vocab_size,
+                    eos_token_ids=eos_token_ids(worker.model_dir, worker.hf_config),
+                    num_blocks=worker.num_blocks,
+                )
+            )
+        )
+
+    def run_busy_loop(self) -> None:
+        while self.running:
+            self._handle_inputs(block=not self.engine_core.has_work())
+            if not self.running:
+                break
+            if self.engine_core.has_work():
+                outputs = self.engine_core.step()
+                stats = self.engine_core.scheduler.get_stats()
+                self.output_socket.send(encode_output(EngineCoreOutputs(outputs, stats)))
+
+    def _handle_inputs(self, block: bool) -> None:
+        if block and not self.input_socket.poll(_IDLE_POLL_MS):
+            return
+        while True:
+            try:
+                frame = self.input_socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle(*decode_request(frame))
+
+    def _handle(self, kind: RequestType, payload) -> None:
+        if kind == RequestType.ADD:
+            try:
+                self.engine_core.add_request(payload)
+            except ValueError as exc:  # e.g. a duplicate id: the front end validated everything else
+                logger.error("rejected request %s: %s", payload.request_id, exc)
+        elif kind == RequestType.ABORT:
+            self.engine_core.abort_requests(payload)
+        elif kind == RequestType.UTILITY:
+            self.output_socket.send(encode_output(self._call_utility(*payload)))
+        elif kind == RequestType.SHUTDOWN:
+            self.running = False
+
+    def _call_utility(self, call_id: int, method: str, args: list) -> UtilityResult:
+        allowed = {"reset_prefix_cache": self.engine_core.kv_cache_manager.reset_prefix_cache}
+        try:
+            return UtilityResult(call_id, result=allowed[method](*args))
+        except Exception as exc:
+            return UtilityResult(call_id, error="".join(traceback.format_exception_only(exc)).strip())

@@ -1,0 +1,135 @@
+"""What the completion and chat handlers share: model checks, admission, disconnects, streams, usage."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+
+from pagedserve.engine.async_llm import AsyncLLM, QueueFullError
+from pagedserve.engine.client import EngineDeadError
+from pagedserve.entrypoints.openai.errors import APIError
+from pagedserve.entrypoints.openai.protocol import UsageInfo
+from pagedserve.outputs import RequestOutput
+from pagedserve.sampling_params import RequestOutputKind, SamplingParams
+
+_DISCONNECT_POLL_S = 0.5
+
+
+class ServingBase:
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str]) -> None:
+        self.engine = engine
+        self.served_model_names = served_model_names
+        self.tokenizer = engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.served_model_names:
+            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+    async def add_requests(self, request_id: str, prompts: list, params: SamplingParams, stream: bool, priority: int):
+        """Admit every prompt or none: -> [(sub-request id, queue)]."""
+        params.output_kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+        added = []
+        try:
+            for index, prompt in enumerate(prompts):
+                sub_id = f"{request_id}-{index}"
+                added.append((sub_id, await self.engine.add_request(prompt, params, sub_id, priority)))
+        except Exception as exc:
+            for sub_id, _ in added:
+                await self.engine.abort(sub_id)
+            raise _as_api_error(exc) from exc
+        return added
+
+    def streams(self, added) -> list[AsyncIterator[RequestOutput]]:
+        return [self.engine.iterate(sub_id, queue) for sub_id, queue in added]
+
+    async def collect_final(self, added, raw_request: Request) -> list[RequestOutput]:
+        """Non-streaming: each prompt's final output, aborting everything if the client goes away."""
+
+        async def collect():
+            finals = []
+            for stream in self.streams(added):
+                async for output in stream:
+                    final = output
+                finals.append(final)
+            return finals
+
+        task = asyncio.ensure_future(collect())
+        while not task.done():
+            await asyncio.wait([task], timeout=_DISCONNECT_POLL_S)
+            if not task.done() and await raw_request.is_disconnected():
+                task.cancel()
+                for sub_id, _ in added:
+                    await self.engine.abort(sub_id)
+                raise asyncio.CancelledError
+        try:
+            return task.result()
+        except EngineDeadError as exc:
+            raise APIError(500, f"the engine failed: {exc}") from exc
+
+
+def _as_api_error(exc: Exception) -> APIError:
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, QueueFullError):
+        return APIError(503, str(exc))
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, "the engine is not running")
+    if isinstance(exc, (ValueError, TypeError)):
+        return APIError.bad_request(exc)
+    raise exc
+
+
+async def merge_streams(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
+    """Interleave several async iterators as items arrive: yields (stream index, item)."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(index, stream):
+        try:
+            async for item in stream:
+                await queue.put((index, item))
+        except Exception as exc:
+            await queue.put((index, exc))
+        finally:
+            await queue.put((index, done))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            index, item = await queue.get()
+            if item is done:
+                remaining -= 1
+                continue
+            if isinstance(item, Exception):
+                raise item
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
+
+
+def usage_of(outputs: list[RequestOutput]) -> UsageInfo:
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    completion_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)
+
+
+def sse(payload) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+def stream_error_event(exc: Exception) -> str:
+    status = exc.status if isinstance(exc, APIError) else 500
+    return sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": status}})

@@ -1,0 +1,126 @@
+"""POST /v1/completions."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+
+from pagedserve.entrypoints.openai.errors import APIError
+from pagedserve.entrypoints.openai.protocol import (
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    random_id,
+)
+from pagedserve.entrypoints.openai.serving_base import ServingBase, merge_streams, sse, stream_error_event, usage_of
+from pagedserve.outputs import PositionLogprobs, RequestOutput
+
+
+class OpenAIServingCompletion(ServingBase):
+    async def create_completion(self, request: CompletionRequest, raw_request: Request):
+        self.check_model(request.model)
+        self._reject_unsupported(request)
+        prompts = _prompt_list(request.prompt)
+        try:
+            params = request.sampling_params(request.max_tokens, request.logprobs)
+            if request.echo and request.logprobs is not None:
+                params.prompt_logprobs = request.logprobs
+        except ValueError as exc:
+            raise APIError.bad_request(exc) from exc
+        request_id = random_id("cmpl")
+        added = await self.add_requests(request_id, prompts, params, request.stream, request.priority)
+        if request.stream:
+            return self._stream(request, request_id, added)
+        outputs = await self.collect_final(added, raw_request)
+        choices = [
+            self._choice(prompt_index * request.n + c.index, output, c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason,
+                         request, echo=request.echo)
+            for prompt_index, output in enumerate(outputs)
+            for c in output.outputs
+        ]
+        return CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage_of(outputs))
+
+    def _reject_unsupported(self, request: CompletionRequest) -> None:
+        if request.suffix is not None:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        if request.best_of is not None and request.best_of != request.n:
+            raise APIError(400, "best_of is not supported (it must equal n when given)", param="best_of")
+        if request.logit_bias:
+            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+
+    async def _stream(self, request: CompletionRequest, request_id: str, added) -> AsyncIterator[str]:
+        created = int(time.time())
+        include_usage = request.stream_options is not None and request.stream_options.include_usage
+        finals: dict[int, RequestOutput] = {}
+        echoed: set[int] = set()
+        token_counts: dict[int, int] = {}
+        try:
+            async for prompt_index, output in merge_streams(self.streams(added)):
+                choices = []
+                for c in output.outputs:
+                    index = prompt_index * request.n + c.index
+                    echo = request.echo and index not in echoed
+                    if not (c.text or c.token_ids or c.finish_reason or echo):
+                        continue
+                    echoed.add(index)
+                    token_counts[index] = token_counts.get(index, 0) + len(c.token_ids)
+                    choices.append(self._choice(index, output, c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason,
+                                                request, echo=echo))
+                if output.finished:
+                    finals[prompt_index] = output
+                if choices:
+                    yield sse(CompletionChunk(id=request_id, created=created, model=self.model_name, choices=choices).model_dump())
+            if include_usage:
+                prompt_tokens = sum(len(o.prompt_token_ids) for o in finals.values())
+                completion_tokens = sum(token_counts.values())
+                usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                         "total_tokens": prompt_tokens + completion_tokens}
+                yield sse(CompletionChunk(id=request_id, created=created, model=self.model_name, choices=[], usage=usage).model_dump())
+        except Exception as exc:
+            yield stream_error_event(exc)
+        finally:
+            for sub_id, _ in added:
+                await self.engine.abort(sub_id)
+        yield sse("[DONE]")
+
+    def _choice(self, index, output: RequestOutput, text, token_ids, logprobs, finish_reason, stop_reason, request, echo: bool):
+        prompt_text = ""
+        if echo:
+            prompt_text = output.prompt if output.prompt is not None else self.tokenizer.decode(output.prompt_token_ids)
+        choice_logprobs = None
+        if request.logprobs is not None:
+            choice_logprobs = CompletionLogProbs()
+            if echo:
+                self._append_logprobs(choice_logprobs, output.prompt_token_ids, output.prompt_logprobs or [], 0)
+            self._append_logprobs(choice_logprobs, token_ids, logprobs or [], len(prompt_text))
+        return CompletionChoice(index=index, text=prompt_text + text, logprobs=choice_logprobs, finish_reason=finish_reason,
+                                stop_reason=stop_reason)
+
+    def _append_logprobs(self, target: CompletionLogProbs, token_ids: list[int], positions: list[PositionLogprobs | None],
+                         offset: int) -> None:
+        offset = offset if not target.text_offset else target.text_offset[-1] + len(target.tokens[-1])
+        for token_id, position in zip(token_ids, positions):
+            token = self.tokenizer.decode([token_id])
+            target.tokens.append(token)
+            target.text_offset.append(offset)
+            offset += len(token)
+            if position is None:  # the first prompt token has no logprob
+                target.token_logprobs.append(None)
+                target.top_logprobs.append(None)
+                continue
+            target.token_logprobs.append(position[token_id].logprob)
+            target.top_logprobs.append({self.tokenizer.decode([tid]): lp.logprob for tid, lp in position.items()})
+
+
+def _prompt_list(prompt) -> list:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    if isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)
