@@ -70,7 +70,7 @@ class RemoteServer:
 
     def engine_pid(self) -> int:
         """The engine-core child process (spawned by multiprocessing), not its resource tracker."""
-        out = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(self.process.pid)], capture_output=True, text=True).stdout
+        out = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(self.process.pid)], capture_output=True, text=True).stdout
         for line in out.splitlines():
             pid, args = line.strip().split(" ", 1)
             if "spawn_main" in args and "resource_tracker" not in args:

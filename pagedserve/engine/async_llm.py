@@ -48,7 +48,9 @@ class AsyncLLM:
     def is_healthy(self) -> bool:
         return self.dead_error is None and self.client.is_alive()
 
-    async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, prompt: PromptType, params: SamplingParams, request_id: str, priority: int = 0
+    ) -> AsyncIterator[RequestOutput]:
         """Yields the request's outputs as they come; leaving the loop early aborts the request."""
         queue = await self.add_request(prompt, params, request_id, priority)
         async for output in self.iterate(request_id, queue):
