@@ -90,12 +90,15 @@ class Request:
     def check_stop(self, max_model_len: int) -> bool:
         """After a new token: set a finished status if the request must stop. Returns True if it did."""
         params = self.sampling_params
-        if self.num_output_tokens >= params.min_tokens and self.all_token_ids[-1] in self._stop_ids:
+        num_tokens = len(self.all_token_ids)
+        num_output_tokens = num_tokens - len(self.prompt_token_ids)
+        last_token = self.all_token_ids[-1]
+        if last_token in self._stop_ids and num_output_tokens >= params.min_tokens:
             self.status = RequestStatus.FINISHED_STOPPED
-            if self.all_token_ids[-1] not in params.eos_token_ids or params.ignore_eos:
-                self.stop_reason = self.all_token_ids[-1]
+            if last_token not in params.eos_token_ids or params.ignore_eos:
+                self.stop_reason = last_token
             return True
-        if self.num_tokens >= max_model_len or (params.max_tokens is not None and self.num_output_tokens >= params.max_tokens):
+        if num_tokens >= max_model_len or (params.max_tokens is not None and num_output_tokens >= params.max_tokens):
             self.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         return False

@@ -5,7 +5,7 @@ import random
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from scheduler_harness import check_block_accounting, make_request, make_scheduler, step
+from scheduler_harness import check_block_accounting, fake_run, make_request, make_scheduler, step
 
 from pagedserve.request import RequestStatus
 
@@ -187,7 +187,13 @@ def test_random_workloads_never_leak_or_double_free(ops, num_blocks, budget, cac
     def run_step():
         decoding = [r.request_id for r in sched.running if r.num_computed_tokens == r.num_tokens - 1]
         preemptions_before = sched.num_preemptions
-        output, outputs = step(sched, rng)
+        output = sched.schedule()
+        kv = sched.kv_cache_manager
+        for request_id in output.num_scheduled_tokens:  # what the model runs must be running and have its slots
+            request = sched.requests[request_id]
+            assert request.status == RequestStatus.RUNNING, "a preempted request was left in the batch"
+            assert len(kv.req_to_blocks[request_id]) * kv.block_size >= request.num_computed_tokens
+        outputs = sched.update_from_output(output, fake_run(output, sched, rng))
         preempted = sched.num_preemptions > preemptions_before
         # A running decode is never starved: it runs unless memory forced a preemption this step.
         for request_id in decoding:

@@ -49,8 +49,11 @@ def test_requests_beyond_the_waiting_limit_get_503(tiny_models):
 def test_sigterm_and_sigint_shut_down_cleanly_without_orphans(tiny_models):
     for sig in (signal.SIGTERM, signal.SIGINT):
         server = RemoteServer("--model", str(tiny_models["qwen3"]), "--kv-cache-memory", str(8 * 1024**2))
-        engine_pid = server.engine_pid()
-        assert server.stop(sig) == 0
+        try:
+            engine_pid = server.engine_pid()
+        finally:
+            returncode = server.stop(sig)
+        assert returncode == 0
         deadline = time.monotonic() + 10
         while _alive(engine_pid) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -80,21 +83,15 @@ def test_engine_death_fails_requests_turns_health_503_and_exits_nonzero(tiny_mod
             seen_error = exc
         return seen_error, count
 
-    error, count = asyncio.run(main())
+    try:
+        error, count = asyncio.run(main())
+        health = _health_until_exit(server)
+        server.process.wait(30)
+    finally:
+        server.stop()
     assert count < 1000
     assert error is not None
-    health = None
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and server.process.poll() is None:
-        try:
-            health = requests.get(server.url + "/health", timeout=2).status_code
-            if health == 503:
-                break
-        except requests.RequestException:
-            break
-        time.sleep(0.1)
-    assert health in (503, None)
-    server.process.wait(30)
+    assert health in (503, None)  # 503 while the front end still answers; None once it has exited
     assert server.process.returncode != 0
     assert "engine core is dead" in server.log_text()
 
@@ -102,3 +99,17 @@ def test_engine_death_fails_requests_turns_health_503_and_exits_nonzero(tiny_mod
 def test_startup_failure_is_reported(tmp_path):
     with pytest.raises(RuntimeError, match="server exited"):
         RemoteServer("--model", str(tmp_path / "missing"))
+
+
+def _health_until_exit(server: RemoteServer, timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    health = None
+    while time.monotonic() < deadline and server.process.poll() is None:
+        try:
+            health = requests.get(server.url + "/health", timeout=2).status_code
+        except requests.RequestException:
+            return None
+        if health == 503:
+            return health
+        time.sleep(0.1)
+    return health

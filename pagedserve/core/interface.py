@@ -35,17 +35,17 @@ class NewRequestData:
 
 @dataclass
 class CachedRequestData:
-    """A request the runner already holds: only what changed."""
+    """New blocks of a request the runner already holds. The runner advances each request's
+    num_computed_tokens itself by the tokens it ran, so unchanged decodes cost nothing here."""
 
     request_id: str
     new_block_ids: list[int]
-    num_computed_tokens: int
 
 
 @dataclass
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData]
-    scheduled_cached_reqs: list[CachedRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]  # only running requests that got new blocks
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     # Requests the runner must forget: finished, aborted or preempted since the last step.

@@ -65,10 +65,20 @@ class KVCacheManager:
         self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] | None = None
     ) -> list[KVCacheBlock] | None:
         """Make room for num_new_tokens more tokens after the computed ones. None if the pool can't."""
-        new_computed_blocks = new_computed_blocks or []
-        req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        num_computed_tokens = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
-        num_required_blocks = cdiv(num_computed_tokens + num_new_tokens, self.block_size)
+        block_size = self.block_size
+        req_blocks = self.req_to_blocks.get(request.request_id)
+        if req_blocks is None:
+            req_blocks = self.req_to_blocks[request.request_id] = []
+        if not new_computed_blocks:
+            # The per-step decode path: most steps need no new block and fill no block.
+            num_tokens_after = request.num_computed_tokens + num_new_tokens
+            if num_tokens_after <= len(req_blocks) * block_size and (
+                not self.enable_caching or num_tokens_after // block_size <= self.num_cached_blocks.get(request.request_id, 0)
+            ):
+                return []
+            new_computed_blocks = []
+        num_computed_tokens = request.num_computed_tokens + len(new_computed_blocks) * block_size
+        num_required_blocks = cdiv(num_computed_tokens + num_new_tokens, block_size)
         num_new_blocks = num_required_blocks - len(req_blocks) - len(new_computed_blocks)
         # Cached blocks sitting in the free queue stop being free once touched.
         num_evictable_computed = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)

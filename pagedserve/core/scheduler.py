@@ -95,24 +95,27 @@ class Scheduler:
         preempted_any = False
 
         index = 0
+        allocate_slots = self.kv_cache_manager.allocate_slots
         while index < len(self.running) and token_budget > 0:
             request = self.running[index]
-            num_new_tokens = self._chunk_size(request.num_tokens - request.num_computed_tokens, token_budget)
+            num_new_tokens = len(request.all_token_ids) - request.num_computed_tokens
+            if num_new_tokens > 1:  # an unfinished prompt: chunk it
+                num_new_tokens = self._chunk_size(num_new_tokens, token_budget)
             new_blocks = None
             while True:
-                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+                new_blocks = allocate_slots(request, num_new_tokens)
                 if new_blocks is not None:
                     break
-                victim = self._preempt_one()
+                victim = self._preempt_one(first_candidate=index)
                 preempted_any = True
                 if victim is request:
                     break
             if new_blocks is None:
                 break
-            cached_reqs.append(
-                CachedRequestData(request.request_id, [b.block_id for b in new_blocks], request.num_computed_tokens)
-            )
+            if new_blocks:
+                cached_reqs.append(CachedRequestData(request.request_id, [b.block_id for b in new_blocks]))
             num_scheduled_tokens[request.request_id] = num_new_tokens
+            request.num_computed_tokens += num_new_tokens
             token_budget -= num_new_tokens
             index += 1
 
@@ -128,15 +131,13 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
         )
         self.finished_req_ids = set()
-        for request_id, num_tokens in num_scheduled_tokens.items():
-            self.requests[request_id].num_computed_tokens += num_tokens
         return output
 
     def _schedule_waiting(self, token_budget: int, num_scheduled_tokens: dict, new_reqs: list) -> int:
         skipped = []
         while len(self.waiting) > 0 and token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
-            if self._sibling_is_prefilling(request, num_scheduled_tokens):
+            if self._sibling_is_prefilling(request):
                 # Wait for the sibling's prompt blocks, then reuse them from the prefix cache.
                 skipped.append(self.waiting.pop())
                 continue
@@ -163,6 +164,7 @@ class Scheduler:
                 )
             )
             num_scheduled_tokens[request.request_id] = num_new_tokens
+            request.num_computed_tokens += num_new_tokens
             token_budget -= num_new_tokens
         for request in reversed(skipped):
             self.waiting.add_front(request)
@@ -174,23 +176,24 @@ class Scheduler:
             num_tokens = min(num_tokens, self.long_prefill_token_threshold)
         return num_tokens
 
-    def _sibling_is_prefilling(self, request: Request, num_scheduled_tokens: dict[str, int]) -> bool:
-        """True while another sample of the same request has prompt tokens left after this step.
-        (Blocks computed within this step are already cached: K/V are written before attention reads.)"""
+    def _sibling_is_prefilling(self, request: Request) -> bool:
+        """True while another sample of the same request has prompt tokens left after this step
+        (counts already include this step; blocks computed within it are cached, as K/V are written
+        before attention reads them)."""
         if request.group_id is None or not self.kv_cache_manager.enable_caching:
             return False
         return any(
-            other.group_id == request.group_id
-            and other.num_computed_tokens + num_scheduled_tokens.get(other.request_id, 0) < other.num_prompt_tokens
-            for other in self.running
+            other.group_id == request.group_id and other.num_computed_tokens < other.num_prompt_tokens for other in self.running
         )
 
-    def _preempt_one(self) -> Request:
-        """Free the running request that matters least: lowest priority, then the latest arrival."""
+    def _preempt_one(self, first_candidate: int) -> Request:
+        """Free the running request that matters least (lowest priority, then the latest arrival) among
+        those not yet scheduled in this step: running[first_candidate:], the current one included."""
+        candidates = self.running[first_candidate:]
         if self.policy == "priority":
-            victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
+            victim = max(candidates, key=lambda r: (r.priority, r.arrival_time))
         else:
-            victim = max(self.running, key=lambda r: r.arrival_time)
+            victim = max(candidates, key=lambda r: r.arrival_time)
         self.running.remove(victim)
         self.kv_cache_manager.free(victim)
         victim.status = RequestStatus.PREEMPTED

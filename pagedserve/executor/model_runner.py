@@ -40,6 +40,8 @@ class ModelRunner:
             self._sample(inputs, hidden_states, output)
         if inputs.prompt_logprobs:
             self._prompt_logprobs(inputs, hidden_states, output)
+        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            self.requests[request_id].num_computed_tokens += num_tokens
         return output
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
@@ -57,9 +59,7 @@ class ModelRunner:
                 prompt_logprobs_start=new.prompt_logprobs_start,
             )
         for cached in scheduler_output.scheduled_cached_reqs:
-            state = self.requests[cached.request_id]
-            state.block_ids.extend(cached.new_block_ids)
-            state.num_computed_tokens = cached.num_computed_tokens
+            self.requests[cached.request_id].block_ids.extend(cached.new_block_ids)
 
     def _sample(self, inputs: ModelInputs, hidden_states: torch.Tensor, output: ModelRunnerOutput) -> None:
         states = [self.requests[rid] for rid in inputs.sampling_req_ids]

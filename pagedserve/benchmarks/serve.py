@@ -1,0 +1,171 @@
+"""Serving benchmark: an asyncio + aiohttp streaming client against any OpenAI-compatible server.
+
+Definitions follow the standard serving benchmarks: TTFT = send -> first content token;
+ITL = gaps between successive streamed chunks; TPOT = (latency - TTFT) / (output tokens - 1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from tqdm.auto import tqdm
+
+from pagedserve.benchmarks.datasets import BenchRequest, random_requests
+from pagedserve.benchmarks.report import mean, percentile, print_table, write_json
+
+
+@dataclass
+class RequestResult:
+    success: bool = False
+    ttft: float = 0.0
+    latency: float = 0.0
+    itls: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    error: str = ""
+
+
+async def send_one(session, url: str, model: str, request: BenchRequest, api_key: str | None) -> RequestResult:
+    body = {"model": model, "prompt": request.prompt_token_ids, "max_tokens": request.output_len, "temperature": 0.0,
+            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    result = RequestResult()
+    start = last = time.perf_counter()
+    chunks_with_text = 0
+    try:
+        async with session.post(url + "/v1/completions", json=body, headers=headers) as response:
+            if response.status != 200:
+                result.error = f"HTTP {response.status}: {(await response.text())[:200]}"
+                return result
+            async for raw_line in response.content:
+                line = raw_line.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                payload = json.loads(line[5:])
+                now = time.perf_counter()
+                if payload.get("usage"):
+                    result.output_tokens = payload["usage"]["completion_tokens"]
+                if any(choice.get("text") for choice in payload.get("choices") or []):
+                    if chunks_with_text == 0:
+                        result.ttft = now - start
+                    else:
+                        result.itls.append(now - last)
+                    chunks_with_text += 1
+                    last = now
+        result.latency = time.perf_counter() - start
+        result.output_tokens = result.output_tokens or chunks_with_text
+        result.success = chunks_with_text > 0
+    except Exception as exc:  # a failure is a figure of the benchmark, not a crash of it
+        result.error = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+async def run_load(url: str, model: str, requests: list[BenchRequest], request_rate: float, max_concurrency: int | None,
+                   api_key: str | None, seed: int) -> tuple[list[RequestResult], float]:
+    import aiohttp
+
+    rng = random.Random(seed)
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
+    progress = tqdm(total=len(requests), desc="requests", unit="req")
+    timeout = aiohttp.ClientTimeout(total=6 * 3600)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+
+        async def limited(request):
+            async with limit:
+                result = await send_one(session, url, model, request, api_key)
+            progress.update(1)
+            return result
+
+        tasks = []
+        start = time.perf_counter()
+        for request in requests:
+            tasks.append(asyncio.ensure_future(limited(request)))
+            if request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(request_rate))  # Poisson arrivals
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    progress.close()
+    return results, duration
+
+
+def summarize(results: list[RequestResult], duration: float) -> dict:
+    ok = [r for r in results if r.success]
+    itls = [gap for r in ok for gap in r.itls]
+    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    output_tokens = sum(r.output_tokens for r in ok)
+    return {
+        "completed": len(ok), "failures": len(results) - len(ok), "duration_s": duration,
+        "output_tokens_per_s": output_tokens / duration, "requests_per_s": len(ok) / duration,
+        "ttft_p50_s": percentile([r.ttft for r in ok], 50), "ttft_p99_s": percentile([r.ttft for r in ok], 99),
+        "tpot_mean_s": mean(tpots), "itl_p50_s": percentile(itls, 50), "itl_p99_s": percentile(itls, 99),
+        "errors": sorted({r.error for r in results if r.error})[:5],
+    }
+
+
+@contextlib.contextmanager
+def own_server(model: str, extra_args: list[str]):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--port", str(port), "--model", model,
+               "--log-level", "warning", *extra_args]
+    process = subprocess.Popen(command, env={**os.environ, "PAGEDSERVE_LOG_LEVEL": "WARNING"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, process)
+        yield url
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(60)
+
+
+def _wait_healthy(url: str, process, timeout_s: float = 600) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode}")
+        with contextlib.suppress(OSError):
+            if urllib.request.urlopen(url + "/health", timeout=1).status == 200:
+                return
+        time.sleep(0.25)
+    raise RuntimeError("the server did not become healthy")
+
+
+def run(args) -> dict:
+    requests = random_requests(args.num_prompts, args.input_len, args.output_len, args.vocab_size, seed=args.seed)
+    rates = [float(rate) for rate in args.request_rate]
+    records = []
+    with (contextlib.nullcontext(args.base_url) if args.base_url else own_server(args.model, args.server_args)) as url:
+        model = args.served_model or _first_model(url, args.api_key)
+        for rate in rates:
+            results, duration = asyncio.run(run_load(url, model, requests, rate, args.max_concurrency, args.api_key, args.seed))
+            summary = {"request_rate": rate, **summarize(results, duration)}
+            records.append(summary)
+            print_table(f"serve ({len(requests)} requests, input {args.input_len}, output {args.output_len}, rate {rate})", [
+                ("output tokens/s", summary["output_tokens_per_s"]), ("TTFT p50 s", summary["ttft_p50_s"]),
+                ("TTFT p99 s", summary["ttft_p99_s"]), ("TPOT mean s", summary["tpot_mean_s"]),
+                ("ITL p50 s", summary["itl_p50_s"]), ("ITL p99 s", summary["itl_p99_s"]),
+                ("failures", summary["failures"]), ("duration s", summary["duration_s"]),
+            ])
+    record = {"benchmark": "serve", "base_url": args.base_url, "runs": records}
+    write_json(args.json, record)
+    return record
+
+
+def _first_model(url: str, api_key: str | None) -> str:
+    import urllib.request
+
+    request = urllib.request.Request(url + "/v1/models", headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return json.load(response)["data"][0]["id"]

@@ -1,0 +1,112 @@
+"""Offline throughput: LLM.generate on a fixed set of prompts, optionally beside HF static batching
+and the model's bare forward pass (the compute ceiling of this machine)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from pagedserve.benchmarks.datasets import BenchRequest, mixed_requests, random_requests
+from pagedserve.benchmarks.report import print_table, write_json
+
+
+def make_requests(args, vocab_size: int) -> list[BenchRequest]:
+    if args.dataset == "mixed":
+        return mixed_requests(args.num_prompts, vocab_size, seed=args.seed)
+    return random_requests(args.num_prompts, args.input_len, args.output_len, vocab_size, seed=args.seed)
+
+
+def run_pagedserve(llm, requests: list[BenchRequest]) -> float:
+    from pagedserve import SamplingParams
+
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r.output_len) for r in requests]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=True)
+    elapsed = time.perf_counter() - start
+    assert all(len(o.outputs[0].token_ids) == r.output_len for o, r in zip(outputs, requests))
+    return elapsed
+
+
+def run_hf_static_batching(model_dir: str, requests: list[BenchRequest]) -> float:
+    """What a transformers user does: one batch of every prompt, left padded, generate to the longest output."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    max_len = max(len(r.prompt_token_ids) for r in requests)
+    input_ids = torch.zeros(len(requests), max_len, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, r in enumerate(requests):
+        input_ids[row, max_len - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
+        attention_mask[row, max_len - len(r.prompt_token_ids):] = 1
+    max_new = max(r.output_len for r in requests)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
+                       pad_token_id=0)
+    return time.perf_counter() - start
+
+
+def measure_ceiling(llm, num_tokens: int = 512, repeats: int = 3) -> float:
+    """Tokens/s of the bare model forward over num_tokens prompt tokens (matmul-bound), best of repeats."""
+    from pagedserve.layers.attention import AttentionMetadata, PrefillChunk
+
+    worker = llm.llm_engine.engine_core.worker
+    model, kv_caches, block_size = worker.model, worker.kv_caches, worker.config.block_size
+    seq_len = min(128, num_tokens)
+    num_seqs = num_tokens // seq_len
+    blocks_per_seq = -(-seq_len // block_size)
+    device = worker.device
+    prefills, slots = [], []
+    for seq in range(num_seqs):
+        table = torch.arange(seq * blocks_per_seq, (seq + 1) * blocks_per_seq, device=device)
+        prefills.append(PrefillChunk(seq * seq_len, seq_len, seq_len, table))
+        slots.append(torch.arange(seq_len, device=device) + seq * blocks_per_seq * block_size)
+    meta = AttentionMetadata(torch.cat(slots), 0, None, None, prefills)
+    input_ids = torch.randint(100, 1000, (num_seqs * seq_len,), device=device)
+    positions = torch.arange(seq_len, device=device).repeat(num_seqs)
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(repeats):
+            start = time.perf_counter()
+            hidden = model(input_ids, positions, kv_caches, meta)
+            model.compute_logits(hidden[seq_len - 1 :: seq_len])
+            best = min(best, time.perf_counter() - start)
+    return num_seqs * seq_len / best
+
+
+def run(args) -> dict:
+    from pagedserve import LLM
+
+    llm = LLM(args.model, **args.engine_overrides)
+    vocab_size = llm.llm_engine.processor.vocab_size
+    requests = make_requests(args, vocab_size)
+    num_prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
+    num_output_tokens = sum(r.output_len for r in requests)
+    elapsed = run_pagedserve(llm, requests)
+    record = {
+        "benchmark": "throughput", "dataset": args.dataset, "num_prompts": len(requests),
+        "prompt_tokens": num_prompt_tokens, "output_tokens": num_output_tokens, "elapsed_s": elapsed,
+        "requests_per_s": len(requests) / elapsed, "total_tokens_per_s": (num_prompt_tokens + num_output_tokens) / elapsed,
+        "output_tokens_per_s": num_output_tokens / elapsed,
+    }
+    rows = [("requests/s", record["requests_per_s"]), ("total tokens/s", record["total_tokens_per_s"]),
+            ("output tokens/s", record["output_tokens_per_s"]), ("elapsed s", elapsed)]
+    if args.ceiling:
+        ceiling = measure_ceiling(llm)
+        record["ceiling_tokens_per_s"] = ceiling
+        record["fraction_of_ceiling"] = record["total_tokens_per_s"] / ceiling
+        rows += [("forward-pass ceiling tokens/s", ceiling), ("fraction of ceiling", record["fraction_of_ceiling"])]
+    if args.baseline == "hf":
+        model_dir = str(llm.llm_engine.engine_core.worker.model_dir)
+        del llm
+        hf_elapsed = run_hf_static_batching(model_dir, requests)
+        record["hf_total_tokens_per_s"] = (num_prompt_tokens + num_output_tokens) / hf_elapsed
+        record["hf_output_tokens_per_s"] = num_output_tokens / hf_elapsed
+        record["speedup_vs_hf"] = hf_elapsed / elapsed
+        rows += [("HF static batching total tokens/s", record["hf_total_tokens_per_s"]),
+                 ("speed-up vs HF", record["speedup_vs_hf"])]
+    print_table(f"throughput ({args.dataset}, {len(requests)} prompts)", rows)
+    write_json(args.json, record)
+    return record

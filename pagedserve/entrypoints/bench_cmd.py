@@ -1,0 +1,82 @@
+"""`pagedserve bench <workload>`: the workloads of BENCHMARKS.md, one table each (and --json)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from pagedserve.config import EngineConfig
+from pagedserve.entrypoints.engine_args import add_engine_args
+
+
+def register(sub) -> None:
+    bench = sub.add_parser("bench", help="run a benchmark workload")
+    workloads = bench.add_subparsers(dest="workload", required=True)
+
+    throughput = _workload(workloads, "throughput", "offline LLM.generate throughput", engine=True)
+    throughput.add_argument("--dataset", choices=["random", "mixed"], default="random",
+                            help="random: uniform lengths; mixed: input 16-512 and output 16-256 tokens")
+    throughput.add_argument("--num-prompts", type=int, default=None, help="default 32 (random) or 64 (mixed)")
+    throughput.add_argument("--input-len", type=int, default=128)
+    throughput.add_argument("--output-len", type=int, default=128)
+    throughput.add_argument("--baseline", choices=["none", "hf"], default="none", help="also run transformers static batching")
+    throughput.add_argument("--ceiling", action="store_true", help="also measure the bare forward pass at full batch")
+
+    serve = _workload(workloads, "serve", "streaming HTTP client against an OpenAI-compatible server")
+    serve.add_argument("--base-url", default=None, help="server to measure (default: start our own)")
+    serve.add_argument("--model", default=EngineConfig.model, help="model for our own server")
+    serve.add_argument("--served-model", default=None, help="model name to send (default: the server's first)")
+    serve.add_argument("--api-key", default=None)
+    serve.add_argument("--num-prompts", type=int, default=64)
+    serve.add_argument("--input-len", type=int, default=128)
+    serve.add_argument("--output-len", type=int, default=128)
+    serve.add_argument("--vocab-size", type=int, default=49152, help="random prompt ids are drawn below this")
+    serve.add_argument("--request-rate", nargs="+", default=["inf"], help="requests/s (Poisson), or inf; several run in turn")
+    serve.add_argument("--max-concurrency", type=int, default=None)
+    serve.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="extra flags for our own server (last)")
+
+    prefix = _workload(workloads, "prefix", "prefix caching on vs off", engine=True)
+    prefix.add_argument("--num-prompts", type=int, default=32)
+    prefix.add_argument("--prefix-len", type=int, default=1024)
+
+    interference = _workload(workloads, "interference", "decode latency while a long prompt is prefilled", engine=True)
+    interference.add_argument("--long-prompt-len", type=int, default=2048)
+    interference.add_argument("--chunk-size", type=int, default=32, help="prompt tokens per step with chunked prefill")
+
+    kv = _workload(workloads, "kv", "KV cache waste and concurrency (no model)")
+    kv.add_argument("--block-size", type=int, default=16)
+    kv.add_argument("--num-blocks", type=int, default=2048)
+    kv.add_argument("--mean-len", type=int, default=320)
+    kv.add_argument("--max-model-len", type=int, default=8192)
+
+    sched = _workload(workloads, "sched", "scheduler + KV manager step time (no model)")
+    sched.add_argument("--num-running", type=int, default=256)
+    sched.add_argument("--num-blocks", type=int, default=20000)
+    sched.add_argument("--steps", type=int, default=500)
+
+
+def _workload(workloads, name: str, help_text: str, engine: bool = False) -> argparse.ArgumentParser:
+    parser = workloads.add_parser(name, help=help_text)
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON")
+    if engine:
+        add_engine_args(parser)  # its --seed seeds the prompts too
+    else:
+        parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    parser.set_defaults(handler=run_bench)
+    return parser
+
+
+def run_bench(args) -> int:
+    from pagedserve.benchmarks import interference, kv_sched, prefix, serve, throughput
+
+    if args.workload in ("throughput", "prefix", "interference"):
+        defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+        # Engine settings the user changed, passed on to LLM(...); the model travels separately.
+        args.engine_overrides = {name: getattr(args, name) for name in defaults if name != "model" and hasattr(args, name)
+                                 and getattr(args, name) != defaults[name]}
+    if args.workload == "throughput" and args.num_prompts is None:
+        args.num_prompts = 64 if args.dataset == "mixed" else 32
+    runners = {"throughput": throughput.run, "serve": serve.run, "prefix": prefix.run, "interference": interference.run,
+               "kv": kv_sched.run_kv, "sched": kv_sched.run_sched}
+    runners[args.workload](args)
+    return 0
