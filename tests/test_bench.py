@@ -5,9 +5,10 @@ import subprocess
 import sys
 
 
-def bench(tmp_path, *args, timeout=600):
+def bench(tmp_path, workload, *args, timeout=600):
     out = tmp_path / "record.json"
-    result = subprocess.run([sys.executable, "-m", "pagedserve.entrypoints.cli", "bench", *args, "--json", str(out)],
+    # --json goes first: serve's --server-args takes everything after it.
+    result = subprocess.run([sys.executable, "-m", "pagedserve.entrypoints.cli", "bench", workload, "--json", str(out), *args],
                             capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(out.read_text()), result.stdout

@@ -1,4 +1,5 @@
-"""Paged attention: the reference backend in plain, device-agnostic torch.
+"""Paged attention. The reference backend is plain, device-agnostic torch; on CPU in float32 the
+decodes go through a C++ kernel (pagedserve/csrc) that reads K/V straight from the blocks.
 
 The flat batch holds decodes first (one query token each), then prefill chunks. K/V of the new
 tokens are written into the paged cache through slot_mapping; attention then reads each
@@ -66,6 +67,23 @@ def gather_sequence_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_le
 
 
 def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    kernels = _cpu_kernels(query, kv_cache)
+    if kernels is not None:
+        return kernels.paged_decode_attention(query.contiguous(), kv_cache[0], kv_cache[1], meta.decode_block_tables,
+                                              meta.decode_seq_lens, query.shape[-1] ** -0.5)
+    return reference_decode_attention(query, kv_cache, meta)
+
+
+def _cpu_kernels(query: torch.Tensor, kv_cache: torch.Tensor):
+    if query.device.type != "cpu" or kv_cache.dtype != torch.float32:
+        return None
+    from pagedserve.layers import cpu_kernels
+
+    return cpu_kernels.load()
+
+
+def reference_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """Plain torch: gather each sequence's blocks, then one batched, masked SDPA. The oracle for kernels."""
     num_decodes = query.shape[0]
     blocks = kv_cache[:, meta.decode_block_tables]  # [2, B, max_blocks, bs, KV, D]
     keys = blocks[0].flatten(1, 2).transpose(1, 2)  # [B, KV, L, D]
