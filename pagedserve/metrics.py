@@ -64,6 +64,13 @@ class EngineMetrics:
     def request_removed(self, engine_request_id: str) -> None:
         self._timings.pop(engine_request_id, None)
 
+    def request_stopped_by_string(self, engine_request_id: str, now: float) -> None:
+        """A stop string (found in the front end) ended it: the core only sees an abort."""
+        timing = self._timings.pop(engine_request_id, None)
+        if timing is not None:
+            self.e2e.observe(now - timing.arrival)
+            self.request_success.labels(self.model_name, "stop").inc()
+
     def record_outputs(self, outputs: list[EngineCoreOutput], stats: SchedulerStats | None, now: float) -> None:
         for output in outputs:
             self._record_output(output, now)

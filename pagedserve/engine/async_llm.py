@@ -123,6 +123,8 @@ class AsyncLLM:
                     if output.finished:
                         self._queues.pop(output.request_id, None)
                 if processed.reqs_to_abort:
+                    for engine_id in processed.reqs_to_abort:
+                        self.metrics.request_stopped_by_string(engine_id, time.monotonic())
                     await self.client.abort_requests(processed.reqs_to_abort)
         except EngineDeadError as exc:
             self.mark_dead(exc)

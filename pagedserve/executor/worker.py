@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
 from pagedserve.config import EngineConfig
 from pagedserve.executor.model_runner import ModelRunner
+from pagedserve.layers.linear import onednn_available
 from pagedserve.models.llama import head_dim_of
 from pagedserve.models.loader import load_hf_config, load_model, max_position_of, resolve_model_dir
 
@@ -41,6 +43,8 @@ class Worker:
         if config.max_model_len is not None and config.max_model_len > model_max_len:
             raise ValueError(f"max_model_len must be <= {model_max_len} (the model's context length), got {config.max_model_len}")
         self.model = load_model(self.hf_config, self.model_dir, self.dtype, self.device, model_max_len)
+        if onednn_available(self.device, self.dtype) and os.environ.get("PAGEDSERVE_GEMM_BACKEND", "auto") != "mkl":
+            self.model.pack_for_onednn()
         self.num_blocks = self._num_kv_blocks()
         self.max_model_len = self._max_model_len(model_max_len)
         self.kv_caches = self._allocate_kv_caches()

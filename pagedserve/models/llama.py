@@ -13,6 +13,7 @@ from torch import nn
 
 from pagedserve.layers.attention import Attention, AttentionMetadata
 from pagedserve.layers.layernorm import RMSNorm
+from pagedserve.layers.linear import Linear, pack_weight, packed_linear
 from pagedserve.layers.rotary import RotaryEmbedding
 
 # checkpoint name piece -> (our fused parameter, shard index)
@@ -40,9 +41,9 @@ class LlamaAttention(nn.Module):
         o_bias = model_type != "qwen2" and getattr(hf_config, "attention_bias", False)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(hf_config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.qkv_proj = Linear(hf_config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.qkv_proj.shard_sizes = (self.q_size, self.kv_size, self.kv_size)
-        self.o_proj = nn.Linear(self.q_size, hf_config.hidden_size, bias=o_bias)
+        self.o_proj = Linear(self.q_size, hf_config.hidden_size, bias=o_bias)
         self.qk_norm = model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
@@ -69,9 +70,9 @@ class LlamaMLP(nn.Module):
             raise ValueError(f"hidden_act {hf_config.hidden_act!r} is not supported; only 'silu'")
         bias = getattr(hf_config, "mlp_bias", False)
         self.intermediate_size = hf_config.intermediate_size
-        self.gate_up_proj = nn.Linear(hf_config.hidden_size, 2 * self.intermediate_size, bias=bias)
+        self.gate_up_proj = Linear(hf_config.hidden_size, 2 * self.intermediate_size, bias=bias)
         self.gate_up_proj.shard_sizes = (self.intermediate_size, self.intermediate_size)
-        self.down_proj = nn.Linear(self.intermediate_size, hf_config.hidden_size, bias=bias)
+        self.down_proj = Linear(self.intermediate_size, hf_config.hidden_size, bias=bias)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -118,6 +119,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = hf_config
         self.model = LlamaModel(hf_config, max_position)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.packed_lm_head: torch.Tensor | None = None
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
@@ -127,7 +129,16 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.packed_lm_head is not None:
+            return packed_linear(hidden_states, self.packed_lm_head, None)
         return F.linear(hidden_states, self.lm_head.weight)
+
+    def pack_for_onednn(self) -> None:
+        """Run every GEMM on oneDNN-packed weights (CPU, float32); the originals stay for reading."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+        self.packed_lm_head = pack_weight(self.lm_head.weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters(remove_duplicate=False))
