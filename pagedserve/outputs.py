@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -39,4 +39,3 @@ class RequestOutput:
     finished: bool
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
-    metrics: dict = field(default_factory=dict)

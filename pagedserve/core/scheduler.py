@@ -70,10 +70,6 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or len(self.waiting) > 0
 
-    @property
-    def num_unfinished_requests(self) -> int:
-        return len(self.running) + len(self.waiting)
-
     def get_stats(self) -> SchedulerStats:
         prefix = self.kv_cache_manager.prefix_cache_stats
         return SchedulerStats(

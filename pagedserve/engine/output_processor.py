@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pagedserve.core.interface import EngineCoreOutput, LogprobsLists
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
@@ -33,7 +33,6 @@ class RequestState:
     prompt_logprobs: list[PositionLogprobs | None] | None
     num_cached_tokens: int = 0
     prompt_logprobs_sent: bool = False
-    metrics: dict = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:
@@ -150,7 +149,7 @@ class OutputProcessor:
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
         delta = kind == RequestOutputKind.DELTA
-        completions = [self._completion(sample, finished, delta) for sample in state.samples.values()]
+        completions = [self._completion(sample, delta) for sample in state.samples.values()]
         prompt_logprobs = state.prompt_logprobs
         if delta and prompt_logprobs is not None:
             prompt_logprobs = None if state.prompt_logprobs_sent else prompt_logprobs
@@ -165,7 +164,7 @@ class OutputProcessor:
             num_cached_tokens=state.num_cached_tokens,
         )
 
-    def _completion(self, sample: SampleState, request_finished: bool, delta: bool) -> CompletionOutput:
+    def _completion(self, sample: SampleState, delta: bool) -> CompletionOutput:
         finished = sample.finish_reason is not None
         detok = sample.detokenizer
         text = detok.next_text(finished, delta)

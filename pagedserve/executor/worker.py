@@ -9,6 +9,7 @@ import torch
 
 from pagedserve.config import EngineConfig
 from pagedserve.executor.model_runner import ModelRunner
+from pagedserve.layers import cpu_kernels
 from pagedserve.layers.linear import onednn_available
 from pagedserve.models.llama import head_dim_of
 from pagedserve.models.loader import load_hf_config, load_model, max_position_of, resolve_model_dir
@@ -45,6 +46,8 @@ class Worker:
         self.model = load_model(self.hf_config, self.model_dir, self.dtype, self.device, model_max_len)
         if onednn_available(self.device, self.dtype) and os.environ.get("PAGEDSERVE_GEMM_BACKEND", "auto") != "mkl":
             self.model.pack_for_onednn()
+        if self.device.type == "cpu":
+            cpu_kernels.load()  # compile (first time on a machine) now, not during the first request
         self.num_blocks = self._num_kv_blocks()
         self.max_model_len = self._max_model_len(model_max_len)
         self.kv_caches = self._allocate_kv_caches()

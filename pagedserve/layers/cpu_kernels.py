@@ -6,6 +6,7 @@ falls back to the plain-torch reference backend.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from functools import lru_cache
@@ -26,7 +27,10 @@ def load():
 
         from pagedserve.models.gguf_convert import cache_root
 
-        build_dir = cache_root() / "extensions" / "paged_attention"
+        # One build per checkout and source version: ninja would rebuild a shared one whenever
+        # another checkout (a CI clone, say) used it in between.
+        key = hashlib.sha256(str(_SOURCE).encode() + _SOURCE.read_bytes()).hexdigest()[:16]
+        build_dir = cache_root() / "extensions" / f"paged_attention-{key}"
         build_dir.mkdir(parents=True, exist_ok=True)
         return load_extension(
             name="pagedserve_paged_attention",
