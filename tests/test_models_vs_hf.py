@@ -52,3 +52,16 @@ def test_tiny_architectures_match_transformers(arch, tiny_models):
     reference, _ = hf_token_logprobs(model_dir, prompts[1], outputs[1].outputs[0].token_ids)
     ours = [pos[tok].logprob for tok, pos in zip(outputs[1].outputs[0].token_ids, outputs[1].outputs[0].logprobs)]
     assert ours == pytest.approx(reference, abs=1e-3)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_dtypes_run_and_stay_close_to_float32(dtype, tiny_models):
+    model_dir = tiny_models["qwen2"]
+    prompts = [{"prompt_token_ids": [1, 400, 500, 600, 700]}]
+    half = LLM(str(model_dir), dtype=dtype, kv_cache_memory=8 * 1024**2)
+    assert half.llm_engine.engine_core.worker.kv_caches[0].dtype == getattr(__import__("torch"), dtype)
+    out = half.generate(prompts, greedy(8, logprobs=0), use_tqdm=False)[0].outputs[0]
+    reference, _ = hf_token_logprobs(model_dir, prompts[0]["prompt_token_ids"], out.token_ids)
+    assert len(out.token_ids) == 8
+    # Half precision changes the numbers a little, not the model: the chosen tokens stay likely under float32.
+    assert [pos[tok].logprob for tok, pos in zip(out.token_ids, out.logprobs)] == pytest.approx(reference, abs=0.15)
