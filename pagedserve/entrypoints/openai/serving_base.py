@@ -46,6 +46,21 @@ class ServingBase:
             raise _as_api_error(exc) from exc
         return added
 
+    async def sse_stream(self, added, events: AsyncIterator[str]) -> AsyncIterator[str]:
+        """SSE framing shared by both endpoints: the events, an error event if generation fails, then
+        [DONE]. However the stream ends (a client that went away included), the sub-requests are aborted;
+        that is a no-op for finished ones."""
+        try:
+            async for event in events:
+                yield event
+        except Exception as exc:
+            yield stream_error_event(exc)
+        finally:
+            await events.aclose()
+            for sub_id, _ in added:
+                await self.engine.abort(sub_id)
+        yield sse("[DONE]")
+
     def streams(self, added) -> list[AsyncIterator[RequestOutput]]:
         return [self.engine.iterate(sub_id, queue) for sub_id, queue in added]
 
@@ -120,8 +135,10 @@ async def merge_streams(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int
 
 
 def usage_of(outputs: list[RequestOutput]) -> UsageInfo:
-    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
-    completion_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return make_usage(sum(len(o.prompt_token_ids) for o in outputs), sum(len(c.token_ids) for o in outputs for c in o.outputs))
+
+
+def make_usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)
 
 

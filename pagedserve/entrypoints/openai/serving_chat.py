@@ -22,7 +22,7 @@ from pagedserve.entrypoints.openai.protocol import (
     TopLogprob,
     random_id,
 )
-from pagedserve.entrypoints.openai.serving_base import ServingBase, merge_streams, sse, stream_error_event, usage_of
+from pagedserve.entrypoints.openai.serving_base import ServingBase, make_usage, merge_streams, sse, usage_of
 from pagedserve.outputs import PositionLogprobs
 
 
@@ -65,7 +65,7 @@ class OpenAIServingChat(ServingBase):
         request_id = random_id("chatcmpl")
         added = await self.add_requests(request_id, [{"prompt_token_ids": prompt_ids}], params, request.stream, request.priority)
         if request.stream:
-            return self._stream(request, request_id, added)
+            return self.sse_stream(added, self._stream_events(request, request_id, added))
         output = (await self.collect_final(added, raw_request))[0]
         choices = [
             ChatCompletionChoice(index=c.index, message=AssistantMessage(content=c.text),
@@ -75,40 +75,30 @@ class OpenAIServingChat(ServingBase):
         ]
         return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage_of([output]))
 
-    async def _stream(self, request: ChatCompletionRequest, request_id: str, added) -> AsyncIterator[str]:
+    async def _stream_events(self, request: ChatCompletionRequest, request_id: str, added) -> AsyncIterator[str]:
         created = int(time.time())
-        include_usage = request.stream_options is not None and request.stream_options.include_usage
 
         def chunk(choices, usage=None):
             return sse(ChatCompletionChunk(id=request_id, created=created, model=self.model_name, choices=choices,
                                            usage=usage).model_dump(exclude_none=True))
 
         completion_tokens, final = 0, None
-        try:
-            yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(request.n)])
-            async for _, output in merge_streams(self.streams(added)):
-                choices = []
-                for c in output.outputs:
-                    if not (c.text or c.token_ids or c.finish_reason):
-                        continue
-                    completion_tokens += len(c.token_ids)
-                    choices.append(ChatStreamChoice(index=c.index, delta=DeltaMessage(content=c.text),
-                                                    logprobs=self._logprobs(c.token_ids, c.logprobs, request),
-                                                    finish_reason=c.finish_reason, stop_reason=c.stop_reason))
-                if output.finished:
-                    final = output
-                if choices:
-                    yield chunk(choices)
-            if include_usage and final is not None:
-                prompt_tokens = len(final.prompt_token_ids)
-                yield chunk([], {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                                 "total_tokens": prompt_tokens + completion_tokens})
-        except Exception as exc:
-            yield stream_error_event(exc)
-        finally:
-            for sub_id, _ in added:
-                await self.engine.abort(sub_id)
-        yield sse("[DONE]")
+        yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(request.n)])
+        async for _, output in merge_streams(self.streams(added)):
+            choices = []
+            for c in output.outputs:
+                if not (c.text or c.token_ids or c.finish_reason):
+                    continue
+                completion_tokens += len(c.token_ids)
+                choices.append(ChatStreamChoice(index=c.index, delta=DeltaMessage(content=c.text),
+                                                logprobs=self._logprobs(c.token_ids, c.logprobs, request),
+                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+            if output.finished:
+                final = output
+            if choices:
+                yield chunk(choices)
+        if request.stream_options is not None and request.stream_options.include_usage and final is not None:
+            yield chunk([], make_usage(len(final.prompt_token_ids), completion_tokens))
 
     def _logprobs(self, token_ids: list[int], positions: list[PositionLogprobs] | None, request) -> ChatChoiceLogprobs | None:
         if not request.logprobs or positions is None:

@@ -16,7 +16,7 @@ from pagedserve.entrypoints.openai.protocol import (
     CompletionResponse,
     random_id,
 )
-from pagedserve.entrypoints.openai.serving_base import ServingBase, merge_streams, sse, stream_error_event, usage_of
+from pagedserve.entrypoints.openai.serving_base import ServingBase, make_usage, merge_streams, sse, usage_of
 from pagedserve.outputs import PositionLogprobs, RequestOutput
 
 
@@ -34,7 +34,7 @@ class OpenAIServingCompletion(ServingBase):
         request_id = random_id("cmpl")
         added = await self.add_requests(request_id, prompts, params, request.stream, request.priority)
         if request.stream:
-            return self._stream(request, request_id, added)
+            return self.sse_stream(added, self._stream_events(request, request_id, added))
         outputs = await self.collect_final(added, raw_request)
         choices = [
             self._choice(prompt_index * request.n + c.index, output, c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason,
@@ -52,40 +52,29 @@ class OpenAIServingCompletion(ServingBase):
         if request.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
 
-    async def _stream(self, request: CompletionRequest, request_id: str, added) -> AsyncIterator[str]:
+    async def _stream_events(self, request: CompletionRequest, request_id: str, added) -> AsyncIterator[str]:
         created = int(time.time())
-        include_usage = request.stream_options is not None and request.stream_options.include_usage
         finals: dict[int, RequestOutput] = {}
         echoed: set[int] = set()
         token_counts: dict[int, int] = {}
-        try:
-            async for prompt_index, output in merge_streams(self.streams(added)):
-                choices = []
-                for c in output.outputs:
-                    index = prompt_index * request.n + c.index
-                    echo = request.echo and index not in echoed
-                    if not (c.text or c.token_ids or c.finish_reason or echo):
-                        continue
-                    echoed.add(index)
-                    token_counts[index] = token_counts.get(index, 0) + len(c.token_ids)
-                    choices.append(self._choice(index, output, c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason,
-                                                request, echo=echo))
-                if output.finished:
-                    finals[prompt_index] = output
-                if choices:
-                    yield sse(CompletionChunk(id=request_id, created=created, model=self.model_name, choices=choices).model_dump())
-            if include_usage:
-                prompt_tokens = sum(len(o.prompt_token_ids) for o in finals.values())
-                completion_tokens = sum(token_counts.values())
-                usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                         "total_tokens": prompt_tokens + completion_tokens}
-                yield sse(CompletionChunk(id=request_id, created=created, model=self.model_name, choices=[], usage=usage).model_dump())
-        except Exception as exc:
-            yield stream_error_event(exc)
-        finally:
-            for sub_id, _ in added:
-                await self.engine.abort(sub_id)
-        yield sse("[DONE]")
+        async for prompt_index, output in merge_streams(self.streams(added)):
+            choices = []
+            for c in output.outputs:
+                index = prompt_index * request.n + c.index
+                echo = request.echo and index not in echoed
+                if not (c.text or c.token_ids or c.finish_reason or echo):
+                    continue
+                echoed.add(index)
+                token_counts[index] = token_counts.get(index, 0) + len(c.token_ids)
+                choices.append(self._choice(index, output, c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason,
+                                            request, echo=echo))
+            if output.finished:
+                finals[prompt_index] = output
+            if choices:
+                yield sse(CompletionChunk(id=request_id, created=created, model=self.model_name, choices=choices).model_dump())
+        if request.stream_options is not None and request.stream_options.include_usage:
+            usage = make_usage(sum(len(o.prompt_token_ids) for o in finals.values()), sum(token_counts.values()))
+            yield sse(CompletionChunk(id=request_id, created=created, model=self.model_name, choices=[], usage=usage).model_dump())
 
     def _choice(self, index, output: RequestOutput, text, token_ids, logprobs, finish_reason, stop_reason, request, echo: bool):
         prompt_text = ""
