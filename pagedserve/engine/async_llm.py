@@ -87,7 +87,12 @@ class AsyncLLM:
         for engine_id, engine_request in zip(engine_ids, engine_requests):
             self.metrics.request_added(engine_id, engine_request.arrival_time, len(processed.prompt_token_ids))
         self._ensure_output_handler()
-        await self.client.add_requests(engine_requests)
+        try:
+            await self.client.add_requests(engine_requests)
+        except BaseException:  # the engine died or we were cancelled: leave no half-registered request
+            self.output_processor.abort_request(request_id)
+            self._forget(request_id, engine_ids)
+            raise
         return queue
 
     async def abort(self, request_id: str) -> None:
