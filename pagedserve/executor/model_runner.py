@@ -101,11 +101,12 @@ class ModelRunner:
         def column(values, dtype=torch.float32):
             return torch.tensor(values, dtype=dtype, device=device)
 
-        min_tokens_bans = [
-            (row, sorted(p.all_stop_token_ids()))
-            for row, (p, s) in enumerate(zip(params, states))
-            if s.num_output_tokens < p.min_tokens and p.all_stop_token_ids()
-        ]
+        min_tokens_bans = []
+        for row, (p, s) in enumerate(zip(params, states)):
+            if s.num_output_tokens < p.min_tokens:  # cheap test first: this runs for every row, every step
+                banned = p.all_stop_token_ids()
+                if banned:
+                    min_tokens_bans.append((row, sorted(banned)))
         return SamplingMetadata(
             temperature=column([0.0 if p.is_greedy else p.temperature for p in params]),
             all_greedy=all_greedy,
