@@ -11,7 +11,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.engine.client import AsyncMPClient, EngineDeadError
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.processor import Processor, PromptType
-from pagedserve.engine.tokenizer import load_tokenizer
+from pagedserve.engine.tokenizer import load_tokenizer, preload_tokenizer_library
 from pagedserve.metrics import EngineMetrics
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
@@ -27,7 +27,8 @@ class AsyncLLM:
     def __init__(self, config: EngineConfig, served_model_name: str | None = None, max_waiting_requests: int | None = None,
                  on_engine_dead: Callable[[], None] | None = None) -> None:
         self.config = config
-        self.client = AsyncMPClient(config)
+        # The front end's own slow imports overlap the engine's start-up (separate processes, separate cores).
+        self.client = AsyncMPClient(config, while_starting=preload_tokenizer_library)
         ready = self.client.ready
         self.model_dir = ready.model_dir
         self.max_model_len = ready.max_model_len

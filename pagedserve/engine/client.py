@@ -35,7 +35,8 @@ class EngineDeadError(RuntimeError):
 class AsyncMPClient:
     """Front-end side of the engine core process."""
 
-    def __init__(self, config: EngineConfig, startup_timeout_s: float = 600.0) -> None:
+    def __init__(self, config: EngineConfig, startup_timeout_s: float = 600.0, while_starting=None) -> None:
+        """Start the engine core and wait until it is ready; while_starting() runs meanwhile in this process."""
         self._ipc_dir = tempfile.mkdtemp(prefix="pagedserve-")
         input_address = f"ipc://{self._ipc_dir}/input"
         output_address = f"ipc://{self._ipc_dir}/output"
@@ -53,6 +54,8 @@ class AsyncMPClient:
         self._utility_ids = itertools.count()
         self._utility_futures: dict[int, asyncio.Future] = {}
         try:
+            if while_starting is not None:
+                while_starting()
             self.ready: EngineReady = self._wait_ready(startup_timeout_s)
         except BaseException:  # a signal or a failed start: leave no process behind
             self.shutdown()

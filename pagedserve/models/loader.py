@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from pagedserve.config import DEFAULT_MODEL
 from pagedserve.models import gguf_convert
@@ -64,9 +66,21 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
+@contextlib.contextmanager
+def _skip_weight_init():
+    """Random initialisation of weights the checkpoint overwrites costs seconds at start-up; skip it.
+    (load_weights fails if any parameter is left unloaded.)"""
+    saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
+    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None
+    try:
+        yield
+    finally:
+        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved
+
+
 def load_model(hf_config, model_dir: Path, dtype: torch.dtype, device: torch.device, max_position: int) -> torch.nn.Module:
     model_class = resolve_model_class(hf_config)
-    with torch.device(device):
+    with torch.device(device), _skip_weight_init():
         model = model_class(hf_config, max_position)
     model.load_weights(iterate_safetensors(model_dir))
     # Rotary caches stay float32 (they are cast per step); weights take the serving dtype.
