@@ -50,18 +50,11 @@ def run_hf_static_batching(model_dir: str, requests: list[BenchRequest]) -> floa
 
 def measure_ceiling(llm, num_seqs: int, seq_len: int, repeats: int = 3) -> float:
     """Tokens/s of the bare model forward over num_seqs fresh sequences of seq_len tokens (no context,
-    so attention is negligible), logits at each sequence's last token; best of repeats."""
-    from pagedserve.layers.attention import AttentionMetadata, PrefillChunk
-
+    so attention is negligible), logits at each sequence's last token; best of repeats. seq_len 1
+    runs as the engine runs decodes (one batched attention call), longer ones as prefills."""
     worker = llm.llm_engine.engine_core.worker
     model, kv_caches, block_size, device = worker.model, worker.kv_caches, worker.config.block_size, worker.device
-    blocks_per_seq = -(-seq_len // block_size)
-    prefills, slots = [], []
-    for seq in range(num_seqs):
-        table = torch.arange(seq * blocks_per_seq, (seq + 1) * blocks_per_seq, device=device)
-        prefills.append(PrefillChunk(seq * seq_len, seq_len, seq_len, table))
-        slots.append(torch.arange(seq_len, device=device) + seq * blocks_per_seq * block_size)
-    meta = AttentionMetadata(torch.cat(slots), 0, None, None, prefills)
+    meta = _fresh_sequences_metadata(num_seqs, seq_len, block_size, device)
     input_ids = torch.randint(100, 1000, (num_seqs * seq_len,), device=device)
     positions = torch.arange(seq_len, device=device).repeat(num_seqs)
     best = float("inf")
@@ -72,6 +65,21 @@ def measure_ceiling(llm, num_seqs: int, seq_len: int, repeats: int = 3) -> float
             model.compute_logits(hidden[seq_len - 1 :: seq_len])
             best = min(best, time.perf_counter() - start)
     return num_seqs * seq_len / best
+
+
+def _fresh_sequences_metadata(num_seqs: int, seq_len: int, block_size: int, device):
+    from pagedserve.executor.input_batch import fill_decode_metadata
+    from pagedserve.layers.attention import AttentionMetadata, PrefillChunk
+
+    blocks_per_seq = -(-seq_len // block_size)
+    tables = [torch.arange(seq * blocks_per_seq, (seq + 1) * blocks_per_seq) for seq in range(num_seqs)]
+    slots = torch.cat([torch.arange(seq_len) + table[0] * block_size for table in tables]).to(device)
+    if seq_len == 1:
+        meta = AttentionMetadata(slots, num_seqs, None, None, [])
+        fill_decode_metadata(meta, [t.numpy() for t in tables], [1] * num_seqs, block_size, device)
+        return meta
+    prefills = [PrefillChunk(seq * seq_len, seq_len, seq_len, table.to(device)) for seq, table in enumerate(tables)]
+    return AttentionMetadata(slots, 0, None, None, prefills)
 
 
 def workload_ceiling(llm, requests: list[BenchRequest]) -> dict:

@@ -1,31 +1,101 @@
 // Paged attention for decodes on CPU: reads K/V straight from the block layout (no gather copy).
-// One task per (sequence, KV head); the query heads that share that KV head (GQA) go together,
-// so each key and value row is loaded once for all of them.
-#include <torch/extension.h>
+// One task per (sequence, KV head); the query heads that share that KV head (GQA) go together, so
+// each key and value row is loaded once for all of them. Blocks are visited once with an online
+// softmax (running max and sum per query head), so K and V of a block are read together and no
+// per-position score buffer outlives the block.
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
-static inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+#include "ops.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kMaxBlockSize = 256;
+
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (n % 16 == 0) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+      s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+      s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+    }
+    const __m256 s = _mm256_add_ps(s0, s1);
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    r = _mm_add_ss(r, _mm_shuffle_ps(r, r, 1));
+    return _mm_cvtss_f32(r);
+  }
+#endif
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
   return sum;
 }
 
+// acc[d] = acc[d] * rescale + sum_i p[i] * rows[i * stride + d], for the n rows of one block.
+inline void scale_and_accumulate(float* __restrict acc, float rescale, const float* p, const float* rows, int64_t n,
+                                 int64_t stride, int64_t dim) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (dim == 64) {  // the common head size: the accumulator lives in eight registers for the whole block
+    const __m256 c = _mm256_set1_ps(rescale);
+    __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(acc), c), a1 = _mm256_mul_ps(_mm256_loadu_ps(acc + 8), c);
+    __m256 a2 = _mm256_mul_ps(_mm256_loadu_ps(acc + 16), c), a3 = _mm256_mul_ps(_mm256_loadu_ps(acc + 24), c);
+    __m256 a4 = _mm256_mul_ps(_mm256_loadu_ps(acc + 32), c), a5 = _mm256_mul_ps(_mm256_loadu_ps(acc + 40), c);
+    __m256 a6 = _mm256_mul_ps(_mm256_loadu_ps(acc + 48), c), a7 = _mm256_mul_ps(_mm256_loadu_ps(acc + 56), c);
+    for (int64_t i = 0; i < n; ++i) {
+      const float* v = rows + i * stride;
+      const __m256 w = _mm256_set1_ps(p[i]);
+      a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v), a0);
+      a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8), a1);
+      a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 16), a2);
+      a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 24), a3);
+      a4 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 32), a4);
+      a5 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 40), a5);
+      a6 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 48), a6);
+      a7 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 56), a7);
+    }
+    _mm256_storeu_ps(acc, a0), _mm256_storeu_ps(acc + 8, a1), _mm256_storeu_ps(acc + 16, a2), _mm256_storeu_ps(acc + 24, a3);
+    _mm256_storeu_ps(acc + 32, a4), _mm256_storeu_ps(acc + 40, a5), _mm256_storeu_ps(acc + 48, a6), _mm256_storeu_ps(acc + 56, a7);
+    return;
+  }
+#endif
+  for (int64_t d = 0; d < dim; ++d) acc[d] *= rescale;
+  for (int64_t i = 0; i < n; ++i) {
+    const float* v = rows + i * stride;
+#pragma omp simd
+    for (int64_t d = 0; d < dim; ++d) acc[d] += p[i] * v[d];
+  }
+}
+
+inline void prefetch_rows(const float* rows, int64_t n, int64_t stride, int64_t dim) {
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t d = 0; d < dim; d += 16) __builtin_prefetch(rows + i * stride + d);
+}
+
+}  // namespace
+
 // query [B, H, D]; key_cache/value_cache [num_blocks, block_size, KV, D]; block_tables [B, max_blocks];
 // seq_lens [B]. Returns [B, H, D]. All float32 (int64 for tables and lengths), contiguous.
-torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
-  TORCH_CHECK(query.dtype() == torch::kFloat32 && key_cache.dtype() == torch::kFloat32, "float32 only");
+at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache, at::Tensor block_tables,
+                                  at::Tensor seq_lens, double scale) {
+  TORCH_CHECK(query.dtype() == at::kFloat && key_cache.dtype() == at::kFloat, "float32 only");
   TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous(), "contiguous tensors only");
   const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
+  TORCH_CHECK(block_size <= kMaxBlockSize, "block_size must be <= ", kMaxBlockSize);
   const int64_t group = num_heads / num_kv_heads;
   const int64_t max_blocks = block_tables.size(1);
-  auto out = torch::empty_like(query);
+  auto out = at::empty_like(query);
   auto tables = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
   const float* q_ptr = query.data_ptr<float>();
@@ -35,46 +105,52 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
   const int64_t* len_ptr = lens.data_ptr<int64_t>();
   float* out_ptr = out.data_ptr<float>();
   const int64_t row_stride = num_kv_heads * head_dim;  // one token's K (or V) across heads
+  const int64_t block_stride = block_size * row_stride;
   const float fscale = static_cast<float>(scale);
 
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc(group * head_dim);
+    std::vector<float> q(group * head_dim), acc(group * head_dim), scores(group * block_size);
+    std::vector<float> running_max(group), running_sum(group);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t seq = task / num_kv_heads, kv_head = task % num_kv_heads;
       const int64_t len = len_ptr[seq];
-      const float* q = q_ptr + (seq * num_heads + kv_head * group) * head_dim;
-      const int64_t* table = table_ptr + seq * max_blocks;
-      scores.assign(group * len, 0.f);
-      for (int64_t pos = 0; pos < len; ++pos) {
-        const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
-        const float* k = k_ptr + slot * row_stride + kv_head * head_dim;
-        for (int64_t g = 0; g < group; ++g) scores[g * len + pos] = dot(q + g * head_dim, k, head_dim) * fscale;
-      }
-      for (int64_t g = 0; g < group; ++g) {  // softmax per query head
-        float* s = scores.data() + g * len;
-        const float max_score = *std::max_element(s, s + len);
-        float total = 0.f;
-        for (int64_t pos = 0; pos < len; ++pos) total += (s[pos] = std::exp(s[pos] - max_score));
-        const float inv = 1.f / total;
-        for (int64_t pos = 0; pos < len; ++pos) s[pos] *= inv;
-      }
+      const float* q_in = q_ptr + (seq * num_heads + kv_head * group) * head_dim;
+      for (int64_t i = 0; i < group * head_dim; ++i) q[i] = q_in[i] * fscale;
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t pos = 0; pos < len; ++pos) {
-        const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
-        const float* v = v_ptr + slot * row_stride + kv_head * head_dim;
+      std::fill(running_max.begin(), running_max.end(), -std::numeric_limits<float>::infinity());
+      std::fill(running_sum.begin(), running_sum.end(), 0.f);
+      const int64_t* table = table_ptr + seq * max_blocks;
+      const int64_t num_blocks = (len + block_size - 1) / block_size;
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        const int64_t n = std::min(block_size, len - b * block_size);
+        const float* k_rows = k_ptr + table[b] * block_stride + kv_head * head_dim;
+        const float* v_rows = v_ptr + table[b] * block_stride + kv_head * head_dim;
+        if (b + 1 < num_blocks) {  // the next block is elsewhere in memory: ask for it early
+          const int64_t next_n = std::min(block_size, len - (b + 1) * block_size);
+          prefetch_rows(k_ptr + table[b + 1] * block_stride + kv_head * head_dim, next_n, row_stride, head_dim);
+          prefetch_rows(v_ptr + table[b + 1] * block_stride + kv_head * head_dim, next_n, row_stride, head_dim);
+        }
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t g = 0; g < group; ++g) scores[g * block_size + i] = dot(q.data() + g * head_dim, k_rows + i * row_stride, head_dim);
         for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * len + pos];
-          float* a = acc.data() + g * head_dim;
-#pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * v[d];
+          float* s = scores.data() + g * block_size;
+          float block_max = s[0];
+          for (int64_t i = 1; i < n; ++i) block_max = std::max(block_max, s[i]);
+          const float new_max = std::max(running_max[g], block_max);
+          const float rescale = std::exp(running_max[g] - new_max);  // 0 on the first block
+          float block_sum = 0.f;
+          for (int64_t i = 0; i < n; ++i) block_sum += (s[i] = std::exp(s[i] - new_max));
+          running_sum[g] = running_sum[g] * rescale + block_sum;
+          running_max[g] = new_max;
+          scale_and_accumulate(acc.data() + g * head_dim, rescale, s, v_rows, n, row_stride, head_dim);
         }
       }
-      std::copy(acc.begin(), acc.end(), out_ptr + (seq * num_heads + kv_head * group) * head_dim);
+      float* out_row = out_ptr + (seq * num_heads + kv_head * group) * head_dim;
+      for (int64_t g = 0; g < group; ++g) {
+        const float inv = 1.f / running_sum[g];
+        for (int64_t d = 0; d < head_dim; ++d) out_row[g * head_dim + d] = acc[g * head_dim + d] * inv;
+      }
     }
   });
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged attention for decodes (CPU, float32)");
 }

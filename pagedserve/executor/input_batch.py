@@ -84,7 +84,7 @@ def prepare_inputs(
         prefills=prefills,
     )
     if decode_tables:
-        _fill_decode_metadata(meta, decode_tables, decode_seq_lens, block_size, device)
+        fill_decode_metadata(meta, decode_tables, decode_seq_lens, block_size, device)
     return ModelInputs(
         input_ids=torch.from_numpy(np.concatenate(input_ids)).to(device),
         positions=torch.from_numpy(np.concatenate(positions)).to(device),
@@ -95,7 +95,7 @@ def prepare_inputs(
     )
 
 
-def _fill_decode_metadata(meta: AttentionMetadata, tables: list[np.ndarray], seq_lens: list[int], block_size: int, device) -> None:
+def fill_decode_metadata(meta: AttentionMetadata, tables: list[np.ndarray], seq_lens: list[int], block_size: int, device) -> None:
     max_blocks = max(-(-seq_len // block_size) for seq_len in seq_lens)
     padded = np.zeros((len(tables), max_blocks), dtype=np.int64)
     for row, (table, seq_len) in enumerate(zip(tables, seq_lens)):

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.layers import cpu_kernels
+
 
 @dataclass
 class PrefillChunk:
@@ -67,19 +69,11 @@ def gather_sequence_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_le
 
 
 def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    kernels = _cpu_kernels(query, kv_cache)
-    if kernels is not None:
+    kernels = cpu_kernels.for_tensor(kv_cache)
+    if kernels is not None and query.dtype == torch.float32:
         return kernels.paged_decode_attention(query.contiguous(), kv_cache[0], kv_cache[1], meta.decode_block_tables,
                                               meta.decode_seq_lens, query.shape[-1] ** -0.5)
     return reference_decode_attention(query, kv_cache, meta)
-
-
-def _cpu_kernels(query: torch.Tensor, kv_cache: torch.Tensor):
-    if query.device.type != "cpu" or kv_cache.dtype != torch.float32:
-        return None
-    from pagedserve.layers import cpu_kernels
-
-    return cpu_kernels.load()
 
 
 def reference_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

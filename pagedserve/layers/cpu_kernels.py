@@ -1,7 +1,8 @@
-"""The C++ CPU kernels (pagedserve/csrc), compiled once per machine and cached.
+"""The C++ CPU kernels (pagedserve/csrc), compiled once per checkout and source version, and cached.
 
-If the compiler or ninja is missing the build fails once, a warning says why, and attention
-falls back to the plain-torch reference backend.
+If the compiler or ninja is missing the build fails once, a warning says why, and every layer falls
+back to its plain-torch reference path. PAGEDSERVE_CPU_KERNELS=0 (or the older
+PAGEDSERVE_ATTENTION_BACKEND=torch) turns the kernels off.
 """
 
 from __future__ import annotations
@@ -12,15 +13,29 @@ import os
 from functools import lru_cache
 from pathlib import Path
 
+import torch
+
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "paged_attention.cpp"
+_CSRC = Path(__file__).resolve().parent.parent / "csrc"
+_SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "bindings.cpp")
+
+
+def enabled() -> bool:
+    return os.environ.get("PAGEDSERVE_CPU_KERNELS", "1") != "0" and os.environ.get("PAGEDSERVE_ATTENTION_BACKEND", "auto") != "torch"
+
+
+def for_tensor(tensor: torch.Tensor):
+    """The kernels, when they apply to this tensor (float32 on CPU) and are available; else None."""
+    if tensor.device.type != "cpu" or tensor.dtype != torch.float32:
+        return None
+    return load()
 
 
 @lru_cache(maxsize=1)
 def load():
-    """The compiled module, or None when unavailable or disabled (PAGEDSERVE_ATTENTION_BACKEND=torch)."""
-    if os.environ.get("PAGEDSERVE_ATTENTION_BACKEND", "auto") == "torch":
+    """The compiled module, or None when unavailable or disabled."""
+    if not enabled():
         return None
     try:
         from torch.utils.cpp_extension import load as load_extension
@@ -29,17 +44,26 @@ def load():
 
         # One build per checkout and source version: ninja would rebuild a shared one whenever
         # another checkout (a CI clone, say) used it in between.
-        key = hashlib.sha256(str(_SOURCE).encode() + _SOURCE.read_bytes()).hexdigest()[:16]
-        build_dir = cache_root() / "extensions" / f"paged_attention-{key}"
+        digest = hashlib.sha256(str(_CSRC).encode())
+        for name in (*_SOURCES, "ops.h"):
+            digest.update((_CSRC / name).read_bytes())
+        build_dir = cache_root() / "extensions" / f"cpu_kernels-{digest.hexdigest()[:16]}"
         build_dir.mkdir(parents=True, exist_ok=True)
         return load_extension(
-            name="pagedserve_paged_attention",
-            sources=[str(_SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            name="pagedserve_cpu_kernels",
+            sources=[str(_CSRC / name) for name in _SOURCES],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", *_vector_flags()],
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
             verbose=False,
         )
-    except Exception as exc:  # no compiler, no ninja, ...: the reference backend still works
-        logger.warning("CPU attention kernel unavailable (%s); using the torch reference backend", exc)
+    except Exception as exc:  # no compiler, no ninja, ...: the reference paths still work
+        logger.warning("CPU kernels unavailable (%s); using the torch reference paths", exc)
         return None
+
+
+def _vector_flags() -> list[str]:
+    # ATen's Vectorized<float> uses AVX2 intrinsics only when told the CPU has them.
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        return ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+    return []

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedserve.layers import cpu_kernels
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -42,7 +44,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_cache", emb.sin() * scaling, persistent=False)
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
-        """query [T, H, D], key [T, KV, D] -> rotated, same shapes and dtype."""
+        """query [T, H, D], key [T, KV, D] -> rotated, same shapes and dtype (in place with the CPU kernel)."""
+        kernels = cpu_kernels.for_tensor(query)
+        if kernels is not None and key.dtype == query.dtype:
+            kernels.rotary_embedding(positions, query, key, self.cos_cache, self.sin_cache)
+            return query, key
         cos = self.cos_cache[positions].unsqueeze(1).to(query.dtype)
         sin = self.sin_cache[positions].unsqueeze(1).to(query.dtype)
         return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.layers import cpu_kernels
 from pagedserve.layers.attention import Attention, AttentionMetadata
 from pagedserve.layers.layernorm import RMSNorm
 from pagedserve.layers.linear import Linear, pack_weight, packed_linear
@@ -75,7 +76,11 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(self.intermediate_size, hf_config.hidden_size, bias=bias)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        kernels = cpu_kernels.for_tensor(gate_up)
+        if kernels is not None:
+            return self.down_proj(kernels.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

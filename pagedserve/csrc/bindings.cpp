@@ -1,0 +1,11 @@
+#include <torch/extension.h>
+
+#include "ops.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "paged attention for decodes (CPU, float32)");
+  m.def("rms_norm", &rms_norm, "RMSNorm of the last dimension");
+  m.def("add_rms_norm", &add_rms_norm, "(RMSNorm(x + residual), x + residual)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(first half) * second half of the last dimension");
+  m.def("rotary_embedding", &rotary_embedding, "neox rotary embedding of query and key, in place");
+}

@@ -1,0 +1,141 @@
+// Fused element-wise layers for CPU float32: RMSNorm (with the residual add), SiLU-and-mul and
+// rotary embedding. Each replaces several torch ops; at decode batch sizes the per-op overhead and
+// the extra passes over memory cost more than the arithmetic.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "ops.h"
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+
+// Rows go to other threads only when there is enough work to pay for waking them.
+constexpr int64_t kParallelGrainElements = 1 << 15;
+
+int64_t grain_rows(int64_t row_elements) { return std::max<int64_t>(1, kParallelGrainElements / std::max<int64_t>(1, row_elements)); }
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a float32 CPU tensor");
+  TORCH_CHECK(t.stride(-1) == 1, name, " must be contiguous in its last dimension");
+}
+
+// out = weight * x / sqrt(mean(x^2) + eps), as the reference: scale first, then weight.
+void rms_norm_row(float* out, const float* x, const float* weight, int64_t n, float eps) {
+  Vec acc(0.f);
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) {
+    const Vec v = Vec::loadu(x + i);
+    acc = at::vec::fmadd(v, v, acc);
+  }
+  float sum_sq = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
+  for (; i < n; ++i) sum_sq += x[i] * x[i];
+  const float inv_rms = 1.f / std::sqrt(sum_sq / static_cast<float>(n) + eps);
+  const Vec inv(inv_rms);
+  for (i = 0; i + Vec::size() <= n; i += Vec::size())
+    (Vec::loadu(weight + i) * (Vec::loadu(x + i) * inv)).store(out + i);
+  for (; i < n; ++i) out[i] = weight[i] * (x[i] * inv_rms);
+}
+
+}  // namespace
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  const int64_t n = x.size(-1);
+  auto input = x.contiguous().view({-1, n});
+  auto w = weight.contiguous();
+  auto out = at::empty_like(input);
+  const float *in_ptr = input.data_ptr<float>(), *w_ptr = w.data_ptr<float>();
+  float* out_ptr = out.data_ptr<float>();
+  at::parallel_for(0, input.size(0), grain_rows(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) rms_norm_row(out_ptr + r * n, in_ptr + r * n, w_ptr, n, static_cast<float>(eps));
+  });
+  return out.view(x.sizes());
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
+                                                double eps) {
+  check_rows(x, "x");
+  check_rows(residual, "residual");
+  TORCH_CHECK(x.sizes() == residual.sizes(), "x and residual must have the same shape");
+  const int64_t n = x.size(-1);
+  auto a = x.contiguous().view({-1, n});
+  auto b = residual.contiguous().view({-1, n});
+  auto w = weight.contiguous();
+  auto sum = at::empty_like(a);
+  auto out = at::empty_like(a);
+  const float *a_ptr = a.data_ptr<float>(), *b_ptr = b.data_ptr<float>(), *w_ptr = w.data_ptr<float>();
+  float *sum_ptr = sum.data_ptr<float>(), *out_ptr = out.data_ptr<float>();
+  at::parallel_for(0, a.size(0), grain_rows(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* s = sum_ptr + r * n;
+      at::vec::map2<float>([](Vec p, Vec q) { return p + q; }, s, a_ptr + r * n, b_ptr + r * n, n);
+      rms_norm_row(out_ptr + r * n, s, w_ptr, n, static_cast<float>(eps));
+    }
+  });
+  return {out.view(x.sizes()), sum.view(x.sizes())};
+}
+
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  check_rows(gate_up, "gate_up");
+  const int64_t width = gate_up.size(-1) / 2;
+  auto input = gate_up.contiguous().view({-1, 2 * width});
+  auto out = at::empty({input.size(0), width}, input.options());
+  const float* in_ptr = input.data_ptr<float>();
+  float* out_ptr = out.data_ptr<float>();
+  at::parallel_for(0, input.size(0), grain_rows(2 * width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      // silu(g) * u = g / (1 + exp(-g)) * u, as torch computes silu
+      at::vec::map2<float>([](Vec g, Vec u) { return g / (Vec(1.f) + g.neg().exp()) * u; }, out_ptr + r * width,
+                           in_ptr + r * 2 * width, in_ptr + r * 2 * width + width, width);
+    }
+  });
+  auto sizes = gate_up.sizes().vec();
+  sizes.back() = width;
+  return out.view(sizes);
+}
+
+// Neox-style rotation of x [tokens, heads, head_dim] in place: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin).
+static void rotate_in_place(at::Tensor& x, const int64_t* positions, const float* cos_ptr, const float* sin_ptr, int64_t head_dim) {
+  const int64_t num_tokens = x.size(0), num_heads = x.size(1), half = head_dim / 2;
+  const int64_t token_stride = x.stride(0), head_stride = x.stride(1);
+  float* x_ptr = x.data_ptr<float>();
+  at::parallel_for(0, num_tokens, grain_rows(num_heads * head_dim), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* cos = cos_ptr + positions[t] * head_dim;
+      const float* sin = sin_ptr + positions[t] * head_dim;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        float* x1 = x_ptr + t * token_stride + h * head_stride;
+        float* x2 = x1 + half;
+#pragma omp simd
+        for (int64_t d = 0; d < half; ++d) {
+          const float a = x1[d], b = x2[d];
+          x1[d] = a * cos[d] - b * sin[d];
+          x2[d] = b * cos[half + d] + a * sin[half + d];
+        }
+      }
+    }
+  });
+}
+
+void rotary_embedding(const at::Tensor& positions, at::Tensor query, at::Tensor key, const at::Tensor& cos_cache,
+                      const at::Tensor& sin_cache) {
+  check_rows(query, "query");
+  check_rows(key, "key");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(), "positions must be contiguous int64");
+  TORCH_CHECK(cos_cache.is_contiguous() && sin_cache.is_contiguous(), "cos/sin caches must be contiguous");
+  const int64_t head_dim = query.size(2);
+  TORCH_CHECK(cos_cache.size(1) == head_dim, "cos/sin caches must have head_dim columns");
+  if (positions.numel() > 0) {
+    const int64_t max_position = positions.max().item<int64_t>();
+    TORCH_CHECK(max_position < cos_cache.size(0), "position ", max_position, " beyond the rotary cache");
+  }
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  rotate_in_place(query, pos, cos_cache.data_ptr<float>(), sin_cache.data_ptr<float>(), head_dim);
+  rotate_in_place(key, pos, cos_cache.data_ptr<float>(), sin_cache.data_ptr<float>(), head_dim);
+}

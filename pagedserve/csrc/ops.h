@@ -1,0 +1,13 @@
+// The CPU kernels of pagedserve, bound to Python in bindings.cpp.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <tuple>
+
+at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache, at::Tensor block_tables,
+                                  at::Tensor seq_lens, double scale);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps);
+at::Tensor silu_and_mul(const at::Tensor& gate_up);
+void rotary_embedding(const at::Tensor& positions, at::Tensor query, at::Tensor key, const at::Tensor& cos_cache,
+                      const at::Tensor& sin_cache);

@@ -1,0 +1,97 @@
+"""The C++ CPU kernels match the plain-torch reference paths they replace."""
+
+import numpy as np
+import pytest
+import torch
+
+from pagedserve.executor.input_batch import fill_decode_metadata
+from pagedserve.layers import cpu_kernels
+from pagedserve.layers.attention import AttentionMetadata, reference_decode_attention
+from pagedserve.layers.layernorm import RMSNorm
+from pagedserve.layers.rotary import RotaryEmbedding
+from pagedserve.models.llama import LlamaMLP
+
+
+def built_kernels():
+    kernels = cpu_kernels.load()
+    assert kernels is not None, "the C++ kernels must build on this machine (see scripts/setup.sh)"
+    return kernels
+
+
+def reference(monkeypatch, fn):
+    """fn() computed by the plain-torch path of the same module."""
+    with monkeypatch.context() as patch:
+        patch.setattr(cpu_kernels, "for_tensor", lambda tensor: None)
+        return fn()
+
+
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim,block_size,seq_lens",
+    [(9, 3, 64, 16, [1, 17, 40, 16, 100]), (4, 4, 16, 16, [3, 33]), (8, 2, 32, 8, [5] * 12), (6, 2, 24, 16, [700]),
+     (9, 3, 64, 32, [2, 64, 65, 300] * 4)],
+)
+def test_cpu_decode_kernel_matches_reference(num_heads, num_kv_heads, head_dim, block_size, seq_lens):
+    kernels = built_kernels()
+    torch.manual_seed(0)
+    num_blocks = 64
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim) * 3  # sharp softmax: tests the running max
+    rng = np.random.default_rng(0)
+    tables = [rng.choice(num_blocks, -(-n // block_size), replace=False).astype(np.int64) for n in seq_lens]
+    meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), num_decode_tokens=len(seq_lens),
+                             decode_block_tables=None, decode_seq_lens=None, prefills=[])
+    fill_decode_metadata(meta, tables, seq_lens, block_size, torch.device("cpu"))
+    query = torch.randn(len(seq_lens), num_heads, head_dim)
+    expected = reference_decode_attention(query, kv_cache, meta)
+    actual = kernels.paged_decode_attention(query, kv_cache[0], kv_cache[1], meta.decode_block_tables, meta.decode_seq_lens,
+                                            head_dim**-0.5)
+    torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 32, 700])
+def test_rms_norm_kernels_match_reference(monkeypatch, num_tokens):
+    built_kernels()
+    torch.manual_seed(0)
+    norm = RMSNorm(576, eps=1e-5)
+    norm.weight.data.uniform_(0.5, 1.5)
+    x, residual = torch.randn(num_tokens, 576), torch.randn(num_tokens, 576)
+    torch.testing.assert_close(norm(x), reference(monkeypatch, lambda: norm(x)), atol=1e-5, rtol=1e-5)
+    out, new_residual = norm(x, residual)
+    ref_out, ref_residual = reference(monkeypatch, lambda: norm(x, residual))
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(new_residual, ref_residual)
+    head_norm = RMSNorm(64)  # Qwen3's q/k norm: over the last dim of a [T, H, D] view
+    q = torch.randn(num_tokens, 3, 128)[:, :, :64]
+    torch.testing.assert_close(head_norm(q), reference(monkeypatch, lambda: head_norm(q)), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 32, 300])
+def test_silu_and_mul_matches_reference(monkeypatch, num_tokens):
+    built_kernels()
+    torch.manual_seed(0)
+    config = type("Config", (), {"hidden_act": "silu", "hidden_size": 64, "intermediate_size": 100})()
+    mlp = LlamaMLP(config)
+    x = torch.randn(num_tokens, 64) * 4
+    torch.testing.assert_close(mlp(x), reference(monkeypatch, lambda: mlp(x)), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 32, 300])
+def test_rotary_kernel_matches_reference(monkeypatch, num_tokens):
+    built_kernels()
+    torch.manual_seed(0)
+    config = type("Config", (), {"rope_theta": 10000.0, "rope_scaling": None})()
+    rope = RotaryEmbedding(config, head_dim=64, max_position=4096)
+    positions = torch.randint(0, 4096, (num_tokens,))
+    qkv = torch.randn(num_tokens, 9 * 64 + 2 * 3 * 64)  # rotated as views into the fused projection
+    q_ref, k_ref = reference(monkeypatch, lambda: rope(positions, qkv[:, :576].reshape(-1, 9, 64), qkv[:, 576:768].reshape(-1, 3, 64)))
+    untouched = qkv[:, 768:].clone()
+    q, k = rope(positions, qkv[:, :576].reshape(-1, 9, 64), qkv[:, 576:768].reshape(-1, 3, 64))
+    torch.testing.assert_close(q, q_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k, k_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(qkv[:, 768:], untouched)
+
+
+def test_rotary_kernel_rejects_positions_beyond_its_cache():
+    kernels = built_kernels()
+    cache = torch.zeros(8, 64)
+    with pytest.raises(RuntimeError, match="beyond the rotary cache"):
+        kernels.rotary_embedding(torch.tensor([8]), torch.zeros(1, 2, 64), torch.zeros(1, 1, 64), cache, cache)
