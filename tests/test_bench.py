@@ -47,10 +47,32 @@ def test_kv_and_sched(tmp_path):
     assert sched["num_running"] == 64 and sched["median_us_per_step"] > 0
 
 
-def test_serve_against_our_own_server(tmp_path, tiny_models):
+def test_serve_against_our_own_server_and_plots(tmp_path, tiny_models):
     record, stdout = bench(tmp_path, "serve", "--model", str(tiny_models["llama"]), "--num-prompts", "8", "--input-len", "16",
-                           "--output-len", "6", "--request-rate", "inf", "4", "--server-args", "--kv-cache-memory", str(2**24))
-    assert [run["request_rate"] for run in record["runs"]] == [float("inf"), 4.0]
+                           "--output-len", "6", "--request-rate", "inf", "4", "--max-concurrency", "2", "8", "--label", "ours",
+                           "--server-args", "--kv-cache-memory", str(2**24))
+    assert record["label"] == "ours" and record["num_prompts"] == 8
+    assert [(run["request_rate"], run["max_concurrency"]) for run in record["runs"]] == [
+        (float("inf"), 2), (float("inf"), 8), (4.0, 2), (4.0, 8)]
     for run in record["runs"]:
         assert run["failures"] == 0 and run["completed"] == 8
         assert run["ttft_p50_s"] > 0 and run["itl_p50_s"] > 0 and run["output_tokens_per_s"] > 0
+        assert run["ttft_p50_s"] <= run["ttft_p90_s"] <= run["ttft_p99_s"] and run["itl_p50_s"] <= run["itl_p99_s"]
+        assert run["e2el_p50_s"] >= run["ttft_p50_s"]
+    record_path = tmp_path / "record.json"
+    out_dir = tmp_path / "img"
+    result = subprocess.run([sys.executable, "-m", "pagedserve.entrypoints.cli", "bench", "plot", str(record_path), "--out-dir",
+                             str(out_dir)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for name in ("serve_throughput_vs_concurrency.png", "serve_latency_percentiles.png"):
+        data = (out_dir / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_plot_rejects_records_of_other_benchmarks(tmp_path):
+    path = tmp_path / "kv.json"
+    bench(tmp_path, "kv", "--num-blocks", "64")
+    path.write_text((tmp_path / "record.json").read_text())
+    result = subprocess.run([sys.executable, "-m", "pagedserve.entrypoints.cli", "bench", "plot", str(path), "--out-dir",
+                             str(tmp_path / "img")], capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0 and "not a `bench serve` record" in result.stderr

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import random
@@ -97,18 +98,26 @@ async def run_load(url: str, model: str, requests: list[BenchRequest], request_r
     return results, duration
 
 
+PERCENTILES = (50, 90, 99)
+
+
 def summarize(results: list[RequestResult], duration: float) -> dict:
     ok = [r for r in results if r.success]
-    itls = [gap for r in ok for gap in r.itls]
-    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
-    output_tokens = sum(r.output_tokens for r in ok)
-    return {
-        "completed": len(ok), "failures": len(results) - len(ok), "duration_s": duration,
-        "output_tokens_per_s": output_tokens / duration, "requests_per_s": len(ok) / duration,
-        "ttft_p50_s": percentile([r.ttft for r in ok], 50), "ttft_p99_s": percentile([r.ttft for r in ok], 99),
-        "tpot_mean_s": mean(tpots), "itl_p50_s": percentile(itls, 50), "itl_p99_s": percentile(itls, 99),
-        "errors": sorted({r.error for r in results if r.error})[:5],
+    series = {
+        "ttft": [r.ttft for r in ok],
+        "itl": [gap for r in ok for gap in r.itls],
+        "tpot": [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1],
+        "e2el": [r.latency for r in ok],
     }
+    summary = {
+        "completed": len(ok), "failures": len(results) - len(ok), "duration_s": duration,
+        "output_tokens_per_s": sum(r.output_tokens for r in ok) / duration, "requests_per_s": len(ok) / duration,
+    }
+    for name, values in series.items():
+        summary[f"{name}_mean_s"] = mean(values)
+        summary.update({f"{name}_p{q}_s": percentile(values, q) for q in PERCENTILES})
+    summary["errors"] = sorted({r.error for r in results if r.error})[:5]
+    return summary
 
 
 @contextlib.contextmanager
@@ -145,20 +154,24 @@ def _wait_healthy(url: str, process, timeout_s: float = 600) -> None:
 def run(args) -> dict:
     requests = random_requests(args.num_prompts, args.input_len, args.output_len, args.vocab_size, seed=args.seed)
     rates = [float(rate) for rate in args.request_rate]
+    concurrencies = args.max_concurrency or [None]
     records = []
     with (contextlib.nullcontext(args.base_url) if args.base_url else own_server(args.model, args.server_args)) as url:
         model = args.served_model or _first_model(url, args.api_key)
-        for rate in rates:
-            results, duration = asyncio.run(run_load(url, model, requests, rate, args.max_concurrency, args.api_key, args.seed))
-            summary = {"request_rate": rate, **summarize(results, duration)}
+        for rate, concurrency in itertools.product(rates, concurrencies):
+            results, duration = asyncio.run(run_load(url, model, requests, rate, concurrency, args.api_key, args.seed))
+            summary = {"request_rate": rate, "max_concurrency": concurrency, **summarize(results, duration)}
             records.append(summary)
-            print_table(f"serve ({len(requests)} requests, input {args.input_len}, output {args.output_len}, rate {rate})", [
+            title = f"serve ({len(requests)} requests, input {args.input_len}, output {args.output_len}, rate {rate}"
+            print_table(title + (f", max concurrency {concurrency})" if concurrency else ")"), [
                 ("output tokens/s", summary["output_tokens_per_s"]), ("TTFT p50 s", summary["ttft_p50_s"]),
                 ("TTFT p99 s", summary["ttft_p99_s"]), ("TPOT mean s", summary["tpot_mean_s"]),
                 ("ITL p50 s", summary["itl_p50_s"]), ("ITL p99 s", summary["itl_p99_s"]),
                 ("failures", summary["failures"]), ("duration s", summary["duration_s"]),
             ])
-    record = {"benchmark": "serve", "base_url": args.base_url, "runs": records}
+    record = {"benchmark": "serve", "label": args.label or ("pagedserve" if not args.base_url else args.base_url),
+              "base_url": args.base_url, "num_prompts": len(requests), "input_len": args.input_len, "output_len": args.output_len,
+              "runs": records}
     write_json(args.json, record)
     return record
 

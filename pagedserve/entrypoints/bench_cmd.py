@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 
 from pagedserve.config import EngineConfig
 from pagedserve.entrypoints.engine_args import add_engine_args
@@ -32,7 +33,9 @@ def register(sub) -> None:
     serve.add_argument("--output-len", type=int, default=128)
     serve.add_argument("--vocab-size", type=int, default=49152, help="random prompt ids are drawn below this")
     serve.add_argument("--request-rate", nargs="+", default=["inf"], help="requests/s (Poisson), or inf; several run in turn")
-    serve.add_argument("--max-concurrency", type=int, default=None)
+    serve.add_argument("--max-concurrency", type=int, nargs="+", default=None,
+                       help="cap on requests in flight; several run in turn (a sweep, for `bench plot`)")
+    serve.add_argument("--label", default=None, help="name of the measured server in the record and plots")
     serve.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="extra flags for our own server (last)")
 
     prefix = _workload(workloads, "prefix", "prefix caching on vs off", engine=True)
@@ -54,6 +57,11 @@ def register(sub) -> None:
     sched.add_argument("--num-blocks", type=int, default=20000)
     sched.add_argument("--steps", type=int, default=500)
 
+    plot = workloads.add_parser("plot", help="PNG plots from `bench serve --json` records")
+    plot.add_argument("records", nargs="+", help="JSON records written by `bench serve --json` (one per server)")
+    plot.add_argument("--out-dir", default="docs/img", help="where the PNG files go")
+    plot.set_defaults(handler=run_plot)
+
 
 def _workload(workloads, name: str, help_text: str, engine: bool = False) -> argparse.ArgumentParser:
     parser = workloads.add_parser(name, help=help_text)
@@ -64,6 +72,19 @@ def _workload(workloads, name: str, help_text: str, engine: bool = False) -> arg
         parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     parser.set_defaults(handler=run_bench)
     return parser
+
+
+def run_plot(args) -> int:
+    from pagedserve.benchmarks import plots
+
+    try:
+        paths = plots.plot_serve_records(args.records, args.out_dir)
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for path in paths:
+        print(path)
+    return 0
 
 
 def run_bench(args) -> int:
