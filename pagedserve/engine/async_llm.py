@@ -25,10 +25,17 @@ class QueueFullError(RuntimeError):
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig, served_model_name: str | None = None, max_waiting_requests: int | None = None,
-                 on_engine_dead: Callable[[], None] | None = None) -> None:
+                 on_engine_dead: Callable[[], None] | None = None, while_starting: Callable[[], None] | None = None) -> None:
+        """while_starting: more front-end work (imports, say) to do while the engine process starts."""
         self.config = config
-        # The front end's own slow imports overlap the engine's start-up (separate processes, separate cores).
-        self.client = AsyncMPClient(config, while_starting=preload_tokenizer_library)
+
+        def front_end_start_up() -> None:
+            # The front end's own slow imports overlap the engine's start-up (separate processes, separate cores).
+            preload_tokenizer_library()
+            if while_starting is not None:
+                while_starting()
+
+        self.client = AsyncMPClient(config, while_starting=front_end_start_up)
         ready = self.client.ready
         self.model_dir = ready.model_dir
         self.max_model_len = ready.max_model_len

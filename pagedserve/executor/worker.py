@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 
+import numpy as np
 import torch
 
 from pagedserve.config import EngineConfig
@@ -17,6 +18,7 @@ from pagedserve.models.loader import load_hf_config, load_model, max_position_of
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16}
 
 
 def resolve_device(config: EngineConfig) -> torch.device:
@@ -91,4 +93,12 @@ class Worker:
     def _allocate_kv_caches(self) -> list[torch.Tensor]:
         cfg = self.hf_config
         shape = (2, self.num_blocks, self.config.block_size, cfg.num_key_value_heads, head_dim_of(cfg))
-        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_hidden_layers)]
+        return [zeroed(shape, self.dtype, self.device) for _ in range(cfg.num_hidden_layers)]
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros. On CPU they come from calloc: the OS hands out zero pages when first touched, so a
+    cache of gigabytes costs nothing at start-up (torch.zeros would write every byte)."""
+    if device.type == "cpu" and dtype in _NUMPY_DTYPES:
+        return torch.from_numpy(np.zeros(shape, dtype=_NUMPY_DTYPES[dtype]))
+    return torch.zeros(shape, dtype=dtype, device=device)

@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import signal
-import sys
-from dataclasses import dataclass, field
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -16,9 +11,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedserve
-from pagedserve.config import EngineConfig
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.entrypoints.openai.errors import APIError, api_error_response, error_response
+from pagedserve.entrypoints.openai.launch import ServerSettings
 from pagedserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -34,15 +29,6 @@ from pagedserve.entrypoints.openai.serving_completion import OpenAIServingComple
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass
-class ServerSettings:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    served_model_name: list[str] = field(default_factory=list)
-    max_waiting_requests: int | None = None
-    log_level: str = "info"
 
 
 def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
@@ -140,61 +126,3 @@ def _install_auth(app: FastAPI, api_key: str) -> None:
         if request.url.path.startswith("/v1") and request.headers.get("authorization") != expected:
             return error_response(401, "invalid or missing API key (send 'Authorization: Bearer <key>')")
         return await call_next(request)
-
-
-def run_server(config: EngineConfig, settings: ServerSettings) -> int:
-    """Start the engine core, serve until a signal or engine death; returns the exit code."""
-    state = {"server": None, "exit_code": 0}
-
-    def on_engine_dead():
-        state["exit_code"] = 1
-        if state["server"] is not None:
-            state["server"].should_exit = True
-
-    # Until uvicorn installs its own handlers, a SIGTERM during start-up unwinds like Ctrl-C.
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
-    engine = AsyncLLM(config, served_model_name=(settings.served_model_name or [None])[0],
-                      max_waiting_requests=settings.max_waiting_requests, on_engine_dead=on_engine_dead)
-    _limit_front_end_threads()
-    # uvicorn re-raises the signal that stopped it once it is done: record it instead of dying mid-cleanup.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: None)
-    try:
-        app = build_app(engine, settings)
-        uv_config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                                   timeout_graceful_shutdown=5)
-        server = state["server"] = uvicorn.Server(uv_config)
-        asyncio.run(_serve(server, engine))
-    finally:
-        logger.info("shutting down the engine core")
-        engine.shutdown()
-        logger.info("engine core stopped")
-    if not engine.client.process.is_alive() and engine.dead_error is not None:
-        state["exit_code"] = 1
-    return state["exit_code"]
-
-
-async def _serve(server: uvicorn.Server, engine: AsyncLLM) -> None:
-    # Watch the engine process even while no request is in flight, so /health and the exit code follow it.
-    async def watch_engine():
-        while not server.should_exit:
-            if not engine.client.process.is_alive():
-                engine.mark_dead(RuntimeError(f"engine core exited with code {engine.client.process.exitcode}"))
-                return
-            await asyncio.sleep(0.5)
-
-    watcher = asyncio.ensure_future(watch_engine())
-    try:
-        await server.serve()
-    finally:
-        watcher.cancel()
-
-
-def _raise_keyboard_interrupt(*_) -> None:
-    raise KeyboardInterrupt
-
-
-def _limit_front_end_threads() -> None:
-    # The front end does no tensor math: if anything pulled in torch, keep it off the engine's cores.
-    if "torch" in sys.modules:
-        sys.modules["torch"].set_num_threads(1)
