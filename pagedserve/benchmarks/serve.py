@@ -152,13 +152,14 @@ def _wait_healthy(url: str, process, timeout_s: float = 600) -> None:
 
 
 def run(args) -> dict:
-    requests = random_requests(args.num_prompts, args.input_len, args.output_len, args.vocab_size, seed=args.seed)
     rates = [float(rate) for rate in args.request_rate]
     concurrencies = args.max_concurrency or [None]
     records = []
     with (contextlib.nullcontext(args.base_url) if args.base_url else own_server(args.model, args.server_args)) as url:
         model = args.served_model or _first_model(url, args.api_key)
-        for rate, concurrency in itertools.product(rates, concurrencies):
+        for index, (rate, concurrency) in enumerate(itertools.product(rates, concurrencies)):
+            # Fresh prompts for each run: a server's prefix cache must not turn later runs into cache hits.
+            requests = random_requests(args.num_prompts, args.input_len, args.output_len, args.vocab_size, seed=args.seed + index)
             results, duration = asyncio.run(run_load(url, model, requests, rate, concurrency, args.api_key, args.seed))
             summary = {"request_rate": rate, "max_concurrency": concurrency, **summarize(results, duration)}
             records.append(summary)
@@ -170,7 +171,7 @@ def run(args) -> dict:
                 ("failures", summary["failures"]), ("duration s", summary["duration_s"]),
             ])
     record = {"benchmark": "serve", "label": args.label or ("pagedserve" if not args.base_url else args.base_url),
-              "base_url": args.base_url, "num_prompts": len(requests), "input_len": args.input_len, "output_len": args.output_len,
+              "base_url": args.base_url, "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
               "runs": records}
     write_json(args.json, record)
     return record
