@@ -96,7 +96,10 @@ def prefill_attention(query, key, value, kv_cache: torch.Tensor, chunk: PrefillC
         query_positions = torch.arange(context_len, chunk.seq_len, device=query.device)
         key_positions = torch.arange(chunk.seq_len, device=query.device)
         mask, causal = key_positions[None, :] <= query_positions[:, None], False
+    # [1, heads, tokens, D]: with a batch dimension torch picks its fused (flash) CPU kernel; 3-D
+    # inputs fall back to the unfused math path, several times slower on long prompts.
     out = F.scaled_dot_product_attention(
-        query.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask, is_causal=causal, enable_gqa=True
+        query.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None], attn_mask=mask, is_causal=causal,
+        enable_gqa=True,
     )
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
