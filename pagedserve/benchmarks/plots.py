@@ -38,9 +38,9 @@ def plot_serve_records(paths: list[str], out_dir: str) -> list[Path]:
             _latency_percentiles(records, out / "serve_latency_percentiles.png")]
 
 
-def _concurrency(run: dict) -> int:
+def _concurrency(run: dict, record: dict) -> int:
     # No cap means every request at once: the number of requests is the concurrency.
-    return run["max_concurrency"] or run["num_prompts"]
+    return run["max_concurrency"] or record["num_prompts"]
 
 
 def _throughput_vs_concurrency(records: list[dict], path: Path) -> Path:
@@ -48,8 +48,8 @@ def _throughput_vs_concurrency(records: list[dict], path: Path) -> Path:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for record in records:
-        runs = sorted((dict(run, num_prompts=record["num_prompts"]) for run in record["runs"]), key=_concurrency)
-        ax.plot([_concurrency(r) for r in runs], [r["output_tokens_per_s"] for r in runs], marker="o", label=record["label"])
+        runs = sorted(record["runs"], key=lambda run: _concurrency(run, record))
+        ax.plot([_concurrency(r, record) for r in runs], [r["output_tokens_per_s"] for r in runs], marker="o", label=record["label"])
     ax.set_xscale("log", base=2)
     ax.set_xlabel("requests in flight (max concurrency)")
     ax.set_ylabel("output tokens/s")
@@ -86,7 +86,7 @@ def _latency_percentiles(records: list[dict], path: Path) -> Path:
 
 def _run_name(run: dict, record: dict) -> str:
     rate = "inf" if run["request_rate"] == float("inf") else f"{run['request_rate']:g}/s"
-    return f"rate {rate}, {run['max_concurrency'] or record['num_prompts']} in flight"
+    return f"rate {rate}, {_concurrency(run, record)} in flight"
 
 
 def _workload(record: dict) -> str:

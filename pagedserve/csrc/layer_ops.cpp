@@ -131,11 +131,13 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor query, at::Tensor 
   TORCH_CHECK(cos_cache.is_contiguous() && sin_cache.is_contiguous(), "cos/sin caches must be contiguous");
   const int64_t head_dim = query.size(2);
   TORCH_CHECK(cos_cache.size(1) == head_dim, "cos/sin caches must have head_dim columns");
-  if (positions.numel() > 0) {
-    const int64_t max_position = positions.max().item<int64_t>();
-    TORCH_CHECK(max_position < cos_cache.size(0), "position ", max_position, " beyond the rotary cache");
-  }
   const int64_t* pos = positions.data_ptr<int64_t>();
+  // Checked here, on the raw ids (no torch op per layer): a bad position would read outside the caches.
+  const int64_t* pos_end = pos + positions.numel();
+  if (pos != pos_end) {
+    const auto [low, high] = std::minmax_element(pos, pos_end);
+    TORCH_CHECK(*low >= 0 && *high < cos_cache.size(0), "position ", *high, " beyond the rotary cache (or ", *low, " < 0)");
+  }
   rotate_in_place(query, pos, cos_cache.data_ptr<float>(), sin_cache.data_ptr<float>(), head_dim);
   rotate_in_place(key, pos, cos_cache.data_ptr<float>(), sin_cache.data_ptr<float>(), head_dim);
 }

@@ -101,11 +101,8 @@ def fill_decode_metadata(meta: AttentionMetadata, tables: list[np.ndarray], seq_
     for row, (table, seq_len) in enumerate(zip(tables, seq_lens)):
         used = -(-seq_len // block_size)
         padded[row, :used] = table[:used]
-    seq_lens_np = np.asarray(seq_lens, dtype=np.int64)
-    key_mask = np.arange(max_blocks * block_size)[None, :] < seq_lens_np[:, None]
     meta.decode_block_tables = torch.from_numpy(padded).to(device)
-    meta.decode_seq_lens = torch.from_numpy(seq_lens_np).to(device)
-    meta.decode_key_mask = torch.from_numpy(key_mask[:, None, None, :]).to(device)
+    meta.decode_seq_lens = torch.from_numpy(np.asarray(seq_lens, dtype=np.int64)).to(device)
 
 
 def _prompt_logprobs_slice(state: CachedRequestState, start: int, end: int, offset: int) -> PromptLogprobsSlice | None:

@@ -32,7 +32,6 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks]
     decode_seq_lens: torch.Tensor | None  # [num_decodes]
     prefills: list[PrefillChunk]
-    decode_key_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size]
 
 
 class Attention(nn.Module):
@@ -83,7 +82,9 @@ def reference_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta
     keys = blocks[0].flatten(1, 2).transpose(1, 2)  # [B, KV, L, D]
     values = blocks[1].flatten(1, 2).transpose(1, 2)
     q = query.unsqueeze(2)  # [B, H, 1, D]
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=meta.decode_key_mask, enable_gqa=True)
+    # Gathered slots past each sequence's length (the rest of its last block, the padding) are masked.
+    key_mask = torch.arange(keys.shape[2], device=query.device) < meta.decode_seq_lens[:, None]
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=key_mask[:, None, None, :], enable_gqa=True)
     return out.view(num_decodes, query.shape[1], query.shape[2])
 
 

@@ -1,8 +1,7 @@
 """The C++ CPU kernels (pagedserve/csrc), compiled once per checkout and source version, and cached.
 
 If the compiler or ninja is missing the build fails once, a warning says why, and every layer falls
-back to its plain-torch reference path. PAGEDSERVE_CPU_KERNELS=0 (or the older
-PAGEDSERVE_ATTENTION_BACKEND=torch) turns the kernels off.
+back to its plain-torch reference path. PAGEDSERVE_CPU_KERNELS=0 turns the kernels off.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ _SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "bindings.cpp")
 
 
 def enabled() -> bool:
-    return os.environ.get("PAGEDSERVE_CPU_KERNELS", "1") != "0" and os.environ.get("PAGEDSERVE_ATTENTION_BACKEND", "auto") != "torch"
+    return os.environ.get("PAGEDSERVE_CPU_KERNELS", "1") != "0"
 
 
 def for_tensor(tensor: torch.Tensor):
