@@ -95,3 +95,31 @@ def test_rotary_kernel_rejects_positions_beyond_its_cache():
     cache = torch.zeros(8, 64)
     with pytest.raises(RuntimeError, match="beyond the rotary cache"):
         kernels.rotary_embedding(torch.tensor([8]), torch.zeros(1, 2, 64), torch.zeros(1, 1, 64), cache, cache)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows,out_features,in_features", [(1, 5, 32), (3, 7, 96), (7, 13, 576), (70, 100, 160), (130, 9, 64)])
+def test_quantized_linear_matches_gguf_dequantization(type_name, rows, out_features, in_features):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    kernels = built_kernels()
+    qtype = GGMLQuantizationType[type_name]
+    rng = np.random.default_rng(rows * out_features)
+    blocks = quantize(rng.standard_normal((out_features, in_features)).astype(np.float32), qtype)
+    weight = torch.from_numpy(dequantize(blocks, qtype))
+    blocks = torch.from_numpy(blocks.copy())
+    assert torch.equal(kernels.dequantize_gguf(blocks, int(qtype)), weight)  # bit-identical values
+    x, bias = torch.randn(rows, in_features), torch.randn(out_features)
+    expected = x.double() @ weight.double().T + bias.double()
+    torch.testing.assert_close(kernels.quantized_linear(x, blocks, int(qtype), bias).double(), expected, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(kernels.quantized_linear(x, blocks, int(qtype)).double(), expected - bias.double(), rtol=1e-5, atol=1e-4)
+
+
+def test_quantized_linear_names_bad_input():
+    kernels = built_kernels()
+    blocks = torch.zeros(4, 20, dtype=torch.uint8)  # one Q4_1 block per row: 32 values
+    with pytest.raises(RuntimeError, match="unsupported GGUF quantization type"):
+        kernels.quantized_linear(torch.zeros(2, 32), blocks, 12)
+    with pytest.raises(RuntimeError, match="do not hold 64 values"):
+        kernels.quantized_linear(torch.zeros(2, 64), blocks, 3)

@@ -77,3 +77,33 @@ def test_converted_gguf_is_cached(tiny_hf_llama, tmp_path):
 def test_missing_gguf_file_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="GGUF file not found"):
         LLM(str(tmp_path / "absent.gguf"))
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_quantized_gguf_runs_on_its_blocks_with_the_same_values(type_name, tiny_hf_llama, tmp_path):
+    from pagedserve.layers import cpu_kernels
+    from pagedserve.layers.linear import QUANTIZED_MAX_ROWS, Linear
+
+    config, hf_model = tiny_hf_llama
+    path = tmp_path / f"tiny-{type_name}.gguf"
+    write_gguf(path, hf_model.state_dict(), config, type_name)
+    on_blocks = LLM(str(path), kv_cache_memory=4 * 1024**2)
+    model = on_blocks.llm_engine.engine_core.worker.model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert len(linears) == 4 * config.num_hidden_layers and all(m.quantized is not None for m in linears)
+    assert model.quantized_lm_head is not None
+    kernels = cpu_kernels.load()
+    for module in linears:  # the blocks hold the float32 weight's values, rows in the same order (q/k un-permuted)
+        assert torch.equal(kernels.dequantize_gguf(module.quantized.blocks, module.quantized.qtype), module.weight)
+    on_floats = LLM(str(path), kv_cache_memory=4 * 1024**2, gguf_quantized_weights=False)
+    assert all(m.quantized is None for m in on_floats.llm_engine.engine_core.worker.model.modules() if isinstance(m, Linear))
+    # A prompt longer than QUANTIZED_MAX_ROWS runs its prefill on the float32 weights, its decodes on the blocks.
+    prompts = ["hello world", "or", "hello world or hello " * (QUANTIZED_MAX_ROWS // 4)]
+    params = greedy(10)
+    params.logprobs = 3
+    for ours, reference in zip(on_blocks.generate(prompts, params, use_tqdm=False), on_floats.generate(prompts, params, use_tqdm=False)):
+        assert ours.outputs[0].token_ids == reference.outputs[0].token_ids
+        for got, want in zip(ours.outputs[0].logprobs, reference.outputs[0].logprobs):
+            for token_id, logprob in want.items():
+                assert got[token_id].logprob == pytest.approx(logprob.logprob, abs=1e-4)
+

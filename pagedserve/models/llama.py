@@ -14,7 +14,7 @@ from torch import nn
 from pagedserve.layers import cpu_kernels
 from pagedserve.layers.attention import Attention, AttentionMetadata
 from pagedserve.layers.layernorm import RMSNorm
-from pagedserve.layers.linear import Linear, pack_weight, packed_linear
+from pagedserve.layers.linear import Linear, QuantizedWeight, pack_weight, packed_linear
 from pagedserve.layers.rotary import RotaryEmbedding
 
 # checkpoint name piece -> (our fused parameter, shard index)
@@ -125,6 +125,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(hf_config, max_position)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.packed_lm_head: torch.Tensor | None = None
+        self.quantized_lm_head: QuantizedWeight | None = None
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
@@ -134,6 +135,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.quantized_lm_head is not None and self.quantized_lm_head.takes(hidden_states):
+            return self.quantized_lm_head.linear(hidden_states)
         if self.packed_lm_head is not None:
             return packed_linear(hidden_states, self.packed_lm_head, None)
         return F.linear(hidden_states, self.lm_head.weight)
@@ -144,6 +147,28 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.pack()
         self.packed_lm_head = pack_weight(self.lm_head.weight)
+
+    def use_quantized_weights(self, blocks: dict[str, tuple[torch.Tensor, int]]) -> int:
+        """Run the GEMMs whose checkpoint tensors come as GGUF blocks on them (CPU kernels, float32
+        activations). A fused layer needs all its shards in one type. Returns how many layers switched."""
+        shards: dict[str, dict[int | None, tuple[torch.Tensor, int]]] = {}
+        for name, entry in blocks.items():
+            target, shard = _fused_target(name)
+            shards.setdefault(target, {})[shard] = entry
+        lm_head_source = "model.embed_tokens.weight" if self.tie_word_embeddings else "lm_head.weight"
+        switched = 0
+        for target, parts in shards.items():
+            if target == lm_head_source:
+                self.quantized_lm_head = QuantizedWeight(*parts[None])
+                switched += 1
+                continue
+            module = self.get_submodule(target.rsplit(".", 1)[0])
+            expected = range(len(module.shard_sizes)) if getattr(module, "shard_sizes", None) else [None]
+            if not isinstance(module, Linear) or set(parts) != set(expected) or len({q for _, q in parts.values()}) != 1:
+                continue
+            module.quantized = QuantizedWeight(torch.cat([parts[s][0] for s in expected]), parts[expected[0]][1])
+            switched += 1
+        return switched
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters(remove_duplicate=False))

@@ -1,0 +1,98 @@
+"""GGUF weights kept in their quantized blocks, under the HF names of the converted checkpoint.
+
+The CPU kernels run a GGUF model's GEMMs straight on its Q4_0/Q4_1/Q8_0 blocks (the same values,
+4-7x fewer bytes to read per step than float32). Which HF tensor a GGUF tensor became, and in
+which row order (llama.cpp's converter permutes q/k rows for its rotary layout), is not re-derived
+from naming rules: each quantized tensor's dequantized rows are matched to the rows of the float32
+tensors that transformers' conversion produced, and kept only when every row matches exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+# In a subdirectory: the checkpoint loader reads every *.safetensors file of the model directory.
+QUANTIZED_FILE = Path("gguf_blocks") / "blocks.safetensors"
+# GGUF types the kernels read (pagedserve/csrc/quantized_linear.cpp), by gguf's type names.
+KERNEL_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+
+
+def extract_quantized_blocks(gguf_path: Path, hf_tensors: dict[str, torch.Tensor], out_dir: Path) -> int:
+    """Write the kernel-readable quantized tensors of gguf_path to out_dir/QUANTIZED_FILE, in the row order
+    of their float32 counterparts in hf_tensors; returns how many were written."""
+    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf.quants import dequantize
+    from safetensors.numpy import save_file
+
+    reader = GGUFReader(str(gguf_path))
+    kernel_types = {GGMLQuantizationType[name] for name in KERNEL_TYPES}
+    candidates = [t for t in reader.tensors if t.tensor_type in kernel_types and len(t.data.shape) == 2]
+    if not candidates:
+        return 0
+    row_owner = _row_index(hf_tensors)
+    blocks, metadata = {}, {}
+    for tensor in candidates:
+        values = dequantize(tensor.data, tensor.tensor_type)
+        match = _match_rows(values, row_owner, hf_tensors)
+        if match is None:
+            logger.info("GGUF tensor %s: no exact float32 counterpart; it runs dequantized", tensor.name)
+            continue
+        hf_name, hf_rows = match
+        ordered = np.empty_like(tensor.data)
+        ordered[hf_rows] = tensor.data
+        blocks[hf_name] = ordered
+        metadata[hf_name] = tensor.tensor_type.name
+    if blocks:
+        (out_dir / QUANTIZED_FILE).parent.mkdir(exist_ok=True)
+        save_file(blocks, str(out_dir / QUANTIZED_FILE), metadata=metadata)
+    return len(blocks)
+
+
+def load_quantized_blocks(model_dir: Path) -> dict[str, tuple[torch.Tensor, int]]:
+    """HF name -> (uint8 blocks [rows, bytes per row], gguf type id); empty when the model has none."""
+    from gguf import GGMLQuantizationType
+    from safetensors import safe_open
+
+    path = model_dir / QUANTIZED_FILE
+    if not path.is_file():
+        return {}
+    with safe_open(str(path), framework="pt") as handle:
+        types = handle.metadata() or {}
+        return {name: (handle.get_tensor(name), int(GGMLQuantizationType[types[name]])) for name in handle.keys()}
+
+
+def _row_index(hf_tensors: dict[str, torch.Tensor]) -> dict[int, tuple[str, int]]:
+    """Hash of each row's bytes -> (tensor name, row) over every 2-D float32 tensor."""
+    owner = {}
+    for name, tensor in hf_tensors.items():
+        if tensor.dim() != 2 or tensor.dtype != torch.float32:
+            continue
+        for row, values in enumerate(tensor.numpy()):
+            owner.setdefault(hash(values.tobytes()), (name, row))
+    return owner
+
+
+def _match_rows(values: np.ndarray, row_owner: dict, hf_tensors: dict[str, torch.Tensor]) -> tuple[str, np.ndarray] | None:
+    """(HF name, HF row of each GGUF row) when the rows are exactly a permutation of one HF tensor's rows."""
+    owners = [row_owner.get(hash(row.tobytes())) for row in values]
+    names = {o[0] for o in owners if o is not None}
+    if len(names) != 1:
+        return None
+    name = names.pop()
+    target = hf_tensors[name].numpy()
+    if target.shape != values.shape:
+        return None
+    if np.array_equal(target, values):  # most tensors keep their row order (and may repeat rows: embeddings)
+        return name, np.arange(len(values))
+    if any(o is None for o in owners):
+        return None
+    hf_rows = np.array([row for _, row in owners])
+    if len(np.unique(hf_rows)) != len(hf_rows) or not np.array_equal(target[hf_rows], values):
+        return None
+    return name, hf_rows
