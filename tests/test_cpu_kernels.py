@@ -98,7 +98,7 @@ def test_rotary_kernel_rejects_positions_beyond_its_cache():
 
 
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
-@pytest.mark.parametrize("rows,out_features,in_features", [(1, 5, 32), (3, 7, 96), (7, 13, 576), (70, 100, 160), (130, 9, 64)])
+@pytest.mark.parametrize("rows,out_features,in_features", [(1, 5, 32), (2, 33, 64), (3, 7, 96), (7, 13, 576), (70, 100, 160), (130, 9, 64)])
 def test_quantized_linear_matches_gguf_dequantization(type_name, rows, out_features, in_features):
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize

@@ -38,37 +38,51 @@ constexpr int64_t kChunkRows = 64;
 inline float half_at(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-}
-
-void dequantize_q8_0(const uint8_t* block, float* out) {
-  const float d = half_at(block);
-  const int8_t* q = reinterpret_cast<const int8_t*>(block + 2);
-#if defined(__AVX2__) && defined(__FMA__)
-  const __m256 vd = _mm256_set1_ps(d);
-  for (int i = 0; i < 32; i += 8) {
-    const __m256i w = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + i)));
-    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_cvtepi32_ps(w), vd));
-  }
+#if defined(__F16C__)
+  return _cvtsh_ss(bits);
 #else
-  for (int i = 0; i < 32; ++i) out[i] = static_cast<float>(q[i]) * d;
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 #endif
 }
 
-// value = d * q + m over the block's 32 nibbles: nibble i of byte i is value i (low) or i + 16 (high).
-void dequantize_nibbles(const uint8_t* q, float d, float m, float* out) {
 #if defined(__AVX2__) && defined(__FMA__)
-  const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
-  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m128i halves[2] = {_mm_and_si128(packed, mask), _mm_and_si128(_mm_srli_epi16(packed, 4), mask)};
-  for (int h = 0; h < 2; ++h) {
-    const __m256 a = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(halves[h]));
-    const __m256 b = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(halves[h], 8)));
-    _mm256_storeu_ps(out + 16 * h, _mm256_fmadd_ps(a, vd, vm));
-    _mm256_storeu_ps(out + 16 * h + 8, _mm256_fmadd_ps(b, vd, vm));
+// The 32 values of one block in four registers. Q4: nibble i of byte i is value i (low) or i + 16
+// (high), value = d * q + m (Q4_0: m = -8d; d*q and -8d are exact, so this is d * (q - 8)).
+inline void block_values(const uint8_t* block, int64_t qtype, __m256 v[4]) {
+  const __m256 vd = _mm256_set1_ps(half_at(block));
+  if (qtype == kQ8_0) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(block + 2);
+    for (int i = 0; i < 4; ++i)
+      v[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * i)))), vd);
+    return;
   }
+  const bool has_min = qtype == kQ4_1;
+  const __m256 vm = has_min ? _mm256_set1_ps(half_at(block + 2)) : _mm256_mul_ps(vd, _mm256_set1_ps(-8.f));
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (has_min ? 4 : 2)));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i low = _mm_and_si128(packed, mask), high = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
+  v[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(low)), vd, vm);
+  v[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(low, 8))), vd, vm);
+  v[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(high)), vd, vm);
+  v[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(high, 8))), vd, vm);
+}
+#endif
+
+void dequantize_block(const uint8_t* block, int64_t qtype, float* out) {
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 v[4];
+  block_values(block, qtype, v);
+  for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + 8 * i, v[i]);
 #else
+  const float d = half_at(block);
+  if (qtype == kQ8_0) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(block + 2);
+    for (int i = 0; i < 32; ++i) out[i] = static_cast<float>(q[i]) * d;
+    return;
+  }
+  const bool has_min = qtype == kQ4_1;
+  const float m = has_min ? half_at(block + 2) : -8.f * d;
+  const uint8_t* q = block + (has_min ? 4 : 2);
   for (int i = 0; i < 16; ++i) {
     out[i] = std::fma(static_cast<float>(q[i] & 0x0F), d, m);
     out[i + 16] = std::fma(static_cast<float>(q[i] >> 4), d, m);
@@ -78,16 +92,7 @@ void dequantize_nibbles(const uint8_t* q, float d, float m, float* out) {
 
 void dequantize_row(const uint8_t* row, int64_t qtype, int64_t num_blocks, float* out) {
   const int64_t stride = quantized_block_bytes(qtype);
-  for (int64_t b = 0; b < num_blocks; ++b, row += stride, out += kBlockValues) {
-    if (qtype == kQ8_0) {
-      dequantize_q8_0(row, out);
-    } else if (qtype == kQ4_1) {
-      dequantize_nibbles(row + 4, half_at(row), half_at(row + 2), out);
-    } else {  // Q4_0: d * (q - 8) = d*q + (-8d), both terms exact
-      const float d = half_at(row);
-      dequantize_nibbles(row + 2, d, -8.f * d, out);
-    }
-  }
+  for (int64_t b = 0; b < num_blocks; ++b) dequantize_block(row + b * stride, qtype, out + b * kBlockValues);
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -147,6 +152,41 @@ void rows_times_group(const float* x, int64_t rows, int64_t k, const float* w, i
   }
 }
 
+// One or two input rows (batch-1/2 decodes): each block is dequantized in registers and multiplied in
+// at once, with four accumulators per input row so the FMAs do not wait on each other.
+template <int MR>
+void few_rows_times_weight_rows(const float* x, int64_t k, const uint8_t* w, int64_t row_bytes, int64_t qtype,
+                                int64_t first, int64_t last, const float* bias, float* out, int64_t n) {
+  const int64_t stride = quantized_block_bytes(qtype), num_blocks = k / kBlockValues;
+  for (int64_t r = first; r < last; ++r) {
+    const uint8_t* row = w + r * row_bytes;
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 acc[MR][4];
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < 4; ++j) acc[i][j] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      __m256 v[4];
+      block_values(row + b * stride, qtype, v);
+      for (int i = 0; i < MR; ++i)
+        for (int j = 0; j < 4; ++j) acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * k + b * kBlockValues + 8 * j), v[j], acc[i][j]);
+    }
+    for (int i = 0; i < MR; ++i) {
+      const __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[i][0], acc[i][1]), _mm256_add_ps(acc[i][2], acc[i][3]));
+      out[i * n + r] = horizontal_sum(sum) + (bias ? bias[r] : 0.f);
+    }
+#else
+    float values[kBlockValues];
+    float sums[MR] = {};
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      dequantize_block(row + b * stride, qtype, values);
+      for (int i = 0; i < MR; ++i)
+        for (int p = 0; p < kBlockValues; ++p) sums[i] += x[i * k + b * kBlockValues + p] * values[p];
+    }
+    for (int i = 0; i < MR; ++i) out[i * n + r] = sums[i] + (bias ? bias[r] : 0.f);
+#endif
+  }
+}
+
 }  // namespace
 
 int64_t quantized_block_bytes(int64_t qtype) {
@@ -178,6 +218,13 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& weight, int64
   const uint8_t* w_ptr = weight.data_ptr<uint8_t>();
   float* out_ptr = out.data_ptr<float>();
   const int64_t row_bytes = weight.size(1), num_blocks = k / kBlockValues;
+  if (m <= 2) {
+    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+      if (m == 1) few_rows_times_weight_rows<1>(x_ptr, k, w_ptr, row_bytes, qtype, begin, end, bias_ptr, out_ptr, n);
+      else few_rows_times_weight_rows<2>(x_ptr, k, w_ptr, row_bytes, qtype, begin, end, bias_ptr, out_ptr, n);
+    });
+    return out;
+  }
   const int64_t num_groups = (n + kRowsPerGroup - 1) / kRowsPerGroup;
 
   at::parallel_for(0, num_groups, 1, [&](int64_t begin, int64_t end) {
