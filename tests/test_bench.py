@@ -33,7 +33,10 @@ def test_mixed_dataset_lengths_vary(tmp_path, tiny_models):
 def test_prefix_and_interference(tmp_path, tiny_models):
     prefix, _ = bench(tmp_path, "prefix", "--model", str(tiny_models["llama"]), "--num-prompts", "8", "--prefix-len", "256",
                       "--kv-cache-memory", str(2**24))
-    assert prefix["mean_ttft_cached_s"] > 0 and prefix["ttft_ratio"] < 1.5
+    # Timing is the benchmark's business, not the test's: the test checks that the cached run reused the
+    # prefix (every request after the first found its full blocks) and the uncached run did not.
+    assert prefix["mean_ttft_cached_s"] > 0 and prefix["mean_ttft_uncached_s"] > 0
+    assert prefix["cached_prompt_tokens"] >= 7 * 256 and prefix["cached_prompt_tokens_uncached_run"] == 0
     interference, _ = bench(tmp_path, "interference", "--model", str(tiny_models["llama"]), "--long-prompt-len", "512",
                             "--chunk-size", "64", "--kv-cache-memory", str(2**24))
     assert interference["chunked"]["itl_p50_s"] > 0 and interference["unchunked"]["itl_p99_s"] > 0

@@ -13,6 +13,7 @@ from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 class RequestTimes:
     arrival: float
     token_times: list[float] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
     @property
     def ttft(self) -> float:
@@ -41,7 +42,9 @@ class TimedRun:
         self.step_times.append(now)
         for output in outputs:
             new_tokens = sum(len(c.token_ids) for c in output.outputs)
-            self.times[output.request_id].token_times.extend([now] * min(new_tokens, 1))
+            times = self.times[output.request_id]
+            times.token_times.extend([now] * min(new_tokens, 1))
+            times.num_cached_tokens = max(times.num_cached_tokens, output.num_cached_tokens)
 
     def run_until_done(self) -> None:
         while self.engine.has_unfinished_requests():
