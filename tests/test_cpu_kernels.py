@@ -123,3 +123,22 @@ def test_quantized_linear_names_bad_input():
         kernels.quantized_linear(torch.zeros(2, 32), blocks, 12)
     with pytest.raises(RuntimeError, match="do not hold 64 values"):
         kernels.quantized_linear(torch.zeros(2, 64), blocks, 3)
+
+
+def test_kv_cache_write_kernel_matches_reference():
+    from pagedserve.layers.attention import reference_write_kv_cache
+
+    kernels = built_kernels()
+    torch.manual_seed(0)
+    num_blocks, block_size, num_kv_heads, head_dim, num_tokens = 8, 16, 3, 64, 20
+    qkv = torch.randn(num_tokens, (9 + 2 * num_kv_heads) * head_dim)  # key/value are strided views, as in the model
+    _, key, value = qkv.split([9 * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    key, value = key.view(num_tokens, num_kv_heads, head_dim), value.view(num_tokens, num_kv_heads, head_dim)
+    slots = torch.from_numpy(np.random.default_rng(0).choice(num_blocks * block_size, num_tokens, replace=False))
+    ours, expected = (torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim) for _ in range(2))
+    expected.copy_(ours)
+    kernels.write_kv_cache(key, value, ours[0], ours[1], slots)
+    reference_write_kv_cache(expected, key, value, slots)
+    assert torch.equal(ours, expected)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        kernels.write_kv_cache(key, value, ours[0], ours[1], slots + num_blocks * block_size)

@@ -5,9 +5,12 @@
 // per-position score buffer outlives the block.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -77,6 +80,23 @@ inline void scale_and_accumulate(float* __restrict acc, float rescale, const flo
   }
 }
 
+// s[i] = exp(s[i] - max) for the n scores of a block; returns their sum. Vectorized: a scalar exp
+// per score was a fifth of the kernel's time.
+inline float exp_and_sum(float* s, int64_t n, float max) {
+  using Vec = at::vec::Vectorized<float>;
+  const Vec vmax(max);
+  Vec vsum(0.f);
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) {
+    const Vec e = (Vec::loadu(s + i) - vmax).exp();
+    e.store(s + i);
+    vsum = vsum + e;
+  }
+  float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, vsum);
+  for (; i < n; ++i) sum += (s[i] = std::exp(s[i] - max));
+  return sum;
+}
+
 inline void prefetch_rows(const float* rows, int64_t n, int64_t stride, int64_t dim) {
   for (int64_t i = 0; i < n; ++i)
     for (int64_t d = 0; d < dim; d += 16) __builtin_prefetch(rows + i * stride + d);
@@ -138,8 +158,7 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Te
           for (int64_t i = 1; i < n; ++i) block_max = std::max(block_max, s[i]);
           const float new_max = std::max(running_max[g], block_max);
           const float rescale = std::exp(running_max[g] - new_max);  // 0 on the first block
-          float block_sum = 0.f;
-          for (int64_t i = 0; i < n; ++i) block_sum += (s[i] = std::exp(s[i] - new_max));
+          const float block_sum = exp_and_sum(s, n, new_max);
           running_sum[g] = running_sum[g] * rescale + block_sum;
           running_max[g] = new_max;
           scale_and_accumulate(acc.data() + g * head_dim, rescale, s, v_rows, n, row_stride, head_dim);
@@ -153,4 +172,36 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Te
     }
   });
   return out;
+}
+
+// key/value [T, KV, D] (any token and head strides, rows contiguous) -> key_cache/value_cache
+// [num_blocks, block_size, KV, D] at the flat slots of slot_mapping [T]. index_copy_ takes ~100 us a
+// call for a decode batch (a generic strided loop); this is a copy of T rows.
+void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache, at::Tensor value_cache,
+                    const at::Tensor& slot_mapping) {
+  TORCH_CHECK(key.scalar_type() == at::kFloat && value.scalar_type() == at::kFloat && key_cache.scalar_type() == at::kFloat &&
+                  value_cache.scalar_type() == at::kFloat, "float32 only");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "key/value rows must be contiguous");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "slot_mapping must be contiguous int64");
+  const int64_t num_tokens = key.size(0), num_kv_heads = key.size(1), head_dim = key.size(2);
+  const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
+  TORCH_CHECK(slot_mapping.numel() == num_tokens && key_cache.size(2) == num_kv_heads && key_cache.size(3) == head_dim,
+              "shapes of key, cache and slot_mapping disagree");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  if (num_tokens > 0) {
+    const auto [low, high] = std::minmax_element(slots, slots + num_tokens);
+    TORCH_CHECK(*low >= 0 && *high < num_slots, "slot ", *high, " outside the cache of ", num_slots, " slots (or ", *low, " < 0)");
+  }
+  const int64_t row = num_kv_heads * head_dim;
+  const at::Tensor sources[2] = {key, value};
+  float* caches[2] = {key_cache.data_ptr<float>(), value_cache.data_ptr<float>()};
+  for (int which = 0; which < 2; ++which) {
+    const at::Tensor& src = sources[which];
+    const float* src_ptr = src.data_ptr<float>();
+    for (int64_t t = 0; t < num_tokens; ++t)
+      for (int64_t h = 0; h < num_kv_heads; ++h)
+        std::memcpy(caches[which] + slots[t] * row + h * head_dim, src_ptr + t * src.stride(0) + h * src.stride(1),
+                    head_dim * sizeof(float));
+  }
 }

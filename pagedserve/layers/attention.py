@@ -55,6 +55,14 @@ class Attention(nn.Module):
 
 
 def write_kv_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    kernels = cpu_kernels.for_tensor(kv_cache)
+    if kernels is not None and key.dtype == torch.float32:
+        kernels.write_kv_cache(key, value, kv_cache[0], kv_cache[1], slot_mapping)
+        return
+    reference_write_kv_cache(kv_cache, key, value, slot_mapping)
+
+
+def reference_write_kv_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
     kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
     kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
