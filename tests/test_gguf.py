@@ -92,6 +92,7 @@ def test_quantized_gguf_runs_on_its_blocks_with_the_same_values(type_name, tiny_
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert len(linears) == 4 * config.num_hidden_layers and all(m.quantized is not None for m in linears)
     assert model.quantized_lm_head is not None
+    assert {m.quantized.qtype for m in linears} == {int(QUANT_TYPES[type_name])}  # our type ids are gguf's
     kernels = cpu_kernels.load()
     for module in linears:  # the blocks hold the float32 weight's values, rows in the same order (q/k un-permuted)
         assert torch.equal(kernels.dequantize_gguf(module.quantized.blocks, module.quantized.qtype), module.weight)

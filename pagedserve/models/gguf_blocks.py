@@ -19,8 +19,9 @@ logger = logging.getLogger(__name__)
 
 # In a subdirectory: the checkpoint loader reads every *.safetensors file of the model directory.
 QUANTIZED_FILE = Path("gguf_blocks") / "blocks.safetensors"
-# GGUF types the kernels read (pagedserve/csrc/quantized_linear.cpp), by gguf's type names.
-KERNEL_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+# GGUF types the kernels read (pagedserve/csrc/quantized_linear.cpp): name -> GGMLQuantizationType id
+# (fixed by the GGUF format; written here so that loading a model does not import gguf).
+KERNEL_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
 
 
 def extract_quantized_blocks(gguf_path: Path, hf_tensors: dict[str, torch.Tensor], out_dir: Path) -> int:
@@ -56,7 +57,6 @@ def extract_quantized_blocks(gguf_path: Path, hf_tensors: dict[str, torch.Tensor
 
 def load_quantized_blocks(model_dir: Path) -> dict[str, tuple[torch.Tensor, int]]:
     """HF name -> (uint8 blocks [rows, bytes per row], gguf type id); empty when the model has none."""
-    from gguf import GGMLQuantizationType
     from safetensors import safe_open
 
     path = model_dir / QUANTIZED_FILE
@@ -64,7 +64,7 @@ def load_quantized_blocks(model_dir: Path) -> dict[str, tuple[torch.Tensor, int]
         return {}
     with safe_open(str(path), framework="pt") as handle:
         types = handle.metadata() or {}
-        return {name: (handle.get_tensor(name), int(GGMLQuantizationType[types[name]])) for name in handle.keys()}
+        return {name: (handle.get_tensor(name), KERNEL_TYPES[types[name]]) for name in handle.keys()}
 
 
 def _row_index(hf_tensors: dict[str, torch.Tensor]) -> dict[int, tuple[str, int]]:
