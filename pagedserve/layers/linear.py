@@ -31,10 +31,10 @@ def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tens
 
 
 # Rows up to which the GGUF-block kernel beats oneDNN on float32 weights: decode batches are bound by
-# reading the weights, prefill chunks by arithmetic, where oneDNN's GEMM is faster than ours
-# (bare forward on this machine, tokens/s blocks vs float32: batch 1 28 vs 14, 32 236 vs 212,
-# 64 255 vs 267, 512-token prefill 317 vs 442).
-QUANTIZED_MAX_ROWS = 48
+# reading the weights, bigger steps by arithmetic, where oneDNN's GEMM is faster than ours. Bare
+# forward on this machine, tokens/s blocks vs float32, alternating runs: batch 1 38 vs 13, 16 175-214
+# vs 124, 32 217-228 vs 217-228, 48 212-241 vs 265-287; 512-token prefill 317 vs 442.
+QUANTIZED_MAX_ROWS = 32
 
 
 class QuantizedWeight:
