@@ -108,3 +108,24 @@ def test_quantized_gguf_runs_on_its_blocks_with_the_same_values(type_name, tiny_
             for token_id, logprob in want.items():
                 assert got[token_id].logprob == pytest.approx(logprob.logprob, abs=1e-4)
 
+
+
+def test_blocks_are_matched_to_float32_tensors_only_exactly():
+    from pagedserve.models.gguf_blocks import _match_rows, _row_index
+
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((6, 32)).astype(np.float32)
+    weight[4] = weight[1]  # repeated rows (as in embeddings) are fine in the original order
+    tensors = {"a.weight": torch.from_numpy(weight), "b.weight": torch.from_numpy(rng.standard_normal((6, 32)).astype(np.float32))}
+    owners = _row_index(tensors)
+    name, rows = _match_rows(weight, owners, tensors)
+    assert name == "a.weight" and rows.tolist() == list(range(6))
+    permuted = tensors["b.weight"].numpy()[[1, 0, 3, 2, 5, 4]]  # llama.cpp's q/k layout is a row permutation
+    name, rows = _match_rows(permuted, owners, tensors)
+    assert name == "b.weight" and np.array_equal(tensors["b.weight"].numpy()[rows], permuted)
+    assert _match_rows(weight[[1, 0, 2, 3, 4, 5]][:, ::-1].copy(), owners, tensors) is None  # values that match nothing
+    off_by_one_ulp = weight.copy()
+    off_by_one_ulp[2, 7] = np.nextafter(off_by_one_ulp[2, 7], np.float32(np.inf))
+    assert _match_rows(off_by_one_ulp, owners, tensors) is None
+    mixed = np.concatenate([weight[:3], tensors["b.weight"].numpy()[3:]])  # rows of two tensors
+    assert _match_rows(mixed, owners, tensors) is None
