@@ -23,12 +23,18 @@ def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
 
 
-@pytest.mark.parametrize("type_name", sorted(QUANT_TYPES))
-def test_gguf_weights_load_as_their_dequantized_values(type_name, tiny_hf_llama, tmp_path):
+def tiny_gguf(tmp_path, tiny_hf_llama, type_name: str):
+    """The tiny model written as a GGUF file of type_name."""
     config, hf_model = tiny_hf_llama
     path = tmp_path / f"tiny-{type_name}.gguf"
     write_gguf(path, hf_model.state_dict(), config, type_name)
-    llm = LLM(str(path), kv_cache_memory=4 * 1024**2)
+    return path
+
+
+@pytest.mark.parametrize("type_name", sorted(QUANT_TYPES))
+def test_gguf_weights_load_as_their_dequantized_values(type_name, tiny_hf_llama, tmp_path):
+    config, hf_model = tiny_hf_llama
+    llm = LLM(str(tiny_gguf(tmp_path, tiny_hf_llama, type_name)), kv_cache_memory=4 * 1024**2)
     ours = llm.llm_engine.engine_core.worker.model
     layer, hf_layer = ours.model.layers[1], hf_model.model.layers[1]
     q_size = layer.self_attn.q_size
@@ -48,10 +54,8 @@ def test_gguf_weights_load_as_their_dequantized_values(type_name, tiny_hf_llama,
 
 
 def test_f32_gguf_generates_exactly_like_the_original_model(tiny_hf_llama, tmp_path):
-    config, hf_model = tiny_hf_llama
-    path = tmp_path / "tiny-F32.gguf"
-    write_gguf(path, hf_model.state_dict(), config, "F32")
-    llm = LLM(str(path), kv_cache_memory=4 * 1024**2)
+    _, hf_model = tiny_hf_llama
+    llm = LLM(str(tiny_gguf(tmp_path, tiny_hf_llama, "F32")), kv_cache_memory=4 * 1024**2)
     out = llm.generate(["hello world", "or"], greedy(12), use_tqdm=False)
     for output in out:
         ids = torch.tensor([output.prompt_token_ids])
@@ -64,9 +68,7 @@ def test_f32_gguf_generates_exactly_like_the_original_model(tiny_hf_llama, tmp_p
 def test_converted_gguf_is_cached(tiny_hf_llama, tmp_path):
     from pagedserve.models import gguf_convert
 
-    config, hf_model = tiny_hf_llama
-    path = tmp_path / "tiny-Q8_0.gguf"
-    write_gguf(path, hf_model.state_dict(), config, "Q8_0")
+    path = tiny_gguf(tmp_path, tiny_hf_llama, "Q8_0")
     first = gguf_convert.ensure_converted(path)
     marker_time = (first / ".pagedserve-complete").stat().st_mtime_ns
     assert gguf_convert.ensure_converted(path) == first
@@ -84,9 +86,8 @@ def test_quantized_gguf_runs_on_its_blocks_with_the_same_values(type_name, tiny_
     from pagedserve.layers import cpu_kernels
     from pagedserve.layers.linear import QUANTIZED_MAX_ROWS, Linear
 
-    config, hf_model = tiny_hf_llama
-    path = tmp_path / f"tiny-{type_name}.gguf"
-    write_gguf(path, hf_model.state_dict(), config, type_name)
+    config, _ = tiny_hf_llama
+    path = tiny_gguf(tmp_path, tiny_hf_llama, type_name)
     on_blocks = LLM(str(path), kv_cache_memory=4 * 1024**2)
     model = on_blocks.llm_engine.engine_core.worker.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]

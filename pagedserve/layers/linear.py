@@ -48,9 +48,10 @@ class QuantizedWeight:
         self.blocks = blocks.contiguous()
         self.qtype = qtype
         self.max_rows = max_rows
+        self._kernel = cpu_kernels.load().quantized_linear  # looked up once, not per call
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return cpu_kernels.load().quantized_linear(x.contiguous(), self.blocks, self.qtype, bias)
+        return self._kernel(x.contiguous(), self.blocks, self.qtype, bias)
 
     def takes(self, x: torch.Tensor) -> bool:
         return x.shape[0] <= self.max_rows
