@@ -1,8 +1,11 @@
 // Paged attention for decodes on CPU: reads K/V straight from the block layout (no gather copy).
-// One task per (sequence, KV head); the query heads that share that KV head (GQA) go together, so
-// each key and value row is loaded once for all of them. Blocks are visited once with an online
-// softmax (running max and sum per query head), so K and V of a block are read together and no
-// per-position score buffer outlives the block.
+// One task per sequence, all its heads together: a block's K (then V) rows for every KV head are one
+// contiguous 12 KB run at the default shapes, which the hardware prefetcher streams; a task per
+// (sequence, KV head) read 256-byte pieces at a 768-byte stride and ran ~30% slower with the cache
+// cold. Blocks are visited once with an online softmax (running max and sum per query head), so K
+// and V of a block are read together and no per-position score buffer outlives the block. The
+// sequences are split between threads by context length, so one long sequence does not leave a
+// thread idle behind many short ones.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -12,6 +15,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <vector>
 
 #include "ops.h"
@@ -97,9 +101,67 @@ inline float exp_and_sum(float* s, int64_t n, float max) {
   return sum;
 }
 
-inline void prefetch_rows(const float* rows, int64_t n, int64_t stride, int64_t dim) {
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t d = 0; d < dim; d += 16) __builtin_prefetch(rows + i * stride + d);
+struct AttentionShape {
+  int64_t num_heads, group, head_dim, block_size, row_stride, block_stride, max_blocks;
+  float scale;
+};
+
+struct SequenceScratch {
+  std::vector<float> q, acc, scores, running_max, running_sum;
+  explicit SequenceScratch(const AttentionShape& s)
+      : q(s.num_heads * s.head_dim), acc(s.num_heads * s.head_dim), scores(s.num_heads * s.block_size),
+        running_max(s.num_heads), running_sum(s.num_heads) {}
+};
+
+// Folds one block of n keys/values into every head's running softmax and accumulator.
+void attend_block(const AttentionShape& s, const float* k_block, const float* v_block, int64_t n, SequenceScratch& w) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float* k_row = k_block + i * s.row_stride;
+    for (int64_t h = 0; h < s.num_heads; ++h)
+      w.scores[h * s.block_size + i] = dot(w.q.data() + h * s.head_dim, k_row + (h / s.group) * s.head_dim, s.head_dim);
+  }
+  for (int64_t h = 0; h < s.num_heads; ++h) {
+    float* scores = w.scores.data() + h * s.block_size;
+    const float block_max = *std::max_element(scores, scores + n);
+    const float new_max = std::max(w.running_max[h], block_max);
+    const float rescale = std::exp(w.running_max[h] - new_max);  // 0 on the first block
+    const float block_sum = exp_and_sum(scores, n, new_max);
+    w.running_sum[h] = w.running_sum[h] * rescale + block_sum;
+    w.running_max[h] = new_max;
+    scale_and_accumulate(w.acc.data() + h * s.head_dim, rescale, scores, v_block + (h / s.group) * s.head_dim, n, s.row_stride,
+                         s.head_dim);
+  }
+}
+
+// out[h] = softmax(q[h] . K^T * scale) V over the len tokens in the blocks of table, for every head h.
+void attend_sequence(const AttentionShape& s, const float* q_in, const float* k_cache, const float* v_cache, const int64_t* table,
+                     int64_t len, float* out, SequenceScratch& w) {
+  const int64_t qdim = s.num_heads * s.head_dim;
+  for (int64_t i = 0; i < qdim; ++i) w.q[i] = q_in[i] * s.scale;
+  std::fill(w.acc.begin(), w.acc.end(), 0.f);
+  std::fill(w.running_max.begin(), w.running_max.end(), -std::numeric_limits<float>::infinity());
+  std::fill(w.running_sum.begin(), w.running_sum.end(), 0.f);
+  const int64_t num_blocks = (len + s.block_size - 1) / s.block_size;
+  for (int64_t b = 0; b < num_blocks; ++b)
+    attend_block(s, k_cache + table[b] * s.block_stride, v_cache + table[b] * s.block_stride,
+                 std::min(s.block_size, len - b * s.block_size), w);
+  for (int64_t h = 0; h < s.num_heads; ++h) {
+    const float inv = 1.f / w.running_sum[h];
+    for (int64_t d = 0; d < s.head_dim; ++d) out[h * s.head_dim + d] = w.acc[h * s.head_dim + d] * inv;
+  }
+}
+
+// Boundaries of `parts` contiguous ranges of sequences holding about equal numbers of context tokens.
+std::vector<int64_t> split_by_context(const int64_t* lens, int64_t num_seqs, int64_t parts) {
+  std::vector<int64_t> bounds{0};
+  const int64_t total = std::accumulate(lens, lens + num_seqs, int64_t{0});
+  int64_t seen = 0;
+  for (int64_t seq = 0; seq < num_seqs && static_cast<int64_t>(bounds.size()) < parts; ++seq) {
+    seen += lens[seq];
+    if (seen * parts >= total * static_cast<int64_t>(bounds.size())) bounds.push_back(seq + 1);
+  }
+  if (bounds.back() != num_seqs) bounds.push_back(num_seqs);
+  return bounds;
 }
 
 }  // namespace
@@ -128,48 +190,14 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Te
   const int64_t block_stride = block_size * row_stride;
   const float fscale = static_cast<float>(scale);
 
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(group * head_dim), acc(group * head_dim), scores(group * block_size);
-    std::vector<float> running_max(group), running_sum(group);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t seq = task / num_kv_heads, kv_head = task % num_kv_heads;
-      const int64_t len = len_ptr[seq];
-      const float* q_in = q_ptr + (seq * num_heads + kv_head * group) * head_dim;
-      for (int64_t i = 0; i < group * head_dim; ++i) q[i] = q_in[i] * fscale;
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(running_max.begin(), running_max.end(), -std::numeric_limits<float>::infinity());
-      std::fill(running_sum.begin(), running_sum.end(), 0.f);
-      const int64_t* table = table_ptr + seq * max_blocks;
-      const int64_t num_blocks = (len + block_size - 1) / block_size;
-      for (int64_t b = 0; b < num_blocks; ++b) {
-        const int64_t n = std::min(block_size, len - b * block_size);
-        const float* k_rows = k_ptr + table[b] * block_stride + kv_head * head_dim;
-        const float* v_rows = v_ptr + table[b] * block_stride + kv_head * head_dim;
-        if (b + 1 < num_blocks) {  // the next block is elsewhere in memory: ask for it early
-          const int64_t next_n = std::min(block_size, len - (b + 1) * block_size);
-          prefetch_rows(k_ptr + table[b + 1] * block_stride + kv_head * head_dim, next_n, row_stride, head_dim);
-          prefetch_rows(v_ptr + table[b + 1] * block_stride + kv_head * head_dim, next_n, row_stride, head_dim);
-        }
-        for (int64_t i = 0; i < n; ++i)
-          for (int64_t g = 0; g < group; ++g) scores[g * block_size + i] = dot(q.data() + g * head_dim, k_rows + i * row_stride, head_dim);
-        for (int64_t g = 0; g < group; ++g) {
-          float* s = scores.data() + g * block_size;
-          float block_max = s[0];
-          for (int64_t i = 1; i < n; ++i) block_max = std::max(block_max, s[i]);
-          const float new_max = std::max(running_max[g], block_max);
-          const float rescale = std::exp(running_max[g] - new_max);  // 0 on the first block
-          const float block_sum = exp_and_sum(s, n, new_max);
-          running_sum[g] = running_sum[g] * rescale + block_sum;
-          running_max[g] = new_max;
-          scale_and_accumulate(acc.data() + g * head_dim, rescale, s, v_rows, n, row_stride, head_dim);
-        }
-      }
-      float* out_row = out_ptr + (seq * num_heads + kv_head * group) * head_dim;
-      for (int64_t g = 0; g < group; ++g) {
-        const float inv = 1.f / running_sum[g];
-        for (int64_t d = 0; d < head_dim; ++d) out_row[g * head_dim + d] = acc[g * head_dim + d] * inv;
-      }
-    }
+  const AttentionShape shape{num_heads, group, head_dim, block_size, row_stride, block_stride, max_blocks, fscale};
+  const std::vector<int64_t> bounds = split_by_context(len_ptr, num_seqs, std::min<int64_t>(at::get_num_threads(), num_seqs));
+  at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t begin, int64_t end) {
+    SequenceScratch scratch(shape);
+    for (int64_t part = begin; part < end; ++part)
+      for (int64_t seq = bounds[part]; seq < bounds[part + 1]; ++seq)
+        attend_sequence(shape, q_ptr + seq * num_heads * head_dim, k_ptr, v_ptr, table_ptr + seq * max_blocks, len_ptr[seq],
+                        out_ptr + seq * num_heads * head_dim, scratch);
   });
   return out;
 }
