@@ -117,6 +117,31 @@ def test_quantized_linear_matches_gguf_dequantization(type_name, rows, out_featu
     torch.testing.assert_close(kernels.quantized_linear(x, blocks, int(qtype)).double(), expected - bias.double(), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows,out_features,in_features", [(3, 8, 32), (7, 24, 96), (16, 48, 576), (70, 16, 160), (130, 40, 64)])
+def test_interleaved_quantized_linear_matches_gguf_dequantization(type_name, rows, out_features, in_features):
+    """The broadcast GEMM on the interleaved copy: 6-row tiles and their remainders, an odd number of
+    8-row groups (a half panel), input chunks of 64 rows, with and without bias."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    kernels = built_kernels()
+    qtype = GGMLQuantizationType[type_name]
+    rng = np.random.default_rng(rows * out_features)
+    blocks = quantize(rng.standard_normal((out_features, in_features)).astype(np.float32), qtype)
+    weight = torch.from_numpy(dequantize(blocks, qtype)).double()
+    blocks = torch.from_numpy(blocks.copy())
+    interleaved = kernels.interleave_gguf_rows(blocks, int(qtype))
+    x, bias = torch.randn(rows, in_features), torch.randn(out_features)
+    expected = x.double() @ weight.T
+    actual = kernels.quantized_linear(x, blocks, int(qtype), bias, interleaved)
+    torch.testing.assert_close(actual.double(), expected + bias.double(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(kernels.quantized_linear(x, blocks, int(qtype), None, interleaved).double(), expected, rtol=1e-5, atol=1e-4)
+    # One accumulator per output, over k in order: a row's result does not depend on its batch.
+    assert torch.equal(kernels.quantized_linear(x[-3:].contiguous(), blocks, int(qtype), None, interleaved),
+                       kernels.quantized_linear(x, blocks, int(qtype), None, interleaved)[-3:])
+
+
 def test_quantized_linear_names_bad_input():
     kernels = built_kernels()
     blocks = torch.zeros(4, 20, dtype=torch.uint8)  # one Q4_1 block per row: 32 values
@@ -124,6 +149,10 @@ def test_quantized_linear_names_bad_input():
         kernels.quantized_linear(torch.zeros(2, 32), blocks, 12)
     with pytest.raises(RuntimeError, match="do not hold 64 values"):
         kernels.quantized_linear(torch.zeros(2, 64), blocks, 3)
+    with pytest.raises(RuntimeError, match="multiple of 8 rows"):
+        kernels.interleave_gguf_rows(blocks, 3)
+    with pytest.raises(RuntimeError, match="interleaved weight does not match"):
+        kernels.quantized_linear(torch.zeros(4, 32), torch.zeros(8, 20, dtype=torch.uint8), 3, None, torch.zeros(10, dtype=torch.uint8))
 
 
 def test_kv_cache_write_kernel_matches_reference():

@@ -97,6 +97,7 @@ def test_quantized_gguf_runs_on_its_blocks_with_the_same_values(type_name, tiny_
     kernels = cpu_kernels.load()
     for module in linears:  # the blocks hold the float32 weight's values, rows in the same order (q/k un-permuted)
         assert torch.equal(kernels.dequantize_gguf(module.quantized.blocks, module.quantized.qtype), module.weight)
+        assert module.quantized.interleaved is not None  # steps of 3+ rows take the broadcast GEMM
     on_floats = LLM(str(path), kv_cache_memory=4 * 1024**2, gguf_quantized_weights=False)
     assert all(m.quantized is None for m in on_floats.llm_engine.engine_core.worker.model.modules() if isinstance(m, Linear))
     # A prompt longer than QUANTIZED_MAX_ROWS runs its prefill on the float32 weights, its decodes on the blocks.

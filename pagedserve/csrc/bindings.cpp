@@ -10,7 +10,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(first half) * second half of the last dimension");
   m.def("rotary_embedding", &rotary_embedding, "neox rotary embedding of query and key, in place");
   m.def("quantized_linear", &quantized_linear, "x @ W.T (+ bias) with W in GGUF Q4_0/Q4_1/Q8_0 blocks",
-        py::arg("x"), py::arg("weight"), py::arg("qtype"), py::arg("bias") = py::none());
+        py::arg("x"), py::arg("weight"), py::arg("qtype"), py::arg("bias") = py::none(), py::arg("interleaved") = py::none());
+  m.def("interleave_gguf_rows", &interleave_gguf_rows, "the copy of GGUF blocks (8 rows interleaved) read for steps of 3+ rows");
   m.def("dequantize_gguf", &dequantize_gguf, "float32 values of GGUF Q4_0/Q4_1/Q8_0 blocks");
   m.def("quantized_block_bytes", &quantized_block_bytes, "bytes per 32-value block of a GGUF type (0: unsupported)");
 }

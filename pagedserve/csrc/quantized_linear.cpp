@@ -6,6 +6,13 @@
 // multiply-add rounds like numpy's multiply-then-add) and takes their dot products with the input
 // rows. The input is walked in chunks of rows that stay in L2, so a long prefill is not re-streamed
 // from memory for every few output rows.
+//
+// Steps of more rows run on an interleaved copy of the blocks made once at load time
+// (interleave_gguf_rows): rows in groups of 8, and for each block the 8 rows' scales as float32 and
+// value k of all 8 rows side by side, so 8 rows' weights at one k dequantize into one register.
+// A task dequantizes 16 rows into an L1/L2 panel laid out [k][16] and runs a 6 x 16 broadcast
+// microkernel over it for all input rows: 12 FMAs per 8 loads, no horizontal sums, and each output
+// is one accumulator over k in order, so its value does not depend on the batch it came in.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -187,6 +194,134 @@ void few_rows_times_weight_rows(const float* x, int64_t k, const uint8_t* w, int
   }
 }
 
+
+// Interleaved layout, per group of kPanelRows rows and per block: float d[8], float m[8] (value =
+// d * q + m), then the 32 values: Q4 as 4 bytes per value index (byte j: row j in the low nibble, row
+// j + 4 in the high one), Q8_0 as 8 signed bytes.
+constexpr int64_t kPanelRows = 8;
+constexpr int64_t kScaleBytes = 2 * kPanelRows * sizeof(float);
+// Output columns of one panel (two groups) and input rows of one microkernel tile: 6 x 2 accumulators,
+// two weight vectors and a broadcast value fit the 16 AVX2 registers.
+constexpr int64_t kPanelCols = 2 * kPanelRows;
+constexpr int64_t kBroadcastRows = 6;
+
+int64_t interleaved_record_bytes(int64_t qtype) { return kScaleBytes + kBlockValues * (qtype == kQ8_0 ? 8 : 4); }
+
+// Writes the record of block b of the 8 rows starting at `rows` (each row_bytes long).
+void interleave_block(const uint8_t* rows, int64_t row_bytes, int64_t b, int64_t qtype, uint8_t* record) {
+  const int64_t bytes = quantized_block_bytes(qtype);
+  float* scales = reinterpret_cast<float*>(record);
+  uint8_t* values = record + kScaleBytes;
+  std::memset(values, 0, interleaved_record_bytes(qtype) - kScaleBytes);
+  for (int64_t r = 0; r < kPanelRows; ++r) {
+    const uint8_t* block = rows + r * row_bytes + b * bytes;
+    const float d = half_at(block);
+    scales[r] = d;
+    scales[kPanelRows + r] = qtype == kQ4_1 ? half_at(block + 2) : (qtype == kQ4_0 ? -8.f * d : 0.f);
+    if (qtype == kQ8_0) {
+      for (int64_t v = 0; v < kBlockValues; ++v) values[v * kPanelRows + r] = block[2 + v];
+      continue;
+    }
+    const uint8_t* q = block + (qtype == kQ4_1 ? 4 : 2);
+    for (int64_t v = 0; v < kBlockValues; ++v) {
+      const uint8_t nibble = v < 16 ? (q[v] & 0x0F) : (q[v - 16] >> 4);
+      values[v * 4 + (r & 3)] |= static_cast<uint8_t>(nibble << (r < 4 ? 0 : 4));
+    }
+  }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// Value index v of the 8 rows of a record's values, as float32 before scaling.
+template <bool Q8>
+inline __m256 interleaved_values(const uint8_t* values, int64_t v) {
+  if (Q8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(values + v * 8))));
+  int32_t word;
+  std::memcpy(&word, values + v * 4, 4);
+  const __m256i shifts = _mm256_setr_epi32(0, 8, 16, 24, 4, 12, 20, 28);
+  return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts), _mm256_set1_epi32(0x0F)));
+}
+
+// panel[k][8g + j] = weight row 8g + j at k, for the `count` (1 or 2) groups whose records start at groups[g];
+// a missing second group is zeros.
+template <bool Q8>
+void dequantize_panel(const uint8_t* const* groups, int64_t count, int64_t k, int64_t record_bytes, float* panel) {
+  for (int64_t b = 0; b < k / kBlockValues; ++b)
+    for (int64_t g = 0; g < 2; ++g) {
+      float* out = panel + b * kBlockValues * kPanelCols + g * kPanelRows;
+      if (g >= count) {
+        for (int64_t v = 0; v < kBlockValues; ++v) _mm256_storeu_ps(out + v * kPanelCols, _mm256_setzero_ps());
+        continue;
+      }
+      const uint8_t* record = groups[g] + b * record_bytes;
+      const __m256 d = _mm256_loadu_ps(reinterpret_cast<const float*>(record));
+      const __m256 m = _mm256_loadu_ps(reinterpret_cast<const float*>(record) + kPanelRows);
+      for (int64_t v = 0; v < kBlockValues; ++v)
+        _mm256_storeu_ps(out + v * kPanelCols, _mm256_fmadd_ps(interleaved_values<Q8>(record + kScaleBytes, v), d, m));
+    }
+}
+
+// out[i, j] = sum over k, in order, of x[i, k] * panel[k][j] (+ bias[j]), for MR input rows and the
+// first `cols` of the panel's 16 columns.
+template <int MR>
+void panel_tile(const float* x, int64_t k, const float* panel, int64_t cols, const float* bias, float* out, int64_t n) {
+  // _mm256_set1_ps, not _mm256_broadcast_ss: with the latter GCC stored every accumulator to the
+  // stack on each step (the same vbroadcastss, at half the speed).
+  __m256 acc[MR][2];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < 2; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < k; ++p) {
+    __m256 w[2];
+    for (int j = 0; j < 2; ++j) w[j] = _mm256_loadu_ps(panel + p * kPanelCols + j * kPanelRows);
+    for (int i = 0; i < MR; ++i) {
+      const __m256 xv = _mm256_set1_ps(x[i * k + p]);
+      for (int j = 0; j < 2; ++j) acc[i][j] = _mm256_fmadd_ps(xv, w[j], acc[i][j]);
+    }
+  }
+  alignas(32) float result[MR][kPanelCols];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < 2; ++j) _mm256_store_ps(result[i] + j * kPanelRows, acc[i][j]);
+  for (int i = 0; i < MR; ++i)
+    for (int64_t c = 0; c < cols; ++c) out[i * n + c] = result[i][c] + (bias ? bias[c] : 0.f);
+}
+
+void rows_times_panel(const float* x, int64_t rows, int64_t k, const float* panel, int64_t cols, const float* bias, float* out,
+                      int64_t n) {
+  int64_t i = 0;
+  for (; i + kBroadcastRows <= rows; i += kBroadcastRows) panel_tile<kBroadcastRows>(x + i * k, k, panel, cols, bias, out + i * n, n);
+  const float* xr = x + i * k;
+  float* o = out + i * n;
+  switch (rows - i) {
+    case 5: panel_tile<5>(xr, k, panel, cols, bias, o, n); break;
+    case 4: panel_tile<4>(xr, k, panel, cols, bias, o, n); break;
+    case 3: panel_tile<3>(xr, k, panel, cols, bias, o, n); break;
+    case 2: panel_tile<2>(xr, k, panel, cols, bias, o, n); break;
+    case 1: panel_tile<1>(xr, k, panel, cols, bias, o, n); break;
+    default: break;
+  }
+}
+
+template <bool Q8>
+void interleaved_linear(const float* x, int64_t m, int64_t k, const uint8_t* packed, int64_t n, int64_t qtype, const float* bias,
+                        float* out) {
+  const int64_t record_bytes = interleaved_record_bytes(qtype), group_bytes = k / kBlockValues * record_bytes;
+  const int64_t num_groups = n / kPanelRows;
+  at::parallel_for(0, (num_groups + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> panel(k * kPanelCols);
+    // Input rows in L2-sized chunks (as above): a panel is dequantized again for each chunk.
+    for (int64_t chunk = 0; chunk < m; chunk += kChunkRows) {
+      const int64_t rows = std::min(kChunkRows, m - chunk);
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t g0 = 2 * t, count = std::min<int64_t>(2, num_groups - g0);
+        const uint8_t* groups[2] = {packed + g0 * group_bytes, packed + (g0 + 1) * group_bytes};
+        dequantize_panel<Q8>(groups, count, k, record_bytes, panel.data());
+        rows_times_panel(x + chunk * k, rows, k, panel.data(), count * kPanelRows, bias ? bias + g0 * kPanelRows : nullptr,
+                         out + chunk * n + g0 * kPanelRows, n);
+      }
+    }
+  });
+}
+#endif
+
 }  // namespace
 
 int64_t quantized_block_bytes(int64_t qtype) {
@@ -200,7 +335,8 @@ int64_t quantized_block_bytes(int64_t qtype) {
 
 // x [M, K] float32; weight [N, K / 32 * block_bytes] uint8 (GGUF blocks, one output row per row);
 // bias [N] float32 or undefined. Returns x @ dequantized(weight).T + bias, [M, N].
-at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& weight, int64_t qtype, const c10::optional<at::Tensor>& bias) {
+at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& weight, int64_t qtype, const c10::optional<at::Tensor>& bias,
+                            const c10::optional<at::Tensor>& interleaved) {
   const int64_t bytes = quantized_block_bytes(qtype);
   TORCH_CHECK(bytes > 0, "unsupported GGUF quantization type id ", qtype, " (supported: Q4_0=2, Q4_1=3, Q8_0=8)");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be a contiguous float32 [M, K] tensor");
@@ -225,6 +361,16 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& weight, int64
     });
     return out;
   }
+#if defined(__AVX2__) && defined(__FMA__)
+  if (interleaved.has_value() && interleaved->defined()) {
+    TORCH_CHECK(n % kPanelRows == 0 && interleaved->scalar_type() == at::kByte && interleaved->is_contiguous() &&
+                    interleaved->numel() == n / kPanelRows * num_blocks * interleaved_record_bytes(qtype),
+                "interleaved weight does not match the blocks (make it with interleave_gguf_rows)");
+    if (qtype == kQ8_0) interleaved_linear<true>(x_ptr, m, k, interleaved->data_ptr<uint8_t>(), n, qtype, bias_ptr, out_ptr);
+    else interleaved_linear<false>(x_ptr, m, k, interleaved->data_ptr<uint8_t>(), n, qtype, bias_ptr, out_ptr);
+    return out;
+  }
+#endif
   const int64_t num_groups = (n + kRowsPerGroup - 1) / kRowsPerGroup;
 
   at::parallel_for(0, num_groups, 1, [&](int64_t begin, int64_t end) {
@@ -256,6 +402,27 @@ at::Tensor dequantize_gguf(const at::Tensor& weight, int64_t qtype) {
   float* out_ptr = out.data_ptr<float>();
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) dequantize_row(w_ptr + r * weight.size(1), qtype, num_blocks, out_ptr + r * k);
+  });
+  return out;
+}
+
+// GGUF blocks [N, K / 32 * block_bytes] -> the interleaved copy quantized_linear reads for steps of
+// more than two rows (layout above interleave_block). N must be a multiple of 8.
+at::Tensor interleave_gguf_rows(const at::Tensor& weight, int64_t qtype) {
+  const int64_t bytes = quantized_block_bytes(qtype);
+  TORCH_CHECK(bytes > 0, "unsupported GGUF quantization type id ", qtype, " (supported: Q4_0=2, Q4_1=3, Q8_0=8)");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.is_contiguous(), "weight must be contiguous uint8 blocks");
+  TORCH_CHECK(weight.size(1) % bytes == 0, "rows of ", weight.size(1), " bytes are not whole blocks of ", bytes);
+  const int64_t n = weight.size(0), row_bytes = weight.size(1), num_blocks = row_bytes / bytes;
+  TORCH_CHECK(n % kPanelRows == 0, "interleaving takes a multiple of ", kPanelRows, " rows, not ", n);
+  const int64_t record_bytes = interleaved_record_bytes(qtype);
+  auto out = at::empty({n / kPanelRows, num_blocks * record_bytes}, weight.options());
+  const uint8_t* w_ptr = weight.data_ptr<uint8_t>();
+  uint8_t* out_ptr = out.data_ptr<uint8_t>();
+  at::parallel_for(0, n / kPanelRows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g)
+      for (int64_t b = 0; b < num_blocks; ++b)
+        interleave_block(w_ptr + g * kPanelRows * row_bytes, row_bytes, b, qtype, out_ptr + (g * num_blocks + b) * record_bytes);
   });
   return out;
 }

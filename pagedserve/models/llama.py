@@ -14,7 +14,7 @@ from torch import nn
 from pagedserve.layers import cpu_kernels
 from pagedserve.layers.attention import Attention, AttentionMetadata
 from pagedserve.layers.layernorm import RMSNorm
-from pagedserve.layers.linear import LM_HEAD_QUANTIZED_MAX_ROWS, Linear, QuantizedWeight, pack_weight, packed_linear
+from pagedserve.layers.linear import Linear, QuantizedWeight, pack_weight, packed_linear
 from pagedserve.layers.rotary import RotaryEmbedding
 
 # checkpoint name piece -> (our fused parameter, shard index)
@@ -159,7 +159,7 @@ class LlamaForCausalLM(nn.Module):
         switched = 0
         for target, parts in shards.items():
             if target == lm_head_source:
-                self.quantized_lm_head = QuantizedWeight(*parts[None], max_rows=LM_HEAD_QUANTIZED_MAX_ROWS)
+                self.quantized_lm_head = QuantizedWeight(*parts[None])
                 switched += 1
                 continue
             module = self.get_submodule(target.rsplit(".", 1)[0])
