@@ -35,3 +35,17 @@ def test_bad_flag_value_is_reported_clearly():
     result = run_cli("generate", "--prompt", "x", "--block-size", "7")
     assert result.returncode == 2
     assert "block_size must be one of" in result.stderr
+
+
+def test_openmp_wait_settings_are_set_before_torch_loads_and_users_win():
+    """Threads sleep between parallel regions after a short spin (see pagedserve/__init__.py); values
+    the user exported are kept."""
+    import os
+
+    script = "import pagedserve.entrypoints.cli, os; print(os.environ['OMP_WAIT_POLICY'], os.environ['GOMP_SPINCOUNT'])"
+    clean = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    ours = subprocess.run([sys.executable, "-c", script], env=clean, capture_output=True, text=True, timeout=120)
+    assert ours.stdout.split() == ["PASSIVE", "20000"], ours.stderr
+    users = subprocess.run([sys.executable, "-c", script], env={**clean, "OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "7"},
+                           capture_output=True, text=True, timeout=120)
+    assert users.stdout.split() == ["ACTIVE", "7"], users.stderr

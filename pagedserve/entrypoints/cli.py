@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads (see pagedserve/__init__.py)
+# OpenMP's wait policy and spin count are set by the package's __init__, which runs before this module.
 
 
 def main(argv: list[str] | None = None) -> int:
