@@ -6,7 +6,7 @@ import os
 # cores are shared with other processes (PASSIVE: they sleep between parallel regions), but waking a
 # sleeping thread costs tens of microseconds and a decode step opens hundreds of parallel regions, so
 # they first spin briefly (libgomp's GOMP_SPINCOUNT; PASSIVE alone means 0). Batch-16 decode step
-# 105-127 -> 77-79 ms; serve at rate inf 139 -> 185 output tokens/s (200000 spins: 62 ms, 171 tokens/s).
+# 105-127 -> 77-83 ms; serve at rate inf 139 -> 185 output tokens/s (200000 spins: 62 ms, 171 tokens/s).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("GOMP_SPINCOUNT", "20000")
 

@@ -102,7 +102,7 @@ inline float exp_and_sum(float* s, int64_t n, float max) {
 }
 
 struct AttentionShape {
-  int64_t num_heads, group, head_dim, block_size, row_stride, block_stride, max_blocks;
+  int64_t num_heads, group, head_dim, block_size, row_stride, block_stride;
   float scale;
 };
 
@@ -190,7 +190,7 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Te
   const int64_t block_stride = block_size * row_stride;
   const float fscale = static_cast<float>(scale);
 
-  const AttentionShape shape{num_heads, group, head_dim, block_size, row_stride, block_stride, max_blocks, fscale};
+  const AttentionShape shape{num_heads, group, head_dim, block_size, row_stride, block_stride, fscale};
   const std::vector<int64_t> bounds = split_by_context(len_ptr, num_seqs, std::min<int64_t>(at::get_num_threads(), num_seqs));
   at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t begin, int64_t end) {
     SequenceScratch scratch(shape);

@@ -52,6 +52,14 @@ inline float half_at(const uint8_t* p) {
 #endif
 }
 
+// The offset added to d * q in a block: Q4_1 stores it, Q4_0's is -8d (exact in float32), Q8_0 has none.
+inline float block_min(const uint8_t* block, int64_t qtype, float d) {
+  return qtype == kQ4_1 ? half_at(block + 2) : (qtype == kQ4_0 ? -8.f * d : 0.f);
+}
+
+// Where a Q4 block's 16 bytes of nibbles start.
+inline const uint8_t* nibbles_of(const uint8_t* block, int64_t qtype) { return block + (qtype == kQ4_1 ? 4 : 2); }
+
 #if defined(__AVX2__) && defined(__FMA__)
 // The 32 values of one block in four registers. Q4: nibble i of byte i is value i (low) or i + 16
 // (high), value = d * q + m (Q4_0: m = -8d; d*q and -8d are exact, so this is d * (q - 8)).
@@ -63,9 +71,8 @@ inline void block_values(const uint8_t* block, int64_t qtype, __m256 v[4]) {
       v[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * i)))), vd);
     return;
   }
-  const bool has_min = qtype == kQ4_1;
-  const __m256 vm = has_min ? _mm256_set1_ps(half_at(block + 2)) : _mm256_mul_ps(vd, _mm256_set1_ps(-8.f));
-  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (has_min ? 4 : 2)));
+  const __m256 vm = _mm256_set1_ps(block_min(block, qtype, half_at(block)));
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(nibbles_of(block, qtype)));
   const __m128i mask = _mm_set1_epi8(0x0F);
   const __m128i low = _mm_and_si128(packed, mask), high = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
   v[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(low)), vd, vm);
@@ -87,9 +94,8 @@ void dequantize_block(const uint8_t* block, int64_t qtype, float* out) {
     for (int i = 0; i < 32; ++i) out[i] = static_cast<float>(q[i]) * d;
     return;
   }
-  const bool has_min = qtype == kQ4_1;
-  const float m = has_min ? half_at(block + 2) : -8.f * d;
-  const uint8_t* q = block + (has_min ? 4 : 2);
+  const float m = block_min(block, qtype, d);
+  const uint8_t* q = nibbles_of(block, qtype);
   for (int i = 0; i < 16; ++i) {
     out[i] = std::fma(static_cast<float>(q[i] & 0x0F), d, m);
     out[i + 16] = std::fma(static_cast<float>(q[i] >> 4), d, m);
@@ -217,12 +223,12 @@ void interleave_block(const uint8_t* rows, int64_t row_bytes, int64_t b, int64_t
     const uint8_t* block = rows + r * row_bytes + b * bytes;
     const float d = half_at(block);
     scales[r] = d;
-    scales[kPanelRows + r] = qtype == kQ4_1 ? half_at(block + 2) : (qtype == kQ4_0 ? -8.f * d : 0.f);
+    scales[kPanelRows + r] = block_min(block, qtype, d);
     if (qtype == kQ8_0) {
       for (int64_t v = 0; v < kBlockValues; ++v) values[v * kPanelRows + r] = block[2 + v];
       continue;
     }
-    const uint8_t* q = block + (qtype == kQ4_1 ? 4 : 2);
+    const uint8_t* q = nibbles_of(block, qtype);
     for (int64_t v = 0; v < kBlockValues; ++v) {
       const uint8_t nibble = v < 16 ? (q[v] & 0x0F) : (q[v - 16] >> 4);
       values[v * 4 + (r & 3)] |= static_cast<uint8_t>(nibble << (r < 4 ? 0 : 4));

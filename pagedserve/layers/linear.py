@@ -40,15 +40,15 @@ QUANTIZED_MAX_ROWS = 64
 
 
 class QuantizedWeight:
-    """A weight in GGUF blocks ([out_features, bytes per row] uint8), its gguf type id, and the most
-    rows it runs (larger inputs take the float32 weight). Steps of 3+ rows read an interleaved copy
-    of the blocks (8 rows side by side, made here once) that the kernel's broadcast GEMM needs."""
+    """A weight in GGUF blocks ([out_features, bytes per row] uint8) and its gguf type id; it runs
+    steps of up to QUANTIZED_MAX_ROWS rows (larger ones take the float32 weight). Steps of 3+ rows
+    read an interleaved copy of the blocks (8 rows side by side, made here once) that the kernel's
+    broadcast GEMM needs."""
 
-    def __init__(self, blocks: torch.Tensor, qtype: int, max_rows: int = QUANTIZED_MAX_ROWS) -> None:
+    def __init__(self, blocks: torch.Tensor, qtype: int) -> None:
         kernels = cpu_kernels.load()
         self.blocks = blocks.contiguous()
         self.qtype = qtype
-        self.max_rows = max_rows
         self.interleaved = kernels.interleave_gguf_rows(self.blocks, qtype) if blocks.shape[0] % 8 == 0 else None
         self._kernel = kernels.quantized_linear  # looked up once, not per call
 
@@ -56,7 +56,7 @@ class QuantizedWeight:
         return self._kernel(x.contiguous(), self.blocks, self.qtype, bias, self.interleaved)
 
     def takes(self, x: torch.Tensor) -> bool:
-        return x.shape[0] <= self.max_rows
+        return x.shape[0] <= QUANTIZED_MAX_ROWS
 
 
 class Linear(nn.Linear):
