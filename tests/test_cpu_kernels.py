@@ -6,7 +6,13 @@ import torch
 
 from pagedserve.executor.input_batch import fill_decode_metadata
 from pagedserve.layers import cpu_kernels
-from pagedserve.layers.attention import AttentionMetadata, reference_decode_attention
+from pagedserve.layers.attention import (
+    AttentionMetadata,
+    ContinuedChunks,
+    PrefillChunk,
+    prefill_attention,
+    reference_decode_attention,
+)
 from pagedserve.layers.layernorm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding
 from pagedserve.models.llama import LlamaMLP
@@ -172,3 +178,48 @@ def test_kv_cache_write_kernel_matches_reference():
     assert torch.equal(ours, expected)
     with pytest.raises(RuntimeError, match="outside the cache"):
         kernels.write_kv_cache(key, value, ours[0], ours[1], slots + num_blocks * block_size)
+
+
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim,block_size,chunks",
+    [(9, 3, 64, 16, [(1024, 16), (3, 5), (40, 1), (17, 33)]),  # (context, query tokens): prefix hits, odd offsets
+     (4, 4, 16, 16, [(5, 20)]), (8, 2, 32, 8, [(9, 7), (64, 64)]), (6, 2, 24, 16, [(31, 50)]),
+     (9, 3, 64, 32, [(100, 37), (1, 100)]),
+     (9, 3, 64, 16, [(600, 200), (2, 2), (3, 3)])],  # one costly chunk: the threads' shares are split by cost
+)
+def test_cpu_prefill_kernel_matches_reference(num_heads, num_kv_heads, head_dim, block_size, chunks):
+    """Chunks that continue a sequence attend causally to their context and their own tokens, read
+    from the blocks; rows of other tokens in the batch are left alone."""
+    kernels = built_kernels()
+    torch.manual_seed(0)
+    num_blocks = 128
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim) * 3
+    rng = np.random.default_rng(0)
+    num_decodes = 3  # rows before the chunks, as in an engine step
+    total = num_decodes + sum(q for _, q in chunks)
+    qkv = torch.randn(total, (num_heads + 2 * num_kv_heads) * head_dim)
+    query = qkv[:, : num_heads * head_dim].view(total, num_heads, head_dim)  # strided, as the model passes it
+    prefills, start = [], num_decodes
+    for context, query_len in chunks:
+        table = torch.from_numpy(rng.choice(num_blocks, -(-(context + query_len) // block_size), replace=False).astype(np.int64))
+        prefills.append(PrefillChunk(start, query_len, context + query_len, table))
+        start += query_len
+    continued = ContinuedChunks.of(prefills, torch.device("cpu"))
+    out = torch.full((total, num_heads, head_dim), 7.0)
+    kernels.paged_prefill_attention(query, kv_cache[0], kv_cache[1], continued.block_tables, continued.query_starts,
+                                    continued.query_lens, continued.seq_lens, head_dim**-0.5, out)
+    for chunk in prefills:
+        rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
+        expected = prefill_attention(query[rows], None, None, kv_cache, chunk)
+        torch.testing.assert_close(out[rows], expected, atol=2e-5, rtol=1e-4)
+    assert torch.equal(out[:num_decodes], torch.full((num_decodes, num_heads, head_dim), 7.0))
+
+
+def test_cpu_prefill_kernel_names_a_chunk_outside_its_table():
+    kernels = built_kernels()
+    kv_cache = torch.zeros(2, 4, 16, 1, 8)
+    query, out = torch.zeros(40, 1, 8), torch.zeros(40, 1, 8)
+    one = torch.ones(1, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="chunk 0"):  # 40 tokens need 3 blocks, the table has 1
+        kernels.paged_prefill_attention(query, kv_cache[0], kv_cache[1], torch.zeros(1, 1, dtype=torch.long), one * 0,
+                                        one * 10, one * 40, 1.0, out)

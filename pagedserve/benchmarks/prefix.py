@@ -15,7 +15,7 @@ def _run(args, enable_prefix_caching: bool, prompts: list[list[int]]) -> tuple[f
 
     llm = LLM(args.model, enable_prefix_caching=enable_prefix_caching, **args.engine_overrides)
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=16)
-    llm.generate({"prompt_token_ids": prompts[0][:32]}, params, use_tqdm=False)  # warm-up, shares nothing with the prompts
+    llm.generate({"prompt_token_ids": [7] * 32}, params, use_tqdm=False)  # warm-up, shares nothing with the prompts
     run = TimedRun(llm.llm_engine)
     start = time.perf_counter()
     for index, prompt in enumerate(prompts):

@@ -1,6 +1,8 @@
-// Paged attention for decodes on CPU: reads K/V straight from the block layout (no gather copy).
-// One task per sequence, all its heads together: a block's K (then V) rows for every KV head are one
-// contiguous 12 KB run at the default shapes, which the hardware prefetcher streams; a task per
+// Paged attention on CPU for decodes and for prefill chunks that continue a sequence: both read K/V
+// straight from the block layout (no gather copy).
+//
+// Decodes: one task per sequence, all its heads together: a block's K (then V) rows for every KV head
+// are one contiguous 12 KB run at the default shapes, which the hardware prefetcher streams; a task per
 // (sequence, KV head) read 256-byte pieces at a 768-byte stride and ran ~30% slower with the cache
 // cold. Blocks are visited once with an online softmax (running max and sum per query head), so K
 // and V of a block are read together and no per-position score buffer outlives the block. The
@@ -49,9 +51,9 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t n
   return sum;
 }
 
-// acc[d] = acc[d] * rescale + sum_i p[i] * rows[i * stride + d], for the n rows of one block.
-inline void scale_and_accumulate(float* __restrict acc, float rescale, const float* p, const float* rows, int64_t n,
-                                 int64_t stride, int64_t dim) {
+// acc[d] = acc[d] * rescale + sum_i p[i * p_stride] * rows[i * stride + d], for n rows of values.
+inline void scale_and_accumulate(float* __restrict acc, float rescale, const float* p, int64_t p_stride, const float* rows,
+                                 int64_t n, int64_t stride, int64_t dim) {
 #if defined(__AVX2__) && defined(__FMA__)
   if (dim == 64) {  // the common head size: the accumulator lives in eight registers for the whole block
     const __m256 c = _mm256_set1_ps(rescale);
@@ -61,7 +63,7 @@ inline void scale_and_accumulate(float* __restrict acc, float rescale, const flo
     __m256 a6 = _mm256_mul_ps(_mm256_loadu_ps(acc + 48), c), a7 = _mm256_mul_ps(_mm256_loadu_ps(acc + 56), c);
     for (int64_t i = 0; i < n; ++i) {
       const float* v = rows + i * stride;
-      const __m256 w = _mm256_set1_ps(p[i]);
+      const __m256 w = _mm256_set1_ps(p[i * p_stride]);
       a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v), a0);
       a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8), a1);
       a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 16), a2);
@@ -80,7 +82,7 @@ inline void scale_and_accumulate(float* __restrict acc, float rescale, const flo
   for (int64_t i = 0; i < n; ++i) {
     const float* v = rows + i * stride;
 #pragma omp simd
-    for (int64_t d = 0; d < dim; ++d) acc[d] += p[i] * v[d];
+    for (int64_t d = 0; d < dim; ++d) acc[d] += p[i * p_stride] * v[d];
   }
 }
 
@@ -113,6 +115,19 @@ struct SequenceScratch {
         running_max(s.num_heads), running_sum(s.num_heads) {}
 };
 
+// Folds the n scores of one block (already q.k * scale) into a query row's running softmax and
+// accumulator: acc = acc * exp(old_max - new_max) + sum_i exp(s_i - new_max) v_i.
+inline void fold_scores(float* scores, int64_t n, const float* v_rows, int64_t row_stride, int64_t dim, float& running_max,
+                        float& running_sum, float* acc) {
+  const float block_max = *std::max_element(scores, scores + n);
+  const float new_max = std::max(running_max, block_max);
+  const float rescale = std::exp(running_max - new_max);  // 0 on the first block
+  const float block_sum = exp_and_sum(scores, n, new_max);
+  running_sum = running_sum * rescale + block_sum;
+  running_max = new_max;
+  scale_and_accumulate(acc, rescale, scores, 1, v_rows, n, row_stride, dim);
+}
+
 // Folds one block of n keys/values into every head's running softmax and accumulator.
 void attend_block(const AttentionShape& s, const float* k_block, const float* v_block, int64_t n, SequenceScratch& w) {
   for (int64_t i = 0; i < n; ++i) {
@@ -120,17 +135,9 @@ void attend_block(const AttentionShape& s, const float* k_block, const float* v_
     for (int64_t h = 0; h < s.num_heads; ++h)
       w.scores[h * s.block_size + i] = dot(w.q.data() + h * s.head_dim, k_row + (h / s.group) * s.head_dim, s.head_dim);
   }
-  for (int64_t h = 0; h < s.num_heads; ++h) {
-    float* scores = w.scores.data() + h * s.block_size;
-    const float block_max = *std::max_element(scores, scores + n);
-    const float new_max = std::max(w.running_max[h], block_max);
-    const float rescale = std::exp(w.running_max[h] - new_max);  // 0 on the first block
-    const float block_sum = exp_and_sum(scores, n, new_max);
-    w.running_sum[h] = w.running_sum[h] * rescale + block_sum;
-    w.running_max[h] = new_max;
-    scale_and_accumulate(w.acc.data() + h * s.head_dim, rescale, scores, v_block + (h / s.group) * s.head_dim, n, s.row_stride,
-                         s.head_dim);
-  }
+  for (int64_t h = 0; h < s.num_heads; ++h)
+    fold_scores(w.scores.data() + h * s.block_size, n, v_block + (h / s.group) * s.head_dim, s.row_stride, s.head_dim,
+                w.running_max[h], w.running_sum[h], w.acc.data() + h * s.head_dim);
 }
 
 // out[h] = softmax(q[h] . K^T * scale) V over the len tokens in the blocks of table, for every head h.
@@ -151,17 +158,196 @@ void attend_sequence(const AttentionShape& s, const float* q_in, const float* k_
   }
 }
 
-// Boundaries of `parts` contiguous ranges of sequences holding about equal numbers of context tokens.
-std::vector<int64_t> split_by_context(const int64_t* lens, int64_t num_seqs, int64_t parts) {
+// Boundaries of `parts` contiguous ranges of items holding about equal shares of their costs (a
+// sequence's context length, a prefill task's query rows x keys), so one costly item does not
+// leave a thread idle behind many cheap ones.
+std::vector<int64_t> split_by_cost(const int64_t* costs, int64_t num_items, int64_t parts) {
   std::vector<int64_t> bounds{0};
-  const int64_t total = std::accumulate(lens, lens + num_seqs, int64_t{0});
+  const int64_t total = std::accumulate(costs, costs + num_items, int64_t{0});
   int64_t seen = 0;
-  for (int64_t seq = 0; seq < num_seqs && static_cast<int64_t>(bounds.size()) < parts; ++seq) {
-    seen += lens[seq];
-    if (seen * parts >= total * static_cast<int64_t>(bounds.size())) bounds.push_back(seq + 1);
+  for (int64_t item = 0; item < num_items && static_cast<int64_t>(bounds.size()) < parts; ++item) {
+    seen += costs[item];
+    if (seen * parts >= total * static_cast<int64_t>(bounds.size())) bounds.push_back(item + 1);
   }
-  if (bounds.back() != num_seqs) bounds.push_back(num_seqs);
+  if (bounds.back() != num_items) bounds.push_back(num_items);
   return bounds;
+}
+
+
+// ---- prefill chunks that continue a sequence (prefix-cache hits, later chunks of long prompts) ----
+// A task is (chunk, KV head, tile of up to kQueryTile query tokens). Its rows are the tile's tokens
+// times the query heads that share the KV head, so each key and value read from the cache serves up
+// to kQueryTile * group rows. The queries are held transposed ([dim][row]), so a span of keys is
+// scored straight from the cache by a register-blocked kernel (4 keys x 24 rows), and the softmax
+// of a span runs across 8 rows per vector; values are then read from the cache once per row.
+constexpr int64_t kQueryTile = 16;
+constexpr int64_t kKeySpan = 64;
+constexpr int64_t kLanes = 8;
+
+struct PrefillTask {
+  int64_t chunk, kv_head, first, count;  // query tokens [first, first + count) of the chunk
+};
+
+inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+struct TileScratch {
+  int64_t padded_rows;  // rows rounded up to whole vectors; the extra rows compute on zeros, unread
+  std::vector<float> q_t, scores_t, acc, running_max, running_sum, rescale;
+  std::vector<const float*> keys, values;  // the span's K and V rows of the task's KV head, in the cache
+  TileScratch(int64_t rows, int64_t head_dim, int64_t span)
+      : padded_rows(round_up(rows, kLanes)), q_t(head_dim * padded_rows), scores_t(span * padded_rows), acc(rows * head_dim),
+        running_max(padded_rows), running_sum(padded_rows), rescale(padded_rows), keys(span), values(span) {}
+};
+
+#if defined(__AVX2__) && defined(__FMA__)
+// scores_t[j * rows + r] = q_t[:, r] . keys[j] for 4 keys and RV * 8 rows starting at r0.
+template <int RV>
+inline void score_four_keys(const float* q_t, int64_t rows, int64_t r0, const float* const keys[4], int64_t dim, float* scores_t) {
+  __m256 acc[RV][4];
+  for (int v = 0; v < RV; ++v)
+    for (int j = 0; j < 4; ++j) acc[v][j] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < dim; ++d) {
+    __m256 q[RV];
+    for (int v = 0; v < RV; ++v) q[v] = _mm256_loadu_ps(q_t + d * rows + r0 + 8 * v);
+    for (int j = 0; j < 4; ++j) {
+      const __m256 k = _mm256_set1_ps(keys[j][d]);
+      for (int v = 0; v < RV; ++v) acc[v][j] = _mm256_fmadd_ps(q[v], k, acc[v][j]);
+    }
+  }
+  for (int j = 0; j < 4; ++j)
+    for (int v = 0; v < RV; ++v) _mm256_storeu_ps(scores_t + j * rows + r0 + 8 * v, acc[v][j]);
+}
+#endif
+
+// scores_t[i * rows + r] = q_t[:, r] . keys[i] for the n keys and all (padded) rows.
+void span_scores(const float* q_t, int64_t rows, const float* const* keys, int64_t n, int64_t dim, float* scores_t) {
+  int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  for (; i + 4 <= n; i += 4) {
+    int64_t r0 = 0;
+    for (; r0 + 24 <= rows; r0 += 24) score_four_keys<3>(q_t, rows, r0, keys + i, dim, scores_t + i * rows);
+    for (; r0 + 8 <= rows; r0 += 8) score_four_keys<1>(q_t, rows, r0, keys + i, dim, scores_t + i * rows);
+  }
+#endif
+  for (; i < n; ++i) {
+    float* s = scores_t + i * rows;
+    std::fill(s, s + rows, 0.f);
+    for (int64_t d = 0; d < dim; ++d) {
+      const float k = keys[i][d];
+      const float* q = q_t + d * rows;
+#pragma omp simd
+      for (int64_t r = 0; r < rows; ++r) s[r] += q[r] * k;
+    }
+  }
+}
+
+// Online softmax over a span, 8 rows per vector: running max and sum updated, scores replaced by
+// exp(score - new max), and each row's factor for its old accumulator left in rescale.
+void span_softmax(float* scores_t, int64_t n, int64_t rows, float* running_max, float* running_sum, float* rescale) {
+  using Vec = at::vec::Vectorized<float>;
+  static_assert(Vec::size() == kLanes || Vec::size() < kLanes, "rows are padded to whole vectors");
+  for (int64_t r = 0; r < rows; r += Vec::size()) {
+    Vec new_max = Vec::loadu(running_max + r);
+    for (int64_t i = 0; i < n; ++i) new_max = at::vec::maximum(new_max, Vec::loadu(scores_t + i * rows + r));
+    Vec sum(0.f);
+    for (int64_t i = 0; i < n; ++i) {
+      const Vec e = (Vec::loadu(scores_t + i * rows + r) - new_max).exp();
+      e.store(scores_t + i * rows + r);
+      sum = sum + e;
+    }
+    const Vec factor = (Vec::loadu(running_max + r) - new_max).exp();  // 0 on the first span
+    factor.store(rescale + r);
+    (Vec::loadu(running_sum + r) * factor + sum).store(running_sum + r);
+    new_max.store(running_max + r);
+  }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// acc[r][d0 + d] += sum_i p_t[i * rows + r0 + r] * values[i][d0 + d] for 3 rows and 32 dims: 12
+// accumulators, and each value vector loaded once for the three rows.
+inline void accumulate_three_rows(const float* p_t, int64_t rows, int64_t r0, const float* const* values, int64_t n, int64_t dim,
+                                  int64_t d0, float* acc) {
+  __m256 a[3][4];
+  for (int r = 0; r < 3; ++r)
+    for (int v = 0; v < 4; ++v) a[r][v] = _mm256_loadu_ps(acc + (r0 + r) * dim + d0 + 8 * v);
+  for (int64_t i = 0; i < n; ++i) {
+    const float* row = values[i] + d0;
+    const __m256 v0 = _mm256_loadu_ps(row), v1 = _mm256_loadu_ps(row + 8), v2 = _mm256_loadu_ps(row + 16), v3 = _mm256_loadu_ps(row + 24);
+    for (int r = 0; r < 3; ++r) {
+      const __m256 w = _mm256_set1_ps(p_t[i * rows + r0 + r]);
+      a[r][0] = _mm256_fmadd_ps(w, v0, a[r][0]);
+      a[r][1] = _mm256_fmadd_ps(w, v1, a[r][1]);
+      a[r][2] = _mm256_fmadd_ps(w, v2, a[r][2]);
+      a[r][3] = _mm256_fmadd_ps(w, v3, a[r][3]);
+    }
+  }
+  for (int r = 0; r < 3; ++r)
+    for (int v = 0; v < 4; ++v) _mm256_storeu_ps(acc + (r0 + r) * dim + d0 + 8 * v, a[r][v]);
+}
+#endif
+
+// acc[r] += sum_i p_t[i * padded + r] * values[i] for the rows' accumulators (dim floats each).
+void span_values(const float* p_t, int64_t padded, const float* const* values, int64_t n, int64_t rows, int64_t dim, float* acc) {
+  int64_t r = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (dim % 32 == 0)
+    for (; r + 3 <= rows; r += 3)
+      for (int64_t d0 = 0; d0 < dim; d0 += 32) accumulate_three_rows(p_t, padded, r, values, n, dim, d0, acc);
+#endif
+  for (; r < rows; ++r)
+    for (int64_t i = 0; i < n; ++i) {
+      const float w = p_t[i * padded + r];
+      const float* v = values[i];
+      float* a = acc + r * dim;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) a[d] += w * v[d];
+    }
+}
+
+struct ChunkView {
+  const float* query;  // the chunk's first query token
+  int64_t query_stride;  // floats between tokens
+  float* out;  // [query_len, H, D], contiguous
+  const int64_t* table;
+  int64_t context_len;  // tokens before the chunk
+};
+
+// One task: the tile's rows attend causally to keys [0, context_len + first + count) of the sequence.
+void attend_tile(const AttentionShape& s, const ChunkView& c, const PrefillTask& task, const float* k_cache, const float* v_cache,
+                 int64_t span, TileScratch& w) {
+  const int64_t D = s.head_dim, rows = task.count * s.group, padded = w.padded_rows;
+  std::fill(w.q_t.begin(), w.q_t.end(), 0.f);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* src = c.query + (task.first + r / s.group) * c.query_stride + (task.kv_head * s.group + r % s.group) * D;
+    for (int64_t d = 0; d < D; ++d) w.q_t[d * padded + r] = src[d] * s.scale;
+  }
+  std::fill(w.acc.begin(), w.acc.begin() + rows * D, 0.f);
+  std::fill(w.running_max.begin(), w.running_max.end(), -std::numeric_limits<float>::infinity());
+  std::fill(w.running_sum.begin(), w.running_sum.end(), 0.f);
+  const int64_t first_position = c.context_len + task.first, num_keys = first_position + task.count;
+  for (int64_t span_start = 0; span_start < num_keys; span_start += span) {
+    const int64_t n = std::min(span, num_keys - span_start);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t key = span_start + i;
+      const int64_t offset = c.table[key / s.block_size] * s.block_stride + (key % s.block_size) * s.row_stride + task.kv_head * D;
+      w.keys[i] = k_cache + offset;
+      w.values[i] = v_cache + offset;
+    }
+    span_scores(w.q_t.data(), padded, w.keys.data(), n, D, w.scores_t.data());
+    for (int64_t i = std::max<int64_t>(0, first_position + 1 - span_start); i < n; ++i)  // causal: hide keys after a row
+      for (int64_t r = 0; r < rows; ++r)
+        if (span_start + i > first_position + r / s.group) w.scores_t[i * padded + r] = -std::numeric_limits<float>::infinity();
+    // Every row sees key 0 in the first span, so no row's max stays -inf (no inf - inf below).
+    span_softmax(w.scores_t.data(), n, padded, w.running_max.data(), w.running_sum.data(), w.rescale.data());
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t d = 0; d < D; ++d) w.acc[r * D + d] *= w.rescale[r];
+    span_values(w.scores_t.data(), padded, w.values.data(), n, rows, D, w.acc.data());
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float inv = 1.f / w.running_sum[r];
+    float* dst = c.out + (task.first + r / s.group) * s.num_heads * D + (task.kv_head * s.group + r % s.group) * D;
+    for (int64_t d = 0; d < D; ++d) dst[d] = w.acc[r * D + d] * inv;
+  }
 }
 
 }  // namespace
@@ -191,7 +377,7 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Te
   const float fscale = static_cast<float>(scale);
 
   const AttentionShape shape{num_heads, group, head_dim, block_size, row_stride, block_stride, fscale};
-  const std::vector<int64_t> bounds = split_by_context(len_ptr, num_seqs, std::min<int64_t>(at::get_num_threads(), num_seqs));
+  const std::vector<int64_t> bounds = split_by_cost(len_ptr, num_seqs, std::min<int64_t>(at::get_num_threads(), num_seqs));
   at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t begin, int64_t end) {
     SequenceScratch scratch(shape);
     for (int64_t part = begin; part < end; ++part)
@@ -200,6 +386,62 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Te
                         out_ptr + seq * num_heads * head_dim, scratch);
   });
   return out;
+}
+
+// Prefill chunks that continue a sequence, all in one call. query [T, H, D] (token stride free, rows
+// contiguous) holds every token of the step; chunk c's queries are rows [query_starts[c],
+// query_starts[c] + query_lens[c]) at positions seq_lens[c] - query_lens[c] onwards, and its K/V
+// (those of the chunk included, already written) are in the blocks of block_tables[c]. Writes those
+// rows of out [T, H, D] (contiguous).
+void paged_prefill_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                             const at::Tensor& block_tables, const at::Tensor& query_starts, const at::Tensor& query_lens,
+                             const at::Tensor& seq_lens, double scale, at::Tensor out) {
+  TORCH_CHECK(query.dtype() == at::kFloat && key_cache.dtype() == at::kFloat && out.dtype() == at::kFloat, "float32 only");
+  TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2), "query rows must be contiguous");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && out.is_contiguous(), "contiguous caches and out only");
+  TORCH_CHECK(out.sizes() == query.sizes(), "out must have query's shape");
+  const int64_t num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads");
+  auto tables = block_tables.contiguous();
+  auto starts = query_starts.contiguous(), qlens = query_lens.contiguous(), lens = seq_lens.contiguous();
+  const int64_t num_chunks = tables.size(0), max_blocks = tables.size(1);
+  const int64_t* start_ptr = starts.data_ptr<int64_t>();
+  const int64_t* qlen_ptr = qlens.data_ptr<int64_t>();
+  const int64_t* len_ptr = lens.data_ptr<int64_t>();
+  const int64_t group = num_heads / num_kv_heads, row_stride = num_kv_heads * head_dim;
+  const AttentionShape shape{num_heads, group, head_dim, block_size, row_stride, block_size * row_stride, static_cast<float>(scale)};
+
+  std::vector<PrefillTask> tasks;
+  std::vector<int64_t> costs;
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    TORCH_CHECK(qlen_ptr[c] >= 1 && qlen_ptr[c] <= len_ptr[c] && start_ptr[c] >= 0 && start_ptr[c] + qlen_ptr[c] <= query.size(0) &&
+                    (len_ptr[c] + block_size - 1) / block_size <= max_blocks, "chunk ", c, " does not fit its query rows or block table");
+    for (int64_t first = 0; first < qlen_ptr[c]; first += kQueryTile)
+      for (int64_t g = 0; g < num_kv_heads; ++g) {
+        const int64_t count = std::min(kQueryTile, qlen_ptr[c] - first);
+        tasks.push_back({c, g, first, count});
+        costs.push_back(count * (len_ptr[c] - qlen_ptr[c] + first + count));
+      }
+  }
+  const float* q_ptr = query.data_ptr<float>();
+  const float* k_ptr = key_cache.data_ptr<float>();
+  const float* v_ptr = value_cache.data_ptr<float>();
+  const int64_t* table_ptr = tables.data_ptr<int64_t>();
+  float* out_ptr = out.data_ptr<float>();
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+  const std::vector<int64_t> bounds = split_by_cost(costs.data(), num_tasks, std::min<int64_t>(at::get_num_threads(), num_tasks));
+  at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t begin, int64_t end) {
+    const int64_t span = std::max(kKeySpan, block_size);
+    TileScratch scratch(kQueryTile * group, head_dim, span);
+    for (int64_t part = begin; part < end; ++part)
+      for (int64_t i = bounds[part]; i < bounds[part + 1]; ++i) {
+        const int64_t c = tasks[i].chunk;
+        const ChunkView view{q_ptr + start_ptr[c] * query.stride(0), query.stride(0), out_ptr + start_ptr[c] * num_heads * head_dim,
+                             table_ptr + c * max_blocks, len_ptr[c] - qlen_ptr[c]};
+        attend_tile(shape, view, tasks[i], k_ptr, v_ptr, span, scratch);
+      }
+  });
 }
 
 // key/value [T, KV, D] (any token and head strides, rows contiguous) -> key_cache/value_cache

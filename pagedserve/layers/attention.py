@@ -1,5 +1,7 @@
 """Paged attention. The reference backend is plain, device-agnostic torch; on CPU in float32 the
-decodes go through a C++ kernel (pagedserve/csrc) that reads K/V straight from the blocks.
+decodes and the prefill chunks that continue a sequence (a prefix-cache hit, the later chunks of a
+long prompt) go through C++ kernels (pagedserve/csrc) that read K/V straight from the blocks. A
+chunk that starts a sequence attends to its own new K/V only: torch's fused causal kernel.
 
 The flat batch holds decodes first (one query token each), then prefill chunks. K/V of the new
 tokens are written into the paged cache through slot_mapping; attention then reads each
@@ -26,12 +28,36 @@ class PrefillChunk:
 
 
 @dataclass
+class ContinuedChunks:
+    """The prefill chunks with context before them, as tensors for one kernel call per layer."""
+
+    block_tables: torch.Tensor  # [num_chunks, max_blocks], zero padded
+    query_starts: torch.Tensor  # [num_chunks]
+    query_lens: torch.Tensor
+    seq_lens: torch.Tensor
+
+    @classmethod
+    def of(cls, prefills: list[PrefillChunk], device: torch.device) -> ContinuedChunks | None:
+        continued = [chunk for chunk in prefills if chunk.seq_len > chunk.query_len]
+        if not continued or device.type != "cpu":  # only the CPU kernel reads them
+            return None
+        tables = torch.zeros(len(continued), max(len(chunk.block_table) for chunk in continued), dtype=torch.long)
+        for row, chunk in enumerate(continued):
+            tables[row, : len(chunk.block_table)] = chunk.block_table
+        columns = [[chunk.query_start for chunk in continued], [chunk.query_len for chunk in continued],
+                   [chunk.seq_len for chunk in continued]]
+        starts, query_lens, seq_lens = (torch.tensor(column, dtype=torch.long, device=device) for column in columns)
+        return cls(tables.to(device), starts, query_lens, seq_lens)
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens]: flat cache slot of each new token
     num_decode_tokens: int
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks]
     decode_seq_lens: torch.Tensor | None  # [num_decodes]
     prefills: list[PrefillChunk]
+    continued: ContinuedChunks | None = None  # the prefills with context, for the CPU kernel (built by the runner)
 
 
 class Attention(nn.Module):
@@ -48,7 +74,15 @@ class Attention(nn.Module):
         num_decodes = meta.num_decode_tokens
         if num_decodes:
             out[:num_decodes] = decode_attention(query[:num_decodes], kv_cache, meta)
+        kernels = cpu_kernels.for_tensor(kv_cache)
+        in_kernel = kernels is not None and meta.continued is not None and query.dtype == torch.float32
+        if in_kernel:
+            c = meta.continued
+            kernels.paged_prefill_attention(query, kv_cache[0], kv_cache[1], c.block_tables, c.query_starts, c.query_lens,
+                                            c.seq_lens, self.head_dim**-0.5, out)
         for chunk in meta.prefills:
+            if in_kernel and chunk.seq_len > chunk.query_len:
+                continue
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
             out[rows] = prefill_attention(query[rows], key[rows], value[rows], kv_cache, chunk)
         return out.view(out.shape[0], -1)
