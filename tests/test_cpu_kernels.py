@@ -7,6 +7,7 @@ import torch
 from pagedserve.executor.input_batch import fill_decode_metadata
 from pagedserve.layers import cpu_kernels
 from pagedserve.layers.attention import (
+    Attention,
     AttentionMetadata,
     ContinuedChunks,
     PrefillChunk,
@@ -223,3 +224,32 @@ def test_cpu_prefill_kernel_names_a_chunk_outside_its_table():
     with pytest.raises(RuntimeError, match="chunk 0"):  # 40 tokens need 3 blocks, the table has 1
         kernels.paged_prefill_attention(query, kv_cache[0], kv_cache[1], torch.zeros(1, 1, dtype=torch.long), one * 0,
                                         one * 10, one * 40, 1.0, out)
+
+
+def test_attention_layer_routes_every_chunk_once(monkeypatch):
+    """One step with decodes, a fresh prompt, short and long chunks after context: the layer with the
+    kernels gives what the plain-torch path gives for every row (no chunk skipped or done twice)."""
+    torch.manual_seed(0)
+    num_heads, num_kv_heads, head_dim, block_size, num_blocks = 9, 3, 64, 16, 256
+    rng = np.random.default_rng(0)
+    decode_lens, chunks = [5, 40], [(0, 30), (300, 16), (20, 200), (400, 150)]  # (context, query tokens)
+    blocks = iter(rng.permutation(num_blocks).astype(np.int64))
+    decode_tables = [np.array([next(blocks) for _ in range(-(-n // block_size))]) for n in decode_lens]
+    prefills, slots, start = [], [], len(decode_lens)
+    for table, n in zip(decode_tables, decode_lens):
+        slots.append(table[(n - 1) // block_size] * block_size + (n - 1) % block_size)
+    for context, query_len in chunks:
+        table = np.array([next(blocks) for _ in range(-(-(context + query_len) // block_size))])
+        positions = np.arange(context, context + query_len)
+        slots.extend(table[positions // block_size] * block_size + positions % block_size)
+        prefills.append(PrefillChunk(start, query_len, context + query_len, torch.from_numpy(table)))
+        start += query_len
+    meta = AttentionMetadata(torch.tensor(slots), len(decode_lens), None, None, prefills,
+                             continued=ContinuedChunks.for_kernel(prefills, torch.device("cpu")))
+    fill_decode_metadata(meta, decode_tables, decode_lens, block_size, torch.device("cpu"))
+    query = torch.randn(start, num_heads, head_dim)
+    key, value = torch.randn(2, start, num_kv_heads, head_dim)
+    layer = Attention(num_heads, head_dim, num_kv_heads)
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim)
+    expected = reference(monkeypatch, lambda: layer(query, key, value, cache.clone(), meta))
+    torch.testing.assert_close(layer(query, key, value, cache.clone(), meta), expected, atol=2e-5, rtol=1e-4)

@@ -82,7 +82,7 @@ def prepare_inputs(
         decode_block_tables=None,
         decode_seq_lens=None,
         prefills=prefills,
-        continued=ContinuedChunks.of(prefills, device),
+        continued=ContinuedChunks.for_kernel(prefills, device),
     )
     if decode_tables:
         fill_decode_metadata(meta, decode_tables, decode_seq_lens, block_size, device)
