@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from pagedserve.config import EngineConfig
+from pagedserve.executor.host_memory import keep_freed_memory
 from pagedserve.executor.model_runner import ModelRunner
 from pagedserve.layers import cpu_kernels
 from pagedserve.layers.linear import onednn_available
@@ -53,6 +54,7 @@ class Worker:
             self.model.pack_for_onednn()
         if self.device.type == "cpu":
             cpu_kernels.load()  # compile (first time on a machine) now, not during the first request
+            keep_freed_memory()
         self.num_blocks = self._num_kv_blocks()
         self.max_model_len = self._max_model_len(model_max_len)
         self.kv_caches = self._allocate_kv_caches()
