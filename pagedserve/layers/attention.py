@@ -73,7 +73,7 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks]
     decode_seq_lens: torch.Tensor | None  # [num_decodes]
     prefills: list[PrefillChunk]
-    continued: ContinuedChunks | None = None  # the prefills with context, for the CPU kernel (built by the runner)
+    continued: ContinuedChunks | None = None  # the prefills the CPU kernel takes (built by the runner)
 
 
 class Attention(nn.Module):
