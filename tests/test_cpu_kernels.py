@@ -9,7 +9,7 @@ from pagedserve.layers import cpu_kernels
 from pagedserve.layers.attention import (
     Attention,
     AttentionMetadata,
-    ContinuedChunks,
+    PagedPrefills,
     PrefillChunk,
     prefill_attention,
     reference_decode_attention,
@@ -183,14 +183,14 @@ def test_kv_cache_write_kernel_matches_reference():
 
 @pytest.mark.parametrize(
     "num_heads,num_kv_heads,head_dim,block_size,chunks",
-    [(9, 3, 64, 16, [(1024, 16), (3, 5), (40, 1), (17, 33)]),  # (context, query tokens): prefix hits, odd offsets
+    [(9, 3, 64, 16, [(1024, 16), (3, 5), (40, 1), (17, 33), (0, 45)]),  # (context, query tokens): prefix hits, odd offsets, a fresh prompt
      (4, 4, 16, 16, [(5, 20)]), (8, 2, 32, 8, [(9, 7), (64, 64)]), (6, 2, 24, 16, [(31, 50)]),
-     (9, 3, 64, 32, [(100, 37), (1, 100)]),
+     (9, 3, 64, 32, [(100, 37), (1, 100), (0, 1)]),
      (9, 3, 64, 16, [(600, 200), (2, 2), (3, 3)])],  # one costly chunk: the threads' shares are split by cost
 )
 def test_cpu_prefill_kernel_matches_reference(num_heads, num_kv_heads, head_dim, block_size, chunks):
-    """Chunks that continue a sequence attend causally to their context and their own tokens, read
-    from the blocks; rows of other tokens in the batch are left alone."""
+    """Prefill chunks attend causally to their context (if any) and their own tokens, read from the
+    blocks; rows of other tokens in the batch are left alone."""
     kernels = built_kernels()
     torch.manual_seed(0)
     num_blocks = 128
@@ -205,13 +205,16 @@ def test_cpu_prefill_kernel_matches_reference(num_heads, num_kv_heads, head_dim,
         table = torch.from_numpy(rng.choice(num_blocks, -(-(context + query_len) // block_size), replace=False).astype(np.int64))
         prefills.append(PrefillChunk(start, query_len, context + query_len, table))
         start += query_len
-    continued = ContinuedChunks.of(prefills, torch.device("cpu"))
+    paged = PagedPrefills.of(prefills, torch.device("cpu"))
     out = torch.full((total, num_heads, head_dim), 7.0)
-    kernels.paged_prefill_attention(query, kv_cache[0], kv_cache[1], continued.block_tables, continued.query_starts,
-                                    continued.query_lens, continued.seq_lens, head_dim**-0.5, out)
+    kernels.paged_prefill_attention(query, kv_cache[0], kv_cache[1], paged.block_tables, paged.query_starts,
+                                    paged.query_lens, paged.seq_lens, head_dim**-0.5, out)
     for chunk in prefills:
         rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-        expected = prefill_attention(query[rows], None, None, kv_cache, chunk)
+        positions = torch.arange(chunk.seq_len - chunk.query_len, chunk.seq_len)
+        own_slots = chunk.block_table[positions // block_size] * block_size + positions % block_size
+        own_keys, own_values = (kv_cache[i].view(-1, num_kv_heads, head_dim)[own_slots] for i in (0, 1))  # a fresh chunk's
+        expected = prefill_attention(query[rows], own_keys, own_values, kv_cache, chunk)
         torch.testing.assert_close(out[rows], expected, atol=2e-5, rtol=1e-4)
     assert torch.equal(out[:num_decodes], torch.full((num_decodes, num_heads, head_dim), 7.0))
 
@@ -227,12 +230,13 @@ def test_cpu_prefill_kernel_names_a_chunk_outside_its_table():
 
 
 def test_attention_layer_routes_every_chunk_once(monkeypatch):
-    """One step with decodes, a fresh prompt, short and long chunks after context: the layer with the
+    """One step with decodes, short and long fresh prompts, short and long chunks after context: the layer with the
     kernels gives what the plain-torch path gives for every row (no chunk skipped or done twice)."""
     torch.manual_seed(0)
-    num_heads, num_kv_heads, head_dim, block_size, num_blocks = 9, 3, 64, 16, 256
+    num_heads, num_kv_heads, head_dim, block_size, num_blocks = 9, 3, 64, 16, 320
     rng = np.random.default_rng(0)
-    decode_lens, chunks = [5, 40], [(0, 30), (300, 16), (20, 200), (400, 150)]  # (context, query tokens)
+    # (context, query tokens): fresh short and long, after context short, long on a short and on a long context
+    decode_lens, chunks = [5, 40], [(0, 30), (0, 600), (300, 16), (20, 200), (400, 150)]
     blocks = iter(rng.permutation(num_blocks).astype(np.int64))
     decode_tables = [np.array([next(blocks) for _ in range(-(-n // block_size))]) for n in decode_lens]
     prefills, slots, start = [], [], len(decode_lens)
@@ -245,7 +249,7 @@ def test_attention_layer_routes_every_chunk_once(monkeypatch):
         prefills.append(PrefillChunk(start, query_len, context + query_len, torch.from_numpy(table)))
         start += query_len
     meta = AttentionMetadata(torch.tensor(slots), len(decode_lens), None, None, prefills,
-                             continued=ContinuedChunks.for_kernel(prefills, torch.device("cpu")))
+                             paged_prefills=PagedPrefills.for_kernel(prefills, torch.device("cpu")))
     fill_decode_metadata(meta, decode_tables, decode_lens, block_size, torch.device("cpu"))
     query = torch.randn(start, num_heads, head_dim)
     key, value = torch.randn(2, start, num_kv_heads, head_dim)

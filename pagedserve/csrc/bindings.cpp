@@ -5,7 +5,7 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged attention for decodes (CPU, float32)");
   m.def("paged_prefill_attention", &paged_prefill_attention,
-        "paged attention for prefill chunks that continue a sequence (CPU, float32), into out");
+        "causal paged attention for prefill chunks, after context or not (CPU, float32), into out");
   m.def("write_kv_cache", &write_kv_cache, "store new tokens' K/V at their cache slots (CPU, float32)");
   m.def("rms_norm", &rms_norm, "RMSNorm of the last dimension");
   m.def("add_rms_norm", &add_rms_norm, "(RMSNorm(x + residual), x + residual)");

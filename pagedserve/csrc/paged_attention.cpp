@@ -1,4 +1,4 @@
-// Paged attention on CPU for decodes and for prefill chunks that continue a sequence: both read K/V
+// Paged attention on CPU for decodes and for prefill chunks (after context or not): both read K/V
 // straight from the block layout (no gather copy).
 //
 // Decodes: one task per sequence, all its heads together: a block's K (then V) rows for every KV head
@@ -174,7 +174,7 @@ std::vector<int64_t> split_by_cost(const int64_t* costs, int64_t num_items, int6
 }
 
 
-// ---- prefill chunks that continue a sequence (prefix-cache hits, later chunks of long prompts) ----
+// ---- prefill chunks: a prompt's first chunk, prefix-cache hits, later chunks of long prompts ----
 // A task is (chunk, KV head, tile of up to kQueryTile query tokens). Its rows are the tile's tokens
 // times the query heads that share the KV head, so each key and value read from the cache serves up
 // to kQueryTile * group rows. The queries are held transposed ([dim][row]), so a span of keys is
@@ -388,8 +388,8 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Te
   return out;
 }
 
-// Prefill chunks that continue a sequence, all in one call. query [T, H, D] (token stride free, rows
-// contiguous) holds every token of the step; chunk c's queries are rows [query_starts[c],
+// Prefill chunks, all of a step's in one call. query [T, H, D] (token stride free, rows contiguous)
+// holds every token of the step; chunk c's queries are rows [query_starts[c],
 // query_starts[c] + query_lens[c]) at positions seq_lens[c] - query_lens[c] onwards, and its K/V
 // (those of the chunk included, already written) are in the blocks of block_tables[c]. Writes those
 // rows of out [T, H, D] (contiguous).

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pagedserve.layers.attention import AttentionMetadata, ContinuedChunks, PrefillChunk
+from pagedserve.layers.attention import AttentionMetadata, PagedPrefills, PrefillChunk
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -82,7 +82,7 @@ def prepare_inputs(
         decode_block_tables=None,
         decode_seq_lens=None,
         prefills=prefills,
-        continued=ContinuedChunks.for_kernel(prefills, device),
+        paged_prefills=PagedPrefills.for_kernel(prefills, device),
     )
     if decode_tables:
         fill_decode_metadata(meta, decode_tables, decode_seq_lens, block_size, device)

@@ -1,8 +1,8 @@
 """Paged attention. The reference backend is plain, device-agnostic torch; on CPU in float32 the
-decodes and the short prefill chunks that continue a sequence (a prefix-cache hit, the tail of a
-chunked prompt) go through C++ kernels (pagedserve/csrc) that read K/V straight from the blocks. A
-chunk that starts a sequence attends to its own new K/V only: torch's fused causal kernel; a long
-chunk after context gathers it once and runs the same fused kernel.
+decodes and most prefill chunks (see prefill_in_kernel) go through C++ kernels (pagedserve/csrc)
+that read K/V straight from the blocks. The other chunks run torch's fused attention: a long
+prompt's first chunk on its own new K/V, a long chunk after a longer context on that context
+gathered once.
 
 The flat batch holds decodes first (one query token each), then prefill chunks. K/V of the new
 tokens are written into the paged cache through slot_mapping; attention then reads each
@@ -28,22 +28,27 @@ class PrefillChunk:
     block_table: torch.Tensor  # [num_blocks_of_this_sequence]
 
 
-# Which chunks that continue a sequence the CPU kernel takes, from measurements at the default
-# shapes: up to 128 query tokens it was 1.2-2.5x faster than gathering the context for torch's flash
-# kernel (no gather, no mask to build); so it was for longer chunks on a shorter context, since with
-# a mask torch computes the whole square and the kernel skips the causal half. A long chunk on a
-# longer context suits torch's blocked GEMMs better (15-60% faster there).
+# Which prefill chunks the CPU kernel takes, from measurements at the default shapes (one layer,
+# kernel vs torch's fused attention): a chunk that starts its sequence up to 512 tokens (1.4-2x
+# faster; torch's causal flash kernel wins from ~1024 on). A chunk after context up to 128 tokens
+# (1.2-2.5x faster than gathering the context for torch), and longer ones on a shorter context than
+# the chunk: with a mask torch computes the whole square where the kernel skips the causal half. A
+# long chunk on a longer context suits torch's blocked GEMMs better (15-60% faster there).
+KERNEL_MAX_FRESH_LEN = 512
 KERNEL_MAX_QUERY_LEN = 128
 
 
-def continues_in_kernel(chunk: PrefillChunk) -> bool:
+def prefill_in_kernel(chunk: PrefillChunk) -> bool:
     context_len = chunk.seq_len - chunk.query_len
-    return context_len > 0 and (chunk.query_len <= KERNEL_MAX_QUERY_LEN or context_len < chunk.query_len)
+    if context_len == 0:
+        return chunk.query_len <= KERNEL_MAX_FRESH_LEN
+    return chunk.query_len <= KERNEL_MAX_QUERY_LEN or context_len < chunk.query_len
 
 
 @dataclass
-class ContinuedChunks:
-    """The prefill chunks the CPU kernel takes (see continues_in_kernel), as tensors for one call per layer."""
+class PagedPrefills:
+    """The prefill chunks whose attention the CPU kernel computes from the paged cache (see
+    prefill_in_kernel), as tensors for one call per layer."""
 
     block_tables: torch.Tensor  # [num_chunks, max_blocks], zero padded
     query_starts: torch.Tensor  # [num_chunks]
@@ -51,13 +56,13 @@ class ContinuedChunks:
     seq_lens: torch.Tensor
 
     @classmethod
-    def for_kernel(cls, prefills: list[PrefillChunk], device: torch.device) -> ContinuedChunks | None:
+    def for_kernel(cls, prefills: list[PrefillChunk], device: torch.device) -> PagedPrefills | None:
         """The chunks of a step the kernel takes; None when there are none or not on CPU."""
-        chunks = [chunk for chunk in prefills if continues_in_kernel(chunk)]
+        chunks = [chunk for chunk in prefills if prefill_in_kernel(chunk)]
         return cls.of(chunks, device) if chunks and device.type == "cpu" else None
 
     @classmethod
-    def of(cls, chunks: list[PrefillChunk], device: torch.device) -> ContinuedChunks:
+    def of(cls, chunks: list[PrefillChunk], device: torch.device) -> PagedPrefills:
         tables = torch.zeros(len(chunks), max(len(chunk.block_table) for chunk in chunks), dtype=torch.long)
         for row, chunk in enumerate(chunks):
             tables[row, : len(chunk.block_table)] = chunk.block_table
@@ -73,7 +78,7 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks]
     decode_seq_lens: torch.Tensor | None  # [num_decodes]
     prefills: list[PrefillChunk]
-    continued: ContinuedChunks | None = None  # the prefills the CPU kernel takes (built by the runner)
+    paged_prefills: PagedPrefills | None = None  # the prefills the CPU kernel takes (built by the runner)
 
 
 class Attention(nn.Module):
@@ -91,13 +96,13 @@ class Attention(nn.Module):
         if num_decodes:
             out[:num_decodes] = decode_attention(query[:num_decodes], kv_cache, meta)
         kernels = cpu_kernels.for_tensor(kv_cache)
-        in_kernel = kernels is not None and meta.continued is not None and query.dtype == torch.float32
+        in_kernel = kernels is not None and meta.paged_prefills is not None and query.dtype == torch.float32
         if in_kernel:
-            c = meta.continued
+            c = meta.paged_prefills
             kernels.paged_prefill_attention(query, kv_cache[0], kv_cache[1], c.block_tables, c.query_starts, c.query_lens,
                                             c.seq_lens, self.head_dim**-0.5, out)
         for chunk in meta.prefills:
-            if in_kernel and continues_in_kernel(chunk):
+            if in_kernel and prefill_in_kernel(chunk):
                 continue
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
             out[rows] = prefill_attention(query[rows], key[rows], value[rows], kv_cache, chunk)
