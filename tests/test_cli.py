@@ -49,3 +49,14 @@ def test_openmp_wait_settings_are_set_before_torch_loads_and_users_win():
     users = subprocess.run([sys.executable, "-c", script], env={**clean, "OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "7"},
                            capture_output=True, text=True, timeout=120)
     assert users.stdout.split() == ["ACTIVE", "7"], users.stderr
+
+
+def test_user_environment_leaves_out_only_what_pagedserve_set():
+    """Baselines (HF static batching) run with the environment as the user had it."""
+    import os
+
+    script = "import pagedserve; e = pagedserve.user_environment(); print(e.get('OMP_WAIT_POLICY'), e.get('GOMP_SPINCOUNT'))"
+    clean = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    result = subprocess.run([sys.executable, "-c", script], env={**clean, "GOMP_SPINCOUNT": "7"}, capture_output=True, text=True,
+                            timeout=120)
+    assert result.stdout.split() == ["None", "7"], result.stderr

@@ -3,7 +3,12 @@ and the model's bare forward pass (the compute ceiling of this machine)."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -30,22 +35,18 @@ def run_pagedserve(llm, requests: list[BenchRequest]) -> float:
 
 
 def run_hf_static_batching(model_dir: str, requests: list[BenchRequest]) -> float:
-    """What a transformers user does: one batch of every prompt, left padded, generate to the longest output."""
-    from transformers import AutoModelForCausalLM
+    """Seconds of transformers' generate() on the requests, in a process of its own with the user's
+    environment as it was before pagedserve set its OpenMP defaults (see hf_static_batching.py)."""
+    import pagedserve
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    max_len = max(len(r.prompt_token_ids) for r in requests)
-    input_ids = torch.zeros(len(requests), max_len, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for row, r in enumerate(requests):
-        input_ids[row, max_len - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
-        attention_mask[row, max_len - len(r.prompt_token_ids):] = 1
-    max_new = max(r.output_len for r in requests)
-    start = time.perf_counter()
-    with torch.inference_mode():
-        model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
-                       pad_token_id=0)
-    return time.perf_counter() - start
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump([{"prompt_token_ids": r.prompt_token_ids, "output_len": r.output_len} for r in requests], f)
+        f.flush()
+        result = subprocess.run([sys.executable, str(Path(__file__).with_name("hf_static_batching.py")), model_dir, f.name],
+                                env=pagedserve.user_environment(), capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"the HF baseline failed:\n{result.stderr[-2000:]}")
+    return float(result.stdout.strip().splitlines()[-1])
 
 
 def measure_ceiling(llm, num_seqs: int, seq_len: int, repeats: int = 3) -> float:
