@@ -179,7 +179,7 @@ std::vector<int64_t> split_by_cost(const int64_t* costs, int64_t num_items, int6
 // times the query heads that share the KV head, so each key and value read from the cache serves up
 // to kQueryTile * group rows. The queries are held transposed ([dim][row]), so a span of keys is
 // scored straight from the cache by a register-blocked kernel (4 keys x 24 rows), and the softmax
-// of a span runs across 8 rows per vector; values are then read from the cache once per row.
+// of a span runs across 8 rows per vector; values are then read from the cache once per 3 rows.
 constexpr int64_t kQueryTile = 16;
 constexpr int64_t kKeySpan = 64;
 constexpr int64_t kLanes = 8;
@@ -190,13 +190,15 @@ struct PrefillTask {
 
 inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
+// Sized for the largest tile; a task uses its own rows rounded up to whole vectors (the extra rows
+// compute on zeros and are not read).
 struct TileScratch {
-  int64_t padded_rows;  // rows rounded up to whole vectors; the extra rows compute on zeros, unread
   std::vector<float> q_t, scores_t, acc, running_max, running_sum, rescale;
   std::vector<const float*> keys, values;  // the span's K and V rows of the task's KV head, in the cache
-  TileScratch(int64_t rows, int64_t head_dim, int64_t span)
-      : padded_rows(round_up(rows, kLanes)), q_t(head_dim * padded_rows), scores_t(span * padded_rows), acc(rows * head_dim),
-        running_max(padded_rows), running_sum(padded_rows), rescale(padded_rows), keys(span), values(span) {}
+  TileScratch(int64_t max_rows, int64_t head_dim, int64_t span)
+      : q_t(head_dim * round_up(max_rows, kLanes)), scores_t(span * round_up(max_rows, kLanes)), acc(max_rows * head_dim),
+        running_max(round_up(max_rows, kLanes)), running_sum(round_up(max_rows, kLanes)), rescale(round_up(max_rows, kLanes)),
+        keys(span), values(span) {}
 };
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -315,15 +317,15 @@ struct ChunkView {
 // One task: the tile's rows attend causally to keys [0, context_len + first + count) of the sequence.
 void attend_tile(const AttentionShape& s, const ChunkView& c, const PrefillTask& task, const float* k_cache, const float* v_cache,
                  int64_t span, TileScratch& w) {
-  const int64_t D = s.head_dim, rows = task.count * s.group, padded = w.padded_rows;
-  std::fill(w.q_t.begin(), w.q_t.end(), 0.f);
+  const int64_t D = s.head_dim, rows = task.count * s.group, padded = round_up(rows, kLanes);
+  std::fill(w.q_t.begin(), w.q_t.begin() + D * padded, 0.f);
   for (int64_t r = 0; r < rows; ++r) {
     const float* src = c.query + (task.first + r / s.group) * c.query_stride + (task.kv_head * s.group + r % s.group) * D;
     for (int64_t d = 0; d < D; ++d) w.q_t[d * padded + r] = src[d] * s.scale;
   }
   std::fill(w.acc.begin(), w.acc.begin() + rows * D, 0.f);
-  std::fill(w.running_max.begin(), w.running_max.end(), -std::numeric_limits<float>::infinity());
-  std::fill(w.running_sum.begin(), w.running_sum.end(), 0.f);
+  std::fill(w.running_max.begin(), w.running_max.begin() + padded, -std::numeric_limits<float>::infinity());
+  std::fill(w.running_sum.begin(), w.running_sum.begin() + padded, 0.f);
   const int64_t first_position = c.context_len + task.first, num_keys = first_position + task.count;
   for (int64_t span_start = 0; span_start < num_keys; span_start += span) {
     const int64_t n = std::min(span, num_keys - span_start);
