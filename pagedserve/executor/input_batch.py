@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pagedserve.layers.attention import AttentionMetadata, PagedPrefills, PrefillChunk
+from pagedserve.layers.attention import AttentionMetadata, PagedPrefills, PrefillChunk, pad_block_tables
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -97,11 +97,7 @@ def prepare_inputs(
 
 
 def fill_decode_metadata(meta: AttentionMetadata, tables: list[np.ndarray], seq_lens: list[int], block_size: int, device) -> None:
-    max_blocks = max(-(-seq_len // block_size) for seq_len in seq_lens)
-    padded = np.zeros((len(tables), max_blocks), dtype=np.int64)
-    for row, (table, seq_len) in enumerate(zip(tables, seq_lens)):
-        used = -(-seq_len // block_size)
-        padded[row, :used] = table[:used]
+    padded = pad_block_tables([table[: -(-seq_len // block_size)] for table, seq_len in zip(tables, seq_lens)])
     meta.decode_block_tables = torch.from_numpy(padded).to(device)
     meta.decode_seq_lens = torch.from_numpy(np.asarray(seq_lens, dtype=np.int64)).to(device)
 

@@ -11,8 +11,9 @@ sequence's keys and values through its block table.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -45,27 +46,39 @@ def prefill_in_kernel(chunk: PrefillChunk) -> bool:
     return chunk.query_len <= KERNEL_MAX_QUERY_LEN or context_len < chunk.query_len
 
 
+def pad_block_tables(tables: list) -> np.ndarray:
+    """Block tables (each already cut to the blocks its sequence uses) as one zero-padded int64 array."""
+    padded = np.zeros((len(tables), max(len(table) for table in tables)), dtype=np.int64)
+    for row, table in enumerate(tables):
+        padded[row, : len(table)] = table
+    return padded
+
+
 @dataclass
 class PagedPrefills:
     """The prefill chunks whose attention the CPU kernel computes from the paged cache (see
-    prefill_in_kernel), as tensors for one call per layer."""
+    prefill_in_kernel), as tensors for one call per layer, and the chunks left to torch."""
 
     block_tables: torch.Tensor  # [num_chunks, max_blocks], zero padded
     query_starts: torch.Tensor  # [num_chunks]
     query_lens: torch.Tensor
     seq_lens: torch.Tensor
+    torch_chunks: list[PrefillChunk] = field(default_factory=list)
 
     @classmethod
     def for_kernel(cls, prefills: list[PrefillChunk], device: torch.device) -> PagedPrefills | None:
-        """The chunks of a step the kernel takes; None when there are none or not on CPU."""
+        """The chunks of a step the kernel takes (decided once a step, not per layer); None when
+        there are none or not on CPU."""
         chunks = [chunk for chunk in prefills if prefill_in_kernel(chunk)]
-        return cls.of(chunks, device) if chunks and device.type == "cpu" else None
+        if not chunks or device.type != "cpu":
+            return None
+        paged = cls.of(chunks, device)
+        paged.torch_chunks = [chunk for chunk in prefills if not prefill_in_kernel(chunk)]
+        return paged
 
     @classmethod
     def of(cls, chunks: list[PrefillChunk], device: torch.device) -> PagedPrefills:
-        tables = torch.zeros(len(chunks), max(len(chunk.block_table) for chunk in chunks), dtype=torch.long)
-        for row, chunk in enumerate(chunks):
-            tables[row, : len(chunk.block_table)] = chunk.block_table
+        tables = torch.from_numpy(pad_block_tables([chunk.block_table for chunk in chunks]))
         columns = [[chunk.query_start for chunk in chunks], [chunk.query_len for chunk in chunks], [chunk.seq_len for chunk in chunks]]
         starts, query_lens, seq_lens = (torch.tensor(column, dtype=torch.long, device=device) for column in columns)
         return cls(tables.to(device), starts, query_lens, seq_lens)
@@ -96,14 +109,13 @@ class Attention(nn.Module):
         if num_decodes:
             out[:num_decodes] = decode_attention(query[:num_decodes], kv_cache, meta)
         kernels = cpu_kernels.for_tensor(kv_cache)
-        in_kernel = kernels is not None and meta.paged_prefills is not None and query.dtype == torch.float32
-        if in_kernel:
-            c = meta.paged_prefills
-            kernels.paged_prefill_attention(query, kv_cache[0], kv_cache[1], c.block_tables, c.query_starts, c.query_lens,
-                                            c.seq_lens, self.head_dim**-0.5, out)
-        for chunk in meta.prefills:
-            if in_kernel and prefill_in_kernel(chunk):
-                continue
+        torch_chunks = meta.prefills
+        if kernels is not None and meta.paged_prefills is not None and query.dtype == torch.float32:
+            paged = meta.paged_prefills
+            kernels.paged_prefill_attention(query, kv_cache[0], kv_cache[1], paged.block_tables, paged.query_starts,
+                                            paged.query_lens, paged.seq_lens, self.head_dim**-0.5, out)
+            torch_chunks = paged.torch_chunks
+        for chunk in torch_chunks:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
             out[rows] = prefill_attention(query[rows], key[rows], value[rows], kv_cache, chunk)
         return out.view(out.shape[0], -1)
