@@ -16,11 +16,41 @@ def bench(tmp_path, workload, *args, timeout=600):
 
 def test_throughput_with_baseline_and_ceiling(tmp_path, tiny_models):
     record, stdout = bench(tmp_path, "throughput", "--model", str(tiny_models["llama"]), "--num-prompts", "6", "--input-len", "20",
-                           "--output-len", "7", "--baseline", "hf", "--ceiling", "--kv-cache-memory", str(2**24))
+                           "--output-len", "7", "--baseline", "hf", "--ceiling", "--kv-cache-memory", str(2**24), "--repeats", "3")
     assert record["prompt_tokens"] == 120 and record["output_tokens"] == 42
     assert record["total_tokens_per_s"] > 0 and record["hf_total_tokens_per_s"] > 0 and record["ceiling_tokens_per_s"] > 0
     assert record["speedup_vs_hf"] > 0 and 0 < record["fraction_of_ceiling"]
-    assert "speed-up vs HF" in stdout
+    assert "speed-up vs HF" in stdout and "median of 3 runs" in stdout
+    # Each figure is the median of the runs' own, each run having HF beside it.
+    runs = record["runs"]
+    assert record["repeats"] == 3 and len(runs) == 3 and all(run["hf_elapsed_s"] > 0 for run in runs)
+    assert record["total_tokens_per_s"] == sorted(run["total_tokens_per_s"] for run in runs)[1]
+    assert record["speedup_vs_hf"] == sorted(run["hf_elapsed_s"] / run["elapsed_s"] for run in runs)[1]
+    # The second ceiling decodes after the workload's mean context: 20 prompt tokens + half of 7 output.
+    assert record["ceiling"]["decode_context"] == 24 and record["fraction_of_ceiling_in_context"] > 0
+    assert "after 24 tokens of context" in stdout
+
+
+def test_repeats_must_be_positive(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "pagedserve.entrypoints.cli", "bench", "throughput", "--repeats", "0"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "--repeats" in result.stderr and "must be >= 1" in result.stderr
+
+
+def test_ceiling_decodes_after_the_context_it_names():
+    import torch
+
+    from pagedserve.benchmarks.datasets import BenchRequest
+    from pagedserve.benchmarks.throughput import _sequences_metadata, mean_decode_context
+
+    meta = _sequences_metadata(num_seqs=3, seq_len=1, context=40, block_size=16, device=torch.device("cpu"))
+    assert meta.num_decode_tokens == 3 and meta.decode_seq_lens.tolist() == [41, 41, 41]
+    tables = meta.decode_block_tables.tolist()
+    assert [len(set(t)) for t in tables] == [3, 3, 3] and not set(tables[0]) & set(tables[1])
+    # Each new token's slot is position 40 of its own sequence: block 2 of its table, offset 8.
+    assert meta.slot_mapping.tolist() == [t[2] * 16 + 8 for t in tables]
+    requests = [BenchRequest([1] * 10, 4), BenchRequest([1] * 30, 12)]
+    assert mean_decode_context(requests) == 24  # (10 + 4/2 + 30 + 12/2) / 2
 
 
 def test_mixed_dataset_lengths_vary(tmp_path, tiny_models):

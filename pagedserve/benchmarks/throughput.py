@@ -4,6 +4,7 @@ and the model's bare forward pass (the compute ceiling of this machine)."""
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -16,10 +17,10 @@ from pagedserve.benchmarks.datasets import BenchRequest, mixed_requests, random_
 from pagedserve.benchmarks.report import print_table, write_json
 
 
-def make_requests(args, vocab_size: int) -> list[BenchRequest]:
+def make_requests(args, vocab_size: int, seed: int) -> list[BenchRequest]:
     if args.dataset == "mixed":
-        return mixed_requests(args.num_prompts, vocab_size, seed=args.seed)
-    return random_requests(args.num_prompts, args.input_len, args.output_len, vocab_size, seed=args.seed)
+        return mixed_requests(args.num_prompts, vocab_size, seed=seed)
+    return random_requests(args.num_prompts, args.input_len, args.output_len, vocab_size, seed=seed)
 
 
 def run_pagedserve(llm, requests: list[BenchRequest]) -> float:
@@ -49,15 +50,17 @@ def run_hf_static_batching(model_dir: str, requests: list[BenchRequest]) -> floa
     return float(result.stdout.strip().splitlines()[-1])
 
 
-def measure_ceiling(llm, num_seqs: int, seq_len: int, repeats: int = 3) -> float:
-    """Tokens/s of the bare model forward over num_seqs fresh sequences of seq_len tokens (no context,
-    so attention is negligible), logits at each sequence's last token; best of repeats. seq_len 1
-    runs as the engine runs decodes (one batched attention call), longer ones as prefills."""
+def measure_ceiling(llm, num_seqs: int, seq_len: int, repeats: int = 3, context: int = 0) -> float:
+    """Tokens/s of the bare model forward over num_seqs sequences of seq_len new tokens after `context`
+    tokens already in the cache (0: fresh sequences, so attention is negligible), logits at each
+    sequence's last token; best of repeats. seq_len 1 runs as the engine runs decodes (one batched
+    attention call), longer ones as prefills. The context's K/V are whatever the blocks hold (after a
+    run, that run's values): attention reads them at the cost it would pay for real ones."""
     worker = llm.llm_engine.engine_core.worker
     model, kv_caches, block_size, device = worker.model, worker.kv_caches, worker.config.block_size, worker.device
-    meta = _fresh_sequences_metadata(num_seqs, seq_len, block_size, device)
+    meta = _sequences_metadata(num_seqs, seq_len, context, block_size, device)
     input_ids = torch.randint(100, 1000, (num_seqs * seq_len,), device=device)
-    positions = torch.arange(seq_len, device=device).repeat(num_seqs)
+    positions = (context + torch.arange(seq_len, device=device)).repeat(num_seqs)
     best = float("inf")
     with torch.inference_mode():
         for _ in range(repeats):
@@ -68,28 +71,47 @@ def measure_ceiling(llm, num_seqs: int, seq_len: int, repeats: int = 3) -> float
     return num_seqs * seq_len / best
 
 
-def _fresh_sequences_metadata(num_seqs: int, seq_len: int, block_size: int, device):
+def _sequences_metadata(num_seqs: int, seq_len: int, context: int, block_size: int, device):
     from pagedserve.executor.input_batch import fill_decode_metadata
     from pagedserve.layers.attention import AttentionMetadata, PrefillChunk
 
-    blocks_per_seq = -(-seq_len // block_size)
+    total = context + seq_len
+    blocks_per_seq = -(-total // block_size)
     tables = [torch.arange(seq * blocks_per_seq, (seq + 1) * blocks_per_seq) for seq in range(num_seqs)]
-    slots = torch.cat([torch.arange(seq_len) + table[0] * block_size for table in tables]).to(device)
+    slots = torch.cat([torch.arange(context, total) + table[0] * block_size for table in tables]).to(device)
     if seq_len == 1:
         meta = AttentionMetadata(slots, num_seqs, None, None, [])
-        fill_decode_metadata(meta, [t.numpy() for t in tables], [1] * num_seqs, block_size, device)
+        fill_decode_metadata(meta, [t.numpy() for t in tables], [total] * num_seqs, block_size, device)
         return meta
-    prefills = [PrefillChunk(seq * seq_len, seq_len, seq_len, table.to(device)) for seq, table in enumerate(tables)]
+    prefills = [PrefillChunk(seq * seq_len, seq_len, total, table.to(device)) for seq, table in enumerate(tables)]
     return AttentionMetadata(slots, 0, None, None, prefills)
 
 
+def mean_decode_context(requests: list[BenchRequest]) -> int:
+    """Tokens in the cache at a request's average decode step (its prompt and half its output), averaged."""
+    return round(sum(len(r.prompt_token_ids) + r.output_len / 2 for r in requests) / len(requests))
+
+
 def workload_ceiling(llm, requests: list[BenchRequest]) -> dict:
-    """The physical limit for this workload: its prompt tokens at the bare prefill rate (4 x 128-token
-    sequences) plus its output tokens at the bare decode rate (one token for each of the batch's sequences)."""
+    """The bare forward's rates for this workload: prompt tokens at the bare prefill rate (4 x 128-token
+    sequences), output tokens at the bare decode rate of the whole batch (one token for each sequence),
+    and at that rate after the workload's mean context, so with the attention a decode cannot skip."""
     prefill_rate = measure_ceiling(llm, num_seqs=4, seq_len=128)
-    decode_rate = measure_ceiling(llm, num_seqs=min(len(requests), llm.llm_engine.config.max_num_seqs), seq_len=1)
-    seconds = sum(len(r.prompt_token_ids) for r in requests) / prefill_rate + sum(r.output_len for r in requests) / decode_rate
-    return {"prefill_tokens_per_s": prefill_rate, "decode_tokens_per_s": decode_rate, "seconds": seconds}
+    batch = min(len(requests), llm.llm_engine.config.max_num_seqs)
+    worker = llm.llm_engine.engine_core.worker
+    fits = worker.num_blocks // batch * worker.config.block_size - 1  # every sequence's blocks in the cache
+    context = min(mean_decode_context(requests), worker.max_model_len - 1, fits)
+    # A decode step is short, so take the best of more of them: one slow moment of the machine must not
+    # pass for the limit.
+    return {"prefill_tokens_per_s": prefill_rate, "decode_tokens_per_s": measure_ceiling(llm, num_seqs=batch, seq_len=1, repeats=10),
+            "decode_context": context,
+            "decode_tokens_per_s_in_context": measure_ceiling(llm, num_seqs=batch, seq_len=1, repeats=10, context=context)}
+
+
+def ceiling_seconds(rates: dict, prompt_tokens: int, output_tokens: int, in_context: bool = False) -> float:
+    """The least time the bare forward needs for these tokens: the limit no engine on this machine beats."""
+    decode_rate = rates["decode_tokens_per_s_in_context" if in_context else "decode_tokens_per_s"]
+    return prompt_tokens / rates["prefill_tokens_per_s"] + output_tokens / decode_rate
 
 
 def run(args) -> dict:
@@ -97,36 +119,89 @@ def run(args) -> dict:
 
     llm = LLM(args.model, **args.engine_overrides)
     vocab_size = llm.llm_engine.processor.vocab_size
-    requests = make_requests(args, vocab_size)
-    num_prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
-    num_output_tokens = sum(r.output_len for r in requests)
-    elapsed = run_pagedserve(llm, requests)
-    record = {
-        "benchmark": "throughput", "dataset": args.dataset, "num_prompts": len(requests),
-        "prompt_tokens": num_prompt_tokens, "output_tokens": num_output_tokens, "elapsed_s": elapsed,
-        "requests_per_s": len(requests) / elapsed, "total_tokens_per_s": (num_prompt_tokens + num_output_tokens) / elapsed,
-        "output_tokens_per_s": num_output_tokens / elapsed,
-    }
-    rows = [("requests/s", record["requests_per_s"]), ("total tokens/s", record["total_tokens_per_s"]),
-            ("output tokens/s", record["output_tokens_per_s"]), ("elapsed s", elapsed)]
-    if args.ceiling:
-        ceiling = workload_ceiling(llm, requests)
-        record["ceiling"] = ceiling
-        record["ceiling_tokens_per_s"] = (num_prompt_tokens + num_output_tokens) / ceiling["seconds"]
-        record["fraction_of_ceiling"] = ceiling["seconds"] / elapsed
-        rows += [("bare forward, prefill tokens/s", ceiling["prefill_tokens_per_s"]),
-                 ("bare forward, decode tokens/s (full batch)", ceiling["decode_tokens_per_s"]),
-                 ("ceiling total tokens/s for this workload", record["ceiling_tokens_per_s"]),
-                 ("fraction of ceiling", record["fraction_of_ceiling"])]
-    if args.baseline == "hf":
-        model_dir = str(llm.llm_engine.engine_core.worker.model_dir)
-        del llm
-        hf_elapsed = run_hf_static_batching(model_dir, requests)
-        record["hf_total_tokens_per_s"] = (num_prompt_tokens + num_output_tokens) / hf_elapsed
-        record["hf_output_tokens_per_s"] = num_output_tokens / hf_elapsed
-        record["speedup_vs_hf"] = hf_elapsed / elapsed
-        rows += [("HF static batching total tokens/s", record["hf_total_tokens_per_s"]),
-                 ("speed-up vs HF", record["speedup_vs_hf"])]
-    print_table(f"throughput ({args.dataset}, {len(requests)} prompts)", rows)
+    model_dir = str(llm.llm_engine.engine_core.worker.model_dir)
+    runs = []
+    for repeat in range(args.repeats):
+        # Fresh prompts each repeat, so the prefix cache cannot turn later repeats into hits; the
+        # ceiling and HF run right after ours on the same prompts, so each ratio compares the same
+        # minutes of the machine.
+        requests = make_requests(args, vocab_size, seed=args.seed + repeat)
+        one = {"prompt_tokens": sum(len(r.prompt_token_ids) for r in requests), "output_tokens": sum(r.output_len for r in requests),
+               "elapsed_s": run_pagedserve(llm, requests)}
+        if args.ceiling:
+            one["ceiling"] = workload_ceiling(llm, requests)
+        if args.baseline == "hf":
+            one["hf_elapsed_s"] = run_hf_static_batching(model_dir, requests)
+        runs.append(one)
+    record, rows = summarize(args, runs)
+    print_table(f"throughput ({args.dataset}, {args.num_prompts} prompts"
+                + (f", median of {args.repeats} runs)" if args.repeats > 1 else ")"), rows)
     write_json(args.json, record)
     return record
+
+
+def summarize(args, runs: list[dict]) -> tuple[dict, list]:
+    """Each figure is the median over the runs (of per-run values: with --dataset mixed each repeat
+    draws other lengths); ratios are medians of per-run ratios."""
+    for one in runs:
+        _add_run_figures(one)
+    record = {
+        "benchmark": "throughput", "dataset": args.dataset, "num_prompts": args.num_prompts, "repeats": len(runs),
+        "prompt_tokens": runs[0]["prompt_tokens"], "output_tokens": runs[0]["output_tokens"],
+        "elapsed_s": _median(runs, "elapsed_s"), "requests_per_s": statistics.median(args.num_prompts / one["elapsed_s"] for one in runs),
+        "total_tokens_per_s": _median(runs, "total_tokens_per_s"), "output_tokens_per_s": _median(runs, "output_tokens_per_s"),
+        "runs": runs,
+    }
+    rows = [("requests/s", record["requests_per_s"]), ("total tokens/s", record["total_tokens_per_s"]),
+            ("output tokens/s", record["output_tokens_per_s"]), ("elapsed s", record["elapsed_s"])]
+    if len(runs) > 1:
+        rows.append(("total tokens/s, each run", ", ".join(f"{one['total_tokens_per_s']:.1f}" for one in runs)))
+    if "ceiling" in runs[0]:
+        rows += _ceiling_figures(record, runs)
+    if "hf_elapsed_s" in runs[0]:
+        rows += _hf_figures(record, runs)
+    return record, rows
+
+
+def _median(runs: list[dict], key: str) -> float:
+    return statistics.median(one[key] for one in runs)
+
+
+def _add_run_figures(one: dict) -> None:
+    tokens = one["prompt_tokens"] + one["output_tokens"]
+    one["total_tokens_per_s"] = tokens / one["elapsed_s"]
+    one["output_tokens_per_s"] = one["output_tokens"] / one["elapsed_s"]
+    if "ceiling" in one:
+        for key, in_context in (("fraction_of_ceiling", False), ("fraction_of_ceiling_in_context", True)):
+            one[key] = ceiling_seconds(one["ceiling"], one["prompt_tokens"], one["output_tokens"], in_context) / one["elapsed_s"]
+    if "hf_elapsed_s" in one:
+        one["hf_total_tokens_per_s"] = tokens / one["hf_elapsed_s"]
+        one["hf_output_tokens_per_s"] = one["output_tokens"] / one["hf_elapsed_s"]
+        one["speedup_vs_hf"] = one["hf_elapsed_s"] / one["elapsed_s"]
+
+
+def _ceiling_figures(record: dict, runs: list[dict]) -> list:
+    rates = {key: statistics.median(one["ceiling"][key] for one in runs) for key in runs[0]["ceiling"]}
+    rates["decode_context"] = runs[0]["ceiling"]["decode_context"]  # the same for every repeat of uniform lengths
+    tokens = record["prompt_tokens"] + record["output_tokens"]
+    record["ceiling"] = rates
+    record["ceiling_tokens_per_s"] = tokens / ceiling_seconds(rates, record["prompt_tokens"], record["output_tokens"])
+    record["fraction_of_ceiling"] = _median(runs, "fraction_of_ceiling")
+    record["ceiling_in_context_tokens_per_s"] = tokens / ceiling_seconds(rates, record["prompt_tokens"], record["output_tokens"], True)
+    record["fraction_of_ceiling_in_context"] = _median(runs, "fraction_of_ceiling_in_context")
+    return [("bare forward, prefill tokens/s", rates["prefill_tokens_per_s"]),
+            ("bare forward, decode tokens/s (full batch)", rates["decode_tokens_per_s"]),
+            ("ceiling total tokens/s for this workload", record["ceiling_tokens_per_s"]),
+            ("fraction of ceiling", record["fraction_of_ceiling"]),
+            (f"bare decode tokens/s after {rates['decode_context']} tokens of context", rates["decode_tokens_per_s_in_context"]),
+            ("ceiling with that attention, total tokens/s", record["ceiling_in_context_tokens_per_s"]),
+            ("fraction of ceiling with attention", record["fraction_of_ceiling_in_context"])]
+
+
+def _hf_figures(record: dict, runs: list[dict]) -> list:
+    for key in ("hf_total_tokens_per_s", "hf_output_tokens_per_s", "speedup_vs_hf"):
+        record[key] = _median(runs, key)
+    rows = [("HF static batching total tokens/s", record["hf_total_tokens_per_s"]), ("speed-up vs HF", record["speedup_vs_hf"])]
+    if len(runs) > 1:
+        rows.append(("speed-up vs HF, each run", ", ".join(f"{one['speedup_vs_hf']:.2f}x" for one in runs)))
+    return rows

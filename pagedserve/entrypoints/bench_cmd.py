@@ -22,6 +22,8 @@ def register(sub) -> None:
     throughput.add_argument("--output-len", type=int, default=128)
     throughput.add_argument("--baseline", choices=["none", "hf"], default="none", help="also run transformers static batching")
     throughput.add_argument("--ceiling", action="store_true", help="also measure the bare forward pass at full batch")
+    throughput.add_argument("--repeats", type=_positive_int, default=1,
+                            help="run the workload this many times (fresh prompts each, HF right after ours) and report medians")
 
     serve = _workload(workloads, "serve", "streaming HTTP client against an OpenAI-compatible server")
     serve.add_argument("--base-url", default=None, help="server to measure (default: start our own)")
@@ -61,6 +63,13 @@ def register(sub) -> None:
     plot.add_argument("records", nargs="+", help="JSON records written by `bench serve --json` (one per server)")
     plot.add_argument("--out-dir", default="docs/img", help="where the PNG files go")
     plot.set_defaults(handler=run_plot)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def _workload(workloads, name: str, help_text: str, engine: bool = False) -> argparse.ArgumentParser:
