@@ -109,3 +109,18 @@ def test_plot_rejects_records_of_other_benchmarks(tmp_path):
     result = subprocess.run([sys.executable, "-m", "pagedserve.entrypoints.cli", "bench", "plot", str(path), "--out-dir",
                              str(tmp_path / "img")], capture_output=True, text=True, timeout=300)
     assert result.returncode != 0 and "not a `bench serve` record" in result.stderr
+
+
+def test_ceiling_leaves_no_stale_prefix_cache(tiny_models):
+    """The bare forward writes K/V into cache blocks behind the block pool's back; a prompt served
+    before it must not be answered from those overwritten blocks afterwards."""
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.benchmarks.throughput import measure_ceiling
+
+    llm = LLM(str(tiny_models["llama"]), kv_cache_memory=2**24, enable_prefix_caching=True)
+    prompt = {"prompt_token_ids": list(range(10, 74))}
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    before = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    measure_ceiling(llm, num_seqs=4, seq_len=64)
+    after = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert after == before

@@ -68,6 +68,9 @@ def measure_ceiling(llm, num_seqs: int, seq_len: int, repeats: int = 3, context:
             hidden = model(input_ids, positions, kv_caches, meta)
             model.compute_logits(hidden[seq_len - 1 :: seq_len])
             best = min(best, time.perf_counter() - start)
+    # It wrote K/V straight into blocks the prefix cache may still map to other tokens: forget them all.
+    if not llm.llm_engine.engine_core.kv_cache_manager.reset_prefix_cache():
+        raise RuntimeError("the ceiling must be measured on an idle engine")
     return num_seqs * seq_len / best
 
 
