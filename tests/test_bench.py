@@ -80,6 +80,18 @@ def test_kv_and_sched(tmp_path):
     assert sched["num_running"] == 64 and sched["median_us_per_step"] > 0
 
 
+def test_serve_repeats_report_medians(tmp_path, tiny_models):
+    record, stdout = bench(tmp_path, "serve", "--model", str(tiny_models["llama"]), "--num-prompts", "4", "--input-len", "16",
+                           "--output-len", "5", "--repeats", "3", "--server-args", "--kv-cache-memory", str(2**24))
+    [run] = record["runs"]
+    repeats = run["repeats"]
+    assert len(repeats) == 3 and all(one["completed"] == 4 and one["failures"] == 0 for one in repeats)
+    assert run["completed"] == 12 and run["failures"] == 0
+    for key in ("output_tokens_per_s", "ttft_p99_s", "itl_p50_s"):
+        assert run[key] == sorted(one[key] for one in repeats)[1]
+    assert "median of 3 runs" in stdout
+
+
 def test_serve_against_our_own_server_and_plots(tmp_path, tiny_models):
     record, stdout = bench(tmp_path, "serve", "--model", str(tiny_models["llama"]), "--num-prompts", "8", "--input-len", "16",
                            "--output-len", "6", "--request-rate", "inf", "4", "--max-concurrency", "2", "8", "--label", "ours",

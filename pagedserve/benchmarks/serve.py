@@ -14,6 +14,7 @@ import os
 import random
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -120,6 +121,19 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
     return summary
 
 
+def median_summary(repeats: list[dict]) -> dict:
+    """One run's summary, or the median of each figure over repeated runs (failures: their sum; the
+    runs themselves under "repeats")."""
+    if len(repeats) == 1:
+        return repeats[0]
+    merged = {key: statistics.median(one[key] for one in repeats) for key, value in repeats[0].items() if isinstance(value, float)}
+    merged["completed"] = sum(one["completed"] for one in repeats)
+    merged["failures"] = sum(one["failures"] for one in repeats)
+    merged["errors"] = sorted({error for one in repeats for error in one["errors"]})[:5]
+    merged["repeats"] = repeats
+    return merged
+
+
 @contextlib.contextmanager
 def own_server(model: str, extra_args: list[str]):
     with socket.socket() as sock:
@@ -155,20 +169,27 @@ def run(args) -> dict:
     rates = [float(rate) for rate in args.request_rate]
     concurrencies = args.max_concurrency or [None]
     records = []
+    seeds = itertools.count(args.seed)
     with (contextlib.nullcontext(args.base_url) if args.base_url else own_server(args.model, args.server_args)) as url:
         model = args.served_model or _first_model(url, args.api_key)
-        for index, (rate, concurrency) in enumerate(itertools.product(rates, concurrencies)):
-            # Fresh prompts for each run: a server's prefix cache must not turn later runs into cache hits.
-            requests = random_requests(args.num_prompts, args.input_len, args.output_len, args.vocab_size, seed=args.seed + index)
-            results, duration = asyncio.run(run_load(url, model, requests, rate, concurrency, args.api_key, args.seed))
-            summary = {"request_rate": rate, "max_concurrency": concurrency, **summarize(results, duration)}
+        for rate, concurrency in itertools.product(rates, concurrencies):
+            repeats = []
+            for _ in range(args.repeats):
+                # Fresh prompts for each run: a server's prefix cache must not turn later runs into cache hits.
+                requests = random_requests(args.num_prompts, args.input_len, args.output_len, args.vocab_size, seed=next(seeds))
+                results, duration = asyncio.run(run_load(url, model, requests, rate, concurrency, args.api_key, args.seed))
+                repeats.append(summarize(results, duration))
+            summary = {"request_rate": rate, "max_concurrency": concurrency, **median_summary(repeats)}
             records.append(summary)
-            title = f"serve ({len(requests)} requests, input {args.input_len}, output {args.output_len}, rate {rate}"
-            print_table(title + (f", max concurrency {concurrency})" if concurrency else ")"), [
+            title = f"serve ({args.num_prompts} requests, input {args.input_len}, output {args.output_len}, rate {rate}"
+            title += f", max concurrency {concurrency}" if concurrency else ""
+            print_table(title + (f", median of {len(repeats)} runs)" if len(repeats) > 1 else ")"), [
                 ("output tokens/s", summary["output_tokens_per_s"]), ("TTFT p50 s", summary["ttft_p50_s"]),
                 ("TTFT p99 s", summary["ttft_p99_s"]), ("TPOT mean s", summary["tpot_mean_s"]),
                 ("ITL p50 s", summary["itl_p50_s"]), ("ITL p99 s", summary["itl_p99_s"]),
                 ("failures", summary["failures"]), ("duration s", summary["duration_s"]),
+                *([("output tokens/s, each run", ", ".join(f"{one['output_tokens_per_s']:.1f}" for one in repeats))]
+                  if len(repeats) > 1 else []),
             ])
     record = {"benchmark": "serve", "label": args.label or ("pagedserve" if not args.base_url else args.base_url),
               "base_url": args.base_url, "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,

@@ -38,6 +38,8 @@ def register(sub) -> None:
     serve.add_argument("--max-concurrency", type=int, nargs="+", default=None,
                        help="cap on requests in flight; several run in turn (a sweep, for `bench plot`)")
     serve.add_argument("--label", default=None, help="name of the measured server in the record and plots")
+    serve.add_argument("--repeats", type=_positive_int, default=1,
+                       help="run each rate/concurrency this many times (fresh prompts each) and report the medians")
     serve.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="extra flags for our own server (last)")
 
     prefix = _workload(workloads, "prefix", "prefix caching on vs off", engine=True)
