@@ -185,7 +185,8 @@ def _add_run_figures(one: dict) -> None:
 
 def _ceiling_figures(record: dict, runs: list[dict]) -> list:
     rates = {key: statistics.median(one["ceiling"][key] for one in runs) for key in runs[0]["ceiling"]}
-    rates["decode_context"] = runs[0]["ceiling"]["decode_context"]  # the same for every repeat of uniform lengths
+    # The same in every run of uniform lengths; with --dataset mixed the first run's (each run keeps its own).
+    rates["decode_context"] = runs[0]["ceiling"]["decode_context"]
     tokens = record["prompt_tokens"] + record["output_tokens"]
     record["ceiling"] = rates
     record["ceiling_tokens_per_s"] = tokens / ceiling_seconds(rates, record["prompt_tokens"], record["output_tokens"])
