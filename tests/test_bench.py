@@ -40,10 +40,10 @@ def test_repeats_must_be_positive(tmp_path):
 def test_ceiling_decodes_after_the_context_it_names():
     import torch
 
+    from pagedserve.benchmarks.ceiling import mean_decode_context, sequences_metadata
     from pagedserve.benchmarks.datasets import BenchRequest
-    from pagedserve.benchmarks.throughput import _sequences_metadata, mean_decode_context
 
-    meta = _sequences_metadata(num_seqs=3, seq_len=1, context=40, block_size=16, device=torch.device("cpu"))
+    meta = sequences_metadata(num_seqs=3, seq_len=1, context=40, block_size=16, device=torch.device("cpu"))
     assert meta.num_decode_tokens == 3 and meta.decode_seq_lens.tolist() == [41, 41, 41]
     tables = meta.decode_block_tables.tolist()
     assert [len(set(t)) for t in tables] == [3, 3, 3] and not set(tables[0]) & set(tables[1])
@@ -127,7 +127,7 @@ def test_ceiling_leaves_no_stale_prefix_cache(tiny_models):
     """The bare forward writes K/V into cache blocks behind the block pool's back; a prompt served
     before it must not be answered from those overwritten blocks afterwards."""
     from pagedserve import LLM, SamplingParams
-    from pagedserve.benchmarks.throughput import measure_ceiling
+    from pagedserve.benchmarks.ceiling import measure_ceiling
 
     llm = LLM(str(tiny_models["llama"]), kv_cache_memory=2**24, enable_prefix_caching=True)
     prompt = {"prompt_token_ids": list(range(10, 74))}

@@ -11,8 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
+from pagedserve.benchmarks.ceiling import ceiling_seconds, workload_ceiling
 from pagedserve.benchmarks.datasets import BenchRequest, mixed_requests, random_requests
 from pagedserve.benchmarks.report import print_table, write_json
 
@@ -48,73 +47,6 @@ def run_hf_static_batching(model_dir: str, requests: list[BenchRequest]) -> floa
     if result.returncode != 0:
         raise RuntimeError(f"the HF baseline failed:\n{result.stderr[-2000:]}")
     return float(result.stdout.strip().splitlines()[-1])
-
-
-def measure_ceiling(llm, num_seqs: int, seq_len: int, repeats: int = 3, context: int = 0) -> float:
-    """Tokens/s of the bare model forward over num_seqs sequences of seq_len new tokens after `context`
-    tokens already in the cache (0: fresh sequences, so attention is negligible), logits at each
-    sequence's last token; best of repeats. seq_len 1 runs as the engine runs decodes (one batched
-    attention call), longer ones as prefills. The context's K/V are whatever the blocks hold (after a
-    run, that run's values): attention reads them at the cost it would pay for real ones."""
-    worker = llm.llm_engine.engine_core.worker
-    model, kv_caches, block_size, device = worker.model, worker.kv_caches, worker.config.block_size, worker.device
-    meta = _sequences_metadata(num_seqs, seq_len, context, block_size, device)
-    input_ids = torch.randint(100, 1000, (num_seqs * seq_len,), device=device)
-    positions = (context + torch.arange(seq_len, device=device)).repeat(num_seqs)
-    best = float("inf")
-    with torch.inference_mode():
-        for _ in range(repeats):
-            start = time.perf_counter()
-            hidden = model(input_ids, positions, kv_caches, meta)
-            model.compute_logits(hidden[seq_len - 1 :: seq_len])
-            best = min(best, time.perf_counter() - start)
-    # It wrote K/V straight into blocks the prefix cache may still map to other tokens: forget them all.
-    if not llm.llm_engine.engine_core.kv_cache_manager.reset_prefix_cache():
-        raise RuntimeError("the ceiling must be measured on an idle engine")
-    return num_seqs * seq_len / best
-
-
-def _sequences_metadata(num_seqs: int, seq_len: int, context: int, block_size: int, device):
-    from pagedserve.executor.input_batch import fill_decode_metadata
-    from pagedserve.layers.attention import AttentionMetadata, PrefillChunk
-
-    total = context + seq_len
-    blocks_per_seq = -(-total // block_size)
-    tables = [torch.arange(seq * blocks_per_seq, (seq + 1) * blocks_per_seq) for seq in range(num_seqs)]
-    slots = torch.cat([torch.arange(context, total) + table[0] * block_size for table in tables]).to(device)
-    if seq_len == 1:
-        meta = AttentionMetadata(slots, num_seqs, None, None, [])
-        fill_decode_metadata(meta, [t.numpy() for t in tables], [total] * num_seqs, block_size, device)
-        return meta
-    prefills = [PrefillChunk(seq * seq_len, seq_len, total, table.to(device)) for seq, table in enumerate(tables)]
-    return AttentionMetadata(slots, 0, None, None, prefills)
-
-
-def mean_decode_context(requests: list[BenchRequest]) -> int:
-    """Tokens in the cache at a request's average decode step (its prompt and half its output), averaged."""
-    return round(sum(len(r.prompt_token_ids) + r.output_len / 2 for r in requests) / len(requests))
-
-
-def workload_ceiling(llm, requests: list[BenchRequest]) -> dict:
-    """The bare forward's rates for this workload: prompt tokens at the bare prefill rate (4 x 128-token
-    sequences), output tokens at the bare decode rate of the whole batch (one token for each sequence),
-    and at that rate after the workload's mean context, so with the attention a decode cannot skip."""
-    prefill_rate = measure_ceiling(llm, num_seqs=4, seq_len=128)
-    batch = min(len(requests), llm.llm_engine.config.max_num_seqs)
-    worker = llm.llm_engine.engine_core.worker
-    fits = worker.num_blocks // batch * worker.config.block_size - 1  # every sequence's blocks in the cache
-    context = min(mean_decode_context(requests), worker.max_model_len - 1, fits)
-    # A decode step is short, so take the best of more of them: one slow moment of the machine must not
-    # pass for the limit.
-    return {"prefill_tokens_per_s": prefill_rate, "decode_tokens_per_s": measure_ceiling(llm, num_seqs=batch, seq_len=1, repeats=10),
-            "decode_context": context,
-            "decode_tokens_per_s_in_context": measure_ceiling(llm, num_seqs=batch, seq_len=1, repeats=10, context=context)}
-
-
-def ceiling_seconds(rates: dict, prompt_tokens: int, output_tokens: int, in_context: bool = False) -> float:
-    """The least time the bare forward needs for these tokens: the limit no engine on this machine beats."""
-    decode_rate = rates["decode_tokens_per_s_in_context" if in_context else "decode_tokens_per_s"]
-    return prompt_tokens / rates["prefill_tokens_per_s"] + output_tokens / decode_rate
 
 
 def run(args) -> dict:
