@@ -49,6 +49,10 @@ def test_ceiling_decodes_after_the_context_it_names():
     assert [len(set(t)) for t in tables] == [3, 3, 3] and not set(tables[0]) & set(tables[1])
     # Each new token's slot is position 40 of its own sequence: block 2 of its table, offset 8.
     assert meta.slot_mapping.tolist() == [t[2] * 16 + 8 for t in tables]
+    # Prefills take the engine's route: 128-token fresh chunks go to the CPU kernel, none left to torch.
+    prefill = sequences_metadata(num_seqs=4, seq_len=128, context=0, block_size=16, device=torch.device("cpu"))
+    assert prefill.paged_prefills is not None and prefill.paged_prefills.query_lens.tolist() == [128] * 4
+    assert prefill.paged_prefills.torch_chunks == []
     requests = [BenchRequest([1] * 10, 4), BenchRequest([1] * 30, 12)]
     assert mean_decode_context(requests) == 24  # (10 + 4/2 + 30 + 12/2) / 2
 

@@ -36,7 +36,7 @@ def measure_ceiling(llm, num_seqs: int, seq_len: int, repeats: int = 3, context:
 
 def sequences_metadata(num_seqs: int, seq_len: int, context: int, block_size: int, device):
     from pagedserve.executor.input_batch import fill_decode_metadata
-    from pagedserve.layers.attention import AttentionMetadata, PrefillChunk
+    from pagedserve.layers.attention import AttentionMetadata, PagedPrefills, PrefillChunk
 
     total = context + seq_len
     blocks_per_seq = -(-total // block_size)
@@ -47,7 +47,9 @@ def sequences_metadata(num_seqs: int, seq_len: int, context: int, block_size: in
         fill_decode_metadata(meta, [t.numpy() for t in tables], [total] * num_seqs, block_size, device)
         return meta
     prefills = [PrefillChunk(seq * seq_len, seq_len, total, table.to(device)) for seq, table in enumerate(tables)]
-    return AttentionMetadata(slots, 0, None, None, prefills)
+    # Routed as the runner routes a step's chunks (prepare_inputs), so the bare prefill runs the
+    # engine's attention path, the CPU kernel included.
+    return AttentionMetadata(slots, 0, None, None, prefills, paged_prefills=PagedPrefills.for_kernel(prefills, device))
 
 
 def mean_decode_context(requests: list[BenchRequest]) -> int:

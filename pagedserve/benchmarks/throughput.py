@@ -79,11 +79,11 @@ def summarize(args, runs: list[dict]) -> tuple[dict, list]:
     """Each figure is the median over the runs (of per-run values: with --dataset mixed each repeat
     draws other lengths); ratios are medians of per-run ratios."""
     for one in runs:
-        _add_run_figures(one)
+        _add_run_figures(one, args.num_prompts)
     record = {
         "benchmark": "throughput", "dataset": args.dataset, "num_prompts": args.num_prompts, "repeats": len(runs),
         "prompt_tokens": runs[0]["prompt_tokens"], "output_tokens": runs[0]["output_tokens"],
-        "elapsed_s": _median(runs, "elapsed_s"), "requests_per_s": statistics.median(args.num_prompts / one["elapsed_s"] for one in runs),
+        "elapsed_s": _median(runs, "elapsed_s"), "requests_per_s": _median(runs, "requests_per_s"),
         "total_tokens_per_s": _median(runs, "total_tokens_per_s"), "output_tokens_per_s": _median(runs, "output_tokens_per_s"),
         "runs": runs,
     }
@@ -102,8 +102,9 @@ def _median(runs: list[dict], key: str) -> float:
     return statistics.median(one[key] for one in runs)
 
 
-def _add_run_figures(one: dict) -> None:
+def _add_run_figures(one: dict, num_prompts: int) -> None:
     tokens = one["prompt_tokens"] + one["output_tokens"]
+    one["requests_per_s"] = num_prompts / one["elapsed_s"]
     one["total_tokens_per_s"] = tokens / one["elapsed_s"]
     one["output_tokens_per_s"] = one["output_tokens"] / one["elapsed_s"]
     if "ceiling" in one:
