@@ -22,6 +22,11 @@ class EngineConfig:
     max_model_len: int | None = field(default=None, metadata={"help": "context length (default: the model's, capped by the KV cache)"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV cache block"})
     kv_cache_memory: int = field(default=DEFAULT_CPU_KV_CACHE_BYTES, metadata={"help": "bytes of KV cache on CPU"})
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata={"help": "what the KV cache stores: auto (the model's dtype), float32, bfloat16 or float16; a 16-bit cache "
+                  "holds twice the tokens and halves the bytes attention reads, at the cost of rounding K/V"},
+    )
     gpu_memory_utilization: float = field(default=0.9, metadata={"help": "fraction of GPU memory the engine may use (CUDA)"})
     num_gpu_blocks_override: int | None = field(default=None, metadata={"help": "force the number of KV blocks (testing)"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse KV blocks of shared prefixes"})
@@ -48,6 +53,8 @@ class EngineConfig:
         _require(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold", ">= 0", self.long_prefill_token_threshold)
         _require(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy", "'fcfs' or 'priority'", self.scheduling_policy)
         _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", "auto, float32, bfloat16, float16", self.dtype)
+        _require(self.kv_cache_dtype in ("auto", "float32", "bfloat16", "float16"), "kv_cache_dtype", "auto, float32, bfloat16, float16",
+                 self.kv_cache_dtype)
         _require(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device", "auto, cpu, cuda", self.device)
         if self.max_model_len is not None:
             _require(self.max_model_len >= 1, "max_model_len", ">= 1", self.max_model_len)

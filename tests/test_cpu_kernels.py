@@ -29,20 +29,26 @@ def reference(monkeypatch, fn):
     """fn() computed by the plain-torch path of the same module."""
     with monkeypatch.context() as patch:
         patch.setattr(cpu_kernels, "for_tensor", lambda tensor: None)
+        patch.setattr(cpu_kernels, "for_kv_cache", lambda kv_cache: None)
         return fn()
 
 
+# What the KV cache may store (kv_cache_dtype); queries and outputs stay float32.
+CACHE_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 @pytest.mark.parametrize(
     "num_heads,num_kv_heads,head_dim,block_size,seq_lens",
     [(9, 3, 64, 16, [1, 17, 40, 16, 100]), (4, 4, 16, 16, [3, 33]), (8, 2, 32, 8, [5] * 12), (6, 2, 24, 16, [700]),
      (9, 3, 64, 32, [2, 64, 65, 300] * 4),
      (9, 3, 64, 16, [1000, 1, 2, 3])],  # one long sequence: the threads' shares are split by context length
 )
-def test_cpu_decode_kernel_matches_reference(num_heads, num_kv_heads, head_dim, block_size, seq_lens):
+def test_cpu_decode_kernel_matches_reference(num_heads, num_kv_heads, head_dim, block_size, seq_lens, cache_dtype):
     kernels = built_kernels()
     torch.manual_seed(0)
     num_blocks = 64
-    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim) * 3  # sharp softmax: tests the running max
+    kv_cache = (torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim) * 3).to(cache_dtype)  # sharp softmax: tests the running max
     rng = np.random.default_rng(0)
     tables = [rng.choice(num_blocks, -(-n // block_size), replace=False).astype(np.int64) for n in seq_lens]
     meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), num_decode_tokens=len(seq_lens),
@@ -162,7 +168,9 @@ def test_quantized_linear_names_bad_input():
         kernels.quantized_linear(torch.zeros(4, 32), torch.zeros(8, 20, dtype=torch.uint8), 3, None, torch.zeros(10, dtype=torch.uint8))
 
 
-def test_kv_cache_write_kernel_matches_reference():
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
+def test_kv_cache_write_kernel_matches_reference(cache_dtype):
+    """The kernel stores what torch's .to(cache dtype) stores (round to nearest even), bit for bit."""
     from pagedserve.layers.attention import reference_write_kv_cache
 
     kernels = built_kernels()
@@ -172,15 +180,18 @@ def test_kv_cache_write_kernel_matches_reference():
     _, key, value = qkv.split([9 * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
     key, value = key.view(num_tokens, num_kv_heads, head_dim), value.view(num_tokens, num_kv_heads, head_dim)
     slots = torch.from_numpy(np.random.default_rng(0).choice(num_blocks * block_size, num_tokens, replace=False))
-    ours, expected = (torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim) for _ in range(2))
+    ours, expected = (torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim).to(cache_dtype) for _ in range(2))
     expected.copy_(ours)
     kernels.write_kv_cache(key, value, ours[0], ours[1], slots)
     reference_write_kv_cache(expected, key, value, slots)
     assert torch.equal(ours, expected)
+    if cache_dtype != torch.float32:
+        assert not torch.equal(ours[0].view(-1, num_kv_heads, head_dim)[slots].float(), key)  # it did round
     with pytest.raises(RuntimeError, match="outside the cache"):
         kernels.write_kv_cache(key, value, ours[0], ours[1], slots + num_blocks * block_size)
 
 
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 @pytest.mark.parametrize(
     "num_heads,num_kv_heads,head_dim,block_size,chunks",
     [(9, 3, 64, 16, [(1024, 16), (3, 5), (40, 1), (17, 33), (0, 45)]),  # (context, query tokens): prefix hits, odd offsets, a fresh prompt
@@ -188,13 +199,13 @@ def test_kv_cache_write_kernel_matches_reference():
      (9, 3, 64, 32, [(100, 37), (1, 100), (0, 1)]),
      (9, 3, 64, 16, [(600, 200), (2, 2), (3, 3)])],  # one costly chunk: the threads' shares are split by cost
 )
-def test_cpu_prefill_kernel_matches_reference(num_heads, num_kv_heads, head_dim, block_size, chunks):
+def test_cpu_prefill_kernel_matches_reference(num_heads, num_kv_heads, head_dim, block_size, chunks, cache_dtype):
     """Prefill chunks attend causally to their context (if any) and their own tokens, read from the
     blocks; rows of other tokens in the batch are left alone."""
     kernels = built_kernels()
     torch.manual_seed(0)
     num_blocks = 128
-    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim) * 3
+    kv_cache = (torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim) * 3).to(cache_dtype)
     rng = np.random.default_rng(0)
     num_decodes = 3  # rows before the chunks, as in an engine step
     total = num_decodes + sum(q for _, q in chunks)
@@ -213,7 +224,7 @@ def test_cpu_prefill_kernel_matches_reference(num_heads, num_kv_heads, head_dim,
         rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
         positions = torch.arange(chunk.seq_len - chunk.query_len, chunk.seq_len)
         own_slots = chunk.block_table[positions // block_size] * block_size + positions % block_size
-        own_keys, own_values = (kv_cache[i].view(-1, num_kv_heads, head_dim)[own_slots] for i in (0, 1))  # a fresh chunk's
+        own_keys, own_values = (kv_cache[i].view(-1, num_kv_heads, head_dim)[own_slots].float() for i in (0, 1))  # a fresh chunk's
         expected = prefill_attention(query[rows], own_keys, own_values, kv_cache, chunk)
         torch.testing.assert_close(out[rows], expected, atol=2e-5, rtol=1e-4)
     assert torch.equal(out[:num_decodes], torch.full((num_decodes, num_heads, head_dim), 7.0))
@@ -229,7 +240,8 @@ def test_cpu_prefill_kernel_names_a_chunk_outside_its_table():
                                         one * 10, one * 40, 1.0, out)
 
 
-def test_attention_layer_routes_every_chunk_once(monkeypatch):
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
+def test_attention_layer_routes_every_chunk_once(monkeypatch, cache_dtype):
     """One step with decodes, short and long fresh prompts, short and long chunks after context: the layer with the
     kernels gives what the plain-torch path gives for every row (no chunk skipped or done twice)."""
     torch.manual_seed(0)
@@ -252,8 +264,9 @@ def test_attention_layer_routes_every_chunk_once(monkeypatch):
                              paged_prefills=PagedPrefills.for_kernel(prefills, torch.device("cpu")))
     fill_decode_metadata(meta, decode_tables, decode_lens, block_size, torch.device("cpu"))
     query = torch.randn(start, num_heads, head_dim)
-    key, value = torch.randn(2, start, num_kv_heads, head_dim)
+    # K/V the cache dtype holds exactly: the kernels read a fresh chunk's K/V back from the cache, torch takes them as given
+    key, value = torch.randn(2, start, num_kv_heads, head_dim).to(cache_dtype).float()
     layer = Attention(num_heads, head_dim, num_kv_heads)
-    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim)
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim).to(cache_dtype)
     expected = reference(monkeypatch, lambda: layer(query, key, value, cache.clone(), meta))
     torch.testing.assert_close(layer(query, key, value, cache.clone(), meta), expected, atol=2e-5, rtol=1e-4)

@@ -67,6 +67,28 @@ def test_half_precision_dtypes_run_and_stay_close_to_float32(dtype, tiny_models)
     assert [pos[tok].logprob for tok, pos in zip(out.token_ids, out.logprobs)] == pytest.approx(reference, abs=0.15)
 
 
+@pytest.mark.parametrize("kv_cache_dtype,tolerance", [("bfloat16", 0.1), ("float16", 0.01)])
+def test_16bit_kv_cache_holds_twice_the_tokens_and_keeps_the_model(kv_cache_dtype, tolerance, default_llm, default_model_dir, tokenizer):
+    """kv_cache_dtype rounds only the cached K/V: every greedy pick is still transformers' (float32)
+    most likely token, its logprob is close to transformers', and the same memory holds twice the blocks."""
+    import torch
+
+    memory = 64 * 1024**2
+    llm = LLM(kv_cache_dtype=kv_cache_dtype, max_model_len=512, kv_cache_memory=memory)
+    worker = llm.llm_engine.engine_core.worker
+    assert worker.kv_caches[0].dtype == getattr(torch, kv_cache_dtype)
+    float32_blocks_per_byte = default_llm.llm_engine.engine_core.worker.num_blocks / (512 * 1024**2)
+    assert worker.num_blocks == pytest.approx(2 * float32_blocks_per_byte * memory, abs=1)
+    outputs = llm.generate(PROMPTS, greedy(32, logprobs=1), use_tqdm=False)
+    for prompt, output in zip(PROMPTS, outputs):
+        prompt_ids, ours = tokenizer(prompt).input_ids, output.outputs[0]
+        reference, full = hf_token_logprobs(default_model_dir, prompt_ids, ours.token_ids)
+        start = len(prompt_ids) - 1
+        for step, (token_id, position) in enumerate(zip(ours.token_ids, ours.logprobs)):
+            assert position[token_id].logprob == pytest.approx(reference[step], abs=tolerance)
+            assert full[start + step].max().item() - reference[step] <= tolerance  # transformers' own pick, or a near tie
+
+
 def test_default_model_runs_on_its_gguf_blocks(default_llm):
     from pagedserve.layers.linear import Linear
 

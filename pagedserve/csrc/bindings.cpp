@@ -3,10 +3,10 @@
 #include "ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged attention for decodes (CPU, float32)");
+  m.def("paged_decode_attention", &paged_decode_attention, "paged attention for decodes (CPU; float32 queries, float32/bfloat16/float16 cache)");
   m.def("paged_prefill_attention", &paged_prefill_attention,
-        "causal paged attention for prefill chunks, after context or not (CPU, float32), into out");
-  m.def("write_kv_cache", &write_kv_cache, "store new tokens' K/V at their cache slots (CPU, float32)");
+        "causal paged attention for prefill chunks, after context or not (CPU; float32 queries, 16- or 32-bit cache), into out");
+  m.def("write_kv_cache", &write_kv_cache, "store new tokens' float32 K/V at their cache slots (CPU; float32/bfloat16/float16 cache)");
   m.def("rms_norm", &rms_norm, "RMSNorm of the last dimension");
   m.def("add_rms_norm", &add_rms_norm, "(RMSNorm(x + residual), x + residual)");
   m.def("silu_and_mul", &silu_and_mul, "silu(first half) * second half of the last dimension");

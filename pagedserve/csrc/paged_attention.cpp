@@ -8,6 +8,11 @@
 // and V of a block are read together and no per-position score buffer outlives the block. The
 // sequences are split between threads by context length, so one long sequence does not leave a
 // thread idle behind many short ones.
+//
+// The cache may store float32, bfloat16 or float16 (kv_cache_dtype): the kernels compute in float32
+// and widen what they read (a block for a decode, a key or value row for a prefill tile) into a
+// small float scratch that stays in L1, so the scoring and accumulating code is one for every
+// storage type and a 16-bit cache halves the bytes streamed from memory.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -18,6 +23,7 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 #include "ops.h"
@@ -29,6 +35,53 @@
 namespace {
 
 constexpr int64_t kMaxBlockSize = 256;
+
+// dst[i] = float(src[i]): bfloat16 is the high half of a float32, float16 widens by F16C.
+inline void widen(const c10::BFloat16* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX2__)
+  for (; i + 8 <= n; i += 8) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+inline void widen(const c10::Half* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// n values of the cache as float32: the cache's own memory when it stores float32, else widened into scratch.
+template <typename T>
+inline const float* as_float(const T* src, int64_t n, float* scratch) {
+  if constexpr (std::is_same_v<T, float>) {
+    return src;
+  } else {
+    widen(src, scratch, n);
+    return scratch;
+  }
+}
+
+// Calls f(T{}) with T the element type the KV cache stores.
+template <typename F>
+void dispatch_cache_type(const at::Tensor& cache, const F& f) {
+  switch (cache.scalar_type()) {
+    case at::kFloat: return f(float{});
+    case at::kBFloat16: return f(c10::BFloat16{});
+    case at::kHalf: return f(c10::Half{});
+    default: TORCH_CHECK(false, "KV cache must be float32, bfloat16 or float16, got ", cache.scalar_type());
+  }
+}
+
+void check_caches(const at::Tensor& key_cache, const at::Tensor& value_cache) {
+  TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type(), "key and value caches must share a dtype");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "contiguous caches only");
+}
 
 inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
 #if defined(__AVX2__) && defined(__FMA__)
@@ -109,10 +162,10 @@ struct AttentionShape {
 };
 
 struct SequenceScratch {
-  std::vector<float> q, acc, scores, running_max, running_sum;
+  std::vector<float> q, acc, scores, running_max, running_sum, k_block, v_block;  // k/v_block: a widened 16-bit block
   explicit SequenceScratch(const AttentionShape& s)
       : q(s.num_heads * s.head_dim), acc(s.num_heads * s.head_dim), scores(s.num_heads * s.block_size),
-        running_max(s.num_heads), running_sum(s.num_heads) {}
+        running_max(s.num_heads), running_sum(s.num_heads), k_block(s.block_stride), v_block(s.block_stride) {}
 };
 
 // Folds the n scores of one block (already q.k * scale) into a query row's running softmax and
@@ -141,7 +194,8 @@ void attend_block(const AttentionShape& s, const float* k_block, const float* v_
 }
 
 // out[h] = softmax(q[h] . K^T * scale) V over the len tokens in the blocks of table, for every head h.
-void attend_sequence(const AttentionShape& s, const float* q_in, const float* k_cache, const float* v_cache, const int64_t* table,
+template <typename T>
+void attend_sequence(const AttentionShape& s, const float* q_in, const T* k_cache, const T* v_cache, const int64_t* table,
                      int64_t len, float* out, SequenceScratch& w) {
   const int64_t qdim = s.num_heads * s.head_dim;
   for (int64_t i = 0; i < qdim; ++i) w.q[i] = q_in[i] * s.scale;
@@ -149,9 +203,11 @@ void attend_sequence(const AttentionShape& s, const float* q_in, const float* k_
   std::fill(w.running_max.begin(), w.running_max.end(), -std::numeric_limits<float>::infinity());
   std::fill(w.running_sum.begin(), w.running_sum.end(), 0.f);
   const int64_t num_blocks = (len + s.block_size - 1) / s.block_size;
-  for (int64_t b = 0; b < num_blocks; ++b)
-    attend_block(s, k_cache + table[b] * s.block_stride, v_cache + table[b] * s.block_stride,
-                 std::min(s.block_size, len - b * s.block_size), w);
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t n = std::min(s.block_size, len - b * s.block_size);
+    attend_block(s, as_float(k_cache + table[b] * s.block_stride, n * s.row_stride, w.k_block.data()),
+                 as_float(v_cache + table[b] * s.block_stride, n * s.row_stride, w.v_block.data()), n, w);
+  }
   for (int64_t h = 0; h < s.num_heads; ++h) {
     const float inv = 1.f / w.running_sum[h];
     for (int64_t d = 0; d < s.head_dim; ++d) out[h * s.head_dim + d] = w.acc[h * s.head_dim + d] * inv;
@@ -194,11 +250,12 @@ inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 // compute on zeros and are not read).
 struct TileScratch {
   std::vector<float> q_t, scores_t, acc, running_max, running_sum, rescale;
-  std::vector<const float*> keys, values;  // the span's K and V rows of the task's KV head, in the cache
+  std::vector<const float*> keys, values;  // the span's K and V rows of the task's KV head: in the cache, or widened below
+  std::vector<float> key_rows, value_rows;  // a 16-bit cache's span, widened
   TileScratch(int64_t max_rows, int64_t head_dim, int64_t span)
       : q_t(head_dim * round_up(max_rows, kLanes)), scores_t(span * round_up(max_rows, kLanes)), acc(max_rows * head_dim),
         running_max(round_up(max_rows, kLanes)), running_sum(round_up(max_rows, kLanes)), rescale(round_up(max_rows, kLanes)),
-        keys(span), values(span) {}
+        keys(span), values(span), key_rows(span * head_dim), value_rows(span * head_dim) {}
 };
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -315,7 +372,8 @@ struct ChunkView {
 };
 
 // One task: the tile's rows attend causally to keys [0, context_len + first + count) of the sequence.
-void attend_tile(const AttentionShape& s, const ChunkView& c, const PrefillTask& task, const float* k_cache, const float* v_cache,
+template <typename T>
+void attend_tile(const AttentionShape& s, const ChunkView& c, const PrefillTask& task, const T* k_cache, const T* v_cache,
                  int64_t span, TileScratch& w) {
   const int64_t D = s.head_dim, rows = task.count * s.group, padded = round_up(rows, kLanes);
   std::fill(w.q_t.begin(), w.q_t.begin() + D * padded, 0.f);
@@ -332,8 +390,8 @@ void attend_tile(const AttentionShape& s, const ChunkView& c, const PrefillTask&
     for (int64_t i = 0; i < n; ++i) {
       const int64_t key = span_start + i;
       const int64_t offset = c.table[key / s.block_size] * s.block_stride + (key % s.block_size) * s.row_stride + task.kv_head * D;
-      w.keys[i] = k_cache + offset;
-      w.values[i] = v_cache + offset;
+      w.keys[i] = as_float(k_cache + offset, D, w.key_rows.data() + i * D);
+      w.values[i] = as_float(v_cache + offset, D, w.value_rows.data() + i * D);
     }
     span_scores(w.q_t.data(), padded, w.keys.data(), n, D, w.scores_t.data());
     for (int64_t i = std::max<int64_t>(0, first_position + 1 - span_start); i < n; ++i)  // causal: hide keys after a row
@@ -355,11 +413,12 @@ void attend_tile(const AttentionShape& s, const ChunkView& c, const PrefillTask&
 }  // namespace
 
 // query [B, H, D]; key_cache/value_cache [num_blocks, block_size, KV, D]; block_tables [B, max_blocks];
-// seq_lens [B]. Returns [B, H, D]. All float32 (int64 for tables and lengths), contiguous.
+// seq_lens [B]. Returns [B, H, D]. Query and result float32, the caches float32, bfloat16 or float16
+// (int64 tables and lengths), all contiguous.
 at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache, at::Tensor block_tables,
                                   at::Tensor seq_lens, double scale) {
-  TORCH_CHECK(query.dtype() == at::kFloat && key_cache.dtype() == at::kFloat, "float32 only");
-  TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous(), "contiguous tensors only");
+  TORCH_CHECK(query.dtype() == at::kFloat && query.is_contiguous(), "query must be contiguous float32");
+  check_caches(key_cache, value_cache);
   const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   TORCH_CHECK(block_size <= kMaxBlockSize, "block_size must be <= ", kMaxBlockSize);
@@ -369,8 +428,6 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Te
   auto tables = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
   const float* q_ptr = query.data_ptr<float>();
-  const float* k_ptr = key_cache.data_ptr<float>();
-  const float* v_ptr = value_cache.data_ptr<float>();
   const int64_t* table_ptr = tables.data_ptr<int64_t>();
   const int64_t* len_ptr = lens.data_ptr<int64_t>();
   float* out_ptr = out.data_ptr<float>();
@@ -380,12 +437,17 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Te
 
   const AttentionShape shape{num_heads, group, head_dim, block_size, row_stride, block_stride, fscale};
   const std::vector<int64_t> bounds = split_by_cost(len_ptr, num_seqs, std::min<int64_t>(at::get_num_threads(), num_seqs));
-  at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t begin, int64_t end) {
-    SequenceScratch scratch(shape);
-    for (int64_t part = begin; part < end; ++part)
-      for (int64_t seq = bounds[part]; seq < bounds[part + 1]; ++seq)
-        attend_sequence(shape, q_ptr + seq * num_heads * head_dim, k_ptr, v_ptr, table_ptr + seq * max_blocks, len_ptr[seq],
-                        out_ptr + seq * num_heads * head_dim, scratch);
+  dispatch_cache_type(key_cache, [&](auto element) {
+    using T = decltype(element);
+    const T* k_ptr = key_cache.data_ptr<T>();
+    const T* v_ptr = value_cache.data_ptr<T>();
+    at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t begin, int64_t end) {
+      SequenceScratch scratch(shape);
+      for (int64_t part = begin; part < end; ++part)
+        for (int64_t seq = bounds[part]; seq < bounds[part + 1]; ++seq)
+          attend_sequence(shape, q_ptr + seq * num_heads * head_dim, k_ptr, v_ptr, table_ptr + seq * max_blocks, len_ptr[seq],
+                          out_ptr + seq * num_heads * head_dim, scratch);
+    });
   });
   return out;
 }
@@ -398,9 +460,10 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Te
 void paged_prefill_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                              const at::Tensor& block_tables, const at::Tensor& query_starts, const at::Tensor& query_lens,
                              const at::Tensor& seq_lens, double scale, at::Tensor out) {
-  TORCH_CHECK(query.dtype() == at::kFloat && key_cache.dtype() == at::kFloat && out.dtype() == at::kFloat, "float32 only");
+  TORCH_CHECK(query.dtype() == at::kFloat && out.dtype() == at::kFloat, "query and out must be float32");
   TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2), "query rows must be contiguous");
-  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && out.is_contiguous(), "contiguous caches and out only");
+  TORCH_CHECK(out.is_contiguous(), "out must be contiguous");
+  check_caches(key_cache, value_cache);
   TORCH_CHECK(out.sizes() == query.sizes(), "out must have query's shape");
   const int64_t num_heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
@@ -427,33 +490,36 @@ void paged_prefill_attention(const at::Tensor& query, const at::Tensor& key_cach
       }
   }
   const float* q_ptr = query.data_ptr<float>();
-  const float* k_ptr = key_cache.data_ptr<float>();
-  const float* v_ptr = value_cache.data_ptr<float>();
   const int64_t* table_ptr = tables.data_ptr<int64_t>();
   float* out_ptr = out.data_ptr<float>();
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
   const std::vector<int64_t> bounds = split_by_cost(costs.data(), num_tasks, std::min<int64_t>(at::get_num_threads(), num_tasks));
-  at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t begin, int64_t end) {
-    const int64_t span = std::max(kKeySpan, block_size);
-    TileScratch scratch(kQueryTile * group, head_dim, span);
-    for (int64_t part = begin; part < end; ++part)
-      for (int64_t i = bounds[part]; i < bounds[part + 1]; ++i) {
-        const int64_t c = tasks[i].chunk;
-        const ChunkView view{q_ptr + start_ptr[c] * query.stride(0), query.stride(0), out_ptr + start_ptr[c] * num_heads * head_dim,
-                             table_ptr + c * max_blocks, len_ptr[c] - qlen_ptr[c]};
-        attend_tile(shape, view, tasks[i], k_ptr, v_ptr, span, scratch);
-      }
+  dispatch_cache_type(key_cache, [&](auto element) {
+    using T = decltype(element);
+    const T* k_ptr = key_cache.data_ptr<T>();
+    const T* v_ptr = value_cache.data_ptr<T>();
+    at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t begin, int64_t end) {
+      const int64_t span = std::max(kKeySpan, block_size);
+      TileScratch scratch(kQueryTile * group, head_dim, span);
+      for (int64_t part = begin; part < end; ++part)
+        for (int64_t i = bounds[part]; i < bounds[part + 1]; ++i) {
+          const int64_t c = tasks[i].chunk;
+          const ChunkView view{q_ptr + start_ptr[c] * query.stride(0), query.stride(0), out_ptr + start_ptr[c] * num_heads * head_dim,
+                               table_ptr + c * max_blocks, len_ptr[c] - qlen_ptr[c]};
+          attend_tile(shape, view, tasks[i], k_ptr, v_ptr, span, scratch);
+        }
+    });
   });
 }
 
 // key/value [T, KV, D] (any token and head strides, rows contiguous) -> key_cache/value_cache
 // [num_blocks, block_size, KV, D] at the flat slots of slot_mapping [T]. index_copy_ takes ~100 us a
-// call for a decode batch (a generic strided loop); this is a copy of T rows.
+// call for a decode batch (a generic strided loop); this is a copy of T rows, rounded to nearest even
+// (as torch's .to()) when the cache stores bfloat16 or float16.
 void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache, at::Tensor value_cache,
                     const at::Tensor& slot_mapping) {
-  TORCH_CHECK(key.scalar_type() == at::kFloat && value.scalar_type() == at::kFloat && key_cache.scalar_type() == at::kFloat &&
-                  value_cache.scalar_type() == at::kFloat, "float32 only");
-  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(key.scalar_type() == at::kFloat && value.scalar_type() == at::kFloat, "key and value must be float32");
+  check_caches(key_cache, value_cache);
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "key/value rows must be contiguous");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "slot_mapping must be contiguous int64");
   const int64_t num_tokens = key.size(0), num_kv_heads = key.size(1), head_dim = key.size(2);
@@ -467,13 +533,22 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor k
   }
   const int64_t row = num_kv_heads * head_dim;
   const at::Tensor sources[2] = {key, value};
-  float* caches[2] = {key_cache.data_ptr<float>(), value_cache.data_ptr<float>()};
-  for (int which = 0; which < 2; ++which) {
-    const at::Tensor& src = sources[which];
-    const float* src_ptr = src.data_ptr<float>();
-    for (int64_t t = 0; t < num_tokens; ++t)
-      for (int64_t h = 0; h < num_kv_heads; ++h)
-        std::memcpy(caches[which] + slots[t] * row + h * head_dim, src_ptr + t * src.stride(0) + h * src.stride(1),
-                    head_dim * sizeof(float));
-  }
+  const at::Tensor caches[2] = {key_cache, value_cache};
+  dispatch_cache_type(key_cache, [&](auto element) {
+    using T = decltype(element);
+    for (int which = 0; which < 2; ++which) {
+      const at::Tensor& src = sources[which];
+      const float* src_ptr = src.data_ptr<float>();
+      T* cache = caches[which].data_ptr<T>();
+      for (int64_t t = 0; t < num_tokens; ++t)
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+          const float* from = src_ptr + t * src.stride(0) + h * src.stride(1);
+          T* to = cache + slots[t] * row + h * head_dim;
+          if constexpr (std::is_same_v<T, float>)
+            std::memcpy(to, from, head_dim * sizeof(float));
+          else
+            at::vec::convert(from, to, head_dim);
+        }
+    }
+  });
 }

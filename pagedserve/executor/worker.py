@@ -20,7 +20,8 @@ from pagedserve.models.loader import load_hf_config, load_model, max_position_of
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16}
+# numpy has no bfloat16: its zeros come as uint16 (same bytes) and are viewed as bfloat16.
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.uint16}
 
 
 def resolve_device(config: EngineConfig) -> torch.device:
@@ -35,6 +36,10 @@ def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     return _DTYPES[config.dtype]
 
 
+def resolve_kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
+    return model_dtype if config.kv_cache_dtype == "auto" else _DTYPES[config.kv_cache_dtype]
+
+
 class Worker:
     def __init__(self, config: EngineConfig) -> None:
         if config.num_threads is not None:
@@ -42,6 +47,7 @@ class Worker:
         self.config = config
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config, self.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config, self.dtype)
         self.model_dir = resolve_model_dir(config.model)
         self.hf_config = load_hf_config(self.model_dir)
         model_max_len = max_position_of(self.hf_config)
@@ -60,8 +66,8 @@ class Worker:
         self.kv_caches = self._allocate_kv_caches()
         self.model_runner = ModelRunner(self.model, self.kv_caches, config.block_size, self.device, config.seed)
         logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens); max concurrency at max_model_len=%d: %.2fx",
-            self.num_blocks, config.block_size, self.num_blocks * config.block_size,
+            "KV cache: %d blocks of %d tokens (%d tokens, %s); max concurrency at max_model_len=%d: %.2fx",
+            self.num_blocks, config.block_size, self.num_blocks * config.block_size, str(self.kv_cache_dtype).removeprefix("torch."),
             self.max_model_len, self.num_blocks * config.block_size / self.max_model_len,
         )
 
@@ -74,7 +80,7 @@ class Worker:
 
     def _kv_bytes_per_block(self) -> int:
         cfg = self.hf_config
-        per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim_of(cfg) * self.dtype.itemsize
+        per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim_of(cfg) * self.kv_cache_dtype.itemsize
         return per_token * self.config.block_size
 
     def _num_kv_blocks(self) -> int:
@@ -105,12 +111,12 @@ class Worker:
     def _allocate_kv_caches(self) -> list[torch.Tensor]:
         cfg = self.hf_config
         shape = (2, self.num_blocks, self.config.block_size, cfg.num_key_value_heads, head_dim_of(cfg))
-        return [zeroed(shape, self.dtype, self.device) for _ in range(cfg.num_hidden_layers)]
+        return [zeroed(shape, self.kv_cache_dtype, self.device) for _ in range(cfg.num_hidden_layers)]
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Zeros. On CPU they come from calloc: the OS hands out zero pages when first touched, so a
     cache of gigabytes costs nothing at start-up (torch.zeros would write every byte)."""
     if device.type == "cpu" and dtype in _NUMPY_DTYPES:
-        return torch.from_numpy(np.zeros(shape, dtype=_NUMPY_DTYPES[dtype]))
+        return torch.from_numpy(np.zeros(shape, dtype=_NUMPY_DTYPES[dtype])).view(dtype)
     return torch.zeros(shape, dtype=dtype, device=device)

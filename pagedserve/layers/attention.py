@@ -108,7 +108,7 @@ class Attention(nn.Module):
         num_decodes = meta.num_decode_tokens
         if num_decodes:
             out[:num_decodes] = decode_attention(query[:num_decodes], kv_cache, meta)
-        kernels = cpu_kernels.for_tensor(kv_cache)
+        kernels = cpu_kernels.for_kv_cache(kv_cache)
         torch_chunks = meta.prefills
         if kernels is not None and meta.paged_prefills is not None and query.dtype == torch.float32:
             paged = meta.paged_prefills
@@ -122,7 +122,7 @@ class Attention(nn.Module):
 
 
 def write_kv_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    kernels = cpu_kernels.for_tensor(kv_cache)
+    kernels = cpu_kernels.for_kv_cache(kv_cache)
     if kernels is not None and key.dtype == torch.float32:
         kernels.write_kv_cache(key, value, kv_cache[0], kv_cache[1], slot_mapping)
         return
@@ -131,8 +131,8 @@ def write_kv_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
 def reference_write_kv_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
 
 
 def gather_sequence_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int):
@@ -143,7 +143,7 @@ def gather_sequence_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_le
 
 
 def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    kernels = cpu_kernels.for_tensor(kv_cache)
+    kernels = cpu_kernels.for_kv_cache(kv_cache)
     if kernels is not None and query.dtype == torch.float32:
         return kernels.paged_decode_attention(query.contiguous(), kv_cache[0], kv_cache[1], meta.decode_block_tables,
                                               meta.decode_seq_lens, query.shape[-1] ** -0.5)
@@ -153,7 +153,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attentio
 def reference_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     """Plain torch: gather each sequence's blocks, then one batched, masked SDPA. The oracle for kernels."""
     num_decodes = query.shape[0]
-    blocks = kv_cache[:, meta.decode_block_tables]  # [2, B, max_blocks, bs, KV, D]
+    blocks = kv_cache[:, meta.decode_block_tables].to(query.dtype)  # [2, B, max_blocks, bs, KV, D]
     keys = blocks[0].flatten(1, 2).transpose(1, 2)  # [B, KV, L, D]
     values = blocks[1].flatten(1, 2).transpose(1, 2)
     q = query.unsqueeze(2)  # [B, H, 1, D]
@@ -168,7 +168,7 @@ def prefill_attention(query, key, value, kv_cache: torch.Tensor, chunk: PrefillC
     if context_len == 0:
         keys, values, mask, causal = key, value, None, True
     else:
-        keys, values = gather_sequence_kv(kv_cache, chunk.block_table, chunk.seq_len)
+        keys, values = (kv.to(query.dtype) for kv in gather_sequence_kv(kv_cache, chunk.block_table, chunk.seq_len))
         query_positions = torch.arange(context_len, chunk.seq_len, device=query.device)
         key_positions = torch.arange(chunk.seq_len, device=query.device)
         mask, causal = key_positions[None, :] <= query_positions[:, None], False

@@ -31,6 +31,13 @@ def for_tensor(tensor: torch.Tensor):
     return load()
 
 
+def for_kv_cache(kv_cache: torch.Tensor):
+    """The kernels, when they apply to this KV cache (float32, bfloat16 or float16 on CPU) and are available; else None."""
+    if kv_cache.device.type != "cpu" or kv_cache.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return None
+    return load()
+
+
 @lru_cache(maxsize=1)
 def load():
     """The compiled module, or None when unavailable or disabled."""
