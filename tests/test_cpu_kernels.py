@@ -42,7 +42,8 @@ CACHE_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
     "num_heads,num_kv_heads,head_dim,block_size,seq_lens",
     [(9, 3, 64, 16, [1, 17, 40, 16, 100]), (4, 4, 16, 16, [3, 33]), (8, 2, 32, 8, [5] * 12), (6, 2, 24, 16, [700]),
      (9, 3, 64, 32, [2, 64, 65, 300] * 4),
-     (9, 3, 64, 16, [1000, 1, 2, 3])],  # one long sequence: the threads' shares are split by context length
+     (9, 3, 64, 16, [1000, 1, 2, 3]),  # one long sequence: the threads' shares are split by context length
+     (4, 2, 64, 16, [7, 50]), (10, 2, 32, 16, [19, 3])],  # query heads per KV head taken 3 at a time: runs of 2, of 3 + 2
 )
 def test_cpu_decode_kernel_matches_reference(num_heads, num_kv_heads, head_dim, block_size, seq_lens, cache_dtype):
     kernels = built_kernels()
