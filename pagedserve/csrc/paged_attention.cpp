@@ -83,6 +83,14 @@ void check_caches(const at::Tensor& key_cache, const at::Tensor& value_cache) {
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "contiguous caches only");
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+inline float sum_lanes(__m256 a) {
+  __m128 r = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+  return _mm_cvtss_f32(_mm_add_ss(r, _mm_shuffle_ps(r, r, 1)));
+}
+#endif
+
 inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
 #if defined(__AVX2__) && defined(__FMA__)
   if (n % 16 == 0) {
@@ -91,11 +99,7 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t n
       s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
       s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
     }
-    const __m256 s = _mm256_add_ps(s0, s1);
-    __m128 r = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-    r = _mm_add_ss(r, _mm_shuffle_ps(r, r, 1));
-    return _mm_cvtss_f32(r);
+    return sum_lanes(_mm256_add_ps(s0, s1));
   }
 #endif
   float sum = 0.f;
@@ -234,12 +238,6 @@ inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128
 inline __m128 sum_lanes4(__m256 a, __m256 b, __m256 c, __m256 d) {
   const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
   return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
-}
-
-inline float sum_lanes(__m256 a) {
-  __m128 r = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-  return _mm_cvtss_f32(_mm_add_ss(r, _mm_shuffle_ps(r, r, 1)));
 }
 
 // scores[h * stride + i] = q[h] . keys[i] for NH query heads (q rows of dim floats) and NK keys (NK = 4 or 1).
