@@ -27,6 +27,11 @@ class EngineConfig:
         metadata={"help": "what the KV cache stores: auto (the model's dtype), float32, bfloat16 or float16; a 16-bit cache "
                   "holds twice the tokens and halves the bytes attention reads, at the cost of rounding K/V"},
     )
+    prefault_kv_cache: bool = field(
+        default=True,
+        metadata={"help": "on CPU, map the KV cache's pages in a background thread at idle priority, so requests do not pay "
+                  "first-touch page faults; off: pages are mapped as K/V are first written"},
+    )
     gpu_memory_utilization: float = field(default=0.9, metadata={"help": "fraction of GPU memory the engine may use (CUDA)"})
     num_gpu_blocks_override: int | None = field(default=None, metadata={"help": "force the number of KV blocks (testing)"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse KV blocks of shared prefixes"})

@@ -26,6 +26,7 @@ def test_long_prefills_reuse_freed_host_memory(default_llm):
 
     from pagedserve import SamplingParams
 
+    default_llm.llm_engine.engine_core.kv_prefault.join(timeout=120)  # its page mapping counts as faults of this process
     rng = random.Random(0)
     faulted_mb = []
     for _ in range(3):
@@ -34,3 +35,71 @@ def test_long_prefills_reuse_freed_host_memory(default_llm):
         default_llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1), use_tqdm=False)
         faulted_mb.append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) * 4096 / 2**20)
     assert sum(faulted_mb[1:]) < 100, faulted_mb
+
+
+def resident_fraction(tensor: torch.Tensor) -> float:
+    """Share of the tensor's whole pages that are mapped in (mincore)."""
+    import ctypes
+    import mmap
+
+    page = mmap.PAGESIZE
+    start = -(-tensor.data_ptr() // page) * page
+    end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // page * page
+    pages = (end - start) // page
+    residency = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(end - start), residency) == 0
+    return sum(byte & 1 for byte in residency) / pages
+
+
+def fresh_pages(shape, dtype=torch.float32) -> torch.Tensor:
+    """A tensor on an anonymous mapping of its own: no page mapped in yet, whatever malloc holds."""
+    import mmap
+
+    size = int(torch.Size(shape).numel()) * dtype.itemsize
+    mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    tensor = torch.frombuffer(mapping, dtype=dtype).view(shape)
+    tensor.mapping = mapping  # kept alive with the tensor
+    return tensor
+
+
+def test_prefault_maps_every_page_only_when_allowed_and_keeps_contents():
+    import threading
+    import time
+
+    from pagedserve.executor.kv_prefault import prefault_in_background
+
+    caches = [fresh_pages((2, 300, 16, 2, 64)) for _ in range(3)]  # 300 blocks of 8 KB per K or V
+    caches[1][1, 7].fill_(3.0)  # K/V an engine wrote before the thread reached them
+    assert max(resident_fraction(cache) for cache in caches) < 0.05
+    allowed = threading.Event()
+    thread = prefault_in_background(caches, may_run=allowed.is_set)
+    time.sleep(0.3)
+    assert max(resident_fraction(cache) for cache in caches) < 0.05  # the engine is busy: nothing mapped
+    allowed.set()
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert all(resident_fraction(cache) == 1.0 for cache in caches)
+    assert caches[1][1, 7].eq(3.0).all() and caches[1].sum().item() == 3.0 * 16 * 2 * 64 and not caches[0].any()
+
+
+@pytest.mark.parametrize("prefault", [True, False])
+def test_engine_maps_its_kv_cache_when_idle(prefault, tiny_models):
+    """With prefault_kv_cache (the default) the engine maps every page of its cache once it is idle;
+    outputs are unchanged. Without it no thread runs."""
+    from conftest import greedy, hf_greedy
+
+    from pagedserve import LLM
+
+    model_dir = tiny_models["llama"]
+    llm = LLM(str(model_dir), kv_cache_memory=64 * 1024**2, prefault_kv_cache=prefault)
+    core = llm.llm_engine.engine_core
+    prompts = [[1, 400, 500, 600, 700], list(range(100, 140))]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(16), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(model_dir, prompts, 16)
+    if not prefault:
+        assert core.kv_prefault is None
+        return
+    core.kv_prefault.join(timeout=120)
+    assert not core.kv_prefault.is_alive()
+    assert all(resident_fraction(cache) == 1.0 for cache in core.worker.kv_caches)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.interface import EngineCoreOutput, EngineCoreRequest
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.scheduler import Scheduler
+from pagedserve.executor.kv_prefault import prefault_in_background
 from pagedserve.executor.worker import Worker
 from pagedserve.request import Request
 
@@ -29,6 +31,10 @@ class EngineCore:
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             policy=config.scheduling_policy,
         )
+        self.kv_prefault = None  # the thread mapping the KV cache's pages, while it runs
+        if config.prefault_kv_cache and self.worker.device.type == "cpu":
+            is_idle = weakref.WeakMethod(self.is_idle)  # the thread must not keep a dropped engine alive
+            self.kv_prefault = prefault_in_background(self.worker.kv_caches, may_run=lambda: (idle := is_idle()) is None or idle())
         logger.info("engine core ready in %.1f s", time.monotonic() - start)
 
     @property
@@ -49,6 +55,10 @@ class EngineCore:
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids)
+
+    def is_idle(self) -> bool:
+        """No request waiting or running (finished ones may still await collection)."""
+        return not self.scheduler.has_unfinished_requests()
 
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self.scheduler.finished_req_ids)
