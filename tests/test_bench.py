@@ -29,6 +29,8 @@ def test_throughput_with_baseline_and_ceiling(tmp_path, tiny_models):
     # The second ceiling decodes after the workload's mean context: 20 prompt tokens + half of 7 output.
     assert record["ceiling"]["decode_context"] == 24 and record["fraction_of_ceiling_in_context"] > 0
     assert "after 24 tokens of context" in stdout
+    # The runs start once the idle engine has mapped its KV cache (a thread that is then finished).
+    assert record["kv_cache_mapping_s"] >= 0 and "KV cache mapping before the runs, s" in stdout
 
 
 def test_repeats_must_be_positive(tmp_path):
