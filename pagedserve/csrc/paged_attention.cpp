@@ -36,22 +36,21 @@ namespace {
 
 constexpr int64_t kMaxBlockSize = 256;
 
-// dst[i] = float(src[i]): bfloat16 is the high half of a float32, float16 widens by F16C.
-inline void widen(const c10::BFloat16* src, float* dst, int64_t n) {
-  int64_t i = 0;
-#if defined(__AVX2__)
-  for (; i + 8 <= n; i += 8) {
-    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
-    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
-  }
-#endif
-  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+#if defined(__AVX2__) && defined(__F16C__)
+// 8 cache values as float32: bfloat16 is the high half of a float32, float16 widens by F16C.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 }
+inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+#endif
 
-inline void widen(const c10::Half* src, float* dst, int64_t n) {
+// dst[i] = float(src[i]) for n values of a 16-bit cache.
+template <typename T>
+inline void widen(const T* src, float* dst, int64_t n) {
   int64_t i = 0;
-#if defined(__F16C__)
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#if defined(__AVX2__) && defined(__F16C__)
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load8(src + i));
 #endif
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
@@ -227,12 +226,6 @@ void attend_sequence(const AttentionShape& s, const float* q_in, const T* k_cach
 // Values are widened in registers as they are loaded, so a 16-bit cache costs no extra pass. The
 // next block is prefetched while one is computed: blocks are scattered, so the hardware prefetcher
 // stops at each block's end (the kernel ran ~1.5x faster cold with a 16-bit cache, ~5% with float32).
-
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-}
-inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
 // The sums of the eight lanes of a, b, c and d.
 inline __m128 sum_lanes4(__m256 a, __m256 b, __m256 c, __m256 d) {
