@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+from functools import lru_cache
 
 logger = logging.getLogger(__name__)
 
@@ -22,12 +23,19 @@ _M_MMAP_THRESHOLD = -3
 _MMAP_THRESHOLD_MAX = 32 * 1024**2  # glibc's upper bound on 64-bit systems
 
 
+@lru_cache(maxsize=1)
+def libc() -> ctypes.CDLL | None:
+    """The C library (errno kept for ctypes.get_errno), or None where it cannot be loaded."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    except (OSError, TypeError):
+        return None
+
+
 def keep_freed_memory() -> bool:
     """Returns whether glibc took the settings."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"))
-        mallopt = libc.mallopt
-    except (OSError, AttributeError, TypeError):
+    mallopt = getattr(libc(), "mallopt", None)
+    if mallopt is None:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     # c_int: the trim threshold is a size_t inside glibc; the largest int is plenty (2 GiB).

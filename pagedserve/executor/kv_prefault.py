@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import atexit
 import ctypes
-import ctypes.util
 import logging
 import mmap
 import os
@@ -29,6 +28,8 @@ import weakref
 from collections.abc import Callable
 
 import torch
+
+from pagedserve.executor.host_memory import libc
 
 logger = logging.getLogger(__name__)
 
@@ -60,10 +61,8 @@ def _stop_all() -> None:
 
 
 def _madvise():
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-        madvise = libc.madvise
-    except (OSError, AttributeError, TypeError):
+    madvise = getattr(libc(), "madvise", None)
+    if madvise is None:
         return None
     madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
     return madvise
