@@ -42,13 +42,14 @@ def resident_fraction(tensor: torch.Tensor) -> float:
     import ctypes
     import mmap
 
+    from pagedserve.executor.host_memory import libc
+
     page = mmap.PAGESIZE
     start = -(-tensor.data_ptr() // page) * page
     end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // page * page
     pages = (end - start) // page
     residency = (ctypes.c_ubyte * pages)()
-    libc = ctypes.CDLL(None, use_errno=True)
-    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(end - start), residency) == 0
+    assert libc().mincore(ctypes.c_void_p(start), ctypes.c_size_t(end - start), residency) == 0
     return sum(byte & 1 for byte in residency) / pages
 
 
