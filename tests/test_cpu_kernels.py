@@ -79,6 +79,29 @@ def test_rms_norm_kernels_match_reference(monkeypatch, num_tokens):
     torch.testing.assert_close(head_norm(q), reference(monkeypatch, lambda: head_norm(q)), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("width", [1, 13, 64, 49152])
+def test_argmax_kernel_is_torch_argmax(width):
+    """Greedy sampling's argmax: the same index as torch.argmax, for ties (the first), -inf, +inf,
+    signed zeros and NaN (the first NaN wins, as in torch), in full vectors and in the tail."""
+    kernels = built_kernels()
+    torch.manual_seed(width)
+    rows = torch.randn(10, width)
+    rows[1] = float("-inf")
+    rows[2, width // 2 :] = rows[2].max() + 1  # a tie from the middle on: the first one
+    rows[3, -1] = float("inf")
+    rows[4] = 0.0
+    rows[4, width // 3] = -0.0
+    rows[5, width - 1] = float("nan")
+    rows[6, width // 2] = float("nan")
+    rows[6, 0] = float("inf")
+    rows[7, width // 4] = float("nan")
+    rows[7, width - 1] = float("nan")
+    rows[8] = float("-inf")
+    rows[8, width - 1] = -1e30
+    assert torch.equal(kernels.argmax_rows(rows), rows.argmax(dim=-1))
+    assert kernels.argmax_rows(rows[:0]).shape == (0,)
+
+
 @pytest.mark.parametrize("num_tokens", [1, 32, 300])
 def test_silu_and_mul_matches_reference(monkeypatch, num_tokens):
     built_kernels()

@@ -1,5 +1,5 @@
 // Fused element-wise layers for CPU float32: RMSNorm (with the residual add), SiLU-and-mul and
-// rotary embedding. Each replaces several torch ops; at decode batch sizes the per-op overhead and
+// rotary embedding; and the argmax of logit rows. Each replaces several torch ops; at decode batch sizes the per-op overhead and
 // the extra passes over memory cost more than the arithmetic.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "ops.h"
 
@@ -140,4 +141,38 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor query, at::Tensor 
   }
   rotate_in_place(query, pos, cos_cache.data_ptr<float>(), sin_cache.data_ptr<float>(), head_dim);
   rotate_in_place(key, pos, cos_cache.data_ptr<float>(), sin_cache.data_ptr<float>(), head_dim);
+}
+
+namespace {
+
+// The index torch.argmax gives for one row: the first NaN if there is one, else the first largest value.
+int64_t argmax_row(const float* x, int64_t n) {
+  Vec best(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) best = at::vec::maximum(best, Vec::loadu(x + i));  // NaN-propagating
+  float top = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, best);
+  for (; i < n; ++i) top = std::isnan(x[i]) || x[i] > top ? x[i] : top;
+  if (std::isnan(top)) return std::find_if(x, x + n, [](float v) { return std::isnan(v); }) - x;
+  const Vec target(top);
+  for (i = 0; i + Vec::size() <= n; i += Vec::size())
+    if (Vec::loadu(x + i).eq(target).zero_mask() != (1 << Vec::size()) - 1) break;  // a lane equals the max
+  return std::find(x + i, x + n, top) - x;
+}
+
+}  // namespace
+
+// torch.argmax(x, dim=-1) of a [rows, n] float32 tensor, with its NaN and tie rules: torch's own reduction
+// carries the index along, one value at a time, and took ~1.8 ms for a decode batch of 32 logit rows
+// (49152 wide) against ~0.1 ms for this max-then-find.
+at::Tensor argmax_rows(const at::Tensor& x) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) > 0, "x must be a contiguous [rows, n > 0] tensor");
+  const int64_t rows = x.size(0), n = x.size(1);
+  auto out = at::empty({rows}, x.options().dtype(at::kLong));
+  const float* data = x.data_ptr<float>();
+  int64_t* indices = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) indices[r] = argmax_row(data + r * n, n);
+  });
+  return out;
 }
