@@ -159,6 +159,32 @@ inline float exp_and_sum(float* s, int64_t n, float max) {
   return sum;
 }
 
+// Prefetches the next block (into L2) a few cache lines per call, so its requests are spread over the
+// work on the current block. Issued at once, at the block's start, most of a block's 192 requests
+// found no free miss buffer and came to little: one call at batch 32 over 192-token contexts, float32
+// K/V from memory, 30 layers: 19.2 ms issued at once, 11.5 ms spread (a plain read of the same blocks:
+// 10.7 ms), float16 12.0 -> 8.6 ms (docs/benchmarks.md, eighth session).
+struct SpreadPrefetch {
+  const char* block = nullptr;
+  int64_t bytes = 0, offset = 0, per_call = 0;
+  // The block to fetch, of `block_bytes`, over `calls` calls (more calls are no-ops, fewer leave the rest to finish()).
+  void start(const void* next_block, int64_t block_bytes, int64_t calls) {
+    block = static_cast<const char*>(next_block);
+    bytes = next_block ? block_bytes : 0;
+    offset = 0;
+    per_call = ((block_bytes + calls - 1) / calls + 63) / 64 * 64;
+  }
+  inline void operator()() { fetch_until(std::min(bytes, offset + per_call)); }
+  void finish() { fetch_until(bytes); }
+  inline void fetch_until(int64_t end) {
+#if defined(__AVX2__) && defined(__FMA__)
+    for (; offset < end; offset += 64) _mm_prefetch(block + offset, _MM_HINT_T1);
+#else
+    offset = end;
+#endif
+  }
+};
+
 struct AttentionShape {
   int64_t num_heads, group, head_dim, block_size, row_stride, block_stride;
   float scale;
@@ -184,9 +210,12 @@ inline void fold_scores(float* scores, int64_t n, const float* v_rows, int64_t r
   scale_and_accumulate(acc, rescale, scores, 1, v_rows, n, row_stride, dim);
 }
 
-// Folds one block of n keys/values into every head's running softmax and accumulator.
-void attend_block(const AttentionShape& s, const float* k_block, const float* v_block, int64_t n, SequenceScratch& w) {
+// Folds one block of n keys/values into every head's running softmax and accumulator; step() runs
+// once per key (the next block's prefetches).
+template <typename Step>
+void attend_block(const AttentionShape& s, const float* k_block, const float* v_block, int64_t n, SequenceScratch& w, Step&& step) {
   for (int64_t i = 0; i < n; ++i) {
+    step();
     const float* k_row = k_block + i * s.row_stride;
     for (int64_t h = 0; h < s.num_heads; ++h)
       w.scores[h * s.block_size + i] = dot(w.q.data() + h * s.head_dim, k_row + (h / s.group) * s.head_dim, s.head_dim);
@@ -206,10 +235,19 @@ void attend_sequence(const AttentionShape& s, const float* q_in, const T* k_cach
   std::fill(w.running_max.begin(), w.running_max.end(), -std::numeric_limits<float>::infinity());
   std::fill(w.running_sum.begin(), w.running_sum.end(), 0.f);
   const int64_t num_blocks = (len + s.block_size - 1) / s.block_size;
+  const int64_t block_bytes = s.block_stride * static_cast<int64_t>(sizeof(T));
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t n = std::min(s.block_size, len - b * s.block_size);
+    SpreadPrefetch next_keys, next_values;
+    next_keys.start(b + 1 < num_blocks ? k_cache + table[b + 1] * s.block_stride : nullptr, block_bytes, n);
+    next_values.start(b + 1 < num_blocks ? v_cache + table[b + 1] * s.block_stride : nullptr, block_bytes, n);
     attend_block(s, as_float(k_cache + table[b] * s.block_stride, n * s.row_stride, w.k_block.data()),
-                 as_float(v_cache + table[b] * s.block_stride, n * s.row_stride, w.v_block.data()), n, w);
+                 as_float(v_cache + table[b] * s.block_stride, n * s.row_stride, w.v_block.data()), n, w, [&] {
+                   next_keys();
+                   next_values();
+                 });
+    next_keys.finish();
+    next_values.finish();
   }
   for (int64_t h = 0; h < s.num_heads; ++h) {
     const float inv = 1.f / w.running_sum[h];
@@ -293,29 +331,6 @@ struct DecodeScratch {
   std::vector<float> q, acc, scores, sums;  // scores [num_heads][longest context]
   DecodeScratch(const AttentionShape& s, int64_t max_len)
       : q(s.num_heads * s.head_dim), acc(s.num_heads * s.head_dim), scores(s.num_heads * max_len), sums(s.num_heads) {}
-};
-
-// Prefetches the next block (into L2) a few cache lines per call, so its requests are spread over the
-// work on the current block. Issued at once, at the block's start, most of a block's 192 requests
-// found no free miss buffer and came to little: one call at batch 32 over 192-token contexts, float32
-// K/V from memory, 30 layers: 19.2 ms issued at once, 11.5 ms spread (a plain read of the same blocks:
-// 10.7 ms), float16 12.0 -> 8.6 ms (docs/benchmarks.md, eighth session).
-struct SpreadPrefetch {
-  const char* block = nullptr;
-  int64_t bytes = 0, offset = 0, per_call = 0;
-  // The block to fetch, of `block_bytes`, over `calls` calls (more calls are no-ops, fewer leave the rest to finish()).
-  void start(const void* next_block, int64_t block_bytes, int64_t calls) {
-    block = static_cast<const char*>(next_block);
-    bytes = next_block ? block_bytes : 0;
-    offset = 0;
-    per_call = ((block_bytes + calls - 1) / calls + 63) / 64 * 64;
-  }
-  inline void operator()() {
-    for (const int64_t end = std::min(bytes, offset + per_call); offset < end; offset += 64) _mm_prefetch(block + offset, _MM_HINT_T1);
-  }
-  void finish() {
-    for (; offset < bytes; offset += 64) _mm_prefetch(block + offset, _MM_HINT_T1);
-  }
 };
 
 template <typename T>
