@@ -203,34 +203,41 @@ class Scheduler:
     # ---- after the model ran ---------------------------------------------------------------
 
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        # Runs for every scheduled request each step (256 at a time in `bench sched`): lookups are
+        # hoisted, and the logprob maps are read only when the step produced any.
         outputs: list[EngineCoreOutput] = []
         stopped: list[Request] = []
+        get_request, get_sampled = self.requests.get, runner_output.sampled_token_ids.get
+        logprobs, prompt_logprobs_of = runner_output.logprobs, runner_output.prompt_logprobs
+        max_model_len = self.max_model_len
         for request_id in scheduler_output.num_scheduled_tokens:
-            request = self.requests.get(request_id)
+            request = get_request(request_id)
             if request is None or request.is_finished:
                 continue  # aborted while the step ran
             new_token_ids = []
-            token_id = runner_output.sampled_token_ids.get(request_id)
+            finish_reason = None
+            token_id = get_sampled(request_id)
             if token_id is not None:
                 request.append_output_token(token_id)
                 new_token_ids.append(token_id)
-                if request.check_stop(self.max_model_len):
+                if request.check_stop(max_model_len):
                     stopped.append(request)
-            prompt_logprobs = runner_output.prompt_logprobs.get(request_id)
+                    finish_reason = request.status.finish_reason
+            prompt_logprobs = prompt_logprobs_of.get(request_id) if prompt_logprobs_of else None
             if prompt_logprobs is not None:
                 sent = self.num_prompt_logprobs_sent.get(request_id, 0)
                 self.num_prompt_logprobs_sent[request_id] = sent + len(prompt_logprobs.ranks)
-            if not new_token_ids and prompt_logprobs is None:
+            elif not new_token_ids:
                 continue
             outputs.append(
                 EngineCoreOutput(
-                    request_id=request_id,
-                    new_token_ids=new_token_ids,
-                    new_logprobs=runner_output.logprobs.get(request_id),
-                    new_prompt_logprobs=prompt_logprobs,
-                    finish_reason=request.status.finish_reason,
-                    stop_reason=request.stop_reason,
-                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                    request_id,
+                    new_token_ids,
+                    logprobs.get(request_id) if logprobs else None,
+                    prompt_logprobs,
+                    finish_reason,
+                    request.stop_reason,
+                    request.num_cached_tokens if request.num_cached_tokens > 0 else 0,
                 )
             )
         for request in stopped:
