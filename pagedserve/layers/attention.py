@@ -104,10 +104,8 @@ class Attention(nn.Module):
     def forward(self, query, key, value, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """query [T, H, D], key/value [T, KV, D], kv_cache [2, num_blocks, block_size, KV, D] -> [T, H*D]."""
         write_kv_cache(kv_cache, key, value, meta.slot_mapping)
-        num_decodes = meta.num_decode_tokens
-        if num_decodes and num_decodes == query.shape[0]:  # a step of decodes only: no output to assemble
-            return decode_attention(query, kv_cache, meta).view(num_decodes, -1)
         out = torch.empty_like(query)
+        num_decodes = meta.num_decode_tokens
         if num_decodes:
             out[:num_decodes] = decode_attention(query[:num_decodes], kv_cache, meta)
         kernels = cpu_kernels.for_kv_cache(kv_cache)
