@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def bench(tmp_path, workload, *args, timeout=600):
     out = tmp_path / "record.json"
@@ -29,6 +31,10 @@ def test_throughput_with_baseline_and_ceiling(tmp_path, tiny_models):
     # The second ceiling decodes after the workload's mean context: 20 prompt tokens + half of 7 output.
     assert record["ceiling"]["decode_context"] == 24 and record["fraction_of_ceiling_in_context"] > 0
     assert "after 24 tokens of context" in stdout
+    # The replayed ceiling: the same bare passes timed in full, right after each run.
+    assert all(run["ceiling"]["replay_s"] > 0 and run["ceiling"]["replay_decode_spread"] >= 1 for run in runs)
+    assert record["fraction_of_replayed_ceiling"] == sorted(run["ceiling"]["replay_s"] / run["elapsed_s"] for run in runs)[1]
+    assert "fraction of the replayed ceiling" in stdout
     # The runs start once the idle engine has mapped its KV cache (a thread that is then finished).
     assert record["kv_cache_mapping_s"] >= 0 and "KV cache mapping before the runs, s" in stdout
 
@@ -127,6 +133,30 @@ def test_plot_rejects_records_of_other_benchmarks(tmp_path):
     result = subprocess.run([sys.executable, "-m", "pagedserve.entrypoints.cli", "bench", "plot", str(path), "--out-dir",
                              str(tmp_path / "img")], capture_output=True, text=True, timeout=300)
     assert result.returncode != 0 and "not a `bench serve` record" in result.stderr
+
+
+def test_replayed_ceiling_runs_the_passes_the_ceiling_counts(monkeypatch):
+    """Prompt tokens in 4 x 128-token prefill passes, output tokens in decode passes of the whole batch,
+    each kind's time scaled to the exact token count."""
+    from types import SimpleNamespace
+
+    from pagedserve.benchmarks import ceiling
+    from pagedserve.benchmarks.datasets import BenchRequest
+
+    calls = []
+
+    def fake_passes(llm, num_seqs, seq_len, passes, context=0):
+        calls.append((num_seqs, seq_len, passes, context))
+        return [2.0] * (passes - 1) + [1.0] if seq_len == 1 else [4.0] * passes
+
+    monkeypatch.setattr(ceiling, "time_bare_passes", fake_passes)
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(config=SimpleNamespace(max_num_seqs=8)))
+    requests = [BenchRequest([1] * 300, 5) for _ in range(10)]  # 3000 prompt tokens, 50 output tokens
+    result = ceiling.replay_seconds(llm, requests)
+    # 3000 / 512 -> 6 prefill passes; a batch of 8 (max_num_seqs) -> 50 / 8 -> 7 decode passes.
+    assert calls == [(4, 128, 6, 0), (8, 1, 7, 0)]
+    assert result["replay_s"] == pytest.approx(24.0 * 3000 / 3072 + 13.0 * 50 / 56)
+    assert result["replay_decode_spread"] == 2.0
 
 
 def test_ceiling_leaves_no_stale_prefix_cache(tiny_models):

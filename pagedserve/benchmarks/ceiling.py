@@ -3,35 +3,45 @@ sampling, no host work), at full batch, timed right where the engine runs, on it
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
 
 from pagedserve.benchmarks.datasets import BenchRequest
 
+# The bare prefill pass: a few prompts of the default workload's length.
+PREFILL_SEQS, PREFILL_LEN = 4, 128
+
 
 def measure_ceiling(llm, num_seqs: int, seq_len: int, repeats: int = 3, context: int = 0) -> float:
     """Tokens/s of the bare model forward over num_seqs sequences of seq_len new tokens after `context`
     tokens already in the cache (0: fresh sequences, so attention is negligible), logits at each
-    sequence's last token; best of repeats. seq_len 1 runs as the engine runs decodes (one batched
-    attention call), longer ones as prefills. The context's K/V are whatever the blocks hold (after a
-    run, that run's values): attention reads them at the cost it would pay for real ones."""
+    sequence's last token; best of repeats."""
+    return num_seqs * seq_len / min(time_bare_passes(llm, num_seqs, seq_len, repeats, context))
+
+
+def time_bare_passes(llm, num_seqs: int, seq_len: int, passes: int, context: int = 0) -> list[float]:
+    """Seconds of each of `passes` bare forward passes (see measure_ceiling). seq_len 1 runs as the
+    engine runs decodes (one batched attention call), longer ones as prefills. The context's K/V are
+    whatever the blocks hold (after a run, that run's values): attention reads them at the cost it
+    would pay for real ones."""
     worker = llm.llm_engine.engine_core.worker
     model, kv_caches, block_size, device = worker.model, worker.kv_caches, worker.config.block_size, worker.device
     meta = sequences_metadata(num_seqs, seq_len, context, block_size, device)
     input_ids = torch.randint(100, 1000, (num_seqs * seq_len,), device=device)
     positions = (context + torch.arange(seq_len, device=device)).repeat(num_seqs)
-    best = float("inf")
+    seconds = []
     with torch.inference_mode():
-        for _ in range(repeats):
+        for _ in range(passes):
             start = time.perf_counter()
             hidden = model(input_ids, positions, kv_caches, meta)
             model.compute_logits(hidden[seq_len - 1 :: seq_len])
-            best = min(best, time.perf_counter() - start)
+            seconds.append(time.perf_counter() - start)
     # It wrote K/V straight into blocks the prefix cache may still map to other tokens: forget them all.
     if not llm.llm_engine.engine_core.kv_cache_manager.reset_prefix_cache():
         raise RuntimeError("the ceiling must be measured on an idle engine")
-    return num_seqs * seq_len / best
+    return seconds
 
 
 def sequences_metadata(num_seqs: int, seq_len: int, context: int, block_size: int, device):
@@ -57,20 +67,47 @@ def mean_decode_context(requests: list[BenchRequest]) -> int:
     return round(sum(len(r.prompt_token_ids) + r.output_len / 2 for r in requests) / len(requests))
 
 
-def workload_ceiling(llm, requests: list[BenchRequest]) -> dict:
+def workload_ceiling(llm, requests: list[BenchRequest], replay: bool = True) -> dict:
     """The bare forward's rates for this workload: prompt tokens at the bare prefill rate (4 x 128-token
     sequences), output tokens at the bare decode rate of the whole batch (one token for each sequence),
-    and at that rate after the workload's mean context, so with the attention a decode cannot skip."""
-    prefill_rate = measure_ceiling(llm, num_seqs=4, seq_len=128)
-    batch = min(len(requests), llm.llm_engine.config.max_num_seqs)
+    and at that rate after the workload's mean context, so with the attention a decode cannot skip.
+    With replay, also the replayed ceiling (replay_seconds)."""
+    prefill_rate = measure_ceiling(llm, num_seqs=PREFILL_SEQS, seq_len=PREFILL_LEN)
+    batch = decode_batch(llm, requests)
     worker = llm.llm_engine.engine_core.worker
     fits = worker.num_blocks // batch * worker.config.block_size - 1  # every sequence's blocks in the cache
     context = min(mean_decode_context(requests), worker.max_model_len - 1, fits)
     # A decode step is short, so take the best of more of them: one slow moment of the machine must not
     # pass for the limit.
-    return {"prefill_tokens_per_s": prefill_rate, "decode_tokens_per_s": measure_ceiling(llm, num_seqs=batch, seq_len=1, repeats=10),
-            "decode_context": context,
-            "decode_tokens_per_s_in_context": measure_ceiling(llm, num_seqs=batch, seq_len=1, repeats=10, context=context)}
+    rates = {"prefill_tokens_per_s": prefill_rate, "decode_tokens_per_s": measure_ceiling(llm, num_seqs=batch, seq_len=1, repeats=10),
+             "decode_context": context,
+             "decode_tokens_per_s_in_context": measure_ceiling(llm, num_seqs=batch, seq_len=1, repeats=10, context=context)}
+    if replay:
+        rates.update(replay_seconds(llm, requests))
+    return rates
+
+
+def decode_batch(llm, requests: list[BenchRequest]) -> int:
+    return min(len(requests), llm.llm_engine.config.max_num_seqs)
+
+
+def replay_seconds(llm, requests: list[BenchRequest]) -> dict:
+    """The same bare passes the ceiling counts (the prompt tokens as 4 x 128-token prefills, the output
+    tokens as decode steps of the whole batch, no context), all run and timed in full rather than
+    extrapolated from the best one. The machine's speed drifts by 10-30% within minutes; a run of ours
+    pays that drift, a best-of-10 pass does not, so this is the ceiling at the speed the machine had
+    right after the run. Also the spread of its decode passes (median over fastest)."""
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
+    output_tokens = sum(r.output_len for r in requests)
+    batch = decode_batch(llm, requests)
+    prefill_passes = -(-prompt_tokens // (PREFILL_SEQS * PREFILL_LEN))
+    decode_passes = -(-output_tokens // batch)
+    prefill = time_bare_passes(llm, PREFILL_SEQS, PREFILL_LEN, prefill_passes)
+    decode = time_bare_passes(llm, batch, 1, decode_passes)
+    # Scaled to the workload's exact token counts (the last pass of each kind may be a partial one).
+    seconds = (sum(prefill) * prompt_tokens / (prefill_passes * PREFILL_SEQS * PREFILL_LEN)
+               + sum(decode) * output_tokens / (decode_passes * batch))
+    return {"replay_s": seconds, "replay_decode_spread": statistics.median(decode) / min(decode)}
 
 
 def ceiling_seconds(rates: dict, prompt_tokens: int, output_tokens: int, in_context: bool = False) -> float:

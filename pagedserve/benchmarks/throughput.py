@@ -125,6 +125,7 @@ def _add_run_figures(one: dict, num_prompts: int) -> None:
     if "ceiling" in one:
         for key, in_context in (("fraction_of_ceiling", False), ("fraction_of_ceiling_in_context", True)):
             one[key] = ceiling_seconds(one["ceiling"], one["prompt_tokens"], one["output_tokens"], in_context) / one["elapsed_s"]
+        one["fraction_of_replayed_ceiling"] = one["ceiling"]["replay_s"] / one["elapsed_s"]
     if "hf_elapsed_s" in one:
         one["hf_total_tokens_per_s"] = tokens / one["hf_elapsed_s"]
         one["hf_output_tokens_per_s"] = one["output_tokens"] / one["hf_elapsed_s"]
@@ -141,13 +142,17 @@ def _ceiling_figures(record: dict, runs: list[dict]) -> list:
     record["fraction_of_ceiling"] = _median(runs, "fraction_of_ceiling")
     record["ceiling_in_context_tokens_per_s"] = tokens / ceiling_seconds(rates, record["prompt_tokens"], record["output_tokens"], True)
     record["fraction_of_ceiling_in_context"] = _median(runs, "fraction_of_ceiling_in_context")
+    record["fraction_of_replayed_ceiling"] = _median(runs, "fraction_of_replayed_ceiling")
     return [("bare forward, prefill tokens/s", rates["prefill_tokens_per_s"]),
             ("bare forward, decode tokens/s (full batch)", rates["decode_tokens_per_s"]),
             ("ceiling total tokens/s for this workload", record["ceiling_tokens_per_s"]),
             ("fraction of ceiling", record["fraction_of_ceiling"]),
             (f"bare decode tokens/s after {rates['decode_context']} tokens of context", rates["decode_tokens_per_s_in_context"]),
             ("ceiling with that attention, total tokens/s", record["ceiling_in_context_tokens_per_s"]),
-            ("fraction of ceiling with attention", record["fraction_of_ceiling_in_context"])]
+            ("fraction of ceiling with attention", record["fraction_of_ceiling_in_context"]),
+            ("bare forward replayed in full (the ceiling's passes, all timed), s", rates["replay_s"]),
+            ("its decode passes, median / fastest", rates["replay_decode_spread"]),
+            ("fraction of the replayed ceiling", record["fraction_of_replayed_ceiling"])]
 
 
 def _hf_figures(record: dict, runs: list[dict]) -> list:
