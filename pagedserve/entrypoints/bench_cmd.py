@@ -21,7 +21,9 @@ def register(sub) -> None:
     throughput.add_argument("--input-len", type=int, default=128)
     throughput.add_argument("--output-len", type=int, default=128)
     throughput.add_argument("--baseline", choices=["none", "hf"], default="none", help="also run transformers static batching")
-    throughput.add_argument("--ceiling", action="store_true", help="also measure the bare forward pass at full batch")
+    throughput.add_argument("--ceiling", action="store_true",
+                            help="also measure the bare forward pass at full batch: its best passes, and all the passes "
+                                 "the workload needs replayed in full (adds about the run's own time)")
     throughput.add_argument("--repeats", type=_positive_int, default=1,
                             help="run the workload this many times (fresh prompts each, HF right after ours) and report medians")
 
