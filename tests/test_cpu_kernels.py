@@ -43,12 +43,14 @@ CACHE_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
     [(9, 3, 64, 16, [1, 17, 40, 16, 100]), (4, 4, 16, 16, [3, 33]), (8, 2, 32, 8, [5] * 12), (6, 2, 24, 16, [700]),
      (9, 3, 64, 32, [2, 64, 65, 300] * 4),
      (9, 3, 64, 16, [1000, 1, 2, 3]),  # one long sequence: the threads' shares are split by context length
+     (9, 3, 64, 16, [1500]), (9, 3, 64, 16, [2048, 513, 512]),  # contexts over 512 tokens: attended in parts, merged
+     (9, 3, 64, 32, [1100, 7]),
      (4, 2, 64, 16, [7, 50]), (10, 2, 32, 16, [19, 3])],  # query heads per KV head taken 3 at a time: runs of 2, of 3 + 2
 )
 def test_cpu_decode_kernel_matches_reference(num_heads, num_kv_heads, head_dim, block_size, seq_lens, cache_dtype):
     kernels = built_kernels()
     torch.manual_seed(0)
-    num_blocks = 64
+    num_blocks = max(64, -(-max(seq_lens) // block_size))
     kv_cache = (torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim) * 3).to(cache_dtype)  # sharp softmax: tests the running max
     rng = np.random.default_rng(0)
     tables = [rng.choice(num_blocks, -(-n // block_size), replace=False).astype(np.int64) for n in seq_lens]
@@ -60,6 +62,29 @@ def test_cpu_decode_kernel_matches_reference(num_heads, num_kv_heads, head_dim, 
     actual = kernels.paged_decode_attention(query, kv_cache[0], kv_cache[1], meta.decode_block_tables, meta.decode_seq_lens,
                                             head_dim**-0.5)
     torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-4)
+
+
+def test_cpu_decode_kernel_output_does_not_depend_on_the_batch():
+    """A long context is attended in parts and merged; where it is cut depends on its own length, so a
+    sequence's output is bit-identical alone and beside others (which changes the threads' shares)."""
+    kernels = built_kernels()
+    torch.manual_seed(0)
+    num_blocks, block_size = 200, 16
+    kv_cache = torch.randn(2, num_blocks, block_size, 3, 64) * 3
+    rng = np.random.default_rng(1)
+    long_table = rng.choice(num_blocks, 82, replace=False).astype(np.int64)  # 1300 tokens: three parts
+    query = torch.randn(3, 9, 64)
+
+    def decode(tables, seq_lens, queries):
+        meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), num_decode_tokens=len(seq_lens),
+                                 decode_block_tables=None, decode_seq_lens=None, prefills=[])
+        fill_decode_metadata(meta, tables, seq_lens, block_size, torch.device("cpu"))
+        return kernels.paged_decode_attention(queries, kv_cache[0], kv_cache[1], meta.decode_block_tables, meta.decode_seq_lens, 0.125)
+
+    alone = decode([long_table], [1300], query[1:2])
+    short_tables = [rng.choice(num_blocks, 1, replace=False).astype(np.int64), rng.choice(num_blocks, 3, replace=False).astype(np.int64)]
+    batched = decode([short_tables[0], long_table, short_tables[1]], [5, 1300, 40], query)
+    assert torch.equal(batched[1], alone[0])
 
 
 @pytest.mark.parametrize("num_tokens", [1, 32, 700])

@@ -29,6 +29,19 @@ def test_default_model_logprobs_match_transformers(default_llm, default_model_di
     assert output.cumulative_logprob == pytest.approx(sum(reference), abs=1e-2)
 
 
+def test_long_context_decode_matches_transformers(default_llm, default_model_dir, tokenizer):
+    """Decodes after 1100+ tokens of context: the CPU kernel attends to them in parts of 512 and merges
+    them; greedy picks and their logprobs still match transformers."""
+    text = " ".join(f"Item {i}: the {['red', 'green', 'blue'][i % 3]} box holds {i * 7 % 13} stones." for i in range(90))
+    prompt_ids = tokenizer(text + " Now, item 91:").input_ids
+    assert len(prompt_ids) > 1100
+    output = default_llm.generate({"prompt_token_ids": prompt_ids}, greedy(12, logprobs=1), use_tqdm=False)[0].outputs[0]
+    assert list(output.token_ids) == hf_greedy(default_model_dir, [prompt_ids], 12)[0]
+    reference, _ = hf_token_logprobs(default_model_dir, prompt_ids, list(output.token_ids))
+    for token_id, position, expected in zip(output.token_ids, output.logprobs, reference):
+        assert position[token_id].logprob == pytest.approx(expected, abs=1e-3)
+
+
 def test_prompt_logprobs_match_transformers(default_llm, default_model_dir, tokenizer):
     prompt = PROMPTS[2]
     prompt_ids = tokenizer(prompt).input_ids

@@ -4,10 +4,11 @@
 // Decodes: one task per sequence, all its heads together: a block's K (then V) rows for every KV head
 // are one contiguous 12 KB run at the default shapes; a task per (sequence, KV head) read 256-byte
 // pieces at a 768-byte stride and ran ~30% slower with the cache cold. Head sizes that are a multiple
-// of 32 (AVX2) take three passes (all scores, one softmax, all values; attend_sequence_three_pass);
-// other head sizes visit each block once with an online softmax (attend_sequence). The sequences are
-// split between threads by context length, so one long sequence does not leave a thread idle behind
-// many short ones.
+// of 32 (AVX2) take three passes (all scores, one softmax, all values; attend_sequence_three_pass),
+// over parts of at most 512 tokens of a sequence, merged after (three_pass_decode), so one long
+// sequence runs on both threads; other head sizes visit each block once with an online softmax
+// (attend_sequence), a task per sequence. The tasks are split between threads by context length,
+// so one long sequence does not leave a thread idle behind many short ones.
 //
 // The cache may store float32, bfloat16 or float16 (kv_cache_dtype); the kernels compute in float32.
 // The three-pass decode widens values in registers as it loads them; the other routes widen what they
@@ -328,21 +329,38 @@ inline void for_head_runs(int64_t group, const F& f) {
 }
 
 struct DecodeScratch {
-  std::vector<float> q, acc, scores, sums;  // scores [num_heads][longest context]
+  std::vector<float> q, acc, scores, maxes, sums;  // scores [num_heads][max_len: the most keys of one part]
   DecodeScratch(const AttentionShape& s, int64_t max_len)
-      : q(s.num_heads * s.head_dim), acc(s.num_heads * s.head_dim), scores(s.num_heads * max_len), sums(s.num_heads) {}
+      : q(s.num_heads * s.head_dim), acc(s.num_heads * s.head_dim), scores(s.num_heads * max_len), maxes(s.num_heads),
+        sums(s.num_heads) {}
 };
 
+// One part of a sequence's context for the three-pass decode: blocks [first_block, end_block) of its
+// table, at most kPartTokens tokens. A sequence of one part writes its output; the parts of a longer
+// one write their unnormalized sums, maxima and exp-sums (PartialDecode), merged afterwards.
+struct DecodePart {
+  int64_t seq, first_block, end_block;
+};
+
+// Where a part of a longer sequence leaves its results: acc [num_heads * head_dim], max and sum [num_heads].
+struct PartialDecode {
+  float *acc, *max, *sum;
+};
+
+// Each head's softmax over the keys of blocks [first_block, end_block) of a sequence of len tokens
+// (w.maxes, w.sums) and the sum of their values weighted by it (w.acc, not yet divided by w.sums).
 template <typename T>
 void attend_sequence_three_pass(const AttentionShape& s, const float* q_in, const T* k_cache, const T* v_cache, const int64_t* table,
-                                int64_t len, int64_t max_len, float* out, DecodeScratch& w, const T* next_sequence_keys) {
-  const int64_t D = s.head_dim, num_kv_heads = s.num_heads / s.group, num_blocks = (len + s.block_size - 1) / s.block_size;
+                                int64_t len, int64_t first_block, int64_t end_block, int64_t max_len, DecodeScratch& w,
+                                const T* next_sequence_keys) {
+  const int64_t D = s.head_dim, num_kv_heads = s.num_heads / s.group, num_blocks = end_block;
+  const int64_t part_first_key = first_block * s.block_size, part_len = std::min(len, num_blocks * s.block_size) - part_first_key;
   for (int64_t i = 0; i < s.num_heads * D; ++i) w.q[i] = q_in[i] * s.scale;
-  for (int64_t b = 0; b < num_blocks; ++b) {  // pass 1: scores
+  for (int64_t b = first_block; b < num_blocks; ++b) {  // pass 1: scores
     const T* block = k_cache + table[b] * s.block_stride;
-    const int64_t first_key = b * s.block_size, n = std::min(s.block_size, len - first_key);
+    const int64_t first_key = b * s.block_size - part_first_key, n = std::min(s.block_size, part_len - first_key);
     SpreadPrefetch pf;
-    pf.start(b + 1 < num_blocks ? k_cache + table[b + 1] * s.block_stride : v_cache + table[0] * s.block_stride,
+    pf.start(b + 1 < num_blocks ? k_cache + table[b + 1] * s.block_stride : v_cache + table[first_block] * s.block_stride,
              s.block_stride * static_cast<int64_t>(sizeof(T)), num_kv_heads * ((s.block_size + 3) / 4));
     for (int64_t g = 0; g < num_kv_heads; ++g)
       for_head_runs(s.group, [&](auto nh, int64_t first_head) {
@@ -364,14 +382,15 @@ void attend_sequence_three_pass(const AttentionShape& s, const float* q_in, cons
       });
     pf.finish();
   }
-  for (int64_t h = 0; h < s.num_heads; ++h) {  // pass 2: softmax over the whole context
+  for (int64_t h = 0; h < s.num_heads; ++h) {  // pass 2: softmax over the part's keys
     float* scores = w.scores.data() + h * max_len;
-    w.sums[h] = exp_and_sum(scores, len, *std::max_element(scores, scores + len));
+    w.maxes[h] = *std::max_element(scores, scores + part_len);
+    w.sums[h] = exp_and_sum(scores, part_len, w.maxes[h]);
   }
   std::fill(w.acc.begin(), w.acc.end(), 0.f);
-  for (int64_t b = 0; b < num_blocks; ++b) {  // pass 3: values
+  for (int64_t b = first_block; b < num_blocks; ++b) {  // pass 3: values
     const T* block = v_cache + table[b] * s.block_stride;
-    const int64_t first_key = b * s.block_size, n = std::min(s.block_size, len - first_key);
+    const int64_t first_key = b * s.block_size - part_first_key, n = std::min(s.block_size, part_len - first_key);
     // The next block of V, or at the last one the first block of keys of the thread's next sequence.
     SpreadPrefetch pf;
     pf.start(b + 1 < num_blocks ? v_cache + table[b + 1] * s.block_stride : next_sequence_keys, s.block_stride * static_cast<int64_t>(sizeof(T)),
@@ -386,9 +405,39 @@ void attend_sequence_three_pass(const AttentionShape& s, const float* q_in, cons
       });
     pf.finish();
   }
+}
+
+// A part's results: a whole sequence's output (w.acc / sum), or a part's partial results.
+void write_decode_part(const AttentionShape& s, const DecodeScratch& w, float* out, const PartialDecode* partial) {
+  if (partial) {
+    std::copy(w.acc.begin(), w.acc.end(), partial->acc);
+    std::copy(w.maxes.begin(), w.maxes.end(), partial->max);
+    std::copy(w.sums.begin(), w.sums.end(), partial->sum);
+    return;
+  }
   for (int64_t h = 0; h < s.num_heads; ++h) {
     const float inv = 1.f / w.sums[h];
-    for (int64_t d = 0; d < D; ++d) out[h * D + d] = w.acc[h * D + d] * inv;
+    for (int64_t d = 0; d < s.head_dim; ++d) out[h * s.head_dim + d] = w.acc[h * s.head_dim + d] * inv;
+  }
+}
+
+// out[h] = sum_p acc_p[h] e^(max_p[h] - M) / sum_p sum_p[h] e^(max_p[h] - M), M the largest max_p[h]:
+// the parts' softmaxes rescaled to one.
+void merge_decode_parts(const PartialDecode* parts, int64_t num_parts, int64_t num_heads, int64_t head_dim, float* out) {
+  for (int64_t h = 0; h < num_heads; ++h) {
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < num_parts; ++p) top = std::max(top, parts[p].max[h]);
+    float total = 0.f;
+    float* o = out + h * head_dim;
+    std::fill(o, o + head_dim, 0.f);
+    for (int64_t p = 0; p < num_parts; ++p) {
+      const float weight = std::exp(parts[p].max[h] - top);
+      total += parts[p].sum[h] * weight;
+      const float* acc = parts[p].acc + h * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) o[d] += acc[d] * weight;
+    }
+    const float inv = 1.f / total;
+    for (int64_t d = 0; d < head_dim; ++d) o[d] *= inv;
   }
 }
 #endif
@@ -407,6 +456,65 @@ std::vector<int64_t> split_by_cost(const int64_t* costs, int64_t num_items, int6
   if (bounds.back() != num_items) bounds.push_back(num_items);
   return bounds;
 }
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// A sequence's context is attended in parts of at most this many tokens, each part a task of its own,
+// so one long sequence (alone in a step, or beside short ones) runs on every thread. Batch 1, 30
+// layers, alternating processes: 1024 tokens 4.0-5.1 -> 2.2-3.3 ms, 4096 tokens 16-20 -> 9-13 ms
+// (docs/benchmarks.md, ninth session). Where a sequence is cut depends on its own length only, so
+// its output does not depend on the batch it came in (a sequence of up to 512 tokens is one part,
+// computed as before the parts existed).
+constexpr int64_t kPartTokens = 512;
+
+template <typename T>
+void three_pass_decode(const AttentionShape& s, const float* q_ptr, const T* k_ptr, const T* v_ptr, const int64_t* table_ptr,
+                       int64_t max_blocks, const int64_t* len_ptr, int64_t num_seqs, float* out_ptr) {
+  const int64_t part_blocks = std::max<int64_t>(1, kPartTokens / s.block_size), qdim = s.num_heads * s.head_dim;
+  std::vector<DecodePart> parts;
+  std::vector<int64_t> costs, first_part(num_seqs + 1);
+  int64_t max_len = 0;
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    first_part[seq] = static_cast<int64_t>(parts.size());
+    const int64_t blocks = (len_ptr[seq] + s.block_size - 1) / s.block_size;
+    for (int64_t b = 0; b < blocks; b += part_blocks) {
+      parts.push_back({seq, b, std::min(blocks, b + part_blocks)});
+      costs.push_back(std::min(len_ptr[seq], (b + part_blocks) * s.block_size) - b * s.block_size);
+      max_len = std::max(max_len, costs.back());
+    }
+  }
+  first_part[num_seqs] = static_cast<int64_t>(parts.size());
+  const int64_t num_parts = static_cast<int64_t>(parts.size());
+  // The parts of sequences cut in several leave partial results here, merged once all ran.
+  std::vector<float> partial_values;
+  std::vector<PartialDecode> partials(num_parts, PartialDecode{nullptr, nullptr, nullptr});
+  if (num_parts > num_seqs) {
+    partial_values.resize(num_parts * (qdim + 2 * s.num_heads));
+    for (int64_t seq = 0; seq < num_seqs; ++seq)
+      if (first_part[seq + 1] - first_part[seq] > 1)
+        for (int64_t p = first_part[seq]; p < first_part[seq + 1]; ++p) {
+          float* base = partial_values.data() + p * (qdim + 2 * s.num_heads);
+          partials[p] = {base, base + qdim, base + qdim + s.num_heads};
+        }
+  }
+  const std::vector<int64_t> bounds = split_by_cost(costs.data(), num_parts, std::min<int64_t>(at::get_num_threads(), num_parts));
+  at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t begin, int64_t end) {
+    DecodeScratch scratch(s, max_len);
+    for (int64_t task = begin; task < end; ++task)
+      for (int64_t i = bounds[task]; i < bounds[task + 1]; ++i) {
+        const DecodePart& part = parts[i];
+        const T* next_keys = nullptr;
+        if (i + 1 < bounds[task + 1]) next_keys = k_ptr + table_ptr[parts[i + 1].seq * max_blocks + parts[i + 1].first_block] * s.block_stride;
+        attend_sequence_three_pass(s, q_ptr + part.seq * qdim, k_ptr, v_ptr, table_ptr + part.seq * max_blocks, len_ptr[part.seq],
+                                   part.first_block, part.end_block, max_len, scratch, next_keys);
+        write_decode_part(s, scratch, out_ptr + part.seq * qdim, partials[i].acc ? &partials[i] : nullptr);
+      }
+  });
+  for (int64_t seq = 0; seq < num_seqs; ++seq)
+    if (first_part[seq + 1] - first_part[seq] > 1)
+      merge_decode_parts(partials.data() + first_part[seq], first_part[seq + 1] - first_part[seq], s.num_heads, s.head_dim,
+                         out_ptr + seq * qdim);
+}
+#endif
 
 
 // ---- prefill chunks: a prompt's first chunk, prefix-cache hits, later chunks of long prompts ----
@@ -615,26 +723,17 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Te
   const float fscale = static_cast<float>(scale);
 
   const AttentionShape shape{num_heads, group, head_dim, block_size, row_stride, block_stride, fscale};
-  const std::vector<int64_t> bounds = split_by_cost(len_ptr, num_seqs, std::min<int64_t>(at::get_num_threads(), num_seqs));
-  const int64_t max_len = num_seqs ? *std::max_element(len_ptr, len_ptr + num_seqs) : 0;
   dispatch_cache_type(key_cache, [&](auto element) {
     using T = decltype(element);
     const T* k_ptr = key_cache.data_ptr<T>();
     const T* v_ptr = value_cache.data_ptr<T>();
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
     if (head_dim % 32 == 0) {
-      at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t begin, int64_t end) {
-        DecodeScratch scratch(shape, max_len);
-        for (int64_t part = begin; part < end; ++part)
-          for (int64_t seq = bounds[part]; seq < bounds[part + 1]; ++seq) {
-            const T* next_keys = seq + 1 < bounds[part + 1] ? k_ptr + table_ptr[(seq + 1) * max_blocks] * block_stride : nullptr;
-            attend_sequence_three_pass(shape, q_ptr + seq * num_heads * head_dim, k_ptr, v_ptr, table_ptr + seq * max_blocks,
-                                       len_ptr[seq], max_len, out_ptr + seq * num_heads * head_dim, scratch, next_keys);
-          }
-      });
+      three_pass_decode(shape, q_ptr, k_ptr, v_ptr, table_ptr, max_blocks, len_ptr, num_seqs, out_ptr);
       return;
     }
 #endif
+    const std::vector<int64_t> bounds = split_by_cost(len_ptr, num_seqs, std::min<int64_t>(at::get_num_threads(), num_seqs));
     at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t begin, int64_t end) {
       SequenceScratch scratch(shape);
       for (int64_t part = begin; part < end; ++part)
