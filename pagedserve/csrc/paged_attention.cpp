@@ -466,53 +466,66 @@ std::vector<int64_t> split_by_cost(const int64_t* costs, int64_t num_items, int6
 // computed as before the parts existed).
 constexpr int64_t kPartTokens = 512;
 
+// The parts of a step's sequences (in order), each part's cost (its tokens), the index of each
+// sequence's first part (and one past the last), and the most tokens of one part.
+struct DecodePlan {
+  std::vector<DecodePart> parts;
+  std::vector<int64_t> costs, first_part;
+  int64_t max_len = 0;
+
+  DecodePlan(const int64_t* len_ptr, int64_t num_seqs, int64_t block_size) : first_part(num_seqs + 1) {
+    const int64_t part_blocks = std::max<int64_t>(1, kPartTokens / block_size);
+    for (int64_t seq = 0; seq < num_seqs; ++seq) {
+      first_part[seq] = static_cast<int64_t>(parts.size());
+      const int64_t blocks = (len_ptr[seq] + block_size - 1) / block_size;
+      for (int64_t b = 0; b < blocks; b += part_blocks) {
+        parts.push_back({seq, b, std::min(blocks, b + part_blocks)});
+        costs.push_back(std::min(len_ptr[seq], (b + part_blocks) * block_size) - b * block_size);
+        max_len = std::max(max_len, costs.back());
+      }
+    }
+    first_part[num_seqs] = static_cast<int64_t>(parts.size());
+  }
+  int64_t num_parts_of(int64_t seq) const { return first_part[seq + 1] - first_part[seq]; }
+};
+
+// Where the parts of sequences cut in several leave their partial results (null for whole sequences).
+std::vector<PartialDecode> partial_slots(const DecodePlan& plan, int64_t num_heads, int64_t head_dim, std::vector<float>& storage) {
+  const int64_t num_parts = static_cast<int64_t>(plan.parts.size()), qdim = num_heads * head_dim, slot = qdim + 2 * num_heads;
+  std::vector<PartialDecode> partials(num_parts, PartialDecode{nullptr, nullptr, nullptr});
+  if (num_parts == static_cast<int64_t>(plan.first_part.size()) - 1) return partials;  // no sequence was cut
+  storage.resize(num_parts * slot);
+  for (int64_t p = 0; p < num_parts; ++p)
+    if (plan.num_parts_of(plan.parts[p].seq) > 1) {
+      float* base = storage.data() + p * slot;
+      partials[p] = {base, base + qdim, base + qdim + num_heads};
+    }
+  return partials;
+}
+
 template <typename T>
 void three_pass_decode(const AttentionShape& s, const float* q_ptr, const T* k_ptr, const T* v_ptr, const int64_t* table_ptr,
                        int64_t max_blocks, const int64_t* len_ptr, int64_t num_seqs, float* out_ptr) {
-  const int64_t part_blocks = std::max<int64_t>(1, kPartTokens / s.block_size), qdim = s.num_heads * s.head_dim;
-  std::vector<DecodePart> parts;
-  std::vector<int64_t> costs, first_part(num_seqs + 1);
-  int64_t max_len = 0;
-  for (int64_t seq = 0; seq < num_seqs; ++seq) {
-    first_part[seq] = static_cast<int64_t>(parts.size());
-    const int64_t blocks = (len_ptr[seq] + s.block_size - 1) / s.block_size;
-    for (int64_t b = 0; b < blocks; b += part_blocks) {
-      parts.push_back({seq, b, std::min(blocks, b + part_blocks)});
-      costs.push_back(std::min(len_ptr[seq], (b + part_blocks) * s.block_size) - b * s.block_size);
-      max_len = std::max(max_len, costs.back());
-    }
-  }
-  first_part[num_seqs] = static_cast<int64_t>(parts.size());
-  const int64_t num_parts = static_cast<int64_t>(parts.size());
-  // The parts of sequences cut in several leave partial results here, merged once all ran.
-  std::vector<float> partial_values;
-  std::vector<PartialDecode> partials(num_parts, PartialDecode{nullptr, nullptr, nullptr});
-  if (num_parts > num_seqs) {
-    partial_values.resize(num_parts * (qdim + 2 * s.num_heads));
-    for (int64_t seq = 0; seq < num_seqs; ++seq)
-      if (first_part[seq + 1] - first_part[seq] > 1)
-        for (int64_t p = first_part[seq]; p < first_part[seq + 1]; ++p) {
-          float* base = partial_values.data() + p * (qdim + 2 * s.num_heads);
-          partials[p] = {base, base + qdim, base + qdim + s.num_heads};
-        }
-  }
-  const std::vector<int64_t> bounds = split_by_cost(costs.data(), num_parts, std::min<int64_t>(at::get_num_threads(), num_parts));
+  const DecodePlan plan(len_ptr, num_seqs, s.block_size);
+  const int64_t num_parts = static_cast<int64_t>(plan.parts.size()), qdim = s.num_heads * s.head_dim;
+  std::vector<float> partial_storage;
+  const std::vector<PartialDecode> partials = partial_slots(plan, s.num_heads, s.head_dim, partial_storage);
+  const std::vector<int64_t> bounds = split_by_cost(plan.costs.data(), num_parts, std::min<int64_t>(at::get_num_threads(), num_parts));
   at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t begin, int64_t end) {
-    DecodeScratch scratch(s, max_len);
+    DecodeScratch scratch(s, plan.max_len);
     for (int64_t task = begin; task < end; ++task)
       for (int64_t i = bounds[task]; i < bounds[task + 1]; ++i) {
-        const DecodePart& part = parts[i];
-        const T* next_keys = nullptr;
-        if (i + 1 < bounds[task + 1]) next_keys = k_ptr + table_ptr[parts[i + 1].seq * max_blocks + parts[i + 1].first_block] * s.block_stride;
+        const DecodePart& part = plan.parts[i];
+        const DecodePart* next = i + 1 < bounds[task + 1] ? &plan.parts[i + 1] : nullptr;
+        const T* next_keys = next ? k_ptr + table_ptr[next->seq * max_blocks + next->first_block] * s.block_stride : nullptr;
         attend_sequence_three_pass(s, q_ptr + part.seq * qdim, k_ptr, v_ptr, table_ptr + part.seq * max_blocks, len_ptr[part.seq],
-                                   part.first_block, part.end_block, max_len, scratch, next_keys);
+                                   part.first_block, part.end_block, plan.max_len, scratch, next_keys);
         write_decode_part(s, scratch, out_ptr + part.seq * qdim, partials[i].acc ? &partials[i] : nullptr);
       }
   });
   for (int64_t seq = 0; seq < num_seqs; ++seq)
-    if (first_part[seq + 1] - first_part[seq] > 1)
-      merge_decode_parts(partials.data() + first_part[seq], first_part[seq + 1] - first_part[seq], s.num_heads, s.head_dim,
-                         out_ptr + seq * qdim);
+    if (plan.num_parts_of(seq) > 1)
+      merge_decode_parts(partials.data() + plan.first_part[seq], plan.num_parts_of(seq), s.num_heads, s.head_dim, out_ptr + seq * qdim);
 }
 #endif
 
