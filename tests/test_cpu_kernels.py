@@ -13,6 +13,7 @@ from pagedserve.layers.attention import (
     PrefillChunk,
     prefill_attention,
     reference_decode_attention,
+    reference_prefill_attention,
 )
 from pagedserve.layers.layernorm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding
@@ -274,9 +275,27 @@ def test_cpu_prefill_kernel_matches_reference(num_heads, num_kv_heads, head_dim,
         positions = torch.arange(chunk.seq_len - chunk.query_len, chunk.seq_len)
         own_slots = chunk.block_table[positions // block_size] * block_size + positions % block_size
         own_keys, own_values = (kv_cache[i].view(-1, num_kv_heads, head_dim)[own_slots].float() for i in (0, 1))  # a fresh chunk's
-        expected = prefill_attention(query[rows], own_keys, own_values, kv_cache, chunk)
+        expected = reference_prefill_attention(query[rows], own_keys, own_values, kv_cache, chunk)
         torch.testing.assert_close(out[rows], expected, atol=2e-5, rtol=1e-4)
     assert torch.equal(out[:num_decodes], torch.full((num_decodes, num_heads, head_dim), 7.0))
+
+
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
+@pytest.mark.parametrize("num_heads,num_kv_heads,context,query_len",
+                         [(9, 3, 600, 300), (4, 4, 129, 129), (6, 2, 2000, 150), (8, 2, 40, 400)])
+def test_torch_prefill_after_context_matches_reference(num_heads, num_kv_heads, context, query_len, cache_dtype):
+    """The chunks left to torch: after context, on CPU the context and the chunk's own keys are attended
+    apart and merged; the same as one masked call over both."""
+    torch.manual_seed(0)
+    block_size, head_dim = 16, 64
+    num_blocks = -(-(context + query_len) // block_size)
+    kv_cache = (torch.randn(2, num_blocks + 3, block_size, num_kv_heads, head_dim) * 3).to(cache_dtype)
+    table = torch.from_numpy(np.random.default_rng(0).choice(num_blocks + 3, num_blocks, replace=False).astype(np.int64))
+    chunk = PrefillChunk(0, query_len, context + query_len, table)
+    query = torch.randn(query_len, num_heads, head_dim)
+    own = torch.zeros(query_len, num_kv_heads, head_dim)  # read from the cache after context, not used
+    expected = reference_prefill_attention(query, own, own, kv_cache, chunk)
+    torch.testing.assert_close(prefill_attention(query, own, own, kv_cache, chunk), expected, atol=2e-5, rtol=1e-4)
 
 
 def test_cpu_prefill_kernel_names_a_chunk_outside_its_table():
