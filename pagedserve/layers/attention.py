@@ -2,7 +2,7 @@
 decodes and most prefill chunks (see prefill_in_kernel) go through C++ kernels (pagedserve/csrc)
 that read K/V straight from the blocks. The other chunks run torch's fused attention: a long
 prompt's first chunk on its own new K/V, a long chunk after a longer context on that context
-gathered once.
+gathered once (on CPU the context and the chunk attended apart, merged by log-sum-exp).
 
 The flat batch holds decodes first (one query token each), then prefill chunks. K/V of the new
 tokens are written into the paged cache through slot_mapping; attention then reads each
