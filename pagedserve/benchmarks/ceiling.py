@@ -67,11 +67,11 @@ def mean_decode_context(requests: list[BenchRequest]) -> int:
     return round(sum(len(r.prompt_token_ids) + r.output_len / 2 for r in requests) / len(requests))
 
 
-def workload_ceiling(llm, requests: list[BenchRequest], replay: bool = True) -> dict:
+def workload_ceiling(llm, requests: list[BenchRequest]) -> dict:
     """The bare forward's rates for this workload: prompt tokens at the bare prefill rate (4 x 128-token
     sequences), output tokens at the bare decode rate of the whole batch (one token for each sequence),
-    and at that rate after the workload's mean context, so with the attention a decode cannot skip.
-    With replay, also the replayed ceiling (replay_seconds)."""
+    and at that rate after the workload's mean context, so with the attention a decode cannot skip;
+    and the replayed ceiling (replay_seconds)."""
     prefill_rate = measure_ceiling(llm, num_seqs=PREFILL_SEQS, seq_len=PREFILL_LEN)
     batch = decode_batch(llm, requests)
     worker = llm.llm_engine.engine_core.worker
@@ -82,9 +82,7 @@ def workload_ceiling(llm, requests: list[BenchRequest], replay: bool = True) -> 
     rates = {"prefill_tokens_per_s": prefill_rate, "decode_tokens_per_s": measure_ceiling(llm, num_seqs=batch, seq_len=1, repeats=10),
              "decode_context": context,
              "decode_tokens_per_s_in_context": measure_ceiling(llm, num_seqs=batch, seq_len=1, repeats=10, context=context)}
-    if replay:
-        rates.update(replay_seconds(llm, requests))
-    return rates
+    return rates | replay_seconds(llm, requests)
 
 
 def decode_batch(llm, requests: list[BenchRequest]) -> int:
