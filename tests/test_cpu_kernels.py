@@ -45,7 +45,7 @@ CACHE_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
      (9, 3, 64, 32, [2, 64, 65, 300] * 4),
      (9, 3, 64, 16, [1000, 1, 2, 3]),  # one long sequence: the threads' shares are split by context length
      (9, 3, 64, 16, [1500]), (9, 3, 64, 16, [2048, 513, 512]),  # contexts over 512 tokens: attended in parts, merged
-     (9, 3, 64, 32, [1100, 7]),
+     (9, 3, 64, 32, [1100, 7]), (9, 3, 24, 16, [1300, 40]),  # the online-softmax route in parts too
      (4, 2, 64, 16, [7, 50]), (10, 2, 32, 16, [19, 3])],  # query heads per KV head taken 3 at a time: runs of 2, of 3 + 2
 )
 def test_cpu_decode_kernel_matches_reference(num_heads, num_kv_heads, head_dim, block_size, seq_lens, cache_dtype):
@@ -65,16 +65,17 @@ def test_cpu_decode_kernel_matches_reference(num_heads, num_kv_heads, head_dim, 
     torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-4)
 
 
-def test_cpu_decode_kernel_output_does_not_depend_on_the_batch():
+@pytest.mark.parametrize("head_dim", [64, 24])  # the three-pass route and the online-softmax one
+def test_cpu_decode_kernel_output_does_not_depend_on_the_batch(head_dim):
     """A long context is attended in parts and merged; where it is cut depends on its own length, so a
     sequence's output is bit-identical alone and beside others (which changes the threads' shares)."""
     kernels = built_kernels()
     torch.manual_seed(0)
     num_blocks, block_size = 200, 16
-    kv_cache = torch.randn(2, num_blocks, block_size, 3, 64) * 3
+    kv_cache = torch.randn(2, num_blocks, block_size, 3, head_dim) * 3
     rng = np.random.default_rng(1)
     long_table = rng.choice(num_blocks, 82, replace=False).astype(np.int64)  # 1300 tokens: three parts
-    query = torch.randn(3, 9, 64)
+    query = torch.randn(3, 9, head_dim)
 
     def decode(tables, seq_lens, queries):
         meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), num_decode_tokens=len(seq_lens),

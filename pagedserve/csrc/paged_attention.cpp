@@ -4,11 +4,11 @@
 // Decodes: one task per sequence, all its heads together: a block's K (then V) rows for every KV head
 // are one contiguous 12 KB run at the default shapes; a task per (sequence, KV head) read 256-byte
 // pieces at a 768-byte stride and ran ~30% slower with the cache cold. Head sizes that are a multiple
-// of 32 (AVX2) take three passes (all scores, one softmax, all values; attend_sequence_three_pass),
-// over parts of at most 512 tokens of a sequence, merged after (three_pass_decode), so one long
-// sequence runs on both threads; other head sizes visit each block once with an online softmax
-// (attend_sequence), a task per sequence. The tasks are split between threads by context length,
-// so one long sequence does not leave a thread idle behind many short ones.
+// of 32 (AVX2) take three passes (all scores, one softmax, all values; attend_sequence_three_pass);
+// other head sizes visit each block once with an online softmax (attend_sequence). Either way a
+// sequence's context is attended in parts of at most 512 tokens, merged after (decode_in_parts), so
+// one long sequence runs on both threads, and the parts are split between threads by context
+// length, so one long sequence does not leave a thread idle behind many short ones.
 //
 // The cache may store float32, bfloat16 or float16 (kv_cache_dtype); the kernels compute in float32.
 // The three-pass decode widens values in registers as it loads them; the other routes widen what they
@@ -192,10 +192,10 @@ struct AttentionShape {
 };
 
 struct SequenceScratch {
-  std::vector<float> q, acc, scores, running_max, running_sum, k_block, v_block;  // k/v_block: a widened 16-bit block
+  std::vector<float> q, acc, scores, maxes, sums, k_block, v_block;  // maxes/sums: running; k/v_block: a widened 16-bit block
   explicit SequenceScratch(const AttentionShape& s)
-      : q(s.num_heads * s.head_dim), acc(s.num_heads * s.head_dim), scores(s.num_heads * s.block_size),
-        running_max(s.num_heads), running_sum(s.num_heads), k_block(s.block_stride), v_block(s.block_stride) {}
+      : q(s.num_heads * s.head_dim), acc(s.num_heads * s.head_dim), scores(s.num_heads * s.block_size), maxes(s.num_heads),
+        sums(s.num_heads), k_block(s.block_stride), v_block(s.block_stride) {}
 };
 
 // Folds the n scores of one block (already q.k * scale) into a query row's running softmax and
@@ -223,25 +223,25 @@ void attend_block(const AttentionShape& s, const float* k_block, const float* v_
   }
   for (int64_t h = 0; h < s.num_heads; ++h)
     fold_scores(w.scores.data() + h * s.block_size, n, v_block + (h / s.group) * s.head_dim, s.row_stride, s.head_dim,
-                w.running_max[h], w.running_sum[h], w.acc.data() + h * s.head_dim);
+                w.maxes[h], w.sums[h], w.acc.data() + h * s.head_dim);
 }
 
-// out[h] = softmax(q[h] . K^T * scale) V over the len tokens in the blocks of table, for every head h.
+// Each head's online softmax over the keys of blocks [first_block, end_block) of a sequence of len
+// tokens (w.maxes, w.sums) and the sum of their values weighted by it (w.acc, not yet divided by w.sums).
 template <typename T>
 void attend_sequence(const AttentionShape& s, const float* q_in, const T* k_cache, const T* v_cache, const int64_t* table,
-                     int64_t len, float* out, SequenceScratch& w) {
+                     int64_t len, int64_t first_block, int64_t end_block, SequenceScratch& w) {
   const int64_t qdim = s.num_heads * s.head_dim;
   for (int64_t i = 0; i < qdim; ++i) w.q[i] = q_in[i] * s.scale;
   std::fill(w.acc.begin(), w.acc.end(), 0.f);
-  std::fill(w.running_max.begin(), w.running_max.end(), -std::numeric_limits<float>::infinity());
-  std::fill(w.running_sum.begin(), w.running_sum.end(), 0.f);
-  const int64_t num_blocks = (len + s.block_size - 1) / s.block_size;
+  std::fill(w.maxes.begin(), w.maxes.end(), -std::numeric_limits<float>::infinity());
+  std::fill(w.sums.begin(), w.sums.end(), 0.f);
   const int64_t block_bytes = s.block_stride * static_cast<int64_t>(sizeof(T));
-  for (int64_t b = 0; b < num_blocks; ++b) {
+  for (int64_t b = first_block; b < end_block; ++b) {
     const int64_t n = std::min(s.block_size, len - b * s.block_size);
     SpreadPrefetch next_keys, next_values;
-    next_keys.start(b + 1 < num_blocks ? k_cache + table[b + 1] * s.block_stride : nullptr, block_bytes, n);
-    next_values.start(b + 1 < num_blocks ? v_cache + table[b + 1] * s.block_stride : nullptr, block_bytes, n);
+    next_keys.start(b + 1 < end_block ? k_cache + table[b + 1] * s.block_stride : nullptr, block_bytes, n);
+    next_values.start(b + 1 < end_block ? v_cache + table[b + 1] * s.block_stride : nullptr, block_bytes, n);
     attend_block(s, as_float(k_cache + table[b] * s.block_stride, n * s.row_stride, w.k_block.data()),
                  as_float(v_cache + table[b] * s.block_stride, n * s.row_stride, w.v_block.data()), n, w, [&] {
                    next_keys();
@@ -249,10 +249,6 @@ void attend_sequence(const AttentionShape& s, const float* q_in, const T* k_cach
                  });
     next_keys.finish();
     next_values.finish();
-  }
-  for (int64_t h = 0; h < s.num_heads; ++h) {
-    const float inv = 1.f / w.running_sum[h];
-    for (int64_t d = 0; d < s.head_dim; ++d) out[h * s.head_dim + d] = w.acc[h * s.head_dim + d] * inv;
   }
 }
 
@@ -335,18 +331,6 @@ struct DecodeScratch {
         sums(s.num_heads) {}
 };
 
-// One part of a sequence's context for the three-pass decode: blocks [first_block, end_block) of its
-// table, at most kPartTokens tokens. A sequence of one part writes its output; the parts of a longer
-// one write their unnormalized sums, maxima and exp-sums (PartialDecode), merged afterwards.
-struct DecodePart {
-  int64_t seq, first_block, end_block;
-};
-
-// Where a part of a longer sequence leaves its results: acc [num_heads * head_dim], max and sum [num_heads].
-struct PartialDecode {
-  float *acc, *max, *sum;
-};
-
 // Each head's softmax over the keys of blocks [first_block, end_block) of a sequence of len tokens
 // (w.maxes, w.sums) and the sum of their values weighted by it (w.acc, not yet divided by w.sums).
 template <typename T>
@@ -407,39 +391,6 @@ void attend_sequence_three_pass(const AttentionShape& s, const float* q_in, cons
   }
 }
 
-// A part's results: a whole sequence's output (w.acc / sum), or a part's partial results.
-void write_decode_part(const AttentionShape& s, const DecodeScratch& w, float* out, const PartialDecode* partial) {
-  if (partial) {
-    std::copy(w.acc.begin(), w.acc.end(), partial->acc);
-    std::copy(w.maxes.begin(), w.maxes.end(), partial->max);
-    std::copy(w.sums.begin(), w.sums.end(), partial->sum);
-    return;
-  }
-  for (int64_t h = 0; h < s.num_heads; ++h) {
-    const float inv = 1.f / w.sums[h];
-    for (int64_t d = 0; d < s.head_dim; ++d) out[h * s.head_dim + d] = w.acc[h * s.head_dim + d] * inv;
-  }
-}
-
-// out[h] = sum_p acc_p[h] e^(max_p[h] - M) / sum_p sum_p[h] e^(max_p[h] - M), M the largest max_p[h]:
-// the parts' softmaxes rescaled to one.
-void merge_decode_parts(const PartialDecode* parts, int64_t num_parts, int64_t num_heads, int64_t head_dim, float* out) {
-  for (int64_t h = 0; h < num_heads; ++h) {
-    float top = -std::numeric_limits<float>::infinity();
-    for (int64_t p = 0; p < num_parts; ++p) top = std::max(top, parts[p].max[h]);
-    float total = 0.f;
-    float* o = out + h * head_dim;
-    std::fill(o, o + head_dim, 0.f);
-    for (int64_t p = 0; p < num_parts; ++p) {
-      const float weight = std::exp(parts[p].max[h] - top);
-      total += parts[p].sum[h] * weight;
-      const float* acc = parts[p].acc + h * head_dim;
-      for (int64_t d = 0; d < head_dim; ++d) o[d] += acc[d] * weight;
-    }
-    const float inv = 1.f / total;
-    for (int64_t d = 0; d < head_dim; ++d) o[d] *= inv;
-  }
-}
 #endif
 
 // Boundaries of `parts` contiguous ranges of items holding about equal shares of their costs (a
@@ -457,7 +408,18 @@ std::vector<int64_t> split_by_cost(const int64_t* costs, int64_t num_items, int6
   return bounds;
 }
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// One part of a sequence's context for a decode: blocks [first_block, end_block) of its
+// table, at most kPartTokens tokens. A sequence of one part writes its output; the parts of a longer
+// one write their unnormalized sums, maxima and exp-sums (PartialDecode), merged afterwards.
+struct DecodePart {
+  int64_t seq, first_block, end_block;
+};
+
+// Where a part of a longer sequence leaves its results: acc [num_heads * head_dim], max and sum [num_heads].
+struct PartialDecode {
+  float *acc, *max, *sum;
+};
+
 // A sequence's context is attended in parts of at most this many tokens, each part a task of its own,
 // so one long sequence (alone in a step, or beside short ones) runs on every thread. Batch 1, 30
 // layers, alternating processes: 1024 tokens 4.0-5.1 -> 2.2-3.3 ms, 4096 tokens 16-20 -> 9-13 ms
@@ -503,31 +465,63 @@ std::vector<PartialDecode> partial_slots(const DecodePlan& plan, int64_t num_hea
   return partials;
 }
 
-template <typename T>
-void three_pass_decode(const AttentionShape& s, const float* q_ptr, const T* k_ptr, const T* v_ptr, const int64_t* table_ptr,
-                       int64_t max_blocks, const int64_t* len_ptr, int64_t num_seqs, float* out_ptr) {
-  const DecodePlan plan(len_ptr, num_seqs, s.block_size);
+// A part's results (w: either route's scratch): a whole sequence's output (w.acc / sum), or a part's partial results.
+template <typename Scratch>
+void write_decode_part(const AttentionShape& s, const Scratch& w, float* out, const PartialDecode* partial) {
+  if (partial) {
+    std::copy(w.acc.begin(), w.acc.end(), partial->acc);
+    std::copy(w.maxes.begin(), w.maxes.end(), partial->max);
+    std::copy(w.sums.begin(), w.sums.end(), partial->sum);
+    return;
+  }
+  for (int64_t h = 0; h < s.num_heads; ++h) {
+    const float inv = 1.f / w.sums[h];
+    for (int64_t d = 0; d < s.head_dim; ++d) out[h * s.head_dim + d] = w.acc[h * s.head_dim + d] * inv;
+  }
+}
+
+// out[h] = sum_p acc_p[h] e^(max_p[h] - M) / sum_p sum_p[h] e^(max_p[h] - M), M the largest max_p[h]:
+// the parts' softmaxes rescaled to one.
+void merge_decode_parts(const PartialDecode* parts, int64_t num_parts, int64_t num_heads, int64_t head_dim, float* out) {
+  for (int64_t h = 0; h < num_heads; ++h) {
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < num_parts; ++p) top = std::max(top, parts[p].max[h]);
+    float total = 0.f;
+    float* o = out + h * head_dim;
+    std::fill(o, o + head_dim, 0.f);
+    for (int64_t p = 0; p < num_parts; ++p) {
+      const float weight = std::exp(parts[p].max[h] - top);
+      total += parts[p].sum[h] * weight;
+      const float* acc = parts[p].acc + h * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) o[d] += acc[d] * weight;
+    }
+    const float inv = 1.f / total;
+    for (int64_t d = 0; d < head_dim; ++d) o[d] *= inv;
+  }
+}
+
+// Runs attend(part, next part of the same thread or null, scratch) for every part of the plan, on
+// the threads split by cost, then writes each whole sequence's output and merges each cut one's.
+template <typename MakeScratch, typename Attend>
+void decode_in_parts(const AttentionShape& s, const DecodePlan& plan, float* out_ptr, const MakeScratch& make_scratch, const Attend& attend) {
   const int64_t num_parts = static_cast<int64_t>(plan.parts.size()), qdim = s.num_heads * s.head_dim;
   std::vector<float> partial_storage;
   const std::vector<PartialDecode> partials = partial_slots(plan, s.num_heads, s.head_dim, partial_storage);
   const std::vector<int64_t> bounds = split_by_cost(plan.costs.data(), num_parts, std::min<int64_t>(at::get_num_threads(), num_parts));
   at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t begin, int64_t end) {
-    DecodeScratch scratch(s, plan.max_len);
+    auto scratch = make_scratch();
     for (int64_t task = begin; task < end; ++task)
       for (int64_t i = bounds[task]; i < bounds[task + 1]; ++i) {
         const DecodePart& part = plan.parts[i];
-        const DecodePart* next = i + 1 < bounds[task + 1] ? &plan.parts[i + 1] : nullptr;
-        const T* next_keys = next ? k_ptr + table_ptr[next->seq * max_blocks + next->first_block] * s.block_stride : nullptr;
-        attend_sequence_three_pass(s, q_ptr + part.seq * qdim, k_ptr, v_ptr, table_ptr + part.seq * max_blocks, len_ptr[part.seq],
-                                   part.first_block, part.end_block, plan.max_len, scratch, next_keys);
+        attend(part, i + 1 < bounds[task + 1] ? &plan.parts[i + 1] : nullptr, scratch);
         write_decode_part(s, scratch, out_ptr + part.seq * qdim, partials[i].acc ? &partials[i] : nullptr);
       }
   });
-  for (int64_t seq = 0; seq < num_seqs; ++seq)
+  for (int64_t seq = 0; seq < static_cast<int64_t>(plan.first_part.size()) - 1; ++seq)
     if (plan.num_parts_of(seq) > 1)
       merge_decode_parts(partials.data() + plan.first_part[seq], plan.num_parts_of(seq), s.num_heads, s.head_dim, out_ptr + seq * qdim);
 }
-#endif
+
 
 
 // ---- prefill chunks: a prompt's first chunk, prefix-cache hits, later chunks of long prompts ----
@@ -736,24 +730,28 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Te
   const float fscale = static_cast<float>(scale);
 
   const AttentionShape shape{num_heads, group, head_dim, block_size, row_stride, block_stride, fscale};
+  const DecodePlan plan(len_ptr, num_seqs, block_size);
+  const int64_t qdim = num_heads * head_dim;
   dispatch_cache_type(key_cache, [&](auto element) {
     using T = decltype(element);
     const T* k_ptr = key_cache.data_ptr<T>();
     const T* v_ptr = value_cache.data_ptr<T>();
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
     if (head_dim % 32 == 0) {
-      three_pass_decode(shape, q_ptr, k_ptr, v_ptr, table_ptr, max_blocks, len_ptr, num_seqs, out_ptr);
+      decode_in_parts(shape, plan, out_ptr, [&] { return DecodeScratch(shape, plan.max_len); },
+                      [&](const DecodePart& part, const DecodePart* next, DecodeScratch& w) {
+                        const T* next_keys = next ? k_ptr + table_ptr[next->seq * max_blocks + next->first_block] * block_stride : nullptr;
+                        attend_sequence_three_pass(shape, q_ptr + part.seq * qdim, k_ptr, v_ptr, table_ptr + part.seq * max_blocks,
+                                                   len_ptr[part.seq], part.first_block, part.end_block, plan.max_len, w, next_keys);
+                      });
       return;
     }
 #endif
-    const std::vector<int64_t> bounds = split_by_cost(len_ptr, num_seqs, std::min<int64_t>(at::get_num_threads(), num_seqs));
-    at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t begin, int64_t end) {
-      SequenceScratch scratch(shape);
-      for (int64_t part = begin; part < end; ++part)
-        for (int64_t seq = bounds[part]; seq < bounds[part + 1]; ++seq)
-          attend_sequence(shape, q_ptr + seq * num_heads * head_dim, k_ptr, v_ptr, table_ptr + seq * max_blocks, len_ptr[seq],
-                          out_ptr + seq * num_heads * head_dim, scratch);
-    });
+    decode_in_parts(shape, plan, out_ptr, [&] { return SequenceScratch(shape); },
+                    [&](const DecodePart& part, const DecodePart*, SequenceScratch& w) {
+                      attend_sequence(shape, q_ptr + part.seq * qdim, k_ptr, v_ptr, table_ptr + part.seq * max_blocks, len_ptr[part.seq],
+                                      part.first_block, part.end_block, w);
+                    });
   });
   return out;
 }

@@ -163,6 +163,11 @@ def reference_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta
     return out.view(num_decodes, query.shape[1], query.shape[2])
 
 
+# torch's CPU flash attention, which also returns each query row's log-sum-exp (a private op of
+# torch's; None where this torch lacks it, and the masked path runs).
+_flash_with_logsumexp = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
 def prefill_attention(query, key, value, kv_cache: torch.Tensor, chunk: PrefillChunk) -> torch.Tensor:
     """A chunk the CPU kernel does not take (prefill_in_kernel): torch's fused attention. After context
     on CPU, the context and the chunk's own keys are attended separately and merged (see
@@ -192,11 +197,6 @@ def reference_prefill_attention(query, key, value, kv_cache: torch.Tensor, chunk
         enable_gqa=True,
     )
     return out[0].transpose(0, 1)
-
-
-# torch's CPU flash attention, which also returns each query row's log-sum-exp (a private op of
-# torch's; None where this torch lacks it, and the masked path runs).
-_flash_with_logsumexp = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def _context_then_chunk(query, keys, values, context_len: int) -> torch.Tensor:
