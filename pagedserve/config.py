@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 # 2 GiB of KV holds ~46k tokens of the default model: plenty of concurrency on a small CPU box.
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
+ATTENTION_BACKENDS = ("auto", "cpu", "torch")
+GEMM_BACKENDS = ("auto", "onednn", "torch")
 
 
 @dataclass
@@ -45,6 +47,21 @@ class EngineConfig:
                   "4-7x fewer bytes per step); off: on the dequantized float32 weights"},
     )
     num_threads: int | None = field(default=None, metadata={"help": "torch intra-op threads of the engine (default: all cores)"})
+    attention_backend: str = field(
+        default="auto",
+        metadata={"help": "attention implementation: cpu (C++ kernels on the paged cache; CPU, float32), torch (the plain-torch "
+                  "reference, any device), or auto (cpu where it applies, else torch)"},
+    )
+    cpu_kernels: bool = field(
+        default=True,
+        metadata={"help": "on CPU in float32, run RMSNorm, rotary, SiLU-and-mul, argmax and GGUF-block GEMMs in the C++ kernels; "
+                  "off: their plain-torch paths (attention follows attention_backend)"},
+    )
+    gemm_backend: str = field(
+        default="auto",
+        metadata={"help": "float32 GEMMs on CPU: onednn (weights packed at load), torch (torch's default BLAS), or auto (onednn "
+                  "where torch has it)"},
+    )
 
     def __post_init__(self) -> None:
         self.validate()
@@ -61,6 +78,9 @@ class EngineConfig:
         _require(self.kv_cache_dtype in ("auto", "float32", "bfloat16", "float16"), "kv_cache_dtype", "auto, float32, bfloat16, float16",
                  self.kv_cache_dtype)
         _require(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device", "auto, cpu, cuda", self.device)
+        _require(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", ", ".join(ATTENTION_BACKENDS),
+                 self.attention_backend)
+        _require(self.gemm_backend in GEMM_BACKENDS, "gemm_backend", ", ".join(GEMM_BACKENDS), self.gemm_backend)
         if self.max_model_len is not None:
             _require(self.max_model_len >= 1, "max_model_len", ">= 1", self.max_model_len)
         if self.num_gpu_blocks_override is not None:

@@ -17,6 +17,16 @@ PositionLogprobs = dict[int, Logprob]
 
 
 @dataclass
+class LogprobsLists:
+    """Logprobs as the sampler computes them, per position: (token ids, logprobs, rank); index 0 of each
+    position is the sampled (or actual prompt) token, then the top-N. Plain lists, cheap to send."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str

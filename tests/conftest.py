@@ -113,6 +113,15 @@ PROMPTS = [
 ]
 
 
+def engine_core_of(llm):
+    """The EngineCore an offline LLM runs in its own process (for tests that inspect its state)."""
+    return llm.llm_engine.client.engine_core
+
+
+def worker_of(llm):
+    return engine_core_of(llm).executor.worker
+
+
 def greedy(max_tokens: int, **kwargs):
     from pagedserve import SamplingParams
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from pagedserve.core.interface import ModelRunnerOutput, SchedulerOutput
+from pagedserve.core.contracts import ModelRunnerOutput, SchedulerOutput
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.request import Request

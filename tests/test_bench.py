@@ -48,19 +48,23 @@ def test_repeats_must_be_positive(tmp_path):
 def test_ceiling_decodes_after_the_context_it_names():
     import torch
 
-    from pagedserve.benchmarks.ceiling import mean_decode_context, sequences_metadata
+    from pagedserve.benchmarks.ceiling import mean_decode_context
     from pagedserve.benchmarks.datasets import BenchRequest
+    from pagedserve.executor.input_batch import dummy_layout
+    from pagedserve.layers import cpu_kernels
+    from pagedserve.layers.attention.cpu_backend import CPUAttentionBackend
 
-    meta = sequences_metadata(num_seqs=3, seq_len=1, context=40, block_size=16, device=torch.device("cpu"))
+    backend = CPUAttentionBackend(cpu_kernels.load())
+    meta = backend.build_metadata(dummy_layout(num_seqs=3, seq_len=1, context=40, block_size=16), torch.device("cpu"))
     assert meta.num_decode_tokens == 3 and meta.decode_seq_lens.tolist() == [41, 41, 41]
     tables = meta.decode_block_tables.tolist()
     assert [len(set(t)) for t in tables] == [3, 3, 3] and not set(tables[0]) & set(tables[1])
     # Each new token's slot is position 40 of its own sequence: block 2 of its table, offset 8.
     assert meta.slot_mapping.tolist() == [t[2] * 16 + 8 for t in tables]
     # Prefills take the engine's route: 128-token fresh chunks go to the CPU kernel, none left to torch.
-    prefill = sequences_metadata(num_seqs=4, seq_len=128, context=0, block_size=16, device=torch.device("cpu"))
+    prefill = backend.build_metadata(dummy_layout(num_seqs=4, seq_len=128, context=0, block_size=16), torch.device("cpu"))
     assert prefill.paged_prefills is not None and prefill.paged_prefills.query_lens.tolist() == [128] * 4
-    assert prefill.paged_prefills.torch_chunks == []
+    assert prefill.torch_chunks == []
     requests = [BenchRequest([1] * 10, 4), BenchRequest([1] * 30, 12)]
     assert mean_decode_context(requests) == 24  # (10 + 4/2 + 30 + 12/2) / 2
 

@@ -38,7 +38,7 @@ def test_bad_flag_value_is_reported_clearly():
 
 
 def test_openmp_wait_settings_are_set_before_torch_loads_and_users_win():
-    """Threads sleep between parallel regions after a short spin (see pagedserve/__init__.py); values
+    """Threads sleep between parallel regions after a short spin (see executor/cpu_host.py); values
     the user exported are kept."""
     import os
 
@@ -51,11 +51,12 @@ def test_openmp_wait_settings_are_set_before_torch_loads_and_users_win():
     assert users.stdout.split() == ["ACTIVE", "7"], users.stderr
 
 
-def test_user_environment_leaves_out_only_what_pagedserve_set():
+def test_environment_without_openmp_defaults_leaves_out_only_what_pagedserve_set():
     """Baselines (HF static batching) run with the environment as the user had it."""
     import os
 
-    script = "import pagedserve; e = pagedserve.user_environment(); print(e.get('OMP_WAIT_POLICY'), e.get('GOMP_SPINCOUNT'))"
+    script = ("import pagedserve.executor.cpu_host as host; e = host.environment_without_openmp_defaults(); "
+              "print(e.get('OMP_WAIT_POLICY'), e.get('GOMP_SPINCOUNT'))")
     clean = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     result = subprocess.run([sys.executable, "-c", script], env={**clean, "GOMP_SPINCOUNT": "7"}, capture_output=True, text=True,
                             timeout=120)

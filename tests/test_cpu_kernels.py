@@ -4,20 +4,17 @@ import numpy as np
 import pytest
 import torch
 
-from pagedserve.executor.input_batch import fill_decode_metadata
 from pagedserve.layers import cpu_kernels
-from pagedserve.layers.attention import (
-    Attention,
-    AttentionMetadata,
-    PagedPrefills,
-    PrefillChunk,
-    prefill_attention,
+from pagedserve.layers.activation import SiluAndMul
+from pagedserve.layers.attention import Attention, AttentionMetadata, BatchLayout, PrefillChunk
+from pagedserve.layers.attention.cpu_backend import CPUAttentionBackend, PagedPrefills, prefill_attention
+from pagedserve.layers.attention.torch_backend import (
+    TorchAttentionBackend,
     reference_decode_attention,
     reference_prefill_attention,
 )
 from pagedserve.layers.layernorm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding
-from pagedserve.models.llama import LlamaMLP
 
 
 def built_kernels():
@@ -26,12 +23,17 @@ def built_kernels():
     return kernels
 
 
-def reference(monkeypatch, fn):
-    """fn() computed by the plain-torch path of the same module."""
-    with monkeypatch.context() as patch:
-        patch.setattr(cpu_kernels, "for_tensor", lambda tensor: None)
-        patch.setattr(cpu_kernels, "for_kv_cache", lambda kv_cache: None)
-        return fn()
+def with_kernels(module, fn):
+    """fn() computed with the module on the C++ kernels, then on its plain-torch path: (kernel, reference)."""
+    cpu_kernels.attach(module, built_kernels())
+    ours = fn()
+    cpu_kernels.attach(module, None)
+    return ours, fn()
+
+
+def decode_metadata(tables, seq_lens) -> AttentionMetadata:
+    layout = BatchLayout(np.zeros(0, dtype=np.int64), len(seq_lens), [1] * len(seq_lens), list(seq_lens), list(tables))
+    return AttentionMetadata.from_layout(layout, torch.device("cpu"))
 
 
 # What the KV cache may store (kv_cache_dtype); queries and outputs stay float32.
@@ -55,9 +57,7 @@ def test_cpu_decode_kernel_matches_reference(num_heads, num_kv_heads, head_dim, 
     kv_cache = (torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim) * 3).to(cache_dtype)  # sharp softmax: tests the running max
     rng = np.random.default_rng(0)
     tables = [rng.choice(num_blocks, -(-n // block_size), replace=False).astype(np.int64) for n in seq_lens]
-    meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), num_decode_tokens=len(seq_lens),
-                             decode_block_tables=None, decode_seq_lens=None, prefills=[])
-    fill_decode_metadata(meta, tables, seq_lens, block_size, torch.device("cpu"))
+    meta = decode_metadata(tables, seq_lens)
     query = torch.randn(len(seq_lens), num_heads, head_dim)
     expected = reference_decode_attention(query, kv_cache, meta)
     actual = kernels.paged_decode_attention(query, kv_cache[0], kv_cache[1], meta.decode_block_tables, meta.decode_seq_lens,
@@ -78,9 +78,7 @@ def test_cpu_decode_kernel_output_does_not_depend_on_the_batch(head_dim):
     query = torch.randn(3, 9, head_dim)
 
     def decode(tables, seq_lens, queries):
-        meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), num_decode_tokens=len(seq_lens),
-                                 decode_block_tables=None, decode_seq_lens=None, prefills=[])
-        fill_decode_metadata(meta, tables, seq_lens, block_size, torch.device("cpu"))
+        meta = decode_metadata(tables, seq_lens)
         return kernels.paged_decode_attention(queries, kv_cache[0], kv_cache[1], meta.decode_block_tables, meta.decode_seq_lens, 0.125)
 
     alone = decode([long_table], [1300], query[1:2])
@@ -90,20 +88,18 @@ def test_cpu_decode_kernel_output_does_not_depend_on_the_batch(head_dim):
 
 
 @pytest.mark.parametrize("num_tokens", [1, 32, 700])
-def test_rms_norm_kernels_match_reference(monkeypatch, num_tokens):
-    built_kernels()
+def test_rms_norm_kernels_match_reference(num_tokens):
     torch.manual_seed(0)
     norm = RMSNorm(576, eps=1e-5)
     norm.weight.data.uniform_(0.5, 1.5)
     x, residual = torch.randn(num_tokens, 576), torch.randn(num_tokens, 576)
-    torch.testing.assert_close(norm(x), reference(monkeypatch, lambda: norm(x)), atol=1e-5, rtol=1e-5)
-    out, new_residual = norm(x, residual)
-    ref_out, ref_residual = reference(monkeypatch, lambda: norm(x, residual))
+    torch.testing.assert_close(*with_kernels(norm, lambda: norm(x)), atol=1e-5, rtol=1e-5)
+    (out, new_residual), (ref_out, ref_residual) = with_kernels(norm, lambda: norm(x, residual))
     torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(new_residual, ref_residual)
     head_norm = RMSNorm(64)  # Qwen3's q/k norm: over the last dim of a [T, H, D] view
     q = torch.randn(num_tokens, 3, 128)[:, :, :64]
-    torch.testing.assert_close(head_norm(q), reference(monkeypatch, lambda: head_norm(q)), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(*with_kernels(head_norm, lambda: head_norm(q)), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("width", [1, 13, 64, 49152])
@@ -130,26 +126,29 @@ def test_argmax_kernel_is_torch_argmax(width):
 
 
 @pytest.mark.parametrize("num_tokens", [1, 32, 300])
-def test_silu_and_mul_matches_reference(monkeypatch, num_tokens):
-    built_kernels()
+def test_silu_and_mul_matches_reference(num_tokens):
     torch.manual_seed(0)
-    config = type("Config", (), {"hidden_act": "silu", "hidden_size": 64, "intermediate_size": 100})()
-    mlp = LlamaMLP(config)
-    x = torch.randn(num_tokens, 64) * 4
-    torch.testing.assert_close(mlp(x), reference(monkeypatch, lambda: mlp(x)), atol=1e-5, rtol=1e-5)
+    act = SiluAndMul()
+    gate_up = torch.randn(num_tokens, 200) * 4
+    torch.testing.assert_close(*with_kernels(act, lambda: act(gate_up)), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("num_tokens", [1, 32, 300])
-def test_rotary_kernel_matches_reference(monkeypatch, num_tokens):
-    built_kernels()
+def test_rotary_kernel_matches_reference(num_tokens):
     torch.manual_seed(0)
     config = type("Config", (), {"rope_theta": 10000.0, "rope_scaling": None})()
     rope = RotaryEmbedding(config, head_dim=64, max_position=4096)
     positions = torch.randint(0, 4096, (num_tokens,))
     qkv = torch.randn(num_tokens, 9 * 64 + 2 * 3 * 64)  # rotated as views into the fused projection
-    q_ref, k_ref = reference(monkeypatch, lambda: rope(positions, qkv[:, :576].reshape(-1, 9, 64), qkv[:, 576:768].reshape(-1, 3, 64)))
     untouched = qkv[:, 768:].clone()
-    q, k = rope(positions, qkv[:, :576].reshape(-1, 9, 64), qkv[:, 576:768].reshape(-1, 3, 64))
+    original = qkv.clone()
+
+    def rotate():  # the kernel rotates in place: each run starts from the same values
+        qkv.copy_(original)
+        q, k = rope(positions, qkv[:, :576].reshape(-1, 9, 64), qkv[:, 576:768].reshape(-1, 3, 64))
+        return q.clone(), k.clone()
+
+    (q, k), (q_ref, k_ref) = with_kernels(rope, rotate)
     torch.testing.assert_close(q, q_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(k, k_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(qkv[:, 768:], untouched)
@@ -222,7 +221,7 @@ def test_quantized_linear_names_bad_input():
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 def test_kv_cache_write_kernel_matches_reference(cache_dtype):
     """The kernel stores what torch's .to(cache dtype) stores (round to nearest even), bit for bit."""
-    from pagedserve.layers.attention import reference_write_kv_cache
+    from pagedserve.layers.attention.torch_backend import reference_write_kv_cache
 
     kernels = built_kernels()
     torch.manual_seed(0)
@@ -310,32 +309,33 @@ def test_cpu_prefill_kernel_names_a_chunk_outside_its_table():
 
 
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
-def test_attention_layer_routes_every_chunk_once(monkeypatch, cache_dtype):
-    """One step with decodes, short and long fresh prompts, short and long chunks after context: the layer with the
-    kernels gives what the plain-torch path gives for every row (no chunk skipped or done twice)."""
+def test_cpu_backend_routes_every_chunk_once(cache_dtype):
+    """One step with decodes, short and long fresh prompts, short and long chunks after context: the layer on
+    the CPU backend gives what it gives on the torch reference backend for every row (no chunk skipped or
+    done twice)."""
     torch.manual_seed(0)
     num_heads, num_kv_heads, head_dim, block_size, num_blocks = 9, 3, 64, 16, 320
     rng = np.random.default_rng(0)
-    # (context, query tokens): fresh short and long, after context short, long on a short and on a long context
-    decode_lens, chunks = [5, 40], [(0, 30), (0, 600), (300, 16), (20, 200), (400, 150)]
+    # (context, query tokens): decodes, then fresh short and long, after context short, long on a short and on a long context
+    seqs = [(4, 1), (39, 1), (0, 30), (0, 600), (300, 16), (20, 200), (400, 150)]
     blocks = iter(rng.permutation(num_blocks).astype(np.int64))
-    decode_tables = [np.array([next(blocks) for _ in range(-(-n // block_size))]) for n in decode_lens]
-    prefills, slots, start = [], [], len(decode_lens)
-    for table, n in zip(decode_tables, decode_lens):
-        slots.append(table[(n - 1) // block_size] * block_size + (n - 1) % block_size)
-    for context, query_len in chunks:
+    tables, slots = [], []
+    for context, query_len in seqs:
         table = np.array([next(blocks) for _ in range(-(-(context + query_len) // block_size))])
         positions = np.arange(context, context + query_len)
         slots.extend(table[positions // block_size] * block_size + positions % block_size)
-        prefills.append(PrefillChunk(start, query_len, context + query_len, torch.from_numpy(table)))
-        start += query_len
-    meta = AttentionMetadata(torch.tensor(slots), len(decode_lens), None, None, prefills,
-                             paged_prefills=PagedPrefills.for_kernel(prefills, torch.device("cpu")))
-    fill_decode_metadata(meta, decode_tables, decode_lens, block_size, torch.device("cpu"))
-    query = torch.randn(start, num_heads, head_dim)
+        tables.append(table)
+    layout = BatchLayout(np.array(slots), 2, [q for _, q in seqs], [c + q for c, q in seqs], tables)
+    num_tokens = len(slots)
+    query = torch.randn(num_tokens, num_heads, head_dim)
     # K/V the cache dtype holds exactly: the kernels read a fresh chunk's K/V back from the cache, torch takes them as given
-    key, value = torch.randn(2, start, num_kv_heads, head_dim).to(cache_dtype).float()
-    layer = Attention(num_heads, head_dim, num_kv_heads)
+    key, value = torch.randn(2, num_tokens, num_kv_heads, head_dim).to(cache_dtype).float()
     cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim).to(cache_dtype)
-    expected = reference(monkeypatch, lambda: layer(query, key, value, cache.clone(), meta))
-    torch.testing.assert_close(layer(query, key, value, cache.clone(), meta), expected, atol=2e-5, rtol=1e-4)
+    outputs = []
+    for backend in (CPUAttentionBackend(built_kernels()), TorchAttentionBackend()):
+        meta = backend.build_metadata(layout, torch.device("cpu"))
+        layer = Attention(num_heads, head_dim, num_kv_heads, backend)
+        outputs.append(layer(query, key, value, cache.clone(), meta))
+    cpu_meta = CPUAttentionBackend(built_kernels()).build_metadata(layout, torch.device("cpu"))
+    assert cpu_meta.paged_prefills is not None and len(cpu_meta.torch_chunks) == 2  # both routes are exercised
+    torch.testing.assert_close(outputs[0], outputs[1], atol=2e-5, rtol=1e-4)

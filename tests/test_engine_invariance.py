@@ -3,7 +3,7 @@
 import random
 
 import pytest
-from conftest import PROMPTS, greedy, token_ids_of
+from conftest import PROMPTS, engine_core_of, greedy, token_ids_of
 
 from pagedserve import LLM, SamplingParams
 
@@ -68,5 +68,5 @@ def test_preemption_keeps_outputs_identical(default_model_dir, reference):
     outputs = llm.generate(PROMPTS * 2, greedy(MAX_TOKENS), use_tqdm=False)
     assert llm.llm_engine.get_stats().num_preemptions > 0
     assert token_ids_of(outputs) == reference * 2
-    core = llm.llm_engine.engine_core
+    core = engine_core_of(llm)
     assert core.kv_cache_manager.num_free_blocks == core.kv_cache_manager.num_blocks

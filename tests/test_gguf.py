@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import torch
-from conftest import greedy
+from conftest import greedy, worker_of
 from gguf_writer import QUANT_TYPES, quantized_round_trip, tiny_llama_config, write_gguf
 
 from pagedserve import LLM
@@ -35,7 +35,7 @@ def tiny_gguf(tmp_path, tiny_hf_llama, type_name: str):
 def test_gguf_weights_load_as_their_dequantized_values(type_name, tiny_hf_llama, tmp_path):
     config, hf_model = tiny_hf_llama
     llm = LLM(str(tiny_gguf(tmp_path, tiny_hf_llama, type_name)), kv_cache_memory=4 * 1024**2)
-    ours = llm.llm_engine.engine_core.worker.model
+    ours = worker_of(llm).model
     layer, hf_layer = ours.model.layers[1], hf_model.model.layers[1]
     q_size = layer.self_attn.q_size
     pairs = [
@@ -89,7 +89,7 @@ def test_quantized_gguf_runs_on_its_blocks_with_the_same_values(type_name, tiny_
     config, _ = tiny_hf_llama
     path = tiny_gguf(tmp_path, tiny_hf_llama, type_name)
     on_blocks = LLM(str(path), kv_cache_memory=4 * 1024**2)
-    model = on_blocks.llm_engine.engine_core.worker.model
+    model = worker_of(on_blocks).model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert len(linears) == 4 * config.num_hidden_layers and all(m.quantized is not None for m in linears)
     assert model.quantized_lm_head is not None
@@ -99,7 +99,7 @@ def test_quantized_gguf_runs_on_its_blocks_with_the_same_values(type_name, tiny_
         assert torch.equal(kernels.dequantize_gguf(module.quantized.blocks, module.quantized.qtype), module.weight)
         assert module.quantized.interleaved is not None  # steps of 3+ rows take the broadcast GEMM
     on_floats = LLM(str(path), kv_cache_memory=4 * 1024**2, gguf_quantized_weights=False)
-    assert all(m.quantized is None for m in on_floats.llm_engine.engine_core.worker.model.modules() if isinstance(m, Linear))
+    assert all(m.quantized is None for m in worker_of(on_floats).model.modules() if isinstance(m, Linear))
     # A prompt longer than QUANTIZED_MAX_ROWS runs its prefill on the float32 weights, its decodes on the blocks.
     prompts = ["hello world", "or", "hello world or hello " * (QUANTIZED_MAX_ROWS // 4)]
     params = greedy(10)

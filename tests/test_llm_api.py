@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from conftest import PROMPTS, greedy, token_ids_of
+from conftest import PROMPTS, greedy, token_ids_of, worker_of
 
 from pagedserve import LLM, SamplingParams
 
@@ -67,7 +67,7 @@ def test_duplicate_request_id_is_rejected_and_abort_frees_blocks(default_llm):
     engine.abort_request("dup")
     engine.step()
     assert not engine.has_unfinished_requests()
-    kv = engine.engine_core.kv_cache_manager
+    kv = engine.client.engine_core.kv_cache_manager
     assert kv.num_free_blocks == kv.num_blocks and engine.get_stats().kv_cache_usage == 0.0
 
 
@@ -109,7 +109,7 @@ def test_model_loading_errors_name_the_problem(tmp_path, tiny_models):
 def test_kv_cache_size_and_max_model_len_follow_the_budget(tiny_models):
     # The tiny llama: 2 layers x 2 KV heads x 16 dims x 2 (K,V) x 4 bytes = 512 bytes per token.
     llm = LLM(str(tiny_models["llama"]), kv_cache_memory=512 * 16 * 20)
-    worker = llm.llm_engine.engine_core.worker
+    worker = worker_of(llm)
     assert worker.num_blocks == 20 and worker.max_model_len == 320
     with pytest.raises(ValueError, match="does not fit in the KV cache"):
         LLM(str(tiny_models["llama"]), kv_cache_memory=512 * 16 * 20, max_model_len=512)

@@ -1,7 +1,7 @@
 """Greedy outputs and logprobs match HuggingFace transformers on the same weights."""
 
 import pytest
-from conftest import PROMPTS, TINY_ARCHS, greedy, hf_greedy, hf_token_logprobs, token_ids_of
+from conftest import PROMPTS, TINY_ARCHS, greedy, hf_greedy, hf_token_logprobs, token_ids_of, worker_of
 
 from pagedserve import LLM
 
@@ -72,7 +72,7 @@ def test_half_precision_dtypes_run_and_stay_close_to_float32(dtype, tiny_models)
     model_dir = tiny_models["qwen2"]
     prompts = [{"prompt_token_ids": [1, 400, 500, 600, 700]}]
     half = LLM(str(model_dir), dtype=dtype, kv_cache_memory=8 * 1024**2)
-    assert half.llm_engine.engine_core.worker.kv_caches[0].dtype == getattr(__import__("torch"), dtype)
+    assert worker_of(half).kv_caches[0].dtype == getattr(__import__("torch"), dtype)
     out = half.generate(prompts, greedy(8, logprobs=0), use_tqdm=False)[0].outputs[0]
     reference, _ = hf_token_logprobs(model_dir, prompts[0]["prompt_token_ids"], out.token_ids)
     assert len(out.token_ids) == 8
@@ -88,9 +88,9 @@ def test_16bit_kv_cache_holds_twice_the_tokens_and_keeps_the_model(kv_cache_dtyp
 
     memory = 64 * 1024**2
     llm = LLM(kv_cache_dtype=kv_cache_dtype, max_model_len=512, kv_cache_memory=memory)
-    worker = llm.llm_engine.engine_core.worker
+    worker = worker_of(llm)
     assert worker.kv_caches[0].dtype == getattr(torch, kv_cache_dtype)
-    float32_blocks_per_byte = default_llm.llm_engine.engine_core.worker.num_blocks / (512 * 1024**2)
+    float32_blocks_per_byte = worker_of(default_llm).num_blocks / (512 * 1024**2)
     assert worker.num_blocks == pytest.approx(2 * float32_blocks_per_byte * memory, abs=1)
     outputs = llm.generate(PROMPTS, greedy(32, logprobs=1), use_tqdm=False)
     for prompt, output in zip(PROMPTS, outputs):
@@ -105,6 +105,6 @@ def test_16bit_kv_cache_holds_twice_the_tokens_and_keeps_the_model(kv_cache_dtyp
 def test_default_model_runs_on_its_gguf_blocks(default_llm):
     from pagedserve.layers.linear import Linear
 
-    model = default_llm.llm_engine.engine_core.worker.model
+    model = worker_of(default_llm).model
     assert all(m.quantized is not None for m in model.modules() if isinstance(m, Linear))
     assert model.quantized_lm_head is not None

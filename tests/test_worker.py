@@ -26,7 +26,7 @@ def test_long_prefills_reuse_freed_host_memory(default_llm):
 
     from pagedserve import SamplingParams
 
-    default_llm.llm_engine.engine_core.kv_prefault.join(timeout=120)  # its page mapping counts as faults of this process
+    default_llm.llm_engine.call_utility("wait_for_kv_cache_mapping", 120)  # its page mapping counts as faults of this process
     rng = random.Random(0)
     faulted_mb = []
     for _ in range(3):
@@ -42,7 +42,7 @@ def resident_fraction(tensor: torch.Tensor) -> float:
     import ctypes
     import mmap
 
-    from pagedserve.executor.host_memory import libc
+    from pagedserve.executor.cpu_host import libc
 
     page = mmap.PAGESIZE
     start = -(-tensor.data_ptr() // page) * page
@@ -68,7 +68,7 @@ def test_prefault_maps_every_page_only_when_allowed_and_keeps_contents():
     import threading
     import time
 
-    from pagedserve.executor.kv_prefault import prefault_in_background
+    from pagedserve.executor.cpu_host import prefault_in_background
 
     caches = [fresh_pages((2, 300, 16, 2, 64)) for _ in range(3)]  # 300 blocks of 8 KB per K or V
     caches[1][1, 7].fill_(3.0)  # K/V an engine wrote before the thread reached them
@@ -88,19 +88,19 @@ def test_prefault_maps_every_page_only_when_allowed_and_keeps_contents():
 def test_engine_maps_its_kv_cache_when_idle(prefault, tiny_models):
     """With prefault_kv_cache (the default) the engine maps every page of its cache once it is idle;
     outputs are unchanged. Without it no thread runs."""
-    from conftest import greedy, hf_greedy
+    from conftest import engine_core_of, greedy, hf_greedy
 
     from pagedserve import LLM
 
     model_dir = tiny_models["llama"]
     llm = LLM(str(model_dir), kv_cache_memory=64 * 1024**2, prefault_kv_cache=prefault)
-    core = llm.llm_engine.engine_core
+    executor = engine_core_of(llm).executor
     prompts = [[1, 400, 500, 600, 700], list(range(100, 140))]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(16), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(model_dir, prompts, 16)
     if not prefault:
-        assert core.kv_prefault is None
+        assert executor.kv_prefault is None
         return
-    core.kv_prefault.join(timeout=120)
-    assert not core.kv_prefault.is_alive()
-    assert all(resident_fraction(cache) == 1.0 for cache in core.worker.kv_caches)
+    executor.wait_for_kv_cache_mapping(120)
+    assert not executor.kv_prefault.is_alive()
+    assert all(resident_fraction(cache) == 1.0 for cache in executor.worker.kv_caches)

@@ -4,9 +4,6 @@ sampling, no host work), at full batch, timed right where the engine runs, on it
 from __future__ import annotations
 
 import statistics
-import time
-
-import torch
 
 from pagedserve.benchmarks.datasets import BenchRequest
 
@@ -22,44 +19,12 @@ def measure_ceiling(llm, num_seqs: int, seq_len: int, repeats: int = 3, context:
 
 
 def time_bare_passes(llm, num_seqs: int, seq_len: int, passes: int, context: int = 0) -> list[float]:
-    """Seconds of each of `passes` bare forward passes (see measure_ceiling). seq_len 1 runs as the
-    engine runs decodes (one batched attention call), longer ones as prefills. The context's K/V are
-    whatever the blocks hold (after a run, that run's values): attention reads them at the cost it
-    would pay for real ones."""
-    worker = llm.llm_engine.engine_core.worker
-    model, kv_caches, block_size, device = worker.model, worker.kv_caches, worker.config.block_size, worker.device
-    meta = sequences_metadata(num_seqs, seq_len, context, block_size, device)
-    input_ids = torch.randint(100, 1000, (num_seqs * seq_len,), device=device)
-    positions = (context + torch.arange(seq_len, device=device)).repeat(num_seqs)
-    seconds = []
-    with torch.inference_mode():
-        for _ in range(passes):
-            start = time.perf_counter()
-            hidden = model(input_ids, positions, kv_caches, meta)
-            model.compute_logits(hidden[seq_len - 1 :: seq_len])
-            seconds.append(time.perf_counter() - start)
-    # It wrote K/V straight into blocks the prefix cache may still map to other tokens: forget them all.
-    if not llm.llm_engine.engine_core.kv_cache_manager.reset_prefix_cache():
-        raise RuntimeError("the ceiling must be measured on an idle engine")
-    return seconds
-
-
-def sequences_metadata(num_seqs: int, seq_len: int, context: int, block_size: int, device):
-    from pagedserve.executor.input_batch import fill_decode_metadata
-    from pagedserve.layers.attention import AttentionMetadata, PagedPrefills, PrefillChunk
-
-    total = context + seq_len
-    blocks_per_seq = -(-total // block_size)
-    tables = [torch.arange(seq * blocks_per_seq, (seq + 1) * blocks_per_seq) for seq in range(num_seqs)]
-    slots = torch.cat([torch.arange(context, total) + table[0] * block_size for table in tables]).to(device)
-    if seq_len == 1:
-        meta = AttentionMetadata(slots, num_seqs, None, None, [])
-        fill_decode_metadata(meta, [t.numpy() for t in tables], [total] * num_seqs, block_size, device)
-        return meta
-    prefills = [PrefillChunk(seq * seq_len, seq_len, total, table.to(device)) for seq, table in enumerate(tables)]
-    # Routed as the runner routes a step's chunks (prepare_inputs), so the bare prefill runs the
-    # engine's attention path, the CPU kernel included.
-    return AttentionMetadata(slots, 0, None, None, prefills, paged_prefills=PagedPrefills.for_kernel(prefills, device))
+    """Seconds of each of `passes` bare forward passes (see measure_ceiling), timed inside the engine
+    (the time_forward_passes utility): seq_len 1 runs as the engine runs decodes (one batched attention
+    call), longer ones as prefill chunks, through the engine's attention backend. The context's K/V are
+    whatever the blocks hold: attention reads them at the cost it would pay for real ones. The engine
+    empties its prefix cache after, since the passes wrote over its blocks."""
+    return llm.llm_engine.call_utility("time_forward_passes", num_seqs, seq_len, passes, context)
 
 
 def mean_decode_context(requests: list[BenchRequest]) -> int:
@@ -74,9 +39,9 @@ def workload_ceiling(llm, requests: list[BenchRequest]) -> dict:
     and the replayed ceiling (replay_seconds)."""
     prefill_rate = measure_ceiling(llm, num_seqs=PREFILL_SEQS, seq_len=PREFILL_LEN)
     batch = decode_batch(llm, requests)
-    worker = llm.llm_engine.engine_core.worker
-    fits = worker.num_blocks // batch * worker.config.block_size - 1  # every sequence's blocks in the cache
-    context = min(mean_decode_context(requests), worker.max_model_len - 1, fits)
+    engine = llm.llm_engine
+    fits = engine.model_info.num_blocks // batch * engine.config.block_size - 1  # every sequence's blocks in the cache
+    context = min(mean_decode_context(requests), engine.max_model_len - 1, fits)
     # A decode step is short, so take the best of more of them: one slow moment of the machine must not
     # pass for the limit.
     rates = {"prefill_tokens_per_s": prefill_rate, "decode_tokens_per_s": measure_ceiling(llm, num_seqs=batch, seq_len=1, repeats=10),

@@ -6,7 +6,7 @@ import random
 import time
 
 from pagedserve.benchmarks.report import print_table, write_json
-from pagedserve.core.interface import ModelRunnerOutput
+from pagedserve.core.contracts import ModelRunnerOutput
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.request import Request

@@ -37,13 +37,13 @@ def run_pagedserve(llm, requests: list[BenchRequest]) -> float:
 def run_hf_static_batching(model_dir: str, requests: list[BenchRequest]) -> float:
     """Seconds of transformers' generate() on the requests, in a process of its own with the user's
     environment as it was before pagedserve set its OpenMP defaults (see hf_static_batching.py)."""
-    import pagedserve
+    from pagedserve.executor.cpu_host import environment_without_openmp_defaults
 
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
         json.dump([{"prompt_token_ids": r.prompt_token_ids, "output_len": r.output_len} for r in requests], f)
         f.flush()
         result = subprocess.run([sys.executable, str(Path(__file__).with_name("hf_static_batching.py")), model_dir, f.name],
-                                env=pagedserve.user_environment(), capture_output=True, text=True)
+                                env=environment_without_openmp_defaults(), capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"the HF baseline failed:\n{result.stderr[-2000:]}")
     return float(result.stdout.strip().splitlines()[-1])
@@ -54,8 +54,8 @@ def run(args) -> dict:
 
     llm = LLM(args.model, **args.engine_overrides)
     mapping_s = wait_for_kv_cache_mapping(llm)
-    vocab_size = llm.llm_engine.processor.vocab_size
-    model_dir = str(llm.llm_engine.engine_core.worker.model_dir)
+    vocab_size = llm.llm_engine.model_info.vocab_size
+    model_dir = llm.llm_engine.model_info.model_dir
     runs = []
     for repeat in range(args.repeats):
         # Fresh prompts each repeat, so the prefix cache cannot turn later repeats into hits; the
@@ -83,10 +83,8 @@ def wait_for_kv_cache_mapping(llm) -> float:
     runs start from an engine as a server is before its first requests, and as vLLM's CPU backend is
     after writing its whole cache at start-up. With --no-prefault-kv-cache the runs pay the first
     touches of their blocks instead."""
-    thread = llm.llm_engine.engine_core.kv_prefault
     start = time.perf_counter()
-    if thread is not None:
-        thread.join()
+    llm.llm_engine.call_utility("wait_for_kv_cache_mapping")
     return time.perf_counter() - start
 
 

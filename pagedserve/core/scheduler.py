@@ -6,11 +6,11 @@ takes one token, an unfinished prompt its next chunk), then waiting requests in 
 
 from __future__ import annotations
 
-from pagedserve.core.interface import (
-    CachedRequestData,
+from pagedserve.core.contracts import (
     EngineCoreOutput,
     ModelRunnerOutput,
     NewRequestData,
+    RunningRequestData,
     SchedulerOutput,
     SchedulerStats,
 )
@@ -87,7 +87,7 @@ class Scheduler:
         token_budget = self.max_num_batched_tokens
         num_scheduled_tokens: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
-        cached_reqs: list[CachedRequestData] = []
+        running_reqs: list[RunningRequestData] = []
         preempted_any = False
 
         index = 0
@@ -109,7 +109,7 @@ class Scheduler:
             if new_blocks is None:
                 break
             if new_blocks:
-                cached_reqs.append(CachedRequestData(request.request_id, [b.block_id for b in new_blocks]))
+                running_reqs.append(RunningRequestData(request.request_id, [b.block_id for b in new_blocks]))
             num_scheduled_tokens[request.request_id] = num_new_tokens
             request.num_computed_tokens += num_new_tokens
             token_budget -= num_new_tokens
@@ -121,7 +121,7 @@ class Scheduler:
 
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached_reqs,
+            scheduled_running_reqs=running_reqs,
             num_scheduled_tokens=num_scheduled_tokens,
             total_num_scheduled_tokens=self.max_num_batched_tokens - token_budget,
             finished_req_ids=self.finished_req_ids,

@@ -8,11 +8,11 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.client import AsyncMPClient, EngineDeadError
-from pagedserve.engine.output_processor import OutputProcessor
-from pagedserve.engine.processor import Processor, PromptType
-from pagedserve.engine.tokenizer import load_tokenizer, preload_tokenizer_library
-from pagedserve.metrics import EngineMetrics
+from pagedserve.engine.core_client import AsyncMPClient, EngineCoreClient, EngineDeadError
+from pagedserve.engine.frontend import FrontEnd, FrontEndAccess
+from pagedserve.engine.metrics import EngineMetrics
+from pagedserve.engine.processor import PromptType
+from pagedserve.engine.tokenizer import preload_tokenizer_library
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -23,7 +23,7 @@ class QueueFullError(RuntimeError):
     pass
 
 
-class AsyncLLM:
+class AsyncLLM(FrontEndAccess):
     def __init__(self, config: EngineConfig, served_model_name: str | None = None, max_waiting_requests: int | None = None,
                  on_engine_dead: Callable[[], None] | None = None, while_starting: Callable[[], None] | None = None) -> None:
         """while_starting: more front-end work (imports, say) to do while the engine process starts."""
@@ -35,13 +35,8 @@ class AsyncLLM:
             if while_starting is not None:
                 while_starting()
 
-        self.client = AsyncMPClient(config, while_starting=front_end_start_up)
-        ready = self.client.ready
-        self.model_dir = ready.model_dir
-        self.max_model_len = ready.max_model_len
-        self.tokenizer = load_tokenizer(config.tokenizer or ready.model_dir)
-        self.processor = Processor(self.tokenizer, ready.max_model_len, ready.eos_token_ids, ready.vocab_size)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.client: EngineCoreClient = AsyncMPClient(config, while_starting=front_end_start_up)
+        self.front_end = FrontEnd(config, self.client.model_info)
         self.metrics = EngineMetrics(served_model_name or config.model)
         self.max_waiting_requests = max_waiting_requests
         self.on_engine_dead = on_engine_dead
@@ -55,6 +50,11 @@ class AsyncLLM:
     @property
     def is_healthy(self) -> bool:
         return self.dead_error is None and self.client.is_alive()
+
+    def start(self) -> None:
+        """Start handling the engine's outputs (and noticing its death) in the running event loop."""
+        if self._output_task is None or self._output_task.done():
+            self._output_task = asyncio.get_running_loop().create_task(self._output_handler(), name="output-handler")
 
     async def generate(
         self, prompt: PromptType, params: SamplingParams, request_id: str, priority: int = 0
@@ -86,49 +86,41 @@ class AsyncLLM:
         num_waiting = self._engine_waiting + self._sent_since_stats
         if self.max_waiting_requests is not None and num_waiting >= self.max_waiting_requests:
             raise QueueFullError(f"the server is at capacity: {num_waiting} requests are waiting")
-        processed = self.processor.tokenize_prompt(prompt)
-        params, engine_requests = self.processor.process(request_id, processed, params, priority)
-        engine_ids = self.output_processor.add_request(request_id, processed.prompt, processed.prompt_token_ids, params)
+        engine_requests = self.front_end.add_request(request_id, prompt, params, priority)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         self._sent_since_stats += len(engine_requests)
-        for engine_id, engine_request in zip(engine_ids, engine_requests):
-            self.metrics.request_added(engine_id, engine_request.arrival_time, len(processed.prompt_token_ids))
-        self._ensure_output_handler()
+        for engine_request in engine_requests:
+            self.metrics.request_added(engine_request.request_id, engine_request.arrival_time, len(engine_request.prompt_token_ids))
+        self.start()
         try:
-            await self.client.add_requests(engine_requests)
+            await self.client.add_requests_async(engine_requests)
         except BaseException:  # the engine died or we were cancelled: leave no half-registered request
-            self.output_processor.abort_request(request_id)
-            self._forget(request_id, engine_ids)
+            self._forget(request_id, self.front_end.abort_request(request_id))
             raise
         return queue
 
     async def abort(self, request_id: str) -> None:
-        engine_ids = self.output_processor.engine_ids(request_id)
-        self.output_processor.abort_request(request_id)
+        engine_ids = self.front_end.abort_request(request_id)
         self._forget(request_id, engine_ids)
-        await self.client.abort_requests(engine_ids)
+        await self.client.abort_requests_async(engine_ids)
 
     async def reset_prefix_cache(self) -> bool:
-        return await self.client.call_utility("reset_prefix_cache")
+        return await self.client.call_utility_async("reset_prefix_cache")
 
     def _forget(self, request_id: str, engine_ids: list[str]) -> None:
         self._queues.pop(request_id, None)
         for engine_id in engine_ids:
             self.metrics.request_removed(engine_id)
 
-    def _ensure_output_handler(self) -> None:
-        if self._output_task is None or self._output_task.done():
-            self._output_task = asyncio.get_running_loop().create_task(self._output_handler(), name="output-handler")
-
     async def _output_handler(self) -> None:
         try:
             while True:
-                core_outputs = await self.client.get_output()
+                core_outputs = await self.client.get_output_async()
                 self.metrics.record_outputs(core_outputs.outputs, core_outputs.scheduler_stats, time.monotonic())
                 if core_outputs.scheduler_stats is not None:
                     self._engine_waiting, self._sent_since_stats = core_outputs.scheduler_stats.num_waiting, 0
-                processed = self.output_processor.process_outputs(core_outputs.outputs)
+                processed = self.front_end.process_outputs(core_outputs.outputs)
                 for output in processed.request_outputs:
                     queue = self._queues.get(output.request_id)
                     if queue is not None:
@@ -138,7 +130,7 @@ class AsyncLLM:
                 if processed.reqs_to_abort:
                     for engine_id in processed.reqs_to_abort:
                         self.metrics.request_stopped_by_string(engine_id, time.monotonic())
-                    await self.client.abort_requests(processed.reqs_to_abort)
+                    await self.client.abort_requests_async(processed.reqs_to_abort)
         except EngineDeadError as exc:
             self.mark_dead(exc)
         except asyncio.CancelledError:

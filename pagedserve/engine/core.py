@@ -1,45 +1,43 @@
-"""EngineCore: schedule -> run the model -> update, once per step."""
+"""EngineCore: schedule -> executor.execute_model -> update, once per step."""
 
 from __future__ import annotations
 
 import logging
 import time
-import weakref
 
 from pagedserve.config import EngineConfig
-from pagedserve.core.interface import EngineCoreOutput, EngineCoreRequest
+from pagedserve.core.contracts import EngineCoreOutput, SchedulerStats
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.scheduler import Scheduler
-from pagedserve.executor.kv_prefault import prefault_in_background
-from pagedserve.executor.worker import Worker
+from pagedserve.engine.wire import EngineCoreRequest
+from pagedserve.executor.abstract import Executor, ModelInfo
 from pagedserve.request import Request
 
 logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None) -> None:
         start = time.monotonic()
         self.config = config
-        self.worker = Worker(config)
-        self.kv_cache_manager = KVCacheManager(self.worker.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.executor = (executor_class or Executor.get_class(config))(config)
+        try:
+            num_blocks = self.executor.determine_num_blocks()
+            self.executor.initialize_cache(num_blocks)
+            self.model_info: ModelInfo = self.executor.model_info()
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv_cache_manager,
-            max_model_len=self.worker.max_model_len,
+            max_model_len=self.model_info.max_model_len,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             policy=config.scheduling_policy,
         )
-        self.kv_prefault = None  # the thread mapping the KV cache's pages, while it runs
-        if config.prefault_kv_cache and self.worker.device.type == "cpu":
-            is_idle = weakref.WeakMethod(self.is_idle)  # the thread must not keep a dropped engine alive
-            self.kv_prefault = prefault_in_background(self.worker.kv_caches, may_run=lambda: (idle := is_idle()) is None or idle())
         logger.info("engine core ready in %.1f s", time.monotonic() - start)
-
-    @property
-    def max_model_len(self) -> int:
-        return self.worker.max_model_len
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.scheduler.add_request(
@@ -56,10 +54,6 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids)
 
-    def is_idle(self) -> bool:
-        """No request waiting or running (finished ones may still await collection)."""
-        return not self.scheduler.has_unfinished_requests()
-
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self.scheduler.finished_req_ids)
 
@@ -67,5 +61,36 @@ class EngineCore:
         if not self.has_work():
             return []
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.worker.model_runner.execute_model(scheduler_output)
+        runner_output = self.executor.execute_model(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def get_stats(self) -> SchedulerStats:
+        return self.scheduler.get_stats()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+    # ---- utility calls (by name, from either client) -------------------------------------------
+
+    def call_utility(self, method: str, *args):
+        if method not in _UTILITIES:
+            raise ValueError(f"unknown engine utility {method!r}; known: {', '.join(sorted(_UTILITIES))}")
+        return getattr(self, method)(*args)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def wait_for_kv_cache_mapping(self, timeout_s: float | None = None) -> None:
+        self.executor.wait_for_kv_cache_mapping(timeout_s)
+
+    def time_forward_passes(self, num_seqs: int, seq_len: int, passes: int, context: int = 0) -> list[float]:
+        """Rank 0's seconds for each of `passes` bare forward passes (see ModelRunner.time_forward_passes).
+        They write K/V into any block, so the engine must be idle; the prefix cache is emptied after."""
+        if self.scheduler.has_unfinished_requests():
+            raise RuntimeError("the bare forward pass must be timed on an idle engine")
+        seconds = self.executor.collective_rpc("time_forward_passes", num_seqs, seq_len, passes, context)[0]
+        self.kv_cache_manager.reset_prefix_cache()
+        return seconds
+
+
+_UTILITIES = frozenset({"reset_prefix_cache", "wait_for_kv_cache_mapping", "time_forward_passes", "get_stats"})

@@ -1,8 +1,4 @@
-"""The engine core in its own process: a busy loop over ZMQ.
-
-Front end -> core (PULL): add / abort / utility / shutdown messages.
-Core -> front end (PUSH): a ready (or failed) handshake, then EngineCoreOutputs per step.
-"""
+"""The engine core in its own process: a busy loop over ZMQ (messages: engine/wire.py)."""
 
 from __future__ import annotations
 
@@ -15,9 +11,10 @@ import traceback
 
 import zmq
 
+from pagedserve import envs
 from pagedserve.config import EngineConfig
-from pagedserve.core.interface import EngineCoreOutputs
-from pagedserve.engine.messages import (
+from pagedserve.engine.wire import (
+    EngineCoreOutputs,
     EngineFailed,
     EngineReady,
     RequestType,
@@ -37,7 +34,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     # Ctrl-C reaches the whole process group: the front end decides when the core stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    logging.basicConfig(level=os.environ.get("PAGEDSERVE_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=envs.log_level(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _exit_with_parent(parent_pid)
     context = zmq.Context()
     input_socket = context.socket(zmq.PULL)
@@ -52,6 +49,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         output_socket.close(linger=2000)
         os._exit(1)
     proc.run_busy_loop()
+    proc.engine_core.shutdown()
     output_socket.close(linger=1000)
     input_socket.close(linger=0)
     context.term()
@@ -74,34 +72,22 @@ def _exit_with_parent(parent_pid: int) -> None:
 class EngineCoreProc:
     def __init__(self, config: EngineConfig, input_socket, output_socket) -> None:
         from pagedserve.engine.core import EngineCore
-        from pagedserve.models.loader import eos_token_ids
 
         self.engine_core = EngineCore(config)
         self.input_socket = input_socket
         self.output_socket = output_socket
         self.running = True
-        worker = self.engine_core.worker
-        self.output_socket.send(
-            encode_output(
-                EngineReady(
-                    model_dir=str(worker.model_dir),
-                    max_model_len=worker.max_model_len,
-                    vocab_size=worker.hf_config.vocab_size,
-                    eos_token_ids=eos_token_ids(worker.model_dir, worker.hf_config),
-                    num_blocks=worker.num_blocks,
-                )
-            )
-        )
+        self.output_socket.send(encode_output(EngineReady(self.engine_core.model_info)))
 
     def run_busy_loop(self) -> None:
+        engine_core = self.engine_core
         while self.running:
-            self._handle_inputs(block=not self.engine_core.has_work())
+            self._handle_inputs(block=not engine_core.has_work())
             if not self.running:
                 break
-            if self.engine_core.has_work():
-                outputs = self.engine_core.step()
-                stats = self.engine_core.scheduler.get_stats()
-                self.output_socket.send(encode_output(EngineCoreOutputs(outputs, stats)))
+            if engine_core.has_work():
+                outputs = engine_core.step()
+                self.output_socket.send(encode_output(EngineCoreOutputs(outputs, engine_core.get_stats())))
 
     def _handle_inputs(self, block: bool) -> None:
         if block and not self.input_socket.poll(_IDLE_POLL_MS):
@@ -122,13 +108,11 @@ class EngineCoreProc:
         elif kind == RequestType.ABORT:
             self.engine_core.abort_requests(payload)
         elif kind == RequestType.UTILITY:
-            self.output_socket.send(encode_output(self._call_utility(*payload)))
+            call_id, method, args = payload
+            try:
+                result = UtilityResult(call_id, result=self.engine_core.call_utility(method, *args))
+            except Exception as exc:
+                result = UtilityResult(call_id, error="".join(traceback.format_exception_only(exc)).strip())
+            self.output_socket.send(encode_output(result))
         elif kind == RequestType.SHUTDOWN:
             self.running = False
-
-    def _call_utility(self, call_id: int, method: str, args: list) -> UtilityResult:
-        allowed = {"reset_prefix_cache": self.engine_core.kv_cache_manager.reset_prefix_cache}
-        try:
-            return UtilityResult(call_id, result=allowed[method](*args))
-        except Exception as exc:
-            return UtilityResult(call_id, error="".join(traceback.format_exception_only(exc)).strip())

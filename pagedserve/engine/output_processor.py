@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedserve.core.interface import EngineCoreOutput, LogprobsLists
+from pagedserve.core.contracts import EngineCoreOutput
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
-from pagedserve.engine.processor import child_request_id
-from pagedserve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from pagedserve.outputs import CompletionOutput, Logprob, LogprobsLists, PositionLogprobs, RequestOutput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -51,10 +50,11 @@ class OutputProcessor:
         self.request_states: dict[str, RequestState] = {}
         self.engine_to_request: dict[str, str] = {}
 
-    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams) -> list[str]:
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                    engine_ids: list[str]) -> None:
+        """engine_ids: the engine requests of its samples, in sample order."""
         if request_id in self.request_states:
             raise ValueError(f"request_id {request_id!r} is already in use by a running request")
-        engine_ids = [request_id] if params.n == 1 else [child_request_id(request_id, i) for i in range(params.n)]
         samples = {
             engine_id: SampleState(
                 index=index,
@@ -70,7 +70,6 @@ class OutputProcessor:
         )
         for engine_id in engine_ids:
             self.engine_to_request[engine_id] = request_id
-        return engine_ids
 
     def engine_ids(self, request_id: str) -> list[str]:
         state = self.request_states.get(request_id)

@@ -6,7 +6,8 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
-from pagedserve.core.interface import EngineCoreRequest
+from pagedserve.engine.wire import EngineCoreRequest
+from pagedserve.executor.abstract import ModelInfo
 from pagedserve.sampling_params import SamplingParams
 
 # A prompt is text, token ids, or a dict with "prompt" or "prompt_token_ids".
@@ -19,16 +20,17 @@ class ProcessedPrompt:
     prompt_token_ids: list[int]
 
 
-def child_request_id(request_id: str, index: int) -> str:
+def sample_request_id(request_id: str, index: int) -> str:
+    """The engine's id for sample `index` of a request with n > 1 (the only place such ids are made)."""
     return f"{index}_{request_id}"
 
 
 class Processor:
-    def __init__(self, tokenizer, max_model_len: int, eos_token_ids: list[int], vocab_size: int) -> None:
+    def __init__(self, tokenizer, model_info: ModelInfo) -> None:
         self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
-        self.eos_token_ids = eos_token_ids
-        self.vocab_size = vocab_size
+        self.max_model_len = model_info.max_model_len
+        self.eos_token_ids = model_info.eos_token_ids
+        self.vocab_size = model_info.vocab_size
 
     def tokenize_prompt(self, prompt: PromptType) -> ProcessedPrompt:
         if isinstance(prompt, dict):
@@ -63,7 +65,7 @@ class Processor:
             child_params = dataclasses.replace(params, n=1, seed=seed)
             children.append(
                 EngineCoreRequest(
-                    child_request_id(request_id, index), prompt.prompt_token_ids, child_params, arrival_time, priority, request_id
+                    sample_request_id(request_id, index), prompt.prompt_token_ids, child_params, arrival_time, priority, request_id
                 )
             )
         return params, children

@@ -22,7 +22,8 @@ def register(sub) -> None:
 
 
 def run_serve(args) -> int:
-    from pagedserve.entrypoints.openai.launch import ServerSettings, run_server
+    from pagedserve.entrypoints.openai.launch import run_server
+    from pagedserve.entrypoints.openai.settings import ServerSettings
 
     if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
         raise ValueError(f"max_waiting_requests must be >= 0, got {args.max_waiting_requests}")

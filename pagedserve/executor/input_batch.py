@@ -7,12 +7,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pagedserve.layers.attention import AttentionMetadata, PagedPrefills, PrefillChunk, pad_block_tables
+from pagedserve.layers.attention import AttentionBackend, AttentionMetadata, BatchLayout
 from pagedserve.sampling_params import SamplingParams
 
 
 @dataclass
-class CachedRequestState:
+class RunnerRequestState:
     """The runner's own copy of a request: it appends the tokens it samples."""
 
     request_id: str
@@ -45,14 +45,12 @@ class ModelInputs:
     prompt_logprobs: list[PromptLogprobsSlice] = field(default_factory=list)
 
 
-def prepare_inputs(
-    states: dict[str, CachedRequestState], num_scheduled_tokens: dict[str, int], block_size: int, device: torch.device
-) -> ModelInputs:
-    # Decodes (one query token) first: they share one batched attention call.
+def prepare_inputs(states: dict[str, RunnerRequestState], num_scheduled_tokens: dict[str, int], block_size: int,
+                   attn_backend: AttentionBackend, device: torch.device) -> ModelInputs:
+    # Decodes (one query token) first: attention takes them in one batched call.
     order = sorted(num_scheduled_tokens, key=lambda rid: num_scheduled_tokens[rid] != 1)
-    input_ids, positions, slots = [], [], []
-    sampling_req_ids, logits_indices, prompt_slices, prefills = [], [], [], []
-    decode_tables, decode_seq_lens = [], []
+    input_ids, positions, slots, query_lens, seq_lens, tables = [], [], [], [], [], []
+    sampling_req_ids, logits_indices, prompt_slices = [], [], []
     offset = 0
     for request_id in order:
         state, num_tokens = states[request_id], num_scheduled_tokens[request_id]
@@ -62,12 +60,9 @@ def prepare_inputs(
         input_ids.append(np.asarray(state.token_ids[start:end], dtype=np.int64))
         positions.append(token_positions)
         slots.append(block_ids[token_positions // block_size] * block_size + token_positions % block_size)
-        if num_tokens == 1:
-            decode_tables.append(block_ids)
-            decode_seq_lens.append(end)
-        else:
-            table = torch.from_numpy(block_ids[: -(-end // block_size)]).to(device)
-            prefills.append(PrefillChunk(offset, num_tokens, end, table))
+        query_lens.append(num_tokens)
+        seq_lens.append(end)
+        tables.append(block_ids[: -(-end // block_size)])
         if end == len(state.token_ids):
             sampling_req_ids.append(request_id)
             logits_indices.append(offset + num_tokens - 1)
@@ -76,33 +71,29 @@ def prepare_inputs(
             if prompt_slice is not None:
                 prompt_slices.append(prompt_slice)
         offset += num_tokens
-    meta = AttentionMetadata(
-        slot_mapping=torch.from_numpy(np.concatenate(slots)).to(device),
-        num_decode_tokens=len(decode_tables),
-        decode_block_tables=None,
-        decode_seq_lens=None,
-        prefills=prefills,
-        paged_prefills=PagedPrefills.for_kernel(prefills, device),
-    )
-    if decode_tables:
-        fill_decode_metadata(meta, decode_tables, decode_seq_lens, block_size, device)
+    num_decodes = sum(1 for n in query_lens if n == 1)
+    layout = BatchLayout(np.concatenate(slots), num_decodes, query_lens, seq_lens, tables)
     return ModelInputs(
         input_ids=torch.from_numpy(np.concatenate(input_ids)).to(device),
         positions=torch.from_numpy(np.concatenate(positions)).to(device),
-        attn_metadata=meta,
+        attn_metadata=attn_backend.build_metadata(layout, device),
         sampling_req_ids=sampling_req_ids,
         logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
         prompt_logprobs=prompt_slices,
     )
 
 
-def fill_decode_metadata(meta: AttentionMetadata, tables: list[np.ndarray], seq_lens: list[int], block_size: int, device) -> None:
-    padded = pad_block_tables([table[: -(-seq_len // block_size)] for table, seq_len in zip(tables, seq_lens)])
-    meta.decode_block_tables = torch.from_numpy(padded).to(device)
-    meta.decode_seq_lens = torch.from_numpy(np.asarray(seq_lens, dtype=np.int64)).to(device)
+def dummy_layout(num_seqs: int, seq_len: int, context: int, block_size: int) -> BatchLayout:
+    """num_seqs sequences of seq_len new tokens after `context` tokens, on blocks 0, 1, 2, ... in turn
+    (for timing the bare forward pass; whatever the blocks hold stands in for the context's K/V)."""
+    total = context + seq_len
+    blocks_per_seq = -(-total // block_size)
+    tables = [np.arange(seq * blocks_per_seq, (seq + 1) * blocks_per_seq, dtype=np.int64) for seq in range(num_seqs)]
+    slots = np.concatenate([np.arange(context, total) + table[0] * block_size for table in tables])
+    return BatchLayout(slots, num_seqs if seq_len == 1 else 0, [seq_len] * num_seqs, [total] * num_seqs, tables)
 
 
-def _prompt_logprobs_slice(state: CachedRequestState, start: int, end: int, offset: int) -> PromptLogprobsSlice | None:
+def _prompt_logprobs_slice(state: RunnerRequestState, start: int, end: int, offset: int) -> PromptLogprobsSlice | None:
     # Logits at position p score prompt token p+1; positions before prompt_logprobs_start were reported already.
     first = max(start, state.prompt_logprobs_start)
     last = min(end, state.num_prompt_tokens - 1)

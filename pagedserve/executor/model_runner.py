@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
-from pagedserve.core.interface import LogprobsLists, ModelRunnerOutput, SchedulerOutput
-from pagedserve.executor.input_batch import CachedRequestState, ModelInputs, prepare_inputs
+from pagedserve.core.contracts import ModelRunnerOutput, SchedulerOutput
+from pagedserve.executor.input_batch import ModelInputs, RunnerRequestState, dummy_layout, prepare_inputs
+from pagedserve.layers.attention import AttentionBackend
 from pagedserve.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
+from pagedserve.outputs import LogprobsLists
 
 logger = logging.getLogger(__name__)
 
@@ -17,15 +20,17 @@ _SEED_MIX = 0x9E3779B97F4A7C15
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int, device: torch.device, seed: int) -> None:
+    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int, device: torch.device, seed: int,
+                 attn_backend: AttentionBackend, cpu_kernels=None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
+        self.attn_backend = attn_backend
         default_generator = torch.Generator(device=device)
         default_generator.manual_seed(seed)
-        self.sampler = Sampler(default_generator)
-        self.requests: dict[str, CachedRequestState] = {}
+        self.sampler = Sampler(default_generator, cpu_kernels)
+        self.requests: dict[str, RunnerRequestState] = {}
         self._seeded_generators: dict[str, torch.Generator] = {}
 
     @torch.inference_mode()
@@ -33,7 +38,7 @@ class ModelRunner:
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
-        inputs = prepare_inputs(self.requests, scheduler_output.num_scheduled_tokens, self.block_size, self.device)
+        inputs = prepare_inputs(self.requests, scheduler_output.num_scheduled_tokens, self.block_size, self.attn_backend, self.device)
         hidden_states = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
         output = ModelRunnerOutput(sampled_token_ids={})
         if inputs.sampling_req_ids:
@@ -49,7 +54,7 @@ class ModelRunner:
             self.requests.pop(request_id, None)
             self._seeded_generators.pop(request_id, None)
         for new in scheduler_output.scheduled_new_reqs:
-            self.requests[new.request_id] = CachedRequestState(
+            self.requests[new.request_id] = RunnerRequestState(
                 request_id=new.request_id,
                 token_ids=list(new.token_ids),
                 num_prompt_tokens=new.num_prompt_tokens,
@@ -58,8 +63,25 @@ class ModelRunner:
                 num_computed_tokens=new.num_computed_tokens,
                 prompt_logprobs_start=new.prompt_logprobs_start,
             )
-        for cached in scheduler_output.scheduled_cached_reqs:
-            self.requests[cached.request_id].block_ids.extend(cached.new_block_ids)
+        for running in scheduler_output.scheduled_running_reqs:
+            self.requests[running.request_id].block_ids.extend(running.new_block_ids)
+
+    @torch.inference_mode()
+    def time_forward_passes(self, num_seqs: int, seq_len: int, passes: int, context: int = 0) -> list[float]:
+        """Seconds of each of `passes` bare forward passes (no scheduler, no sampling) over num_seqs
+        sequences of seq_len new tokens after `context` tokens, logits at each sequence's last token.
+        seq_len 1 runs as decodes run, longer ones as prefill chunks, through this engine's attention
+        backend. It writes K/V into blocks from 0 up: the caller makes sure no request holds them."""
+        meta = self.attn_backend.build_metadata(dummy_layout(num_seqs, seq_len, context, self.block_size), self.device)
+        input_ids = torch.randint(100, 1000, (num_seqs * seq_len,), device=self.device)
+        positions = (context + torch.arange(seq_len, device=self.device)).repeat(num_seqs)
+        seconds = []
+        for _ in range(passes):
+            start = time.perf_counter()
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            self.model.compute_logits(hidden[seq_len - 1 :: seq_len])
+            seconds.append(time.perf_counter() - start)
+        return seconds
 
     def _sample(self, inputs: ModelInputs, hidden_states: torch.Tensor, output: ModelRunnerOutput) -> None:
         states = [self.requests[rid] for rid in inputs.sampling_req_ids]
@@ -92,7 +114,7 @@ class ModelRunner:
                 ranks=[rank for row in rows for rank in row.ranks],
             )
 
-    def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
+    def _sampling_metadata(self, states: list[RunnerRequestState]) -> SamplingMetadata:
         params = [s.sampling_params for s in states]
         device = self.device
         all_greedy = all(p.is_greedy for p in params)
@@ -123,7 +145,7 @@ class ModelRunner:
             max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
         )
 
-    def _generators_for(self, states: list[CachedRequestState]) -> dict[int, torch.Generator]:
+    def _generators_for(self, states: list[RunnerRequestState]) -> dict[int, torch.Generator]:
         """Seeded rows draw from a generator keyed by (seed, output index): reproducible whatever the
         batch, and unchanged by a preemption that rebuilds the request."""
         generators = {}

@@ -1,17 +1,17 @@
-"""Worker: picks device and dtype, loads the model, sizes and allocates the paged KV cache."""
+"""Worker: one rank's device, model and paged KV cache; it runs steps through its ModelRunner."""
 
 from __future__ import annotations
 
 import logging
-import os
 
 import numpy as np
 import torch
 
 from pagedserve.config import EngineConfig
-from pagedserve.executor.host_memory import keep_freed_memory
+from pagedserve.core.contracts import ModelRunnerOutput, SchedulerOutput
 from pagedserve.executor.model_runner import ModelRunner
 from pagedserve.layers import cpu_kernels
+from pagedserve.layers.attention import select_attention_backend
 from pagedserve.layers.linear import onednn_available
 from pagedserve.models.gguf_blocks import load_quantized_blocks
 from pagedserve.models.llama import head_dim_of
@@ -41,6 +41,8 @@ def resolve_kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> to
 
 
 class Worker:
+    """Loads the model at construction; determine_num_blocks() then initialize_cache() make it ready."""
+
     def __init__(self, config: EngineConfig) -> None:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
@@ -50,40 +52,47 @@ class Worker:
         self.kv_cache_dtype = resolve_kv_cache_dtype(config, self.dtype)
         self.model_dir = resolve_model_dir(config.model)
         self.hf_config = load_hf_config(self.model_dir)
-        model_max_len = max_position_of(self.hf_config)
-        if config.max_model_len is not None and config.max_model_len > model_max_len:
-            raise ValueError(f"max_model_len must be <= {model_max_len} (the model's context length), got {config.max_model_len}")
-        self.model = load_model(self.hf_config, self.model_dir, self.dtype, self.device, model_max_len)
-        if config.gguf_quantized_weights and self.device.type == "cpu" and self.dtype == torch.float32:
+        self.model_max_len = max_position_of(self.hf_config)
+        if config.max_model_len is not None and config.max_model_len > self.model_max_len:
+            raise ValueError(f"max_model_len must be <= {self.model_max_len} (the model's context length), got {config.max_model_len}")
+        # Compiled now (the first time on a machine), not during the first request.
+        self.cpu_kernels = cpu_kernels.load() if config.cpu_kernels and self.device.type == "cpu" else None
+        self.attn_backend = select_attention_backend(config.attention_backend, self.device, self.dtype, self.cpu_kernels)
+        self.model = load_model(self.hf_config, self.model_dir, self.dtype, self.device, self.model_max_len, self.attn_backend)
+        cpu_kernels.attach(self.model, self.cpu_kernels)
+        if config.gguf_quantized_weights and self.cpu_kernels is not None and self.dtype == torch.float32:
             self._use_gguf_blocks()
-        if onednn_available(self.device, self.dtype) and os.environ.get("PAGEDSERVE_GEMM_BACKEND", "auto") != "mkl":
+        if self._packs_for_onednn():
             self.model.pack_for_onednn()
-        if self.device.type == "cpu":
-            cpu_kernels.load()  # compile (first time on a machine) now, not during the first request
-            keep_freed_memory()
-        self.num_blocks = self._num_kv_blocks()
-        self.max_model_len = self._max_model_len(model_max_len)
-        self.kv_caches = self._allocate_kv_caches()
-        self.model_runner = ModelRunner(self.model, self.kv_caches, config.block_size, self.device, config.seed)
-        logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens, %s); max concurrency at max_model_len=%d: %.2fx",
-            self.num_blocks, config.block_size, self.num_blocks * config.block_size, str(self.kv_cache_dtype).removeprefix("torch."),
-            self.max_model_len, self.num_blocks * config.block_size / self.max_model_len,
-        )
+        self.num_blocks = 0
+        self.max_model_len = 0
+        self.kv_caches: list[torch.Tensor] = []
+        self.model_runner: ModelRunner | None = None
+        logger.info("model %s on %s (%s), attention backend %s", self.model_dir.name, self.device, str(self.dtype).removeprefix("torch."),
+                    self.attn_backend.name)
+
+    def _packs_for_onednn(self) -> bool:
+        available = onednn_available(self.device, self.dtype)
+        if self.config.gemm_backend == "onednn" and not available:
+            raise ValueError(f"gemm_backend 'onednn' needs a CPU device, float32 and a torch built with oneDNN; got device "
+                             f"{self.device.type}, dtype {str(self.dtype).removeprefix('torch.')}")
+        return available and self.config.gemm_backend != "torch"
 
     def _use_gguf_blocks(self) -> None:
         blocks = load_quantized_blocks(self.model_dir)
-        if blocks and cpu_kernels.load() is not None:
-            switched = self.model.use_quantized_weights(blocks)
+        if blocks:
+            switched = self.model.use_quantized_weights(blocks, self.cpu_kernels)
             logger.info("%d linear layers run on their GGUF blocks (%.0f MB)", switched,
                         sum(b.numel() for b, _ in blocks.values()) / 1e6)
 
-    def _kv_bytes_per_block(self) -> int:
+    # ---- KV cache ---------------------------------------------------------------------------------
+
+    def kv_bytes_per_block(self) -> int:
         cfg = self.hf_config
         per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim_of(cfg) * self.kv_cache_dtype.itemsize
         return per_token * self.config.block_size
 
-    def _num_kv_blocks(self) -> int:
+    def determine_num_blocks(self) -> int:
         if self.config.num_gpu_blocks_override is not None:
             return self.config.num_gpu_blocks_override
         if self.device.type == "cuda":
@@ -91,16 +100,31 @@ class Worker:
             budget = free - total * (1 - self.config.gpu_memory_utilization)
         else:
             budget = self.config.kv_cache_memory
-        num_blocks = int(budget // self._kv_bytes_per_block())
+        num_blocks = int(budget // self.kv_bytes_per_block())
         if num_blocks < 1:
             raise ValueError(f"the KV cache budget ({int(budget)} bytes) holds no block; raise kv_cache_memory")
         return num_blocks
 
-    def _max_model_len(self, model_max_len: int) -> int:
-        capacity = self.num_blocks * self.config.block_size
+    def initialize_cache(self, num_blocks: int) -> None:
+        config = self.config
+        self.num_blocks = num_blocks
+        self.max_model_len = self._max_model_len(num_blocks)
+        cfg = self.hf_config
+        shape = (2, num_blocks, config.block_size, cfg.num_key_value_heads, head_dim_of(cfg))
+        self.kv_caches = [zeroed(shape, self.kv_cache_dtype, self.device) for _ in range(cfg.num_hidden_layers)]
+        self.model_runner = ModelRunner(self.model, self.kv_caches, config.block_size, self.device, config.seed, self.attn_backend,
+                                        self.cpu_kernels)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens, %s); max concurrency at max_model_len=%d: %.2fx",
+            num_blocks, config.block_size, num_blocks * config.block_size, str(self.kv_cache_dtype).removeprefix("torch."),
+            self.max_model_len, num_blocks * config.block_size / self.max_model_len,
+        )
+
+    def _max_model_len(self, num_blocks: int) -> int:
+        capacity = num_blocks * self.config.block_size
         requested = self.config.max_model_len
         if requested is None:
-            return min(model_max_len, capacity)
+            return min(self.model_max_len, capacity)
         if requested > capacity:
             raise ValueError(
                 f"max_model_len {requested} does not fit in the KV cache ({capacity} tokens); "
@@ -108,10 +132,13 @@ class Worker:
             )
         return requested
 
-    def _allocate_kv_caches(self) -> list[torch.Tensor]:
-        cfg = self.hf_config
-        shape = (2, self.num_blocks, self.config.block_size, cfg.num_key_value_heads, head_dim_of(cfg))
-        return [zeroed(shape, self.kv_cache_dtype, self.device) for _ in range(cfg.num_hidden_layers)]
+    # ---- steps --------------------------------------------------------------------------------------
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.model_runner.execute_model(scheduler_output)
+
+    def time_forward_passes(self, num_seqs: int, seq_len: int, passes: int, context: int = 0) -> list[float]:
+        return self.model_runner.time_forward_passes(num_seqs, seq_len, passes, context)
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -1,71 +1,117 @@
-"""The C++ CPU kernels (pagedserve/csrc), compiled once per checkout and source version, and cached.
+"""The C++ CPU kernels (pagedserve/csrc): compiled once for this machine and cached, and handed to the
+layers of an engine that runs them (the cpu_kernels setting).
 
-If the compiler or ninja is missing the build fails once, a warning says why, and every layer falls
-back to its plain-torch reference path. PAGEDSERVE_CPU_KERNELS=0 turns the kernels off.
+A build is keyed by everything that determines it: the sources, the compiler flags, the processor
+(-march=native), the Python and torch it links against (version and install location). Its sources are copied into the build
+directory, so checkouts with the same sources share one build and no environment's use of it makes
+another rebuild it. If the compiler or ninja is missing the build fails once, a warning says why,
+and every layer runs its plain-torch path.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import os
+import shutil
+import sys
+import time
 from functools import lru_cache
 from pathlib import Path
 
 import torch
+from torch import nn
+
+from pagedserve.envs import cache_root
 
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
 _SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "quantized_linear.cpp", "bindings.cpp")
+_HEADERS = ("ops.h",)
 
 
-def enabled() -> bool:
-    return os.environ.get("PAGEDSERVE_CPU_KERNELS", "1") != "0"
+class UsesCPUKernels:
+    """A layer with a C++ kernel for float32 on CPU. `kernels` is the compiled module once its engine
+    runs the kernels (attach), else None and the layer runs its plain-torch path."""
+
+    kernels = None
+
+    def kernels_for(self, tensor: torch.Tensor):
+        """The kernels, when set and when they apply to this tensor (float32 on CPU); else None."""
+        if self.kernels is None or tensor.device.type != "cpu" or tensor.dtype != torch.float32:
+            return None
+        return self.kernels
 
 
-def for_tensor(tensor: torch.Tensor):
-    """The kernels, when they apply to this tensor (float32 on CPU) and are available; else None."""
-    if tensor.device.type != "cpu" or tensor.dtype != torch.float32:
-        return None
-    return load()
+def attach(model: nn.Module, kernels) -> None:
+    """Hand kernels (or None) to every layer of model that has them."""
+    for module in model.modules():
+        if isinstance(module, UsesCPUKernels):
+            module.kernels = kernels
 
 
-def for_kv_cache(kv_cache: torch.Tensor):
-    """The kernels, when they apply to this KV cache (float32, bfloat16 or float16 on CPU) and are available; else None."""
-    if kv_cache.device.type != "cpu" or kv_cache.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return None
-    return load()
+def _compile_flags() -> list[str]:
+    return ["-O3", "-march=native", "-fopenmp", *_vector_flags()]
 
 
 @lru_cache(maxsize=1)
 def load():
-    """The compiled module, or None when unavailable or disabled."""
-    if not enabled():
-        return None
+    """The compiled module, or None when it cannot be built here."""
     try:
         from torch.utils.cpp_extension import load as load_extension
 
-        from pagedserve.models.gguf_convert import cache_root
-
-        # One build per checkout and source version: ninja would rebuild a shared one whenever
-        # another checkout (a CI clone, say) used it in between.
-        digest = hashlib.sha256(str(_CSRC).encode())
-        for name in (*_SOURCES, "ops.h"):
-            digest.update((_CSRC / name).read_bytes())
-        build_dir = cache_root() / "extensions" / f"cpu_kernels-{digest.hexdigest()[:16]}"
-        build_dir.mkdir(parents=True, exist_ok=True)
-        return load_extension(
+        build_dir = _build_dir()
+        source_dir = build_dir / "src"
+        if not all((source_dir / name).is_file() for name in (*_SOURCES, *_HEADERS)):
+            staging = build_dir / f"src.tmp{id(build_dir)}"
+            staging.mkdir(parents=True, exist_ok=True)
+            for name in (*_SOURCES, *_HEADERS):
+                shutil.copy(_CSRC / name, staging / name)
+            try:
+                staging.rename(source_dir)
+            except OSError:  # another process copied them first
+                shutil.rmtree(staging, ignore_errors=True)
+        first_build = not any(build_dir.glob("*.so"))
+        if first_build:
+            logger.info("compiling the C++ CPU kernels for this machine (once, about a minute) into %s", build_dir)
+        start = time.monotonic()
+        module = load_extension(
             name="pagedserve_cpu_kernels",
-            sources=[str(_CSRC / name) for name in _SOURCES],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", *_vector_flags()],
+            sources=[str(source_dir / name) for name in _SOURCES],
+            extra_cflags=_compile_flags(),
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
             verbose=False,
         )
+        if first_build:
+            logger.info("C++ CPU kernels built in %.0f s", time.monotonic() - start)
+        return module
     except Exception as exc:  # no compiler, no ninja, ...: the reference paths still work
         logger.warning("CPU kernels unavailable (%s); using the torch reference paths", exc)
         return None
+
+
+def _build_dir() -> Path:
+    digest = hashlib.sha256()
+    for name in (*_SOURCES, *_HEADERS):
+        digest.update(name.encode())
+        digest.update((_CSRC / name).read_bytes())
+    digest.update(" ".join(_compile_flags()).encode())
+    digest.update(f"{sys.version}|{torch.__version__}|{Path(torch.__file__).parent}|{_processor()}".encode())
+    build_dir = cache_root() / "extensions" / f"cpu_kernels-{digest.hexdigest()[:16]}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    return build_dir
+
+
+def _processor() -> str:
+    """The processor's model and feature flags (what -march=native compiles for)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        import platform
+
+        return platform.processor()
+    return "|".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
 
 
 def _vector_flags() -> list[str]:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedserve.layers import cpu_kernels
+from pagedserve.layers.cpu_kernels import UsesCPUKernels
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(nn.Module, UsesCPUKernels):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
@@ -16,7 +16,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """With a residual: add it first and also return the sum (the next residual)."""
-        kernels = cpu_kernels.for_tensor(x)
+        kernels = self.kernels_for(x)
         if kernels is not None and self.weight.dtype == x.dtype:
             if residual is None:
                 return kernels.rms_norm(x, self.weight, self.variance_epsilon)

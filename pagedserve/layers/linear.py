@@ -12,8 +12,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.layers import cpu_kernels
-
 # Batch size oneDNN's weight layout is tuned for: a typical decode batch.
 _PACKING_BATCH_HINT = 32
 
@@ -30,12 +28,9 @@ def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tens
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 
 
-# Rows up to which the GGUF-block kernel beats oneDNN on float32 weights. Small steps are bound by
-# reading the weights (7x the bytes in float32); from 3 rows on the kernel runs a broadcast GEMM on an
-# interleaved copy of the blocks, level with or ahead of oneDNN up to 64 rows. Bare forward on this
-# machine, tokens/s blocks vs float32, alternating, two runs: batch 16 165/174 vs 158/150, 32 250/290
-# vs 230/241, 64 308/317 vs 276/303, 128 380/356 vs 352/391. The lm_head alone, one call with the
-# cache flushed, ms blocks vs float32: 8 rows 6.1 vs 7.2, 32 14.7 vs 16.8, 64 27.7 vs 27.7, 128 62 vs 50.
+# Rows up to which the GGUF-block kernel beats oneDNN on float32 weights (measured, docs/cpu.md). Small
+# steps are bound by reading the weights (7x the bytes in float32); from 3 rows on the kernel runs a
+# broadcast GEMM on an interleaved copy of the blocks, level with or ahead of oneDNN up to 64 rows.
 QUANTIZED_MAX_ROWS = 64
 
 
@@ -45,8 +40,7 @@ class QuantizedWeight:
     read an interleaved copy of the blocks (8 rows side by side, made here once) that the kernel's
     broadcast GEMM needs."""
 
-    def __init__(self, blocks: torch.Tensor, qtype: int) -> None:
-        kernels = cpu_kernels.load()
+    def __init__(self, blocks: torch.Tensor, qtype: int, kernels) -> None:
         self.blocks = blocks.contiguous()
         self.qtype = qtype
         self.interleaved = kernels.interleave_gguf_rows(self.blocks, qtype) if blocks.shape[0] % 8 == 0 else None

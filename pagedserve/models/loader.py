@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from pagedserve.config import DEFAULT_MODEL
+from pagedserve.layers.attention import AttentionBackend
 from pagedserve.models import gguf_convert
 from pagedserve.models.registry import resolve_model_class
 
@@ -78,10 +79,11 @@ def _skip_weight_init():
         nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved
 
 
-def load_model(hf_config, model_dir: Path, dtype: torch.dtype, device: torch.device, max_position: int) -> torch.nn.Module:
+def load_model(hf_config, model_dir: Path, dtype: torch.dtype, device: torch.device, max_position: int,
+               attn_backend: AttentionBackend) -> torch.nn.Module:
     model_class = resolve_model_class(hf_config)
     with torch.device(device), _skip_weight_init():
-        model = model_class(hf_config, max_position)
+        model = model_class(hf_config, max_position, attn_backend)
     model.load_weights(iterate_safetensors(model_dir))
     # Rotary caches stay float32 (they are cast per step); weights take the serving dtype.
     for _name, param in model.named_parameters():

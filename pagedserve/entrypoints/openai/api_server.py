@@ -13,7 +13,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import pagedserve
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.entrypoints.openai.errors import APIError, api_error_response, error_response
-from pagedserve.entrypoints.openai.launch import ServerSettings
 from pagedserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -26,6 +25,7 @@ from pagedserve.entrypoints.openai.protocol import (
 )
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat, render_messages
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedserve.entrypoints.openai.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return ModelList(data=[ModelCard(id=name, root=engine.model_dir, max_model_len=engine.max_model_len) for name in names])
+        return ModelList(data=[ModelCard(id=name, root=engine.model_info.model_dir, max_model_len=engine.max_model_len) for name in names])
 
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: Request):
@@ -74,7 +74,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest):
         completions.check_model(request.model)
-        vocab_size = engine.processor.vocab_size
+        vocab_size = engine.model_info.vocab_size
         if any(not 0 <= t < vocab_size for t in request.tokens):
             raise APIError(400, f"tokens must be in [0, {vocab_size})", param="tokens")
         return DetokenizeResponse(prompt=engine.tokenizer.decode(request.tokens))

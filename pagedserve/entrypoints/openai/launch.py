@@ -8,26 +8,16 @@ import importlib
 import logging
 import signal
 import sys
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.entrypoints.openai.settings import ServerSettings
 
 if TYPE_CHECKING:
     import uvicorn
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class ServerSettings:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    served_model_name: list[str] = field(default_factory=list)
-    max_waiting_requests: int | None = None
-    log_level: str = "info"
 
 
 def _load_web_stack() -> None:
@@ -67,25 +57,15 @@ def run_server(config: EngineConfig, settings: ServerSettings) -> int:
         logger.info("shutting down the engine core")
         engine.shutdown()
         logger.info("engine core stopped")
-    if not engine.client.process.is_alive() and engine.dead_error is not None:
+    if engine.dead_error is not None:
         state["exit_code"] = 1
     return state["exit_code"]
 
 
 async def _serve(server: uvicorn.Server, engine: AsyncLLM) -> None:
-    # Watch the engine process even while no request is in flight, so /health and the exit code follow it.
-    async def watch_engine():
-        while not server.should_exit:
-            if not engine.client.process.is_alive():
-                engine.mark_dead(RuntimeError(f"engine core exited with code {engine.client.process.exitcode}"))
-                return
-            await asyncio.sleep(0.5)
-
-    watcher = asyncio.ensure_future(watch_engine())
-    try:
-        await server.serve()
-    finally:
-        watcher.cancel()
+    # From the start, not from the first request: /health and the exit code follow the engine's death.
+    engine.start()
+    await server.serve()
 
 
 def _raise_keyboard_interrupt(*_) -> None:

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 
 from pagedserve.engine.async_llm import AsyncLLM, QueueFullError
-from pagedserve.engine.client import EngineDeadError
+from pagedserve.engine.core_client import EngineDeadError
 from pagedserve.entrypoints.openai.errors import APIError
 from pagedserve.entrypoints.openai.protocol import UsageInfo
 from pagedserve.outputs import RequestOutput

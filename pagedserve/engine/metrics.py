@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pagedserve.core.interface import EngineCoreOutput, SchedulerStats
+from pagedserve.core.contracts import EngineCoreOutput, SchedulerStats
 
 logger = logging.getLogger("pagedserve.stats")
 

@@ -1,4 +1,9 @@
-"""The wire format between the front end and the engine-core process: msgpack via msgspec."""
+"""What travels between the front end and the engine core, and its encoding (msgpack via msgspec).
+
+Front end -> core: ADD (an EngineCoreRequest), ABORT (request ids), UTILITY (a named call), SHUTDOWN.
+Core -> front end: EngineReady or EngineFailed once, then EngineCoreOutputs per step and
+UtilityResults. The in-process client passes the same objects without encoding them.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,29 @@ from dataclasses import dataclass
 
 import msgspec
 
-from pagedserve.core.interface import EngineCoreOutputs, EngineCoreRequest
+from pagedserve.core.contracts import EngineCoreOutput, SchedulerStats
+from pagedserve.executor.abstract import ModelInfo
+from pagedserve.sampling_params import SamplingParams
+
+
+@dataclass
+class EngineCoreRequest:
+    """A tokenized, validated request for one sample (a request with n > 1 becomes n of these)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    priority: int = 0
+    group_id: str | None = None  # the user's request id when it asked for n > 1 samples
+
+
+@dataclass
+class EngineCoreOutputs:
+    """One message from the engine core: the step's outputs and the scheduler's state after it."""
+
+    outputs: list[EngineCoreOutput]
+    scheduler_stats: SchedulerStats | None = None
 
 
 class RequestType(enum.Enum):
@@ -21,11 +48,7 @@ class RequestType(enum.Enum):
 class EngineReady:
     """First message of a healthy engine core: what the front end needs to validate requests."""
 
-    model_dir: str
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: list[int]
-    num_blocks: int
+    model_info: ModelInfo
 
 
 @dataclass
@@ -36,7 +59,7 @@ class EngineFailed:
 @dataclass
 class UtilityResult:
     call_id: int
-    result: bool | int | float | str | None = None
+    result: object = None
     error: str | None = None
 
 

@@ -1,22 +1,19 @@
-"""The contract between the scheduler and the model runner, and what the engine core reports."""
+"""The step contracts: what the scheduler hands the model runner, what the runner returns, and what
+the scheduler reports per request after each step.
+
+The last of these (EngineCoreOutput, SchedulerStats) is also what the engine core sends its front
+end: the scheduler builds one EngineCoreOutput per request per step, and the wire message
+(engine/wire.py) carries them as they are, so they live here where the scheduler can build them.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedserve.outputs import LogprobsLists
 from pagedserve.sampling_params import SamplingParams
 
-
-@dataclass
-class EngineCoreRequest:
-    """What the front end sends the engine core: a tokenized, validated request (one sample)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    arrival_time: float
-    priority: int = 0
-    group_id: str | None = None  # the user's request id when it asked for n > 1 samples
+# ---- scheduler -> runner -------------------------------------------------------------------
 
 
 @dataclass
@@ -34,8 +31,8 @@ class NewRequestData:
 
 
 @dataclass
-class CachedRequestData:
-    """New blocks of a request the runner already holds. The runner advances each request's
+class RunningRequestData:
+    """New blocks of a running request the runner already holds. The runner advances each request's
     num_computed_tokens itself by the tokens it ran, so unchanged decodes cost nothing here."""
 
     request_id: str
@@ -45,7 +42,7 @@ class CachedRequestData:
 @dataclass
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData]
-    scheduled_cached_reqs: list[CachedRequestData]  # only running requests that got new blocks
+    scheduled_running_reqs: list[RunningRequestData]  # only running requests that got new blocks
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     # Requests the runner must forget: finished, aborted or preempted since the last step.
@@ -56,12 +53,7 @@ class SchedulerOutput:
         return self.total_num_scheduled_tokens == 0
 
 
-# Top-N logprobs of one position: (token ids, logprobs, ranks); index 0 is the sampled/actual token.
-@dataclass
-class LogprobsLists:
-    token_ids: list[list[int]]
-    logprobs: list[list[float]]
-    ranks: list[int]
+# ---- runner -> scheduler -------------------------------------------------------------------
 
 
 @dataclass
@@ -69,6 +61,9 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, int]  # only requests that reached the end of their known tokens
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+
+
+# ---- scheduler -> engine core (and on to the front end) -------------------------------------
 
 
 @dataclass(slots=True)  # one per running request per step: slots make it cheaper to build
@@ -94,11 +89,3 @@ class SchedulerStats:
     prefix_cache_queries: int = 0  # cumulative
     prefix_cache_hits: int = 0  # cumulative
     num_preemptions: int = 0  # cumulative
-
-
-@dataclass
-class EngineCoreOutputs:
-    """One message from the engine core: the step's outputs and the scheduler's state after it."""
-
-    outputs: list[EngineCoreOutput]
-    scheduler_stats: SchedulerStats | None = None

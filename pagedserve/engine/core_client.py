@@ -1,4 +1,9 @@
-"""EngineCoreClient for the online server: starts the engine-core process and talks to it over ZMQ."""
+"""EngineCoreClient: the front end's handle on an engine core, in this process or in its own.
+
+InprocClient runs the EngineCore here, a step per get_output() (the offline LLM). AsyncMPClient
+starts the engine-core process and talks to it over ZMQ (the server); it alone watches that
+process, so a core that dies is noticed whether or not a request is in flight.
+"""
 
 from __future__ import annotations
 
@@ -14,16 +19,17 @@ import zmq
 import zmq.asyncio
 
 from pagedserve.config import EngineConfig
-from pagedserve.core.interface import EngineCoreOutputs, EngineCoreRequest
 from pagedserve.engine.core_proc import run_engine_core
-from pagedserve.engine.messages import (
+from pagedserve.engine.wire import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
     EngineFailed,
-    EngineReady,
     RequestType,
     UtilityResult,
     decode_output,
     encode_request,
 )
+from pagedserve.executor.abstract import ModelInfo
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +38,72 @@ class EngineDeadError(RuntimeError):
     pass
 
 
-class AsyncMPClient:
-    """Front-end side of the engine core process."""
+class EngineCoreClient:
+    """LLMEngine uses the synchronous calls, AsyncLLM the asynchronous ones; a client implements the
+    kind its front end needs."""
+
+    model_info: ModelInfo
+
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        raise NotImplementedError
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        raise NotImplementedError
+
+    def get_output(self) -> EngineCoreOutputs:
+        raise NotImplementedError
+
+    def call_utility(self, method: str, *args):
+        raise NotImplementedError
+
+    async def add_requests_async(self, requests: list[EngineCoreRequest]) -> None:
+        raise NotImplementedError
+
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        raise NotImplementedError
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        raise NotImplementedError
+
+    async def call_utility_async(self, method: str, *args):
+        raise NotImplementedError
+
+    def is_alive(self) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        pass
+
+
+class InprocClient(EngineCoreClient):
+    """The engine core in this process: get_output() runs one step."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from pagedserve.engine.core import EngineCore  # loads torch: only clients that run the core here need it
+
+        self.engine_core = EngineCore(config)
+        self.model_info = self.engine_core.model_info
+
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        for request in requests:
+            self.engine_core.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self.engine_core.abort_requests(request_ids)
+
+    def get_output(self) -> EngineCoreOutputs:
+        return EngineCoreOutputs(self.engine_core.step(), self.engine_core.get_stats())
+
+    def call_utility(self, method: str, *args):
+        return self.engine_core.call_utility(method, *args)
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()
+
+
+class AsyncMPClient(EngineCoreClient):
+    """The engine core in a process of its own (spawned), over ZMQ; asyncio calls."""
 
     def __init__(self, config: EngineConfig, startup_timeout_s: float = 600.0, while_starting=None) -> None:
         """Start the engine core and wait until it is ready; while_starting() runs meanwhile in this process."""
@@ -56,12 +126,12 @@ class AsyncMPClient:
         try:
             if while_starting is not None:
                 while_starting()
-            self.ready: EngineReady = self._wait_ready(startup_timeout_s)
+            self.model_info = self._wait_ready(startup_timeout_s)
         except BaseException:  # a signal or a failed start: leave no process behind
             self.shutdown()
             raise
 
-    def _wait_ready(self, timeout_s: float) -> EngineReady:
+    def _wait_ready(self, timeout_s: float) -> ModelInfo:
         """Block until the core reports ready; fail fast if it dies or reports an error."""
         sync_socket = zmq.Socket.shadow(self.output_socket.underlying)
         deadline = time.monotonic() + timeout_s
@@ -70,7 +140,7 @@ class AsyncMPClient:
                 message = decode_output(sync_socket.recv())
                 if isinstance(message, EngineFailed):
                     raise RuntimeError(f"engine core failed to start: {message.error}")
-                return message
+                return message.model_info
             if not self.process.is_alive():
                 raise RuntimeError(f"engine core process exited during start-up (exit code {self.process.exitcode})")
         raise RuntimeError(f"engine core was not ready within {timeout_s:.0f} s")
@@ -78,29 +148,37 @@ class AsyncMPClient:
     def is_alive(self) -> bool:
         return not self.dead and self.process.is_alive()
 
-    async def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+    def exit_code(self) -> int | None:
+        return self.process.exitcode
+
+    async def add_requests_async(self, requests: list[EngineCoreRequest]) -> None:
         self._check_alive()
         for request in requests:
             await self.input_socket.send(encode_request(RequestType.ADD, request))
 
-    async def abort_requests(self, request_ids: list[str]) -> None:
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
         if request_ids and self.is_alive():
             await self.input_socket.send(encode_request(RequestType.ABORT, list(request_ids)))
 
-    async def call_utility(self, method: str, *args):
+    async def call_utility_async(self, method: str, *args):
         self._check_alive()
         call_id = next(self._utility_ids)
         future = self._utility_futures[call_id] = asyncio.get_running_loop().create_future()
         await self.input_socket.send(encode_request(RequestType.UTILITY, (call_id, method, list(args))))
         return await future
 
-    async def get_output(self) -> EngineCoreOutputs:
-        """Next step's outputs; utility replies are routed to their callers on the way."""
+    async def get_output_async(self) -> EngineCoreOutputs:
+        """Next step's outputs; utility replies are routed to their callers on the way. Raises
+        EngineDeadError as soon as the engine process exits (its sentinel is polled beside the socket)."""
+        poller = zmq.asyncio.Poller()
+        poller.register(self.output_socket, zmq.POLLIN)
+        poller.register(self.process.sentinel, zmq.POLLIN)
         while True:
-            while not await self.output_socket.poll(500):
-                if not self.process.is_alive():
-                    self.dead = True
-                    raise EngineDeadError(f"engine core process died (exit code {self.process.exitcode})")
+            ready = dict(await poller.poll())
+            if self.output_socket not in ready:
+                self.dead = True
+                self._fail_utilities()
+                raise EngineDeadError(f"engine core process died (exit code {self.process.exitcode})")
             message = decode_output(await self.output_socket.recv())
             if isinstance(message, UtilityResult):
                 self._resolve_utility(message)
@@ -115,6 +193,12 @@ class AsyncMPClient:
             future.set_exception(RuntimeError(message.error))
         else:
             future.set_result(message.result)
+
+    def _fail_utilities(self) -> None:
+        for future in self._utility_futures.values():
+            if not future.done():
+                future.set_exception(EngineDeadError("the engine core process died"))
+        self._utility_futures.clear()
 
     def _check_alive(self) -> None:
         if not self.is_alive():

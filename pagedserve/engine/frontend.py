@@ -1,0 +1,67 @@
+"""The front end LLMEngine and AsyncLLM share: the tokenizer, input processing (prompts and
+parameters -> validated engine requests, one per sample) and output processing (engine-core
+outputs -> RequestOutputs: text, stop strings, logprobs, samples gathered)."""
+
+from __future__ import annotations
+
+from pagedserve.config import EngineConfig
+from pagedserve.core.contracts import EngineCoreOutput
+from pagedserve.engine.output_processor import OutputProcessor, ProcessedOutputs
+from pagedserve.engine.processor import Processor, PromptType
+from pagedserve.engine.tokenizer import load_tokenizer
+from pagedserve.engine.wire import EngineCoreRequest
+from pagedserve.executor.abstract import ModelInfo
+from pagedserve.sampling_params import SamplingParams
+
+
+class FrontEnd:
+    """One per LLMEngine or AsyncLLM, which differ only in how they reach the engine core and deliver outputs."""
+
+    def __init__(self, config: EngineConfig, model_info: ModelInfo) -> None:
+        self.model_info = model_info
+        self.tokenizer = load_tokenizer(config.tokenizer or model_info.model_dir)
+        self.processor = Processor(self.tokenizer, model_info)
+        self.output_processor = OutputProcessor(self.tokenizer)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model_info.max_model_len
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0) -> list[EngineCoreRequest]:
+        """Validate and track a request; returns the engine requests to send (one per sample).
+        Raises ValueError/TypeError naming the bad field, having tracked nothing."""
+        processed = self.processor.tokenize_prompt(prompt)
+        params, engine_requests = self.processor.process(request_id, processed, params, priority)
+        self.output_processor.add_request(request_id, processed.prompt, processed.prompt_token_ids, params,
+                                          [r.request_id for r in engine_requests])
+        return engine_requests
+
+    def abort_request(self, request_id: str) -> list[str]:
+        """Forget a request; returns the engine ids to abort in the core (empty if unknown)."""
+        engine_ids = self.output_processor.engine_ids(request_id)
+        self.output_processor.abort_request(request_id)
+        return engine_ids
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        return self.output_processor.process_outputs(outputs)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+
+class FrontEndAccess:
+    """What LLMEngine and AsyncLLM expose of their front end."""
+
+    front_end: FrontEnd
+
+    @property
+    def tokenizer(self):
+        return self.front_end.tokenizer
+
+    @property
+    def model_info(self) -> ModelInfo:
+        return self.front_end.model_info
+
+    @property
+    def max_model_len(self) -> int:
+        return self.front_end.max_model_len

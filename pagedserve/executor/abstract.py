@@ -1,0 +1,68 @@
+"""The executor interface: the engine core's only handle on workers, models and devices.
+
+An executor owns one or more workers (one per rank). Each step the engine core hands it the
+scheduler's output and gets back one ModelRunnerOutput; it never sees a tensor. This module imports
+no torch: the front end reads ModelInfo from it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from pagedserve.config import EngineConfig
+from pagedserve.core.contracts import ModelRunnerOutput, SchedulerOutput
+
+
+@dataclass
+class ModelInfo:
+    """What the engine core and front end need to know of the loaded model (the ready handshake)."""
+
+    model_dir: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    num_blocks: int
+
+
+class Executor(ABC):
+    """Start-up runs determine_num_blocks(), then initialize_cache(), then model_info(); then
+    execute_model() once per step until shutdown()."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+
+    @staticmethod
+    def get_class(config: EngineConfig) -> type[Executor]:
+        from pagedserve.executor.uniproc_executor import UniprocExecutor
+
+        return UniprocExecutor
+
+    @abstractmethod
+    def determine_num_blocks(self) -> int:
+        """How many KV cache blocks fit every rank's memory budget."""
+
+    @abstractmethod
+    def initialize_cache(self, num_blocks: int) -> None:
+        """Allocate num_blocks KV blocks on every rank and make the workers ready to run steps."""
+
+    @abstractmethod
+    def model_info(self) -> ModelInfo: ...
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    @abstractmethod
+    def collective_rpc(self, method: str, *args) -> list:
+        """Call a worker method on every rank; their results in rank order."""
+
+    @abstractmethod
+    def check_health(self) -> None:
+        """Raise if a worker is gone."""
+
+    @abstractmethod
+    def wait_for_kv_cache_mapping(self, timeout_s: float | None = None) -> None:
+        """Return once the KV cache's memory is mapped in (CPU: see cpu_host.prefault_in_background)."""
+
+    @abstractmethod
+    def shutdown(self) -> None: ...

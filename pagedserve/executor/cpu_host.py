@@ -1,0 +1,174 @@
+"""Tuning of the CPU host an engine runs on: OpenMP's thread waiting, glibc's malloc, and mapping the
+KV cache's pages ahead of use. The measurements behind each choice are in docs/cpu.md.
+
+**OpenMP.** libgomp reads OMP_WAIT_POLICY and GOMP_SPINCOUNT once, when torch loads it, so they must
+be in the environment before `import torch`. set_openmp_defaults() runs when the `pagedserve` package
+is imported (pagedserve/__init__.py), which precedes torch in every process pagedserve starts (the
+CLI, the engine-core process, worker processes) since each imports the package first, and spawned
+children inherit the environment. A program that imports torch before pagedserve keeps torch's
+defaults; that is logged. Threads that spin without end collapse when the two cores are shared with
+the front end (PASSIVE: they sleep between parallel regions), but waking a sleeping thread costs tens
+of microseconds and a decode step opens hundreds of parallel regions, so they spin briefly first.
+
+**malloc.** glibc maps large blocks straight from the OS and unmaps them on free, and trims the top
+of its heap; a long prefill step frees hundreds of MB of activations, which the next step would then
+page-fault back in. A fixed mmap threshold at glibc's maximum and no trimming keep them.
+
+**KV cache pages.** The cache comes from calloc, so start-up does not pay for gigabytes of page
+faults; but a first touch of memory is slow on VMs, and without help the engine pays it inside its
+steps as it first writes K/V into each block. A background thread maps the pages in while the engine
+is idle (MADV_POPULATE_WRITE: as a write would, without changing contents, so it is safe beside the
+engine's own writes), in the order the block pool hands blocks out, at SCHED_IDLE. It holds the caches
+through weak references, so a dropped engine stops it, and it is stopped at interpreter exit (a
+daemon thread still inside madvise there made the C++ runtime abort the exiting process).
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import ctypes.util
+import logging
+import mmap
+import os
+import sys
+import threading
+import weakref
+from collections.abc import Callable
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+OPENMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "20000"}
+_openmp_set_here: list[str] = []
+
+
+def set_openmp_defaults() -> None:
+    """Put OPENMP_DEFAULTS into the environment where the user has not set them (see the module doc).
+    Processes started from here inherit them even where this one loaded torch too early to use them."""
+    if _openmp_set_here:
+        return
+    if "torch" in sys.modules:
+        logger.debug("torch was imported before pagedserve: this process's OpenMP runtime keeps its own wait policy")
+    for name, value in OPENMP_DEFAULTS.items():
+        if name not in os.environ:
+            os.environ[name] = value
+            _openmp_set_here.append(name)
+
+
+def environment_without_openmp_defaults() -> dict[str, str]:
+    """The environment as the user had it, for baselines that must run as their users run them."""
+    return {name: value for name, value in os.environ.items() if name not in _openmp_set_here}
+
+
+# ---- malloc --------------------------------------------------------------------------------
+
+# glibc <malloc.h> parameter ids.
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_MMAP_THRESHOLD_MAX = 32 * 1024**2  # glibc's upper bound on 64-bit systems
+
+
+@lru_cache(maxsize=1)
+def libc() -> ctypes.CDLL | None:
+    """The C library (errno kept for ctypes.get_errno), or None where it cannot be loaded."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    except (OSError, TypeError):
+        return None
+
+
+def keep_freed_memory() -> bool:
+    """Keep freed host memory in the process (see the module doc); returns whether glibc took it.
+    No-op where malloc is not glibc's."""
+    mallopt = getattr(libc(), "mallopt", None)
+    if mallopt is None:
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    # c_int: the trim threshold is a size_t inside glibc; the largest int is plenty (2 GiB).
+    ok = mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) == 1 and mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1
+    if not ok:
+        logger.debug("mallopt refused the settings; freed memory goes back to the OS")
+    return ok
+
+
+# ---- KV cache pages ----------------------------------------------------------------------------
+
+_MADV_POPULATE_WRITE = 23  # <linux/mman.h>; Linux 5.14+
+_BLOCKS_PER_CALL = 64  # ~0.75 MB per layer and K or V at the default shapes: a short syscall
+_running: dict[threading.Thread, threading.Event] = {}
+
+
+def prefault_in_background(kv_caches: list[torch.Tensor], may_run: Callable[[], bool] = lambda: True) -> threading.Thread | None:
+    """Starts mapping the pages of kv_caches (each [2, num_blocks, ...], contiguous) block by block,
+    whenever may_run() says so (checked every ~10 ms); returns the thread, or None where madvise is unavailable."""
+    madvise = _madvise()
+    if madvise is None or not kv_caches:
+        return None
+    refs = [weakref.ref(cache) for cache in kv_caches]
+    stop = threading.Event()
+    thread = threading.Thread(target=_prefault, args=(madvise, refs, kv_caches[0].shape[1], may_run, stop), name="kv-prefault",
+                              daemon=True)
+    _running[thread] = stop
+    thread.start()
+    return thread
+
+
+@atexit.register
+def _stop_all() -> None:
+    for thread, stop in list(_running.items()):
+        stop.set()
+        thread.join()
+
+
+def _madvise():
+    madvise = getattr(libc(), "madvise", None)
+    if madvise is None:
+        return None
+    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return madvise
+
+
+def _prefault(madvise, refs: list[weakref.ref], num_blocks: int, may_run: Callable[[], bool], stop: threading.Event) -> None:
+    try:
+        _map_blocks(madvise, refs, num_blocks, may_run, stop)
+    finally:
+        _running.pop(threading.current_thread(), None)
+
+
+def _map_blocks(madvise, refs: list[weakref.ref], num_blocks: int, may_run: Callable[[], bool], stop: threading.Event) -> None:
+    try:
+        # At idle priority: page faults on a VM hold the core in the hypervisor, where the guest cannot
+        # preempt them, so a thread at normal priority slowed the engine's own work.
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread, on Linux
+    except (AttributeError, OSError):
+        pass  # no SCHED_IDLE here: the thread still only sleeps in the kernel while it maps pages
+    for first in range(0, num_blocks, _BLOCKS_PER_CALL):
+        while not may_run():
+            if stop.wait(0.01):
+                return
+        if stop.is_set():
+            return
+        last = min(first + _BLOCKS_PER_CALL, num_blocks)
+        for ref in refs:
+            cache = ref()
+            if cache is None:
+                return  # the engine is gone
+            for half in cache:  # K, then V
+                if not _populate(madvise, half[first:last]):
+                    return
+            del cache
+
+
+def _populate(madvise, blocks: torch.Tensor) -> bool:
+    """Maps the pages under a contiguous range of blocks (rounded out to whole pages)."""
+    start = blocks.data_ptr() // mmap.PAGESIZE * mmap.PAGESIZE
+    end = blocks.data_ptr() + blocks.numel() * blocks.element_size()
+    if madvise(start, end - start, _MADV_POPULATE_WRITE) == 0:
+        return True
+    logger.debug("KV cache prefault stopped: madvise failed (%s)", os.strerror(ctypes.get_errno()))
+    return False

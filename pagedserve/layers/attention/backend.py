@@ -1,0 +1,89 @@
+"""The attention backend interface and the step layout every backend builds its metadata from.
+
+A step is one flat token batch: decodes first (one query token each), then prefill chunks. The
+model runner describes it once per step as a BatchLayout; the engine's backend turns that into its
+own metadata (build_metadata, once per step) and runs every layer's attention from it (forward).
+K/V of the new tokens are written into the paged cache through the slot mapping; attention then
+reads each sequence's keys and values through its block table.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+
+@dataclass
+class BatchLayout:
+    """What attention needs to know of one step's flat batch, independent of any kernel."""
+
+    slot_mapping: np.ndarray  # [num_tokens]: flat cache slot of each new token
+    num_decodes: int  # the first num_decodes sequences have one query token each
+    query_lens: list[int]  # per sequence, in batch order
+    seq_lens: list[int]  # per sequence: its context + this step's tokens
+    block_tables: list[np.ndarray]  # per sequence: the block ids its seq_len uses
+
+
+@dataclass
+class PrefillChunk:
+    query_start: int  # offset in the flat batch
+    query_len: int
+    seq_len: int  # context + this chunk
+    block_table: torch.Tensor  # [num_blocks_of_this_sequence]
+
+    @property
+    def context_len(self) -> int:
+        return self.seq_len - self.query_len
+
+
+@dataclass
+class AttentionMetadata:
+    """What every backend reads per step. Backends with more to prepare subclass it."""
+
+    slot_mapping: torch.Tensor  # [num_tokens]
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks], zero padded
+    decode_seq_lens: torch.Tensor | None  # [num_decodes]
+    prefills: list[PrefillChunk]
+
+    @classmethod
+    def from_layout(cls, layout: BatchLayout, device: torch.device, **extra) -> AttentionMetadata:
+        num_decodes = layout.num_decodes
+        decode_tables = decode_lens = None
+        if num_decodes:
+            decode_tables = torch.from_numpy(pad_block_tables(layout.block_tables[:num_decodes])).to(device)
+            decode_lens = torch.from_numpy(np.asarray(layout.seq_lens[:num_decodes], dtype=np.int64)).to(device)
+        prefills, start = [], num_decodes
+        for index in range(num_decodes, len(layout.query_lens)):
+            query_len = layout.query_lens[index]
+            prefills.append(PrefillChunk(start, query_len, layout.seq_lens[index], torch.from_numpy(layout.block_tables[index]).to(device)))
+            start += query_len
+        slot_mapping = torch.from_numpy(layout.slot_mapping).to(device)
+        return cls(slot_mapping, num_decodes, decode_tables, decode_lens, prefills, **extra)
+
+
+def pad_block_tables(tables: list) -> np.ndarray:
+    """Block tables (each already cut to the blocks its sequence uses) as one zero-padded int64 array."""
+    padded = np.zeros((len(tables), max(len(table) for table in tables)), dtype=np.int64)
+    for row, table in enumerate(tables):
+        padded[row, : len(table)] = table
+    return padded
+
+
+class AttentionBackend(ABC):
+    """One attention implementation. Stateless across steps: everything a step needs is in its metadata."""
+
+    name: ClassVar[str]
+
+    def build_metadata(self, layout: BatchLayout, device: torch.device) -> AttentionMetadata:
+        return AttentionMetadata.from_layout(layout, device)
+
+    @abstractmethod
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Write key/value [T, KV, D] into kv_cache [2, num_blocks, block_size, KV, D] at the slot mapping, then
+        attend: query [T, H, D] -> [T, H, D]."""

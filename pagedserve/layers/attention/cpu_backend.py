@@ -1,0 +1,124 @@
+"""The CPU backend: C++ kernels (pagedserve/csrc) that read K/V straight from the paged blocks, for
+float32 activations on CPU (the cache may hold float32, bfloat16 or float16).
+
+Decodes and most prefill chunks run in the kernels; prefill_in_kernel says which chunks. The rest
+run torch's fused attention: a long prompt's first chunk on its own new K/V, and a long chunk after
+a longer context on that context gathered once, the context and the chunk attended apart and merged
+by log-sum-exp. Which is faster where was measured at the default shapes (docs/cpu.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedserve.layers.attention.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    BatchLayout,
+    PrefillChunk,
+    pad_block_tables,
+)
+from pagedserve.layers.attention.torch_backend import gather_sequence_kv, reference_prefill_attention
+
+# A chunk that starts its sequence, up to this many tokens, runs in the kernel; beyond it torch's
+# causal flash kernel wins.
+KERNEL_MAX_FRESH_LEN = 512
+# A chunk after context up to this many tokens runs in the kernel (it beats gathering the context for
+# torch), and so does a longer one on a shorter context than itself (with a mask torch computes the
+# whole square where the kernel skips the causal half). A long chunk on a longer context suits
+# torch's blocked GEMMs better.
+KERNEL_MAX_QUERY_LEN = 128
+
+
+def prefill_in_kernel(chunk: PrefillChunk) -> bool:
+    if chunk.context_len == 0:
+        return chunk.query_len <= KERNEL_MAX_FRESH_LEN
+    return chunk.query_len <= KERNEL_MAX_QUERY_LEN or chunk.context_len < chunk.query_len
+
+
+@dataclass
+class PagedPrefills:
+    """The prefill chunks the kernel computes from the paged cache, as tensors for one call per layer."""
+
+    block_tables: torch.Tensor  # [num_chunks, max_blocks], zero padded
+    query_starts: torch.Tensor  # [num_chunks]
+    query_lens: torch.Tensor
+    seq_lens: torch.Tensor
+
+    @classmethod
+    def of(cls, chunks: list[PrefillChunk], device: torch.device) -> PagedPrefills:
+        tables = torch.from_numpy(pad_block_tables([chunk.block_table for chunk in chunks]))
+        columns = [[chunk.query_start for chunk in chunks], [chunk.query_len for chunk in chunks], [chunk.seq_len for chunk in chunks]]
+        starts, query_lens, seq_lens = (torch.tensor(column, dtype=torch.long, device=device) for column in columns)
+        return cls(tables.to(device), starts, query_lens, seq_lens)
+
+
+@dataclass
+class CPUAttentionMetadata(AttentionMetadata):
+    paged_prefills: PagedPrefills | None = None  # the chunks the kernel takes; None when there are none
+    torch_chunks: list[PrefillChunk] = field(default_factory=list)  # the others
+
+
+class CPUAttentionBackend(AttentionBackend):
+    name = "cpu"
+
+    def __init__(self, kernels) -> None:
+        self.kernels = kernels
+
+    def build_metadata(self, layout: BatchLayout, device: torch.device) -> CPUAttentionMetadata:
+        meta = CPUAttentionMetadata.from_layout(layout, device)
+        in_kernel = [chunk for chunk in meta.prefills if prefill_in_kernel(chunk)]
+        if in_kernel:
+            meta.paged_prefills = PagedPrefills.of(in_kernel, device)
+        meta.torch_chunks = [chunk for chunk in meta.prefills if not prefill_in_kernel(chunk)]
+        return meta
+
+    def forward(self, query, key, value, kv_cache, meta: CPUAttentionMetadata, scale: float) -> torch.Tensor:
+        kernels = self.kernels
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        kernels.write_kv_cache(key, value, key_cache, value_cache, meta.slot_mapping)
+        out = torch.empty_like(query)
+        num_decodes = meta.num_decode_tokens
+        if num_decodes:
+            out[:num_decodes] = kernels.paged_decode_attention(query[:num_decodes].contiguous(), key_cache, value_cache,
+                                                               meta.decode_block_tables, meta.decode_seq_lens, scale)
+        paged = meta.paged_prefills
+        if paged is not None:
+            kernels.paged_prefill_attention(query, key_cache, value_cache, paged.block_tables, paged.query_starts, paged.query_lens,
+                                            paged.seq_lens, scale, out)
+        for chunk in meta.torch_chunks:
+            rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
+            out[rows] = prefill_attention(query[rows], key[rows], value[rows], kv_cache, chunk, scale)
+        return out
+
+
+# torch's CPU flash attention, which also returns each query row's log-sum-exp (a private op of
+# torch's; None where this torch lacks it, and the masked reference runs).
+_flash_with_logsumexp = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def prefill_attention(query, key, value, kv_cache: torch.Tensor, chunk: PrefillChunk, scale: float | None = None) -> torch.Tensor:
+    """A chunk the kernel does not take: torch's fused attention. After context, the context and the
+    chunk's own keys are attended separately and merged (_context_then_chunk); a fresh chunk is one
+    causal call."""
+    if chunk.context_len == 0 or query.device.type != "cpu" or _flash_with_logsumexp is None:
+        return reference_prefill_attention(query, key, value, kv_cache, chunk, scale)
+    keys, values = (kv.to(query.dtype) for kv in gather_sequence_kv(kv_cache, chunk.block_table, chunk.seq_len))
+    return _context_then_chunk(query, keys, values, chunk.context_len, scale)
+
+
+def _context_then_chunk(query, keys, values, context_len: int, scale: float | None) -> torch.Tensor:
+    """Attention of a chunk's queries [n, H, D] over keys/values [context + n, KV, D]: over the context
+    (no mask: every query sees all of it) and causally over the chunk's own keys, merged by their
+    log-sum-exps. One masked call would compute the whole square, the chunk's masked-out half included."""
+    group = query.shape[1] // keys.shape[1]
+    q = query.transpose(0, 1)[None]
+    k, v = (kv.transpose(0, 1)[None].repeat_interleave(group, dim=1) for kv in (keys, values))  # the op takes no GQA
+    out_context, lse_context = _flash_with_logsumexp(q, k[:, :, :context_len], v[:, :, :context_len], 0.0, False, scale=scale)
+    out_chunk, lse_chunk = _flash_with_logsumexp(q, k[:, :, context_len:], v[:, :, context_len:], 0.0, True, scale=scale)
+    top = torch.maximum(lse_context, lse_chunk)
+    weight_context, weight_chunk = (lse_context - top).exp(), (lse_chunk - top).exp()
+    out = (out_context * weight_context[..., None] + out_chunk * weight_chunk[..., None]) / (weight_context + weight_chunk)[..., None]
+    return out[0].transpose(0, 1)

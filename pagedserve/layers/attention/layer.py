@@ -1,0 +1,24 @@
+"""The attention layer models use: it runs whichever backend the engine selected; models never
+branch on kernels."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedserve.layers.attention.backend import AttentionBackend, AttentionMetadata
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.num_kv_heads = num_kv_heads
+        self.scale = head_dim**-0.5
+        self.backend = backend
+
+    def forward(self, query, key, value, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """query [T, H, D], key/value [T, KV, D], kv_cache [2, num_blocks, block_size, KV, D] -> [T, H*D]."""
+        out = self.backend.forward(query, key, value, kv_cache, meta, self.scale)
+        return out.view(out.shape[0], -1)

@@ -1,0 +1,26 @@
+"""Which attention backend an engine runs (the attention_backend setting)."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedserve.layers.attention.backend import AttentionBackend
+from pagedserve.layers.attention.cpu_backend import CPUAttentionBackend
+from pagedserve.layers.attention.torch_backend import TorchAttentionBackend
+
+
+def select_attention_backend(name: str, device: torch.device, dtype: torch.dtype, cpu_kernels) -> AttentionBackend:
+    """name: auto, cpu or torch. cpu_kernels: the compiled C++ kernels, or None where they are off or
+    did not build. auto takes cpu where it applies (CPU, float32 activations, kernels built), else torch."""
+    cpu_applies = device.type == "cpu" and dtype == torch.float32 and cpu_kernels is not None
+    if name == "auto":
+        name = "cpu" if cpu_applies else "torch"
+    if name == "cpu":
+        if not cpu_applies:
+            raise ValueError(
+                "attention_backend 'cpu' needs the C++ CPU kernels (cpu_kernels on, and built), a CPU device and float32; "
+                f"got device {device.type}, dtype {str(dtype).removeprefix('torch.')}, kernels "
+                f"{'available' if cpu_kernels is not None else 'unavailable'}"
+            )
+        return CPUAttentionBackend(cpu_kernels)
+    return TorchAttentionBackend()
