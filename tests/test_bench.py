@@ -16,6 +16,7 @@ def bench(tmp_path, workload, *args, timeout=600):
     return json.loads(out.read_text()), result.stdout
 
 
+@pytest.mark.slow
 def test_throughput_with_baseline_and_ceiling(tmp_path, tiny_models):
     record, stdout = bench(tmp_path, "throughput", "--model", str(tiny_models["llama"]), "--num-prompts", "6", "--input-len", "20",
                            "--output-len", "7", "--baseline", "hf", "--ceiling", "--kv-cache-memory", str(2**24), "--repeats", "3")
@@ -69,6 +70,7 @@ def test_ceiling_decodes_after_the_context_it_names():
     assert mean_decode_context(requests) == 24  # (10 + 4/2 + 30 + 12/2) / 2
 
 
+@pytest.mark.slow
 def test_mixed_dataset_lengths_vary(tmp_path, tiny_models):
     record, _ = bench(tmp_path, "throughput", "--model", str(tiny_models["llama"]), "--dataset", "mixed", "--num-prompts", "5",
                       "--kv-cache-memory", str(2**24))
@@ -76,6 +78,7 @@ def test_mixed_dataset_lengths_vary(tmp_path, tiny_models):
     assert 5 * 16 <= record["prompt_tokens"] <= 5 * 512 and 5 * 16 <= record["output_tokens"] <= 5 * 256
 
 
+@pytest.mark.slow
 def test_prefix_and_interference(tmp_path, tiny_models):
     prefix, _ = bench(tmp_path, "prefix", "--model", str(tiny_models["llama"]), "--num-prompts", "8", "--prefix-len", "256",
                       "--kv-cache-memory", str(2**24))
@@ -96,6 +99,7 @@ def test_kv_and_sched(tmp_path):
     assert sched["num_running"] == 64 and sched["median_us_per_step"] > 0
 
 
+@pytest.mark.slow
 def test_serve_repeats_report_medians(tmp_path, tiny_models):
     record, stdout = bench(tmp_path, "serve", "--model", str(tiny_models["llama"]), "--num-prompts", "4", "--input-len", "16",
                            "--output-len", "5", "--repeats", "3", "--server-args", "--kv-cache-memory", str(2**24))
@@ -108,6 +112,7 @@ def test_serve_repeats_report_medians(tmp_path, tiny_models):
     assert "median of 3 runs" in stdout
 
 
+@pytest.mark.slow
 def test_serve_against_our_own_server_and_plots(tmp_path, tiny_models):
     record, stdout = bench(tmp_path, "serve", "--model", str(tiny_models["llama"]), "--num-prompts", "8", "--input-len", "16",
                            "--output-len", "6", "--request-rate", "inf", "4", "--max-concurrency", "2", "8", "--label", "ours",

@@ -3,12 +3,15 @@
 import subprocess
 import sys
 
+import pytest
+
 
 def run_cli(*args, stdin=None, timeout=240):
     return subprocess.run([sys.executable, "-m", "pagedserve.entrypoints.cli", *args], input=stdin, capture_output=True,
                           text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_generate_prints_prompt_and_completion(default_llm):
     expected = default_llm.generate("The capital of France is", default_llm_params(), use_tqdm=False)[0].outputs[0].text
     result = run_cli("generate", "--prompt", "The capital of France is", "--max-tokens", "8", "--kv-cache-memory", str(2**27))
@@ -23,6 +26,7 @@ def default_llm_params():
     return SamplingParams(temperature=0.0, max_tokens=8)
 
 
+@pytest.mark.slow
 def test_chat_answers_each_line_until_eof():
     result = run_cli("chat", "--max-tokens", "16", "--kv-cache-memory", str(2**27),
                      stdin="What is the capital of France?\nThanks!\n")

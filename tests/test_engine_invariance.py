@@ -21,6 +21,7 @@ def _shared_prefix_prompts(tokenizer):
     return [prefix + question for question in ("What is 2+2?", "Name a color.", "Say hello.")]
 
 
+@pytest.mark.slow
 def test_prefix_caching_on_and_off_agree(default_model_dir, tokenizer):
     prompts = _shared_prefix_prompts(tokenizer)
     cached = LLM(str(default_model_dir), kv_cache_memory=256 * 1024**2, enable_prefix_caching=True)
@@ -44,6 +45,7 @@ def test_chunked_prefill_agrees(default_model_dir, reference):
     assert token_ids_of(llm.generate(PROMPTS, greedy(MAX_TOKENS), use_tqdm=False)) == reference
 
 
+@pytest.mark.slow
 def test_alone_vs_inside_a_batch_of_64_mixed_requests(default_llm, reference, tokenizer):
     rng = random.Random(7)
     vocab = tokenizer.vocab_size

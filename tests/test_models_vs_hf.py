@@ -29,6 +29,7 @@ def test_default_model_logprobs_match_transformers(default_llm, default_model_di
     assert output.cumulative_logprob == pytest.approx(sum(reference), abs=1e-2)
 
 
+@pytest.mark.slow
 def test_long_context_decode_matches_transformers(default_llm, default_model_dir, tokenizer):
     """Decodes after 1100+ tokens of context: the CPU kernel attends to them in parts of 512 and merges
     them; greedy picks and their logprobs still match transformers."""
@@ -67,6 +68,32 @@ def test_tiny_architectures_match_transformers(arch, tiny_models):
     assert ours == pytest.approx(reference, abs=1e-3)
 
 
+@pytest.mark.parametrize("settings", [
+    {"attention_backend": "torch"},  # the reference backend runs the engine too
+    {"attention_backend": "torch", "cpu_kernels": False, "gemm_backend": "torch"},  # no C++ kernel and no oneDNN at all
+])
+def test_engine_settings_of_kernels_and_gemms_keep_outputs(settings, tiny_models):
+    model_dir = tiny_models["llama"]
+    prompts = [[1, 400, 500, 600, 700], list(range(100, 170))]
+    llm = LLM(str(model_dir), kv_cache_memory=16 * 1024**2, max_num_batched_tokens=32, **settings)
+    worker = worker_of(llm)
+    assert worker.attn_backend.name == "torch"
+    assert (worker.cpu_kernels is None) == (settings.get("cpu_kernels") is False)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(16), use_tqdm=False)
+    assert token_ids_of(outputs) == hf_greedy(model_dir, prompts, 16)
+
+
+def test_impossible_kernel_settings_name_the_field(tiny_models):
+    with pytest.raises(ValueError, match="attention_backend must be auto, cpu, torch"):
+        LLM(str(tiny_models["llama"]), attention_backend="flash")
+    with pytest.raises(ValueError, match="attention_backend 'cpu' needs the C\\+\\+ CPU kernels"):
+        LLM(str(tiny_models["llama"]), attention_backend="cpu", cpu_kernels=False, kv_cache_memory=2**24)
+    with pytest.raises(ValueError, match="attention_backend 'cpu' needs .* float32"):
+        LLM(str(tiny_models["llama"]), attention_backend="cpu", dtype="bfloat16", kv_cache_memory=2**24)
+    with pytest.raises(ValueError, match="gemm_backend 'onednn' needs a CPU device, float32"):
+        LLM(str(tiny_models["llama"]), gemm_backend="onednn", dtype="bfloat16", kv_cache_memory=2**24)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_dtypes_run_and_stay_close_to_float32(dtype, tiny_models):
     model_dir = tiny_models["qwen2"]
@@ -80,6 +107,7 @@ def test_half_precision_dtypes_run_and_stay_close_to_float32(dtype, tiny_models)
     assert [pos[tok].logprob for tok, pos in zip(out.token_ids, out.logprobs)] == pytest.approx(reference, abs=0.15)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_cache_dtype,tolerance", [("bfloat16", 0.1), ("float16", 0.01)])
 def test_16bit_kv_cache_holds_twice_the_tokens_and_keeps_the_model(kv_cache_dtype, tolerance, default_llm, default_model_dir, tokenizer):
     """kv_cache_dtype rounds only the cached K/V: every greedy pick is still transformers' (float32)

@@ -10,6 +10,9 @@ import pytest
 import requests
 from server_utils import RemoteServer
 
+# Each test starts and stops server processes.
+pytestmark = pytest.mark.slow
+
 
 def _alive(pid: int) -> bool:
     try:

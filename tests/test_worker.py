@@ -17,6 +17,7 @@ def test_kv_cache_memory_starts_zeroed_and_writable(dtype):
 
 
 
+@pytest.mark.slow
 def test_long_prefills_reuse_freed_host_memory(default_llm):
     """With the engine's malloc settings a long prefill reuses the pages the previous one freed: glibc's
     defaults gave them back to the OS and page-faulted 440-730 MB of activations in per 2000-token

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from tqdm.auto import tqdm
 
+from pagedserve import envs
 from pagedserve.benchmarks.datasets import BenchRequest, random_requests
 from pagedserve.benchmarks.report import mean, percentile, print_table, write_json
 
@@ -141,7 +142,7 @@ def own_server(model: str, extra_args: list[str]):
         port = sock.getsockname()[1]
     command = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--port", str(port), "--model", model,
                "--log-level", "warning", *extra_args]
-    process = subprocess.Popen(command, env={**os.environ, "PAGEDSERVE_LOG_LEVEL": "WARNING"})
+    process = subprocess.Popen(command, env={**os.environ, envs.PAGEDSERVE_LOG_LEVEL: "WARNING"})
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(url, process)

@@ -161,10 +161,9 @@ inline float exp_and_sum(float* s, int64_t n, float max) {
 }
 
 // Prefetches the next block (into L2) a few cache lines per call, so its requests are spread over the
-// work on the current block. Issued at once, at the block's start, most of a block's 192 requests
-// found no free miss buffer and came to little: one call at batch 32 over 192-token contexts, float32
-// K/V from memory, 30 layers: 19.2 ms issued at once, 11.5 ms spread (a plain read of the same blocks:
-// 10.7 ms), float16 12.0 -> 8.6 ms (docs/benchmarks.md, eighth session).
+// work on the current block. Issued at once, at the block's start, most of a block's requests find no
+// free miss buffer and come to little; spread, the kernel runs near the speed of a plain read of the
+// same blocks (docs/cpu.md).
 struct SpreadPrefetch {
   const char* block = nullptr;
   int64_t bytes = 0, offset = 0, per_call = 0;
@@ -421,11 +420,9 @@ struct PartialDecode {
 };
 
 // A sequence's context is attended in parts of at most this many tokens, each part a task of its own,
-// so one long sequence (alone in a step, or beside short ones) runs on every thread. Batch 1, 30
-// layers, alternating processes: 1024 tokens 4.0-5.1 -> 2.2-3.3 ms, 4096 tokens 16-20 -> 9-13 ms
-// (docs/benchmarks.md, ninth session). Where a sequence is cut depends on its own length only, so
-// its output does not depend on the batch it came in (a sequence of up to 512 tokens is one part,
-// computed as before the parts existed).
+// so one long sequence (alone in a step, or beside short ones) runs on every thread (docs/cpu.md).
+// Where a sequence is cut depends on its own length only, so its output does not depend on the batch
+// it came in (a sequence of up to 512 tokens is one part, with no merge).
 constexpr int64_t kPartTokens = 512;
 
 // The parts of a step's sequences (in order), each part's cost (its tokens), the index of each

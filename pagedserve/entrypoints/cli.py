@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
+
+from pagedserve import envs
 
 # OpenMP's wait policy and spin count are set by the package's __init__, which runs before this module.
 
@@ -13,7 +14,7 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("PAGEDSERVE_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=envs.log_level(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.handler(args)
     except (ValueError, FileNotFoundError, TypeError) as exc:
