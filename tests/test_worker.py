@@ -19,9 +19,8 @@ def test_kv_cache_memory_starts_zeroed_and_writable(dtype):
 
 @pytest.mark.slow
 def test_long_prefills_reuse_freed_host_memory(default_llm):
-    """With the engine's malloc settings a long prefill reuses the pages the previous one freed: glibc's
-    defaults gave them back to the OS and page-faulted 440-730 MB of activations in per 2000-token
-    prefill here (all but one of four after the first); with the settings, 0-6 MB after the first."""
+    """With the engine's malloc settings a long prefill reuses the pages the previous one freed, where glibc's
+    defaults give them back to the OS and page-fault hundreds of MB of activations in again (docs/cpu.md)."""
     import random
     import resource
 
