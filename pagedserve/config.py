@@ -46,6 +46,11 @@ class EngineConfig:
         metadata={"help": "on CPU in float32, run a GGUF model's GEMMs on its Q4_0/Q4_1/Q8_0 blocks (the same values, "
                   "4-7x fewer bytes per step); off: on the dequantized float32 weights"},
     )
+    generation_config: str = field(
+        default="auto",
+        metadata={"help": "default sampling parameters: auto (the model's generation_config.json, where it has one), vllm "
+                  "(pagedserve's own defaults), or a directory holding a generation_config.json; a request's own values win"},
+    )
     num_threads: int | None = field(default=None, metadata={"help": "torch intra-op threads of the engine (default: all cores)"})
     attention_backend: str = field(
         default="auto",

@@ -74,6 +74,12 @@ def test_converted_gguf_is_cached(tiny_hf_llama, tmp_path):
     assert gguf_convert.ensure_converted(path) == first
     assert (first / ".pagedserve-complete").stat().st_mtime_ns == marker_time
     assert (first / "model.safetensors").is_file() and (first / "tokenizer.json").is_file()
+    # Keyed by content: a copy elsewhere (another environment's site-packages, say) reuses the conversion.
+    copy = tmp_path / "elsewhere" / path.name
+    copy.parent.mkdir()
+    copy.write_bytes(path.read_bytes())
+    assert gguf_convert.ensure_converted(copy) == first
+    assert (first / ".pagedserve-complete").stat().st_mtime_ns == marker_time
 
 
 def test_missing_gguf_file_is_named(tmp_path):

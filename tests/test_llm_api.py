@@ -113,3 +113,24 @@ def test_kv_cache_size_and_max_model_len_follow_the_budget(tiny_models):
     assert worker.num_blocks == 20 and worker.max_model_len == 320
     with pytest.raises(ValueError, match="does not fit in the KV cache"):
         LLM(str(tiny_models["llama"]), kv_cache_memory=512 * 16 * 20, max_model_len=512)
+
+
+def test_generation_config_supplies_the_default_sampling_parameters(tmp_path, tiny_models):
+    """--generation-config auto (the default) takes the model's generation_config.json where a request leaves a
+    field out; vllm keeps pagedserve's own defaults; a request's own values win."""
+    import shutil
+
+    model_dir = tmp_path / "with_generation_config"
+    shutil.copytree(tiny_models["llama"], model_dir)
+    (model_dir / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "top_k": 7, "max_new_tokens": 5}))
+    llm = LLM(str(model_dir), kv_cache_memory=2**24)
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_k, defaults.max_tokens) == (0.0, 7, 5)
+    prompt = {"prompt_token_ids": [1, 400, 500]}
+    by_default = llm.generate(prompt, use_tqdm=False)[0].outputs[0]
+    greedy_five = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)[0].outputs[0]
+    assert by_default.token_ids == greedy_five.token_ids and len(by_default.token_ids) == 5
+    plain = LLM(str(model_dir), kv_cache_memory=2**24, generation_config="vllm").get_default_sampling_params()
+    assert (plain.temperature, plain.top_k, plain.max_tokens) == (1.0, 0, 16)
+    with pytest.raises(FileNotFoundError, match="generation_config"):
+        LLM(str(model_dir), kv_cache_memory=2**24, generation_config=str(tmp_path / "nowhere"))

@@ -25,6 +25,9 @@ class EngineCore:
             num_blocks = self.executor.determine_num_blocks()
             self.executor.initialize_cache(num_blocks)
             self.model_info: ModelInfo = self.executor.model_info()
+            warm_up_start = time.monotonic()
+            self.executor.collective_rpc("warm_up")
+            logger.info("warm-up steps ran in %.1f s", time.monotonic() - warm_up_start)
         except BaseException:
             self.executor.shutdown()
             raise

@@ -4,14 +4,26 @@ outputs -> RequestOutputs: text, stop strings, logprobs, samples gathered)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from pagedserve.config import EngineConfig
 from pagedserve.core.contracts import EngineCoreOutput
 from pagedserve.engine.output_processor import OutputProcessor, ProcessedOutputs
-from pagedserve.engine.processor import Processor, PromptType
+from pagedserve.engine.processor import ProcessedPrompt, Processor, PromptType
 from pagedserve.engine.tokenizer import load_tokenizer
 from pagedserve.engine.wire import EngineCoreRequest
 from pagedserve.executor.abstract import ModelInfo
 from pagedserve.sampling_params import SamplingParams
+
+
+@dataclass
+class PreparedRequest:
+    """A request tokenized and validated, not yet tracked (prepare() may run in a worker thread)."""
+
+    request_id: str
+    prompt: ProcessedPrompt
+    params: SamplingParams  # completed: max_tokens known, EOS ids filled in
+    engine_requests: list[EngineCoreRequest]
 
 
 class FrontEnd:
@@ -27,14 +39,26 @@ class FrontEnd:
     def max_model_len(self) -> int:
         return self.model_info.max_model_len
 
+    def default_sampling_params(self, **base) -> SamplingParams:
+        """SamplingParams of the base values, overridden by the model's generation defaults (generation_config)."""
+        return SamplingParams(**(base | self.model_info.generation_defaults))
+
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0) -> list[EngineCoreRequest]:
         """Validate and track a request; returns the engine requests to send (one per sample).
         Raises ValueError/TypeError naming the bad field, having tracked nothing."""
+        return self.track(self.prepare(request_id, prompt, params, priority))
+
+    def prepare(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0) -> PreparedRequest:
+        """Tokenize and validate; touches no state, so it may run in a worker thread."""
         processed = self.processor.tokenize_prompt(prompt)
         params, engine_requests = self.processor.process(request_id, processed, params, priority)
-        self.output_processor.add_request(request_id, processed.prompt, processed.prompt_token_ids, params,
-                                          [r.request_id for r in engine_requests])
-        return engine_requests
+        return PreparedRequest(request_id, processed, params, engine_requests)
+
+    def track(self, prepared: PreparedRequest) -> list[EngineCoreRequest]:
+        """Start following a prepared request's outputs; returns its engine requests to send."""
+        self.output_processor.add_request(prepared.request_id, prepared.prompt.prompt, prepared.prompt.prompt_token_ids,
+                                          prepared.params, [r.request_id for r in prepared.engine_requests])
+        return prepared.engine_requests
 
     def abort_request(self, request_id: str) -> list[str]:
         """Forget a request; returns the engine ids to abort in the core (empty if unknown)."""

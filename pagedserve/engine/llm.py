@@ -41,6 +41,10 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate() and chat() use without sampling_params: the model's generation config over SamplingParams()."""
+        return self.llm_engine.front_end.default_sampling_params()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -50,7 +54,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Outputs come back in the order of the prompts."""
         prompt_list = _as_prompt_list(prompts)
-        params_list = _broadcast(sampling_params or SamplingParams(), len(prompt_list), "sampling_params")
+        params_list = _broadcast(sampling_params or self.get_default_sampling_params(), len(prompt_list), "sampling_params")
         priorities = _broadcast(list(priority) if priority is not None else 0, len(prompt_list), "priority")
         request_ids = []
         try:

@@ -23,6 +23,8 @@ class ModelInfo:
     vocab_size: int
     eos_token_ids: list[int]
     num_blocks: int
+    # Default sampling parameters (SamplingParams field names) from the generation config; empty when none.
+    generation_defaults: dict[str, float | int]
 
 
 class Executor(ABC):

@@ -12,6 +12,7 @@ from pagedserve.executor.input_batch import ModelInputs, RunnerRequestState, dum
 from pagedserve.layers.attention import AttentionBackend
 from pagedserve.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
 from pagedserve.outputs import LogprobsLists
+from pagedserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,29 @@ class ModelRunner:
         for running in scheduler_output.scheduled_running_reqs:
             self.requests[running.request_id].block_ids.extend(running.new_block_ids)
 
+    # Step shapes a server meets first: a short prompt's prefill, then decodes of a few batch sizes.
+    _WARM_UP_SHAPES = ((1, 32), (1, 1), (2, 1), (4, 1), (8, 1))
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Run the first shapes a server meets and both sampling paths once, so the first requests do not
+        pay one-time costs (kernel setup for new GEMM shapes, first touches of buffers). K/V land in the
+        first blocks, which hold nothing yet."""
+        for num_seqs, seq_len in self._WARM_UP_SHAPES:
+            self.time_forward_passes(num_seqs, seq_len, 1)
+        hidden = self.model(*self._dummy_inputs(2, 1, 0), self.kv_caches,
+                            self.attn_backend.build_metadata(dummy_layout(2, 1, 0, self.block_size), self.device))
+        logits = self.model.compute_logits(hidden)
+        params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=0)]
+        states = [RunnerRequestState(f"warm-up-{i}", [1], 1, p, [0], 0) for i, p in enumerate(params)]
+        self.sampler(logits, self._sampling_metadata(states))
+        self._seeded_generators.clear()
+
+    def _dummy_inputs(self, num_seqs: int, seq_len: int, context: int) -> tuple[torch.Tensor, torch.Tensor]:
+        input_ids = torch.randint(0, min(1000, self.model.config.vocab_size), (num_seqs * seq_len,), device=self.device)
+        positions = (context + torch.arange(seq_len, device=self.device)).repeat(num_seqs)
+        return input_ids, positions
+
     @torch.inference_mode()
     def time_forward_passes(self, num_seqs: int, seq_len: int, passes: int, context: int = 0) -> list[float]:
         """Seconds of each of `passes` bare forward passes (no scheduler, no sampling) over num_seqs
@@ -73,8 +97,7 @@ class ModelRunner:
         seq_len 1 runs as decodes run, longer ones as prefill chunks, through this engine's attention
         backend. It writes K/V into blocks from 0 up: the caller makes sure no request holds them."""
         meta = self.attn_backend.build_metadata(dummy_layout(num_seqs, seq_len, context, self.block_size), self.device)
-        input_ids = torch.randint(100, 1000, (num_seqs * seq_len,), device=self.device)
-        positions = (context + torch.arange(seq_len, device=self.device)).repeat(num_seqs)
+        input_ids, positions = self._dummy_inputs(num_seqs, seq_len, context)
         seconds = []
         for _ in range(passes):
             start = time.perf_counter()

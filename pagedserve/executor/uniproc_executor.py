@@ -5,13 +5,14 @@ from __future__ import annotations
 import threading
 import time
 import weakref
+from pathlib import Path
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.contracts import ModelRunnerOutput, SchedulerOutput
 from pagedserve.executor import cpu_host
 from pagedserve.executor.abstract import Executor, ModelInfo
 from pagedserve.executor.worker import Worker
-from pagedserve.models.loader import eos_token_ids
+from pagedserve.models.loader import eos_token_ids, generation_defaults
 
 # The engine counts as idle (the KV prefault may run) once no step has run for this long: steps of
 # an engine with requests follow each other within milliseconds.
@@ -26,6 +27,7 @@ class UniprocExecutor(Executor):
         if self.on_cpu:
             cpu_host.keep_freed_memory()
         self.eos_token_ids = eos_token_ids(self.worker.model_dir, self.worker.hf_config)
+        self.generation_defaults = _generation_defaults(config, self.worker.model_dir)
         self.kv_prefault: threading.Thread | None = None  # maps the KV cache's pages while the engine is idle
         self._in_step = False
         self._last_step_end = 0.0
@@ -43,7 +45,8 @@ class UniprocExecutor(Executor):
     def model_info(self) -> ModelInfo:
         worker = self.worker
         return ModelInfo(model_dir=str(worker.model_dir), max_model_len=worker.max_model_len, vocab_size=worker.hf_config.vocab_size,
-                         eos_token_ids=list(self.eos_token_ids), num_blocks=worker.num_blocks)
+                         eos_token_ids=list(self.eos_token_ids), num_blocks=worker.num_blocks,
+                         generation_defaults=dict(self.generation_defaults))
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._in_step = True
@@ -68,3 +71,12 @@ class UniprocExecutor(Executor):
 
     def _is_idle(self) -> bool:
         return not self._in_step and time.monotonic() - self._last_step_end > _IDLE_AFTER_S
+
+
+def _generation_defaults(config: EngineConfig, model_dir: Path) -> dict[str, float | int]:
+    if config.generation_config == "vllm":
+        return {}
+    source = model_dir if config.generation_config == "auto" else Path(config.generation_config)
+    if config.generation_config != "auto" and not (source / "generation_config.json").is_file():
+        raise FileNotFoundError(f"generation_config: no generation_config.json in {source}")
+    return generation_defaults(source)

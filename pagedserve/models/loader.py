@@ -104,6 +104,23 @@ def eos_token_ids(model_dir: Path, hf_config) -> list[int]:
     return [value] if isinstance(value, int) else list(value)
 
 
+# generation_config.json fields that become default sampling parameters (vLLM's --generation-config auto).
+_GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                        "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(config_dir: Path) -> dict[str, float | int]:
+    """The sampling defaults in config_dir/generation_config.json, as SamplingParams field names; empty when none."""
+    path = config_dir / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        values = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"bad generation_config.json in {config_dir}: {exc}") from exc
+    return {ours: values[theirs] for theirs, ours in _GENERATION_DEFAULTS.items() if values.get(theirs) is not None}
+
+
 def max_position_of(hf_config) -> int:
     max_position = getattr(hf_config, "max_position_embeddings", None) or 2048
     # Sliding-window attention is not implemented: stay within the window, where it equals full attention.
