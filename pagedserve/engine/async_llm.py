@@ -23,6 +23,10 @@ class QueueFullError(RuntimeError):
     pass
 
 
+class RequestEndedError(RuntimeError):
+    """The server ended the request before it finished (it is shutting down)."""
+
+
 class AsyncLLM(FrontEndAccess):
     def __init__(self, config: EngineConfig, served_model_name: str | None = None, max_waiting_requests: int | None = None,
                  on_engine_dead: Callable[[], None] | None = None, while_starting: Callable[[], None] | None = None) -> None:
@@ -81,12 +85,11 @@ class AsyncLLM(FrontEndAccess):
                 await self.abort(request_id)
 
     async def add_request(self, prompt: PromptType, params: SamplingParams, request_id: str, priority: int = 0) -> asyncio.Queue:
-        if self.dead_error is not None:
-            raise EngineDeadError("the engine core is dead") from self.dead_error
-        num_waiting = self._engine_waiting + self._sent_since_stats
-        if self.max_waiting_requests is not None and num_waiting >= self.max_waiting_requests:
-            raise QueueFullError(f"the server is at capacity: {num_waiting} requests are waiting")
-        engine_requests = self.front_end.add_request(request_id, prompt, params, priority)
+        self._check_admission(params.n)
+        # Tokenizing (a long prompt: seconds) runs off the event loop, which keeps serving other streams.
+        prepared = await asyncio.to_thread(self.front_end.prepare, request_id, prompt, params, priority)
+        self._check_admission(params.n)  # again: the engine may have died or filled up meanwhile
+        engine_requests = self.front_end.track(prepared)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         self._sent_since_stats += len(engine_requests)
@@ -99,6 +102,26 @@ class AsyncLLM(FrontEndAccess):
             self._forget(request_id, self.front_end.abort_request(request_id))
             raise
         return queue
+
+    def _check_admission(self, num_samples: int) -> None:
+        if self.dead_error is not None:
+            raise EngineDeadError("the engine core is dead") from self.dead_error
+        num_waiting = self._engine_waiting + self._sent_since_stats
+        if self.max_waiting_requests is not None and num_waiting + num_samples > self.max_waiting_requests:
+            raise QueueFullError(f"the server is at capacity: {num_waiting} samples are waiting, and this request adds "
+                                 f"{num_samples} (limit {self.max_waiting_requests})")
+
+    def num_in_flight(self) -> int:
+        """Requests whose outputs are still awaited."""
+        return len(self._queues)
+
+    async def end_all(self, message: str) -> None:
+        """End every in-flight request now: its consumer gets RequestEndedError(message), the engine an abort."""
+        for request_id, queue in list(self._queues.items()):
+            queue.put_nowait(RequestEndedError(message))
+            engine_ids = self.front_end.abort_request(request_id)
+            self._forget(request_id, engine_ids)
+            await self.client.abort_requests_async(engine_ids)
 
     async def abort(self, request_id: str) -> None:
         engine_ids = self.front_end.abort_request(request_id)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
+from functools import cached_property
 
 from pagedserve.engine.wire import EngineCoreRequest
 from pagedserve.executor.abstract import ModelInfo
@@ -41,10 +42,30 @@ class Processor:
             else:
                 raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):
-            return ProcessedPrompt(prompt, self.tokenizer(prompt).input_ids)
+            return ProcessedPrompt(prompt, self.tokenize_text(prompt))
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return ProcessedPrompt(None, list(prompt))
         raise TypeError(f"prompt must be a string, a list of token ids, or a dict; got {type(prompt).__name__}")
+
+    def tokenize_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of text. A text certainly longer than max_model_len is refused after tokenizing a bounded
+        prefix of it, not the whole: a token covers at most max_token_chars characters, so a prefix of
+        bound characters is more than max_model_len + margin tokens, and cutting the text can merge at most
+        the margin's worth of tokens at the cut."""
+        margin = 16
+        bound = (self.max_model_len + margin + 1) * self.max_token_chars
+        if len(text) > bound:
+            prefix_ids = self.tokenizer(text[:bound], add_special_tokens=add_special_tokens).input_ids
+            if len(prefix_ids) > self.max_model_len + margin:
+                raise ValueError(f"the prompt is longer than max_model_len {self.max_model_len}: its first {bound} characters "
+                                 f"alone are {len(prefix_ids)} tokens (of {len(text)} characters)")
+        return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+
+    @cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token can stand for: its vocabulary entry's length (a byte-level entry has a
+        character per byte, and no text character takes less than a byte), plus one for a prefix space."""
+        return max(len(token) for token in self.tokenizer.get_vocab()) + 1
 
     def process(
         self,

@@ -2,21 +2,40 @@
 
 from __future__ import annotations
 
+import argparse
+
 from pagedserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
 
 
 def register(sub) -> None:
     serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     group = serve.add_argument_group("server")
-    group.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    group.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
-    group.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    group.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    group.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    group.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on every route but /health (and /metrics, unless "
+                            "--metrics-require-api-key)")
+    group.add_argument("--metrics-require-api-key", action=argparse.BooleanOptionalAction, default=False,
+                       help="with --api-key, protect /metrics too")
     group.add_argument("--served-model-name", nargs="+", default=None,
                        help="model name(s) clients use (default: the --model value)")
     group.add_argument("--max-waiting-requests", type=int, default=None,
-                       help="answer 503 when this many requests already wait for the engine (default: no limit)")
+                       help="answer 503 when this many samples already wait for the engine (default: no limit)")
+    group.add_argument("--max-n", type=int, default=None,
+                       help="most samples (n) one request may ask for (default: 128, and never more than --max-num-seqs "
+                            "or --max-waiting-requests)")
+    group.add_argument("--max-request-bytes", type=int, default=16 * 1024**2,
+                       help="largest request body accepted; 413 beyond it (default: %(default)s)")
+    group.add_argument("--trust-request-chat-template", action=argparse.BooleanOptionalAction, default=False,
+                       help="accept a chat template sent with the request (chat_template); it renders in a separate, "
+                            "time-limited process")
+    group.add_argument("--chat-template-timeout", type=float, default=5.0,
+                       help="seconds a request's own chat template may take to render (default: %(default)s)")
+    group.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="on SIGTERM, seconds in-flight requests get to finish before they are ended with an error "
+                            "(default: %(default)s)")
     group.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
-                       help="uvicorn log level; the access log is at info")
+                       help="uvicorn log level; the access log is at info (default: %(default)s)")
     add_engine_args(serve)
     serve.set_defaults(handler=run_serve)
 
@@ -25,8 +44,18 @@ def run_serve(args) -> int:
     from pagedserve.entrypoints.openai.launch import run_server
     from pagedserve.entrypoints.openai.settings import ServerSettings
 
-    if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
-        raise ValueError(f"max_waiting_requests must be >= 0, got {args.max_waiting_requests}")
-    settings = ServerSettings(host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name or [],
-                              max_waiting_requests=args.max_waiting_requests, log_level=args.log_level)
+    for name in ("max_waiting_requests", "max_n", "max_request_bytes"):
+        value = getattr(args, name)
+        if value is not None and value < (0 if name == "max_waiting_requests" else 1):
+            raise ValueError(f"{name} must be >= {0 if name == 'max_waiting_requests' else 1}, got {value}")
+    for name in ("chat_template_timeout", "shutdown_timeout"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"{name} must be > 0 seconds, got {getattr(args, name)}")
+    settings = ServerSettings(
+        host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name or [],
+        max_waiting_requests=args.max_waiting_requests, log_level=args.log_level, max_n=args.max_n,
+        max_request_bytes=args.max_request_bytes, metrics_require_api_key=args.metrics_require_api_key,
+        trust_request_chat_template=args.trust_request_chat_template, chat_template_timeout=args.chat_template_timeout,
+        shutdown_timeout=args.shutdown_timeout,
+    )
     return run_server(engine_config_from_args(args), settings)

@@ -2,87 +2,119 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedserve
 from pagedserve.engine.async_llm import AsyncLLM
-from pagedserve.entrypoints.openai.errors import APIError, api_error_response, error_response
+from pagedserve.entrypoints.openai.chat_template import ChatTemplateRenderer
+from pagedserve.entrypoints.openai.errors import APIError, install_error_handlers
+from pagedserve.entrypoints.openai.middleware import install_middleware
 from pagedserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    ErrorResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    VersionResponse,
 )
-from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat, render_messages
+from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedserve.entrypoints.openai.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
 
+_ERRORS = {status: {"model": ErrorResponse, "description": description} for status, description in (
+    (400, "bad input: the message names the field"), (401, "missing or wrong API key"), (404, "unknown model"),
+    (413, "request body over the limit"), (500, "a server bug: the message names the request id to look up in the log"),
+    (503, "at capacity, shutting down, or the engine is gone"),
+)}
+# Generation endpoints answer JSON, or an event stream with "stream": true.
+_STREAMS = {"text/event-stream": {"schema": {"type": "string"}}}
 
 
-def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
+@dataclass
+class ServerState:
+    draining: bool = False  # set on SIGTERM: new requests get 503 while in-flight ones finish
+
+
+def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | None = None) -> FastAPI:
+    state = state or ServerState()
     names = settings.served_model_name or [engine.config.model]
-    completions = OpenAIServingCompletion(engine, names)
-    chat = OpenAIServingChat(engine, names)
+    max_n = settings.effective_max_n(engine.config.max_num_seqs)
+    renderer = ChatTemplateRenderer(engine.tokenizer, settings.trust_request_chat_template, settings.chat_template_timeout)
+    completions = OpenAIServingCompletion(engine, names, max_n)
+    chat = OpenAIServingChat(engine, names, max_n, renderer)
     app = FastAPI(title="pagedserve", version=pagedserve.__version__)
-    _install_error_handlers(app)
-    if settings.api_key:
-        _install_auth(app, settings.api_key)
+    install_error_handlers(app)
+    install_middleware(app, settings, is_draining=lambda: state.draining)
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses={
+        200: {"description": "serving", "content": {}}, 503: {"description": "the engine is gone or the server is shutting down"}})
     async def health():
-        return Response(status_code=200 if engine.is_healthy else 503)
+        return Response(status_code=200 if engine.is_healthy and not state.draining else 503)
 
-    @app.get("/version")
+    @app.get("/version", response_model=VersionResponse, responses=_ERRORS)
     async def version():
-        return {"version": pagedserve.__version__}
+        return VersionResponse(version=pagedserve.__version__)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
     async def models():
         return ModelList(data=[ModelCard(id=name, root=engine.model_info.model_dir, max_model_len=engine.max_model_len) for name in names])
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=CompletionResponse, responses={**_ERRORS, 200: {"content": _STREAMS}})
     async def create_completion(request: CompletionRequest, raw_request: Request):
         return _respond(await completions.create_completion(request, raw_request))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={**_ERRORS, 200: {"content": _STREAMS}})
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
         return _respond(await chat.create_chat_completion(request, raw_request))
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(request: TokenizeRequest):
         completions.check_model(request.model)
         if (request.prompt is None) == (request.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
         if request.messages is not None:
-            tokens = render_messages(engine.tokenizer, request.messages, request.add_generation_prompt, None)
+            tokens = await asyncio.to_thread(chat.prompt_token_ids, request.messages, request.add_generation_prompt,
+                                             request.chat_template, request.chat_template_kwargs)
         else:
-            tokens = engine.tokenizer(request.prompt, add_special_tokens=request.add_special_tokens).input_ids
+            try:
+                tokens = await asyncio.to_thread(engine.front_end.processor.tokenize_text, request.prompt, request.add_special_tokens)
+            except ValueError as exc:
+                raise APIError.bad_request(exc, param="prompt") from exc
         return TokenizeResponse(count=len(tokens), max_model_len=engine.max_model_len, tokens=tokens)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
     async def detokenize(request: DetokenizeRequest):
         completions.check_model(request.model)
         vocab_size = engine.model_info.vocab_size
-        if any(not 0 <= t < vocab_size for t in request.tokens):
+        if any(t >= vocab_size for t in request.tokens):
             raise APIError(400, f"tokens must be in [0, {vocab_size})", param="tokens")
-        return DetokenizeResponse(prompt=engine.tokenizer.decode(request.tokens))
+        if len(request.tokens) > engine.max_model_len:
+            raise APIError(400, f"at most max_model_len ({engine.max_model_len}) tokens at once, got {len(request.tokens)}",
+                           param="tokens")
+        return DetokenizeResponse(prompt=await asyncio.to_thread(engine.tokenizer.decode, request.tokens))
 
-    @app.get("/metrics")
+    prometheus_text = {"description": "Prometheus text format", "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}
+
+    @app.get("/metrics", response_class=Response, responses={**_ERRORS, 200: prometheus_text})
     async def metrics():
         return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    app.openapi = lambda: _openapi_without_422(app)
     return app
 
 
@@ -92,37 +124,15 @@ def _respond(result):
     return JSONResponse(result.model_dump())
 
 
-def _install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def on_api_error(_, exc: APIError):
-        return api_error_response(exc)
-
-    @app.exception_handler(RequestValidationError)
-    async def on_validation_error(_, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        location = [str(part) for part in first.get("loc", ()) if part != "body"]
-        message = first.get("msg", "invalid request")
-        if first.get("type") == "json_invalid":
-            return error_response(400, f"malformed JSON body: {message}")
-        param = location[0] if location else None
-        where = ".".join(location)
-        return error_response(400, f"{where}: {message}" if where else message, param=param)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(_, exc: StarletteHTTPException):
-        return error_response(exc.status_code, str(exc.detail))
-
-    @app.exception_handler(Exception)
-    async def on_unexpected(_, exc: Exception):
-        logger.exception("unhandled error")
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
-
-
-def _install_auth(app: FastAPI, api_key: str) -> None:
-    expected = f"Bearer {api_key}"
-
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        if request.url.path.startswith("/v1") and request.headers.get("authorization") != expected:
-            return error_response(401, "invalid or missing API key (send 'Authorization: Bearer <key>')")
-        return await call_next(request)
+def _openapi_without_422(app: FastAPI) -> dict:
+    """FastAPI documents a 422 for every body it validates; this server answers bad bodies with the 400
+    above, so the schema says that instead."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for path in schema["paths"].values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = schema
+    return app.openapi_schema

@@ -1,12 +1,20 @@
-"""OpenAI-style error bodies: {"error": {"message", "type", "param", "code"}}."""
+"""OpenAI-style error bodies ({"error": {"message", "type", "param", "code"}}) and the handlers that
+turn every failure into one. A 500 never carries internal text: it names the request id under which
+the server log holds the traceback."""
 
 from __future__ import annotations
 
+import logging
 import re
 
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedserve.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger(__name__)
 
 _TYPES = {
     400: "invalid_request_error",
@@ -18,6 +26,8 @@ _TYPES = {
 }
 # Engine validation messages start with the field they are about: "top_p must be in (0, 1], got 2".
 _FIELD_MESSAGE = re.compile(r"^([a-z_]+) must be")
+# Parts of a pydantic error location that name a branch of a union, not a field.
+_UNION_BRANCH = re.compile(r"^(str|int|float|bool|dict|list|none|constrained-\w+)$|[\[\]]")
 
 
 class APIError(Exception):
@@ -35,11 +45,44 @@ class APIError(Exception):
         return cls(400, message, param=param or (match.group(1) if match else None))
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+def error_response(status: int, message: str, param: str | None = None, code: str | int | None = None) -> JSONResponse:
     body = ErrorResponse(error=ErrorInfo(message=message, type=_TYPES.get(status, "invalid_request_error"), param=param,
                                          code=code if code is not None else status))
     return JSONResponse(body.model_dump(), status_code=status)
 
 
-def api_error_response(exc: APIError) -> JSONResponse:
-    return error_response(exc.status, exc.message, exc.param, exc.code)
+def internal_error_response(request_id: str) -> JSONResponse:
+    return error_response(500, f"internal server error (request id {request_id}); the server log has the details")
+
+
+def request_id_of(request: Request) -> str:
+    return getattr(request.state, "request_id", "-")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def on_api_error(_, exc: APIError):
+        return error_response(exc.status, exc.message, exc.param, exc.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(_, exc: RequestValidationError):
+        errors = exc.errors()
+        if any(error.get("type") == "json_invalid" for error in errors):
+            return error_response(400, f"malformed JSON body: {errors[0].get('msg', '')}")
+        # Of a union's failed branches, the one that got furthest says most.
+        first = max(errors, key=lambda error: len(error.get("loc", ())), default={})
+        location = [str(part) for part in first.get("loc", ()) if part != "body" and not _UNION_BRANCH.search(str(part))]
+        message = first.get("msg", "invalid request")
+        where = ".".join(location)
+        return error_response(400, f"{where}: {message}" if where else message, param=location[0] if location else None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(_, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception):
+        # The request-id middleware answers errors of the routes; this catches what fails around them.
+        request_id = request_id_of(request)
+        logger.error("unhandled error in request %s", request_id, exc_info=exc)
+        return internal_error_response(request_id)

@@ -1,14 +1,25 @@
-"""OpenAI-compatible request and response bodies (pydantic)."""
+"""OpenAI-compatible request and response bodies (pydantic).
+
+Requests are checked here, before anything reaches the engine: known fields are strictly typed
+("stream": "yes" is an error, not true), numbers are finite, integers fit 64 bits, strings are valid
+Unicode, roles and content parts are the API's. Unknown fields are accepted and ignored, as OpenAI
+clients send fields of newer API versions.
+"""
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pagedserve.sampling_params import SamplingParams
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def random_id(prefix: str) -> str:
@@ -16,8 +27,36 @@ def random_id(prefix: str) -> str:
 
 
 class OpenAIModel(BaseModel):
-    # Unknown fields are accepted and ignored, as OpenAI clients send fields of newer API versions.
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+
+class RequestBody(OpenAIModel):
+    """A request's top level: every string in it, extra fields included, must be valid Unicode."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _strings_are_valid_unicode(cls, data):
+        _check_unicode(data, "")
+        return data
+
+
+def _check_unicode(value, path: str) -> None:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            where = f"{path}: " if path else ""
+            raise ValueError(
+                f"{where}the string has a lone UTF-16 surrogate ({value[exc.start]!r} at character {exc.start}), which is not "
+                "valid Unicode; send text as UTF-8, escaping characters beyond U+FFFF as surrogate pairs"
+            ) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_unicode(key, path)
+            _check_unicode(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _check_unicode(item, f"{path}.{index}")
 
 
 class ErrorInfo(BaseModel):
@@ -35,46 +74,51 @@ class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
 
-class ExtraSamplingFields(OpenAIModel):
+class ExtraSamplingFields(RequestBody):
     """Sampling fields shared by both endpoints, including the engine's extras beyond OpenAI's."""
 
-    n: int = 1
+    n: Int64 = 1
     temperature: float | None = None
     top_p: float | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    seed: int | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # engine extras
-    top_k: int | None = None
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
+    top_k: Int64 | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: Int64 = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    priority: int = 0
+    priority: Int64 = 0
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: SamplingParams) -> SamplingParams:
+        """The request's sampling parameters; what it leaves out comes from defaults (the model's generation config)."""
+
+        def given(value, default):
+            return default if value is None else value
+
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p,
+            temperature=given(self.temperature, defaults.temperature),
+            top_p=given(self.top_p, defaults.top_p),
+            top_k=given(self.top_k, defaults.top_k),
+            min_p=given(self.min_p, defaults.min_p),
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
+            repetition_penalty=given(self.repetition_penalty, defaults.repetition_penalty),
             seed=self.seed,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos,
-            max_tokens=max_tokens,
+            max_tokens=given(max_tokens, defaults.max_tokens),
             min_tokens=self.min_tokens,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
@@ -83,31 +127,58 @@ class ExtraSamplingFields(OpenAIModel):
 
 class CompletionRequest(ExtraSamplingFields):
     model: str | None = None
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    max_tokens: Int64 | None = 16
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: Int64 | None = None
     # Accepted by OpenAI but not by this server: rejected with a 400 when set.
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Int64 | None = None
     logit_bias: dict[str, float] | None = None
 
 
+class TextContentPart(OpenAIModel):
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(OpenAIModel):
-    role: str
-    content: str | list[dict[str, Any]] | None = None
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = None
     name: str | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _only_text_parts(cls, content):
+        if isinstance(content, list):
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise ValueError(f"content parts of type {kind!r} are not supported; only 'text'")
+        return content
 
-class ChatCompletionRequest(ExtraSamplingFields):
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(part.text for part in self.content)
+
+
+class ChatTemplateFields(RequestBody):
+    """How a conversation is rendered: shared by chat completions and /tokenize."""
+
+    add_generation_prompt: bool = True
+    # A Jinja template of the request's own: refused unless the server trusts request templates.
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(ExtraSamplingFields, ChatTemplateFields):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int64 | None = None
+    max_completion_tokens: Int64 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
-    add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
+    top_logprobs: Int64 | None = None
     # Not supported: rejected with a 400 when set.
     tools: list[dict[str, Any]] | None = None
     logit_bias: dict[str, float] | None = None
@@ -224,12 +295,15 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class TokenizeRequest(OpenAIModel):
+class VersionResponse(BaseModel):
+    version: str
+
+
+class TokenizeRequest(ChatTemplateFields):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True
 
 
 class TokenizeResponse(BaseModel):
@@ -238,9 +312,9 @@ class TokenizeResponse(BaseModel):
     tokens: list[int]
 
 
-class DetokenizeRequest(OpenAIModel):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 class DetokenizeResponse(BaseModel):

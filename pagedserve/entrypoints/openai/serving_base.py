@@ -4,25 +4,33 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator
 
 from fastapi import Request
 
-from pagedserve.engine.async_llm import AsyncLLM, QueueFullError
+from pagedserve.engine.async_llm import AsyncLLM, QueueFullError, RequestEndedError
 from pagedserve.engine.core_client import EngineDeadError
-from pagedserve.entrypoints.openai.errors import APIError
+from pagedserve.entrypoints.openai.errors import APIError, request_id_of
 from pagedserve.entrypoints.openai.protocol import UsageInfo
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
+logger = logging.getLogger(__name__)
+
 _DISCONNECT_POLL_S = 0.5
+# Why a request ended without its output, when the server, not the request, is the cause: 503s.
+_SERVER_ENDED = (EngineDeadError, RequestEndedError)
 
 
 class ServingBase:
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str]) -> None:
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str], max_n: int) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
         self.tokenizer = engine.tokenizer
+        self.max_n = max_n
+        # What a request leaves out: the model's generation defaults; without them, up to the context.
+        self.default_params = engine.front_end.default_sampling_params(max_tokens=None)
 
     @property
     def model_name(self) -> str:
@@ -32,8 +40,13 @@ class ServingBase:
         if model is not None and model not in self.served_model_names:
             raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
+    def check_n(self, n: int) -> None:
+        if n > self.max_n:
+            raise APIError(400, f"n must be <= {self.max_n} (this server's limit of samples per request), got {n}", param="n")
+
     async def add_requests(self, request_id: str, prompts: list, params: SamplingParams, stream: bool, priority: int):
         """Admit every prompt or none: -> [(sub-request id, queue)]."""
+        self.check_n(params.n)
         params.output_kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         added = []
         try:
@@ -46,7 +59,7 @@ class ServingBase:
             raise _as_api_error(exc) from exc
         return added
 
-    async def sse_stream(self, added, events: AsyncIterator[str]) -> AsyncIterator[str]:
+    async def sse_stream(self, added, events: AsyncIterator[str], raw_request: Request) -> AsyncIterator[str]:
         """SSE framing shared by both endpoints: the events, an error event if generation fails, then
         [DONE]. However the stream ends (a client that went away included), the sub-requests are aborted;
         that is a no-op for finished ones."""
@@ -54,7 +67,7 @@ class ServingBase:
             async for event in events:
                 yield event
         except Exception as exc:
-            yield stream_error_event(exc)
+            yield stream_error_event(exc, request_id_of(raw_request))
         finally:
             await events.aclose()
             for sub_id, _ in added:
@@ -85,8 +98,8 @@ class ServingBase:
                 raise asyncio.CancelledError
         try:
             return task.result()
-        except EngineDeadError as exc:
-            raise APIError(500, f"the engine failed: {exc}") from exc
+        except _SERVER_ENDED as exc:
+            raise APIError(503, str(exc)) from exc
 
 
 def _as_api_error(exc: Exception) -> APIError:
@@ -94,8 +107,8 @@ def _as_api_error(exc: Exception) -> APIError:
         return exc
     if isinstance(exc, QueueFullError):
         return APIError(503, str(exc))
-    if isinstance(exc, EngineDeadError):
-        return APIError(503, "the engine is not running")
+    if isinstance(exc, _SERVER_ENDED):
+        return APIError(503, "the engine is not running" if isinstance(exc, EngineDeadError) else str(exc))
     if isinstance(exc, (ValueError, TypeError)):
         return APIError.bad_request(exc)
     raise exc
@@ -147,6 +160,14 @@ def sse(payload) -> str:
     return f"data: {data}\n\n"
 
 
-def stream_error_event(exc: Exception) -> str:
-    status = exc.status if isinstance(exc, APIError) else 500
-    return sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": status}})
+def stream_error_event(exc: Exception, request_id: str) -> str:
+    """The last event of a stream that failed: what the client may know, never internal text."""
+    if isinstance(exc, APIError):
+        status, message = exc.status, exc.message
+    elif isinstance(exc, _SERVER_ENDED):
+        status, message = 503, str(exc)
+    else:
+        logger.error("stream of request %s failed", request_id, exc_info=exc)
+        status, message = 500, f"internal server error (request id {request_id}); the server log has the details"
+    kind = "service_unavailable_error" if status == 503 else "server_error" if status >= 500 else "invalid_request_error"
+    return sse({"error": {"message": message, "type": kind, "param": None, "code": status}})

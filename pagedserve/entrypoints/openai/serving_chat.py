@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 
 from fastapi import Request
 
+from pagedserve.entrypoints.openai.chat_template import ChatTemplateRenderer
 from pagedserve.entrypoints.openai.errors import APIError
 from pagedserve.entrypoints.openai.protocol import (
     AssistantMessage,
@@ -16,7 +18,6 @@ from pagedserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobEntry,
-    ChatMessage,
     ChatStreamChoice,
     DeltaMessage,
     TopLogprob,
@@ -26,46 +27,41 @@ from pagedserve.entrypoints.openai.serving_base import ServingBase, make_usage, 
 from pagedserve.outputs import PositionLogprobs
 
 
-def render_messages(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool, template_kwargs: dict | None) -> list[int]:
-    """The conversation as prompt token ids, through the model's chat template."""
-    if not tokenizer.chat_template:
-        raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
-    conversation = [{"role": m.role, "content": _text_content(m.content)} for m in messages]
-    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                         **(template_kwargs or {}))
-    return tokenizer(text, add_special_tokens=False).input_ids
-
-
-def _text_content(content) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    parts = []
-    for part in content:
-        if part.get("type") != "text":
-            raise APIError(400, f"message content of type {part.get('type')!r} is not supported; only 'text'", param="messages")
-        parts.append(part.get("text", ""))
-    return "".join(parts)
-
-
 class OpenAIServingChat(ServingBase):
+    def __init__(self, engine, served_model_names: list[str], max_n: int, renderer: ChatTemplateRenderer) -> None:
+        super().__init__(engine, served_model_names, max_n)
+        self.renderer = renderer
+
+    def prompt_token_ids(self, messages, add_generation_prompt: bool, chat_template: str | None, template_kwargs: dict | None
+                         ) -> list[int]:
+        """The conversation as prompt token ids. Blocking: run it in a worker thread."""
+        text = self.renderer.render(messages, add_generation_prompt, chat_template, template_kwargs)
+        try:  # the template writes any special tokens itself
+            return self.engine.front_end.processor.tokenize_text(text, add_special_tokens=False)
+        except ValueError as exc:
+            raise APIError.bad_request(exc, param="messages") from exc
+
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request):
         self.check_model(request.model)
+        self.check_n(request.n)
         if request.tools:
             raise APIError(400, "tools are not supported", param="tools")
         if request.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
-        prompt_ids = render_messages(self.tokenizer, request.messages, request.add_generation_prompt, request.chat_template_kwargs)
+        prompt_ids = await asyncio.to_thread(self.prompt_token_ids, request.messages, request.add_generation_prompt,
+                                             request.chat_template, request.chat_template_kwargs)
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         try:
-            params = request.sampling_params(max_tokens, (request.top_logprobs or 0) if request.logprobs else None)
+            params = request.sampling_params(max_tokens, (request.top_logprobs or 0) if request.logprobs else None,
+                                             self.default_params)
         except ValueError as exc:
             raise APIError.bad_request(exc, param="top_logprobs" if "logprobs" in str(exc) else None) from exc
         request_id = random_id("chatcmpl")
         added = await self.add_requests(request_id, [{"prompt_token_ids": prompt_ids}], params, request.stream, request.priority)
         if request.stream:
-            return self.sse_stream(added, self._stream_events(request, request_id, added))
+            return self.sse_stream(added, self._stream_events(request, request_id, added), raw_request)
         output = (await self.collect_final(added, raw_request))[0]
         choices = [
             ChatCompletionChoice(index=c.index, message=AssistantMessage(content=c.text),

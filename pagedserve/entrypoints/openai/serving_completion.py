@@ -23,10 +23,11 @@ from pagedserve.outputs import PositionLogprobs, RequestOutput
 class OpenAIServingCompletion(ServingBase):
     async def create_completion(self, request: CompletionRequest, raw_request: Request):
         self.check_model(request.model)
+        self.check_n(request.n)
         self._reject_unsupported(request)
         prompts = _prompt_list(request.prompt)
         try:
-            params = request.sampling_params(request.max_tokens, request.logprobs)
+            params = request.sampling_params(request.max_tokens, request.logprobs, self.default_params)
             if request.echo and request.logprobs is not None:
                 params.prompt_logprobs = request.logprobs
         except ValueError as exc:
@@ -34,7 +35,7 @@ class OpenAIServingCompletion(ServingBase):
         request_id = random_id("cmpl")
         added = await self.add_requests(request_id, prompts, params, request.stream, request.priority)
         if request.stream:
-            return self.sse_stream(added, self._stream_events(request, request_id, added))
+            return self.sse_stream(added, self._stream_events(request, request_id, added), raw_request)
         outputs = await self.collect_final(added, raw_request)
         choices = [
             self._choice(prompt_index * request.n + c.index, output, c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason,

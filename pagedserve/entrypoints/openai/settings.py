@@ -1,8 +1,10 @@
-"""The server's own settings (the engine's are EngineConfig)."""
+"""The server's own settings (the engine's are EngineConfig); `pagedserve serve` flags of the same names."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+DEFAULT_MAX_N = 128
 
 
 @dataclass
@@ -13,3 +15,16 @@ class ServerSettings:
     served_model_name: list[str] = field(default_factory=list)
     max_waiting_requests: int | None = None
     log_level: str = "info"
+    # Most samples one request may ask for (n); None: DEFAULT_MAX_N, never more than the engine's max_num_seqs.
+    max_n: int | None = None
+    max_request_bytes: int = 16 * 1024**2
+    metrics_require_api_key: bool = False
+    trust_request_chat_template: bool = False
+    chat_template_timeout: float = 5.0  # seconds a request's own chat template may take to render
+    shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
+
+    def effective_max_n(self, max_num_seqs: int) -> int:
+        limits = [self.max_n or DEFAULT_MAX_N, max_num_seqs]
+        if self.max_waiting_requests:
+            limits.append(self.max_waiting_requests)
+        return min(limits)

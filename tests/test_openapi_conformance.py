@@ -1,0 +1,47 @@
+"""Schemathesis against the server's own /openapi.json: requests generated from the schema (valid ones and
+not) never get a server error, and every response matches the schema (the real 200 bodies, the real 400s)."""
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, settings
+from schemathesis.checks import (
+    content_type_conformance,
+    not_a_server_error,
+    response_schema_conformance,
+    status_code_conformance,
+)
+from server_utils import RemoteServer
+
+API_KEY = "fuzz-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+# Bounded and reproducible: the same examples on every run.
+EXAMPLES_PER_ROUTE = 25
+
+
+@pytest.fixture(scope="module")
+def fuzz_server(tiny_models):
+    server = RemoteServer("--model", str(tiny_models["llama"]), "--served-model-name", "tiny", "--kv-cache-memory", str(16 * 1024**2),
+                          "--max-model-len", "256", "--max-num-seqs", "8", "--max-request-bytes", str(256 * 1024), api_key=API_KEY)
+    yield server
+    assert server.stop() == 0, server.log_text()[-3000:]
+
+
+@pytest.fixture
+def api_schema(fuzz_server):
+    loaded = schemathesis.openapi.from_url(fuzz_server.url + "/openapi.json", headers=AUTH)
+    # Requests that fit the schema and requests that break it, the same ones on every run.
+    loaded.config.generation.update(modes=list(schemathesis.GenerationMode), deterministic=True)
+    return loaded
+
+
+schema = schemathesis.pytest.from_fixture("api_schema")
+
+
+@pytest.mark.slow
+@schema.parametrize()
+@settings(max_examples=EXAMPLES_PER_ROUTE, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large,
+                                 HealthCheck.function_scoped_fixture])
+def test_server_answers_every_generated_request_as_its_schema_says(case, fuzz_server):
+    case.call_and_validate(base_url=fuzz_server.url, headers=AUTH, timeout=120,
+                           checks=[not_a_server_error, response_schema_conformance, status_code_conformance, content_type_conformance])

@@ -1,0 +1,230 @@
+"""The server against bad input, oversized work, missing keys and untrusted templates: clear 4xx errors,
+and the server keeps serving. A tiny model keeps the server fast to start."""
+
+import asyncio
+import json
+import logging
+import threading
+import time
+
+import pytest
+import requests
+from server_utils import RemoteServer, free_port
+
+API_KEY = "hardening-key"
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models):
+    server = RemoteServer("--model", str(tiny_models["llama"]), "--served-model-name", MODEL, "--kv-cache-memory", str(16 * 1024**2),
+                          "--max-num-seqs", "64", "--max-request-bytes", str(2 * 1024**2), api_key=API_KEY)
+    yield server
+    assert server.stop() == 0, server.log_text()[-3000:]
+
+
+def raw_post(server, path: str, body: str, headers: dict | None = None) -> requests.Response:
+    """A body sent as given (no client-side JSON encoding, which would refuse Infinity or fix surrogates)."""
+    return requests.post(server.url + path, data=body.encode("utf-8", "surrogatepass"), timeout=60,
+                         headers={"Content-Type": "application/json", **server.headers(), **(headers or {})})
+
+
+def user(content) -> str:
+    return json.dumps({"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 2})
+
+
+BIG = 2**64
+BAD_BODIES = [
+    ("/v1/chat/completions", user([{"type": "text", "text": 5}]), "messages"),
+    ("/v1/chat/completions", user([{"type": "image_url", "image_url": {"url": "x"}}]), "messages"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "seed": BIG}), "seed"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "seed": -BIG}), "seed"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "priority": BIG}), "priority"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "top_k": 2**70}), "top_k"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": [BIG]}), "prompt"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "stream": "yes"}), "stream"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "x", "temperature": Infinity}', "temperature"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "x", "top_p": NaN}', "top_p"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 2.0}), "max_tokens"),
+    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}), "messages"),
+    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                         "chat_template_kwargs": {"tokenize": True}}), "chat_template_kwargs"),
+    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                         "chat_template_kwargs": {"add_generation_prompt": False}}), "chat_template_kwargs"),
+    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                         "chat_template": "{{ 'hi' }}"}), "chat_template"),
+    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                         "chat_template_kwargs": {"chat_template": "{{ 'hi' }}"}}), "chat_template"),
+    ("/tokenize", json.dumps({"messages": []}), "messages"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "n": 65}), "n"),  # over --max-num-seqs
+]
+
+
+@pytest.mark.parametrize("path,body,param", BAD_BODIES, ids=[f"{i}-{p}" for i, (_, _, p) in enumerate(BAD_BODIES)])
+def test_bad_input_gets_a_400_naming_the_field_and_the_server_keeps_serving(server, path, body, param):
+    response = raw_post(server, path, body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == 400
+    assert error["param"] == param or param in error["message"], error
+    assert server.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}).status_code == 200
+
+
+def test_a_lone_surrogate_gets_a_message_a_user_can_act_on(server):
+    response = raw_post(server, "/v1/completions", '{"model": "tiny", "prompt": "bad \\ud800 text"}')
+    assert response.status_code == 400
+    message = response.json()["error"]["message"]
+    assert "prompt" in message and "surrogate" in message and "UTF-8" in message
+
+
+def test_every_route_but_health_and_metrics_needs_the_key(server):
+    for method, path in [("get", "/v1/models"), ("get", "/version"), ("get", "/docs"), ("get", "/openapi.json"),
+                         ("post", "/tokenize"), ("post", "/detokenize"), ("post", "/v1/completions")]:
+        response = getattr(requests, method)(server.url + path, timeout=10, headers={"Authorization": "Bearer wrong"})
+        assert response.status_code == 401, path
+        assert response.json()["error"]["type"] == "authentication_error"
+    assert requests.get(server.url + "/health", timeout=10).status_code == 200
+    assert requests.get(server.url + "/metrics", timeout=10).status_code == 200
+    assert server.get("/openapi.json").status_code == 200
+
+
+def test_bodies_over_the_limit_get_413_whether_or_not_they_say_their_length(server):
+    body = json.dumps({"model": MODEL, "prompt": "x" * (3 * 1024**2)})
+    assert raw_post(server, "/v1/completions", body).status_code == 413
+
+    def chunks():  # no Content-Length: the limit applies as the body arrives
+        data = body.encode()
+        for start in range(0, len(data), 64 * 1024):
+            yield data[start:start + 64 * 1024]
+
+    response = requests.post(server.url + "/v1/completions", data=chunks(), timeout=60,
+                             headers={"Content-Type": "application/json", **server.headers()})
+    assert response.status_code == 413 and "max-request-bytes" in response.json()["error"]["message"]
+
+
+@pytest.mark.slow
+def test_a_prompt_far_beyond_the_context_is_refused_while_health_and_streams_keep_going(server):
+    """A 1.5 MB prompt (the tiny model's context is 1024 tokens) is refused from a bounded prefix of it, off the
+    event loop: /health stays fast and a stream in flight keeps receiving tokens meanwhile."""
+    huge = json.dumps({"model": MODEL, "prompt": "lorem ipsum dolor " * 90_000, "max_tokens": 4})
+    stream_gaps, health_times, results = [], [], {}
+
+    def stream():
+        body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 400, "stream": True, "ignore_eos": True}
+        with requests.post(server.url + "/v1/completions", json=body, headers=server.headers(), stream=True, timeout=120) as r:
+            last = time.monotonic()
+            for line in r.iter_lines():
+                if line.startswith(b"data:"):
+                    now = time.monotonic()
+                    stream_gaps.append(now - last)
+                    last = now
+
+    def big():
+        start = time.monotonic()
+        results["response"] = raw_post(server, "/v1/completions", huge)
+        results["seconds"] = time.monotonic() - start
+
+    streamer = threading.Thread(target=stream)
+    streamer.start()
+    time.sleep(0.5)
+    sender = threading.Thread(target=big)
+    sender.start()
+    while sender.is_alive():
+        start = time.monotonic()
+        assert requests.get(server.url + "/health", timeout=10).status_code == 200
+        health_times.append(time.monotonic() - start)
+        time.sleep(0.05)
+    streamer.join()
+    response = results["response"]
+    assert response.status_code == 400 and "max_model_len" in response.json()["error"]["message"]
+    assert health_times and max(health_times) < 0.1, health_times
+    assert len(stream_gaps) >= 400 and max(stream_gaps[1:]) < 1.0
+
+
+@pytest.mark.slow
+def test_n_is_bounded_and_each_sample_counts_against_the_waiting_limit(tiny_models):
+    server = RemoteServer("--model", str(tiny_models["llama"]), "--served-model-name", MODEL, "--kv-cache-memory", str(16 * 1024**2),
+                          "--max-num-seqs", "1", "--max-waiting-requests", "4")
+    try:
+        too_many = server.post("/v1/completions", json={"model": MODEL, "prompt": [5, 6], "n": 200})
+        assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n"
+        assert "<= 1" in too_many.json()["error"]["message"]  # the limit follows --max-num-seqs
+
+        async def main():
+            client = server.async_openai()
+
+            async def one():
+                try:
+                    await client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=200, extra_body={"ignore_eos": True})
+                    return 200
+                except Exception as exc:
+                    return exc.status_code
+
+            return await asyncio.gather(*(one() for _ in range(8)))
+
+        statuses = asyncio.run(main())
+        assert 503 in statuses and 200 in statuses
+    finally:
+        assert server.stop() == 0
+
+
+@pytest.mark.slow
+def test_trusted_request_templates_render_in_a_sandbox_with_a_time_limit(tiny_models):
+    server = RemoteServer("--model", str(tiny_models["llama"]), "--served-model-name", MODEL, "--kv-cache-memory", str(16 * 1024**2),
+                          "--trust-request-chat-template", "--chat-template-timeout", "2")
+    try:
+        template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}>>{% endif %}"
+        messages = [{"role": "user", "content": "hello"}]
+        rendered = server.post("/tokenize", json={"messages": messages, "chat_template": template}).json()
+        expected = server.post("/tokenize", json={"prompt": "<user>hello>>", "add_special_tokens": False}).json()
+        assert rendered["tokens"] == expected["tokens"]
+        broken = server.post("/tokenize", json={"messages": messages, "chat_template": "{% for %}"})
+        assert broken.status_code == 400 and broken.json()["error"]["param"] == "chat_template"
+        escape = server.post("/tokenize", json={"messages": messages, "chat_template": "{{ ''.__class__.__mro__ }}"})
+        assert escape.status_code == 400  # the sandbox refuses attribute games
+        forever = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+        start = time.monotonic()
+        slow = server.post("/tokenize", json={"messages": messages, "chat_template": forever})
+        assert slow.status_code == 400 and "did not render within 2" in slow.json()["error"]["message"]
+        assert time.monotonic() - start < 30
+        assert server.post("/tokenize", json={"messages": messages, "chat_template": template}).json() == rendered
+    finally:
+        assert server.stop() == 0
+
+
+def test_internal_errors_name_a_request_id_and_keep_their_text_in_the_log(caplog):
+    """A 500 body carries no exception text, only a request id that the log shows beside the traceback."""
+    import uvicorn
+    from fastapi import FastAPI
+
+    from pagedserve.entrypoints.openai.errors import install_error_handlers
+    from pagedserve.entrypoints.openai.middleware import install_middleware
+    from pagedserve.entrypoints.openai.settings import ServerSettings
+
+    app = FastAPI()
+    install_error_handlers(app)
+    install_middleware(app, ServerSettings(), is_draining=lambda: False)
+
+    @app.get("/boom")
+    async def boom():
+        raise RuntimeError("secret internal detail")
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with caplog.at_level(logging.ERROR):
+            response = requests.get(f"http://127.0.0.1:{port}/boom", timeout=10)
+    finally:
+        server.should_exit = True
+        thread.join(10)
+    assert response.status_code == 500
+    assert "secret" not in response.text
+    request_id = response.headers["x-request-id"]
+    assert request_id in response.json()["error"]["message"]
+    records = [r for r in caplog.records if request_id in r.getMessage()]
+    assert records and records[0].exc_info and "secret internal detail" in str(records[0].exc_info[1])
