@@ -1,23 +1,32 @@
-"""`pagedserve serve` start-up and shutdown: the engine process starts first, and the front end
-loads its web stack while the engine loads the model (separate processes, separate cores)."""
+"""`pagedserve serve` start-up and shutdown.
+
+Start-up: the engine process starts first, and the front end loads its web stack while the engine
+loads the model (separate processes, separate cores). Shutdown: SIGTERM (or SIGINT) drains the
+server: new requests get 503, in-flight ones finish, for at most --shutdown-timeout seconds, after
+which they are ended with an error (an error event and [DONE] for a stream, a JSON error for the
+rest); then uvicorn closes the connections and the process exits 0. A second SIGINT forces the exit.
+The engine's death instead exits non-zero at once.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import logging
 import signal
 import sys
-from typing import TYPE_CHECKING
+import time
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.entrypoints.openai.settings import ServerSettings
 
-if TYPE_CHECKING:
-    import uvicorn
-
 logger = logging.getLogger(__name__)
+
+_DRAIN_POLL_S = 0.05
+# After the last request ended, how long uvicorn waits for responses still being written.
+_CLOSE_TIMEOUT_S = 5
 
 
 def _load_web_stack() -> None:
@@ -27,42 +36,37 @@ def _load_web_stack() -> None:
 
 def run_server(config: EngineConfig, settings: ServerSettings) -> int:
     """Start the engine core, serve until a signal or engine death; returns the exit code."""
-    state = {"server": None, "exit_code": 0}
+    holder = {}
 
     def on_engine_dead():
-        state["exit_code"] = 1
-        if state["server"] is not None:
-            state["server"].should_exit = True
+        if "server" in holder:
+            holder["server"].should_exit = True
 
-    # Until uvicorn installs its own handlers, a SIGTERM during start-up unwinds like Ctrl-C.
+    # Until the server runs, a SIGTERM during start-up unwinds like Ctrl-C.
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     engine = AsyncLLM(config, served_model_name=(settings.served_model_name or [None])[0],
                       max_waiting_requests=settings.max_waiting_requests, on_engine_dead=on_engine_dead,
                       while_starting=_load_web_stack)
-    import uvicorn  # noqa: F811 (loaded already, by _load_web_stack)
+    import uvicorn
 
-    from pagedserve.entrypoints.openai.api_server import build_app
+    from pagedserve.entrypoints.openai.api_server import ServerState, build_app
 
     _limit_front_end_threads()
-    # uvicorn re-raises the signal that stopped it once it is done: record it instead of dying mid-cleanup.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: None)
+    state = ServerState()
     try:
-        app = build_app(engine, settings)
+        app = build_app(engine, settings, state)
         uv_config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                                   timeout_graceful_shutdown=5)
-        server = state["server"] = uvicorn.Server(uv_config)
+                                   timeout_graceful_shutdown=_CLOSE_TIMEOUT_S)
+        server = holder["server"] = _draining_server_class()(uv_config, engine, state, settings.shutdown_timeout)
         asyncio.run(_serve(server, engine))
     finally:
         logger.info("shutting down the engine core")
         engine.shutdown()
         logger.info("engine core stopped")
-    if engine.dead_error is not None:
-        state["exit_code"] = 1
-    return state["exit_code"]
+    return 1 if engine.dead_error is not None else 0
 
 
-async def _serve(server: uvicorn.Server, engine: AsyncLLM) -> None:
+async def _serve(server, engine: AsyncLLM) -> None:
     # From the start, not from the first request: /health and the exit code follow the engine's death.
     engine.start()
     await server.serve()
@@ -76,3 +80,55 @@ def _limit_front_end_threads() -> None:
     # The front end does no tensor math: if anything pulled in torch, keep it off the engine's cores.
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(1)
+
+
+def _draining_server_class():
+    import uvicorn  # loaded while the engine started, not at this module's import
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn's server with the drain above in place of its own signal handling (which stops accepting
+        at once and, past its timeout, cancels requests mid-response)."""
+
+        def __init__(self, config, engine: AsyncLLM, state, shutdown_timeout: float) -> None:
+            super().__init__(config)
+            self.engine = engine
+            self.state = state
+            self.shutdown_timeout = shutdown_timeout
+            self._loop = None
+            self._drain_task = None
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            self._loop = asyncio.get_running_loop()
+            previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+        def _on_signal(self, sig, frame) -> None:
+            if self.state.draining:
+                if sig == signal.SIGINT:
+                    self.should_exit = self.force_exit = True
+                return
+            self._loop.call_soon_threadsafe(self._begin_drain)
+
+        def _begin_drain(self) -> None:
+            self.state.draining = True
+            self._drain_task = asyncio.ensure_future(self._drain())
+
+        async def _drain(self) -> None:
+            in_flight = self.engine.num_in_flight()
+            logger.info("draining: %d requests in flight, up to %.0f s to finish; new requests get 503", in_flight,
+                        self.shutdown_timeout)
+            deadline = time.monotonic() + self.shutdown_timeout
+            while self.engine.num_in_flight() and time.monotonic() < deadline and not self.should_exit:
+                await asyncio.sleep(_DRAIN_POLL_S)
+            if self.engine.num_in_flight():
+                logger.warning("shutdown timeout: ending %d unfinished requests", self.engine.num_in_flight())
+                await self.engine.end_all("the server is shutting down")
+            self.should_exit = True
+
+    return DrainingServer
+
