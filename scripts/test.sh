@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Install whatever is missing, then run the whole test suite.
+# Install whatever is missing, then run the whole test suite (extra arguments go to pytest).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+source scripts/python_env.sh
 export OMP_WAIT_POLICY=PASSIVE
-python3 -m pytest -q "$@"
+"$PY" -m pytest -q "$@"

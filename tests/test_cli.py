@@ -65,3 +65,17 @@ def test_environment_without_openmp_defaults_leaves_out_only_what_pagedserve_set
     result = subprocess.run([sys.executable, "-c", script], env={**clean, "GOMP_SPINCOUNT": "7"}, capture_output=True, text=True,
                             timeout=120)
     assert result.stdout.split() == ["None", "7"], result.stderr
+
+
+def test_help_gives_each_default_once_and_every_sampling_flag_its_help():
+    for command in ("serve", "generate", "chat"):
+        result = run_cli(command, "--help", timeout=60)
+        assert result.returncode == 0
+        text = " ".join(result.stdout.split())  # argparse wraps lines
+        options = text.split("options:", 1)[1].split(" --")[1:]  # the flags' descriptions, after the usage line
+        assert all(option.count("(default") <= 1 for option in options), [o for o in options if o.count("(default") > 1]
+    generate = " ".join(run_cli("generate", "--help", timeout=60).stdout.split("sampling:", 1)[1].split())
+    for flag in ("--max-tokens", "--temperature", "--top-p", "--top-k", "--min-p", "--repetition-penalty", "--presence-penalty",
+                 "--frequency-penalty", "--stop", "--n"):
+        after = generate.split(flag + " ", 1)[1].split(" --", 1)[0]
+        assert "default" in after and len(after) > 30, (flag, after)

@@ -19,7 +19,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
             continue
         kind = _scalar_type(hints[f.name])
-        group.add_argument(flag, type=kind, default=f.default, help=f"{help_text} (default: {f.default})")
+        # A help text that explains its default itself gets no second one.
+        if "default" not in help_text:
+            help_text += " (default: %(default)s)"
+        group.add_argument(flag, type=kind, default=f.default, help=help_text)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

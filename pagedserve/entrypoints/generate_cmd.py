@@ -24,16 +24,22 @@ def register(sub) -> None:
 
 def _add_sampling_args(parser: argparse.ArgumentParser, default_max_tokens: int = 128) -> None:
     group = parser.add_argument_group("sampling")
-    group.add_argument("--max-tokens", type=int, default=default_max_tokens)
-    group.add_argument("--temperature", type=float, default=0.0)
-    group.add_argument("--top-p", type=float, default=1.0)
-    group.add_argument("--top-k", type=int, default=0)
-    group.add_argument("--min-p", type=float, default=0.0)
-    group.add_argument("--repetition-penalty", type=float, default=1.0)
-    group.add_argument("--presence-penalty", type=float, default=0.0)
-    group.add_argument("--frequency-penalty", type=float, default=0.0)
-    group.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    group.add_argument("--n", type=int, default=1)
+    group.add_argument("--max-tokens", type=int, default=default_max_tokens, help="most tokens to generate (default: %(default)s)")
+    group.add_argument("--temperature", type=float, default=0.0,
+                       help="sampling temperature; 0 picks the most likely token (default: %(default)s)")
+    group.add_argument("--top-p", type=float, default=1.0,
+                       help="sample from the smallest set of tokens whose probability reaches this (default: %(default)s)")
+    group.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens; 0: all (default: %(default)s)")
+    group.add_argument("--min-p", type=float, default=0.0,
+                       help="drop tokens less likely than this times the most likely one's probability (default: %(default)s)")
+    group.add_argument("--repetition-penalty", type=float, default=1.0,
+                       help="divide the logits of tokens already in the prompt or output by this; 1: off (default: %(default)s)")
+    group.add_argument("--presence-penalty", type=float, default=0.0,
+                       help="subtract this from the logits of tokens already generated (default: %(default)s)")
+    group.add_argument("--frequency-penalty", type=float, default=0.0,
+                       help="subtract this times a token's count so far from its logit (default: %(default)s)")
+    group.add_argument("--stop", action="append", default=None, help="stop at this string; repeat for several (default: none)")
+    group.add_argument("--n", type=int, default=1, help="completions per prompt (default: %(default)s)")
 
 
 def _sampling_params(args):
