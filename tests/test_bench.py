@@ -135,6 +135,39 @@ def test_serve_against_our_own_server_and_plots(tmp_path, tiny_models):
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
 
+@pytest.mark.slow
+def test_serve_samples_and_chats(tmp_path, tiny_models):
+    """Sampled runs beside greedy ones, and the chat endpoint on the multi-turn chat dataset: TTFT counts
+    from the first content token, not the role delta."""
+    record, stdout = bench(tmp_path, "serve", "--model", str(tiny_models["llama"]), "--num-prompts", "6", "--dataset", "chat",
+                           "--endpoint", "chat", "--temperature", "0", "1", "--top-p", "0.9", "--top-k", "20",
+                           "--server-args", "--kv-cache-memory", str(2**24), "--max-model-len", "1024")
+    assert record["dataset"] == "chat" and record["endpoint"] == "chat"
+    assert [(run["temperature"], run["top_p"], run["top_k"]) for run in record["runs"]] == [(0.0, 0.9, 20), (1.0, 0.9, 20)]
+    for run in record["runs"]:
+        assert run["failures"] == 0 and run["completed"] == 6 and run["ttft_p50_s"] > 0 and run["output_tokens_per_s"] > 0
+    assert "temperature 1" in stdout
+
+
+def test_datasets_mix_lengths_and_turns():
+    from pagedserve.benchmarks.datasets import chat_requests, mixed_requests, passages
+
+    assert len(passages()) >= 30
+    conversations = chat_requests(40, seed=3)
+    turns = {sum(m["role"] == "user" for m in r.messages) for r in conversations}
+    assert turns == {1, 2, 3, 4}
+    assert all(r.messages[-1]["role"] == "user" and 32 <= r.output_len <= 256 for r in conversations)
+    assert any(p in conversations[0].messages[1]["content"] for p in passages())
+    assert "assistant:" in conversations[0].as_prompt()
+    mixed = mixed_requests(50, vocab_size=1000, seed=1)
+    lengths = [len(r.prompt_token_ids) for r in mixed]
+    assert min(lengths) >= 16 and max(lengths) <= 512 and len(set(lengths)) > 30
+    import random
+
+    text = mixed[0].as_messages(random.Random(0))[0]["content"]
+    assert abs(len(text.split()) - round(lengths[0] * 0.75)) <= 1
+
+
 def test_plot_rejects_records_of_other_benchmarks(tmp_path):
     path = tmp_path / "kv.json"
     bench(tmp_path, "kv", "--num-blocks", "64")

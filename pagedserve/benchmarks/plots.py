@@ -90,4 +90,6 @@ def _run_name(run: dict, record: dict) -> str:
 
 
 def _workload(record: dict) -> str:
+    if record.get("dataset", "random") != "random":
+        return f"{record['num_prompts']} requests, {record['dataset']} dataset, {record.get('endpoint', 'completions')}"
     return f"{record['num_prompts']} requests, {record['input_len']} in / {record['output_len']} out"

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from tqdm.auto import tqdm
 
 from pagedserve import envs
-from pagedserve.benchmarks.datasets import BenchRequest, random_requests
+from pagedserve.benchmarks.datasets import BenchRequest, chat_requests, mixed_requests, random_requests
 from pagedserve.benchmarks.report import mean, percentile, print_table, write_json
 
 
@@ -37,15 +37,42 @@ class RequestResult:
     error: str = ""
 
 
-async def send_one(session, url: str, model: str, request: BenchRequest, api_key: str | None) -> RequestResult:
-    body = {"model": model, "prompt": request.prompt_token_ids, "max_tokens": request.output_len, "temperature": 0.0,
-            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+@dataclass
+class Sampling:
+    """What every request of a run asks of the sampler; None: the server's default."""
+
+    temperature: float = 0.0
+    top_p: float | None = None
+    top_k: int | None = None
+
+    def fields(self) -> dict:
+        return {name: value for name, value in vars(self).items() if value is not None}
+
+
+def request_body(endpoint: str, model: str, request: BenchRequest, sampling: Sampling, rng: random.Random) -> dict:
+    body = {"model": model, "max_tokens": request.output_len, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}, **sampling.fields()}
+    if endpoint == "chat":
+        return body | {"messages": request.as_messages(rng)}
+    return body | {"prompt": request.as_prompt()}
+
+
+def content_of(payload: dict) -> str:
+    """The text a streamed chunk carries: a completion's text, or a chat delta's content (not its role)."""
+    texts = []
+    for choice in payload.get("choices") or []:
+        texts.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+    return "".join(texts)
+
+
+async def send_one(session, url: str, endpoint: str, body: dict, api_key: str | None) -> RequestResult:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     result = RequestResult()
     start = last = time.perf_counter()
     chunks_with_text = 0
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
     try:
-        async with session.post(url + "/v1/completions", json=body, headers=headers) as response:
+        async with session.post(url + path, json=body, headers=headers) as response:
             if response.status != 200:
                 result.error = f"HTTP {response.status}: {(await response.text())[:200]}"
                 return result
@@ -57,7 +84,7 @@ async def send_one(session, url: str, model: str, request: BenchRequest, api_key
                 now = time.perf_counter()
                 if payload.get("usage"):
                     result.output_tokens = payload["usage"]["completion_tokens"]
-                if any(choice.get("text") for choice in payload.get("choices") or []):
+                if content_of(payload):
                     if chunks_with_text == 0:
                         result.ttft = now - start
                     else:
@@ -73,25 +100,27 @@ async def send_one(session, url: str, model: str, request: BenchRequest, api_key
 
 
 async def run_load(url: str, model: str, requests: list[BenchRequest], request_rate: float, max_concurrency: int | None,
-                   api_key: str | None, seed: int) -> tuple[list[RequestResult], float]:
+                   api_key: str | None, seed: int, endpoint: str = "completions", sampling: Sampling | None = None
+                   ) -> tuple[list[RequestResult], float]:
     import aiohttp
 
     rng = random.Random(seed)
+    bodies = [request_body(endpoint, model, request, sampling or Sampling(), rng) for request in requests]
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
     progress = tqdm(total=len(requests), desc="requests", unit="req")
     timeout = aiohttp.ClientTimeout(total=6 * 3600)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
 
-        async def limited(request):
+        async def limited(body):
             async with limit:
-                result = await send_one(session, url, model, request, api_key)
+                result = await send_one(session, url, endpoint, body, api_key)
             progress.update(1)
             return result
 
         tasks = []
         start = time.perf_counter()
-        for request in requests:
-            tasks.append(asyncio.ensure_future(limited(request)))
+        for body in bodies:
+            tasks.append(asyncio.ensure_future(limited(body)))
             if request_rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(request_rate))  # Poisson arrivals
         results = await asyncio.gather(*tasks)
@@ -166,23 +195,39 @@ def _wait_healthy(url: str, process, timeout_s: float = 600) -> None:
     raise RuntimeError("the server did not become healthy")
 
 
+def make_requests(args, seed: int) -> list[BenchRequest]:
+    if args.dataset == "mixed":
+        return mixed_requests(args.num_prompts, args.vocab_size, seed=seed)
+    if args.dataset == "chat":
+        return chat_requests(args.num_prompts, seed=seed)
+    return random_requests(args.num_prompts, args.input_len, args.output_len, args.vocab_size, seed=seed)
+
+
+def workload_name(args) -> str:
+    shape = f"input {args.input_len}, output {args.output_len}" if args.dataset == "random" else f"{args.dataset} dataset"
+    return f"{args.num_prompts} requests, {shape}, {args.endpoint}"
+
+
 def run(args) -> dict:
     rates = [float(rate) for rate in args.request_rate]
     concurrencies = args.max_concurrency or [None]
+    temperatures = args.temperature
     records = []
     seeds = itertools.count(args.seed)
     with (contextlib.nullcontext(args.base_url) if args.base_url else own_server(args.model, args.server_args)) as url:
         model = args.served_model or _first_model(url, args.api_key)
-        for rate, concurrency in itertools.product(rates, concurrencies):
+        for temperature, rate, concurrency in itertools.product(temperatures, rates, concurrencies):
+            sampling = Sampling(temperature, args.top_p, args.top_k)
             repeats = []
             for _ in range(args.repeats):
                 # Fresh prompts for each run: a server's prefix cache must not turn later runs into cache hits.
-                requests = random_requests(args.num_prompts, args.input_len, args.output_len, args.vocab_size, seed=next(seeds))
-                results, duration = asyncio.run(run_load(url, model, requests, rate, concurrency, args.api_key, args.seed))
+                requests = make_requests(args, seed=next(seeds))
+                results, duration = asyncio.run(run_load(url, model, requests, rate, concurrency, args.api_key, args.seed,
+                                                         args.endpoint, sampling))
                 repeats.append(summarize(results, duration))
-            summary = {"request_rate": rate, "max_concurrency": concurrency, **median_summary(repeats)}
+            summary = {"request_rate": rate, "max_concurrency": concurrency, **sampling.fields(), **median_summary(repeats)}
             records.append(summary)
-            title = f"serve ({args.num_prompts} requests, input {args.input_len}, output {args.output_len}, rate {rate}"
+            title = f"serve ({workload_name(args)}, temperature {temperature:g}, rate {rate}"
             title += f", max concurrency {concurrency}" if concurrency else ""
             print_table(title + (f", median of {len(repeats)} runs)" if len(repeats) > 1 else ")"), [
                 ("output tokens/s", summary["output_tokens_per_s"]), ("TTFT p50 s", summary["ttft_p50_s"]),
@@ -194,7 +239,7 @@ def run(args) -> dict:
             ])
     record = {"benchmark": "serve", "label": args.label or ("pagedserve" if not args.base_url else args.base_url),
               "base_url": args.base_url, "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
-              "runs": records}
+              "dataset": args.dataset, "endpoint": args.endpoint, "runs": records}
     write_json(args.json, record)
     return record
 

@@ -36,6 +36,15 @@ def register(sub) -> None:
     serve.add_argument("--input-len", type=int, default=128)
     serve.add_argument("--output-len", type=int, default=128)
     serve.add_argument("--vocab-size", type=int, default=49152, help="random prompt ids are drawn below this")
+    serve.add_argument("--dataset", choices=["random", "mixed", "chat"], default="random",
+                       help="random: --input-len/--output-len token ids; mixed: input 16-512 and output 16-256 tokens; chat: "
+                            "multi-turn conversations over the shipped English passages, output 32-256 tokens")
+    serve.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
+                       help="/v1/completions or /v1/chat/completions (TTFT: the first content token, after the role delta)")
+    serve.add_argument("--temperature", type=float, nargs="+", default=[0.0],
+                       help="sampling temperature of every request; several run in turn (default: 0, greedy)")
+    serve.add_argument("--top-p", type=float, default=None, help="top_p of every request (default: the server's)")
+    serve.add_argument("--top-k", type=int, default=None, help="top_k of every request (default: the server's)")
     serve.add_argument("--request-rate", nargs="+", default=["inf"], help="requests/s (Poisson), or inf; several run in turn")
     serve.add_argument("--max-concurrency", type=int, nargs="+", default=None,
                        help="cap on requests in flight; several run in turn (a sweep, for `bench plot`)")
