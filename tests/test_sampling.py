@@ -83,18 +83,44 @@ def test_repetition_penalty_changes_a_repetitive_greedy_output(default_llm):
     assert penalized.count(plain[0]) < plain.count(plain[0])
 
 
-def test_penalty_arithmetic():
-    from pagedserve.layers.sampler import SamplingMetadata, apply_penalties
+def penalty_metadata(presence, frequency, repetition, token_ids, num_prompt_tokens):
+    from pagedserve.layers.sampler import SamplingMetadata
+
+    rows = len(token_ids)
+    return SamplingMetadata(
+        temperature=torch.zeros(rows), all_greedy=True, top_k=None, top_p=None, min_p=None,
+        presence_penalty=torch.tensor(presence), frequency_penalty=torch.tensor(frequency), repetition_penalty=torch.tensor(repetition),
+        token_ids=token_ids, num_prompt_tokens=num_prompt_tokens, min_tokens_bans=[], max_num_logprobs=None,
+    )
+
+
+@pytest.mark.parametrize("with_kernels", [False, True])
+def test_penalty_arithmetic(with_kernels):
+    from pagedserve.layers import cpu_kernels
+    from pagedserve.layers.sampler import apply_penalties
 
     logits = torch.tensor([[2.0, -1.0, 0.5, 1.0]])
-    meta = SamplingMetadata(
-        temperature=torch.zeros(1), all_greedy=True, top_k=None, top_p=None, min_p=None,
-        presence_penalty=torch.tensor([0.5]), frequency_penalty=torch.tensor([0.25]), repetition_penalty=torch.tensor([2.0]),
-        output_token_ids=[[0, 0, 1]], prompt_token_ids=[[2]], min_tokens_bans=[], generators={}, max_num_logprobs=None,
-    )
-    out = apply_penalties(logits, meta)
+    meta = penalty_metadata([0.5], [0.25], [2.0], token_ids=[[2, 0, 0, 1]], num_prompt_tokens=[1])
+    out = apply_penalties(logits, meta, cpu_kernels.load() if with_kernels else None)
     # token 0: 2/2 - 0.25*2 - 0.5; token 1: -1*2 - 0.25 - 0.5; token 2 (prompt only): 0.5/2; token 3 untouched
     assert out[0].tolist() == pytest.approx([0.0, -2.75, 0.25, 1.0])
+
+
+def test_penalty_kernel_matches_the_torch_path():
+    import random
+
+    from pagedserve.layers import cpu_kernels
+    from pagedserve.layers.sampler import apply_penalties
+
+    rng = random.Random(0)
+    rows, vocab = 6, 300
+    token_ids = [[rng.randrange(vocab) for _ in range(rng.randint(0, 40))] for _ in range(rows)]
+    prompts = [rng.randint(0, len(t)) for t in token_ids]
+    meta = penalty_metadata([rng.uniform(-2, 2) for _ in range(rows)], [rng.uniform(-2, 2) for _ in range(rows)],
+                            [rng.uniform(0.5, 2) for _ in range(rows)], token_ids, prompts)
+    logits = torch.randn(rows, vocab) * 3
+    expected = apply_penalties(logits.clone(), meta)
+    torch.testing.assert_close(apply_penalties(logits.clone(), meta, cpu_kernels.load()), expected)
 
 
 def test_top_k_top_p_min_p_filters():
@@ -133,3 +159,75 @@ def test_invalid_parameters_name_the_field_and_range(field, value, message):
 def test_min_tokens_above_max_tokens_is_rejected():
     with pytest.raises(ValueError, match="min_tokens must be <= max_tokens"):
         SamplingParams(max_tokens=4, min_tokens=5)
+
+
+def reference_probabilities(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """The target distribution, by the torch path's filters: what every draw must follow."""
+    scaled = logits[None] / temperature
+    if min_p > 0:
+        scaled = apply_min_p(scaled, torch.tensor([min_p]))
+    scaled = apply_top_k_top_p(scaled, torch.tensor([top_k]), torch.tensor([top_p]))
+    return torch.softmax(scaled, dim=-1)[0].double()
+
+
+def chi_square_p_value(counts: torch.Tensor, probabilities: torch.Tensor) -> float:
+    """Pearson's test of counts against probabilities, tokens expected fewer than 5 times pooled."""
+    total = counts.sum().item()
+    expected = probabilities * total
+    big = expected >= 5
+    observed = [*counts[big].tolist(), counts[~big].sum().item()]
+    expected_list = [*expected[big].tolist(), expected[~big].sum().item()]
+    if expected_list[-1] < 5:  # nothing worth a bin of its own: fold it in, it must then be (nearly) empty
+        assert observed[-1] <= 2
+        observed, expected_list = observed[:-1], expected_list[:-1]
+    scale = sum(observed) / sum(expected_list)
+    statistic = sum((o - e * scale) ** 2 / (e * scale) for o, e in zip(observed, expected_list))
+    degrees = len(observed) - 1
+    # The chi-square distribution's survival function: the regularized upper incomplete gamma function.
+    return torch.special.gammaincc(torch.tensor(degrees / 2, dtype=torch.float64), torch.tensor(statistic / 2, dtype=torch.float64)).item()
+
+
+FILTERS = [  # (temperature, top_k, top_p, min_p)
+    (1.0, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.0), (1.3, 5, 1.0, 0.0), (1.0, 0, 0.8, 0.0), (1.0, 0, 1.0, 0.2),
+    (0.9, 8, 0.9, 0.05), (2.0, 0, 0.5, 0.0),
+    (1.0, 1000, 1.0, 0.0), (1.0, 0, 0.999, 0.0),  # a large top-k; a top-p set of most of the vocabulary
+]
+
+
+@pytest.mark.parametrize("vocab", [24, 3000])  # 3000: a long tail of tiny weights, as a real vocabulary has
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", FILTERS)
+def test_kernel_draws_follow_the_filtered_distribution(vocab, temperature, top_k, top_p, min_p):
+    """Many draws of one row against the torch path's distribution (chi-square at a fixed seed); the same
+    test rejects the draws when the distribution they are held to is off by a little (temperature +10%)."""
+    from pagedserve.layers import cpu_kernels
+
+    kernels = cpu_kernels.load()
+    torch.manual_seed(vocab)
+    logits = torch.randn(vocab) * (4.0 if vocab > 100 else 1.5)
+    draws = 40_000
+    rows = logits.expand(draws, vocab).contiguous()
+    column = lambda value, dtype=torch.float32: torch.full((draws,), value, dtype=dtype)  # noqa: E731
+    tokens = kernels.sample_rows(rows, column(temperature), column(top_k, torch.long), column(top_p), column(min_p),
+                                 column(12345, torch.long), torch.arange(draws))
+    counts = torch.bincount(tokens, minlength=vocab).double()
+    expected = reference_probabilities(logits, temperature, top_k, top_p, min_p)
+    assert counts[expected == 0].sum() == 0, "drew a token the filters remove"
+    assert chi_square_p_value(counts, expected) > 1e-4
+    biased = reference_probabilities(logits, temperature * 1.1, top_k, top_p, min_p)
+    assert chi_square_p_value(counts, biased) < 1e-4
+
+
+def test_kernel_draws_are_keyed_by_seed_and_position_and_greedy_rows_take_argmax():
+    from pagedserve.layers import cpu_kernels
+
+    kernels = cpu_kernels.load()
+    logits = torch.randn(4, 500)
+    temperature, top_k = torch.tensor([1.0, 1.0, 0.0, 1.0]), torch.zeros(4, dtype=torch.long)
+    top_p, min_p = torch.ones(4), torch.zeros(4)
+    first = kernels.sample_rows(logits, temperature, top_k, top_p, min_p, torch.tensor([7, 7, 7, 8]), torch.tensor([3, 3, 3, 3]))
+    again = kernels.sample_rows(logits, temperature, top_k, top_p, min_p, torch.tensor([7, 7, 7, 8]), torch.tensor([3, 3, 3, 3]))
+    assert torch.equal(first, again)
+    assert first[2] == logits[2].argmax()
+    swapped = kernels.sample_rows(logits[[1, 0]].contiguous(), temperature[:2], top_k[:2], top_p[:2], min_p[:2],
+                                  torch.tensor([7, 7]), torch.tensor([3, 3]))
+    assert torch.equal(swapped, first[[1, 0]])  # a row's draw depends on its key and position, not its place in the batch

@@ -44,14 +44,21 @@ class Sampling:
     temperature: float = 0.0
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    seeded: bool = False  # each request its own seed
 
     def fields(self) -> dict:
-        return {name: value for name, value in vars(self).items() if value is not None}
+        return {name: value for name, value in vars(self).items() if value is not None and name != "seeded"}
 
 
 def request_body(endpoint: str, model: str, request: BenchRequest, sampling: Sampling, rng: random.Random) -> dict:
     body = {"model": model, "max_tokens": request.output_len, "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True}, **sampling.fields()}
+    if sampling.seeded:
+        body["seed"] = rng.randrange(2**31)
     if endpoint == "chat":
         return body | {"messages": request.as_messages(rng)}
     return body | {"prompt": request.as_prompt()}
@@ -217,7 +224,8 @@ def run(args) -> dict:
     with (contextlib.nullcontext(args.base_url) if args.base_url else own_server(args.model, args.server_args)) as url:
         model = args.served_model or _first_model(url, args.api_key)
         for temperature, rate, concurrency in itertools.product(temperatures, rates, concurrencies):
-            sampling = Sampling(temperature, args.top_p, args.top_k)
+            sampling = Sampling(temperature, args.top_p, args.top_k, args.min_p, args.repetition_penalty, args.frequency_penalty,
+                                args.presence_penalty, args.seeded)
             repeats = []
             for _ in range(args.repeats):
                 # Fresh prompts for each run: a server's prefix cache must not turn later runs into cache hits.
@@ -225,7 +233,8 @@ def run(args) -> dict:
                 results, duration = asyncio.run(run_load(url, model, requests, rate, concurrency, args.api_key, args.seed,
                                                          args.endpoint, sampling))
                 repeats.append(summarize(results, duration))
-            summary = {"request_rate": rate, "max_concurrency": concurrency, **sampling.fields(), **median_summary(repeats)}
+            summary = {"request_rate": rate, "max_concurrency": concurrency, **sampling.fields(), "seeded": sampling.seeded,
+                       **median_summary(repeats)}
             records.append(summary)
             title = f"serve ({workload_name(args)}, temperature {temperature:g}, rate {rate}"
             title += f", max concurrency {concurrency}" if concurrency else ""

@@ -11,6 +11,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "(RMSNorm(x + residual), x + residual)");
   m.def("silu_and_mul", &silu_and_mul, "silu(first half) * second half of the last dimension");
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=-1) of a [rows, n] float32 tensor (same NaN and tie rules)");
+  m.def("sample_rows", &sample_rows,
+        "one token per row of [rows, n] float32 logits: temperature (0: argmax), top_k (0: off), top_p, min_p, and a draw "
+        "from Philox(seed, counter)");
+  m.def("apply_penalties_", &apply_penalties_,
+        "repetition (prompt and output), frequency and presence (output) penalties, in place, over each row's tokens");
   m.def("rotary_embedding", &rotary_embedding, "neox rotary embedding of query and key, in place");
   m.def("quantized_linear", &quantized_linear, "x @ W.T (+ bias) with W in GGUF Q4_0/Q4_1/Q8_0 blocks",
         py::arg("x"), py::arg("weight"), py::arg("qtype"), py::arg("bias") = py::none(), py::arg("interleaved") = py::none());

@@ -144,8 +144,6 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor query, at::Tensor 
   rotate_in_place(key, pos, cos_cache.data_ptr<float>(), sin_cache.data_ptr<float>(), head_dim);
 }
 
-namespace {
-
 // The index torch.argmax gives for one row: the first NaN if there is one, else the first largest value.
 int64_t argmax_row(const float* x, int64_t n) {
   Vec best(-std::numeric_limits<float>::infinity());
@@ -159,8 +157,6 @@ int64_t argmax_row(const float* x, int64_t n) {
     if (Vec::loadu(x + i).eq(target).zero_mask() != (1 << Vec::size()) - 1) break;  // a lane equals the max
   return std::find(x + i, x + n, top) - x;
 }
-
-}  // namespace
 
 // torch.argmax(x, dim=-1) of a [rows, n] float32 tensor, with its NaN and tie rules: torch's own reduction
 // carries the index along, one value at a time, several times slower on a decode batch's logit rows

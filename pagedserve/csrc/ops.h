@@ -13,6 +13,11 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
 at::Tensor argmax_rows(const at::Tensor& x);
+int64_t argmax_row(const float* x, int64_t n);  // torch.argmax of one row of n floats
+at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k, const at::Tensor& top_p,
+                       const at::Tensor& min_p, const at::Tensor& seeds, const at::Tensor& counters);
+void apply_penalties_(at::Tensor logits, const at::Tensor& token_ids, const at::Tensor& offsets, const at::Tensor& prompt_lens,
+                      const at::Tensor& presence, const at::Tensor& frequency, const at::Tensor& repetition);
 void rotary_embedding(const at::Tensor& positions, at::Tensor query, at::Tensor key, const at::Tensor& cos_cache,
                       const at::Tensor& sin_cache);
 int64_t quantized_block_bytes(int64_t qtype);

@@ -45,6 +45,10 @@ def register(sub) -> None:
                        help="sampling temperature of every request; several run in turn (default: 0, greedy)")
     serve.add_argument("--top-p", type=float, default=None, help="top_p of every request (default: the server's)")
     serve.add_argument("--top-k", type=int, default=None, help="top_k of every request (default: the server's)")
+    serve.add_argument("--min-p", type=float, default=None, help="min_p of every request (default: the server's)")
+    for penalty in ("repetition", "frequency", "presence"):
+        serve.add_argument(f"--{penalty}-penalty", type=float, default=None, help=f"{penalty}_penalty of every request (default: none)")
+    serve.add_argument("--seeded", action="store_true", help="give every request a seed of its own")
     serve.add_argument("--request-rate", nargs="+", default=["inf"], help="requests/s (Poisson), or inf; several run in turn")
     serve.add_argument("--max-concurrency", type=int, nargs="+", default=None,
                        help="cap on requests in flight; several run in turn (a sweep, for `bench plot`)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 
@@ -30,7 +31,9 @@ class ModelRunner:
         self.attn_backend = attn_backend
         default_generator = torch.Generator(device=device)
         default_generator.manual_seed(seed)
-        self.sampler = Sampler(default_generator, cpu_kernels)
+        self.sampler = Sampler(default_generator, cpu_kernels if device.type == "cpu" else None)
+        self._unseeded_key = _as_int64(seed * _SEED_MIX + 1)
+        self._unseeded_draws = itertools.count()
         self.requests: dict[str, RunnerRequestState] = {}
         self._seeded_generators: dict[str, torch.Generator] = {}
 
@@ -67,16 +70,23 @@ class ModelRunner:
         for running in scheduler_output.scheduled_running_reqs:
             self.requests[running.request_id].block_ids.extend(running.new_block_ids)
 
-    # Step shapes a server meets first: a short prompt's prefill, then decodes of a few batch sizes.
-    _WARM_UP_SHAPES = ((1, 32), (1, 1), (2, 1), (4, 1), (8, 1))
+    # (sequences, new tokens each, context): decodes of a few batch sizes and short prompts' prefills, the
+    # steps a server meets first; their times also seed the scheduler's model of step times.
+    _WARM_UP_SHAPES = ((1, 1, 0), (8, 1, 64), (32, 1, 64), (1, 64, 0), (2, 128, 0))
 
     @torch.inference_mode()
-    def warm_up(self) -> None:
-        """Run the first shapes a server meets and both sampling paths once, so the first requests do not
-        pay one-time costs (kernel setup for new GEMM shapes, first touches of buffers). K/V land in the
-        first blocks, which hold nothing yet."""
-        for num_seqs, seq_len in self._WARM_UP_SHAPES:
-            self.time_forward_passes(num_seqs, seq_len, 1)
+    def warm_up(self) -> list[tuple[int, int, int, float]]:
+        """Run the first shapes a server meets (twice: the first run pays one-time costs, kernel setup for new
+        GEMM shapes and first touches of buffers) and both sampling paths, so the first requests do not.
+        Returns (sequences, new tokens each, context, seconds) of the second runs. K/V land in the first
+        blocks, which hold nothing yet."""
+        timings = []
+        num_blocks = self.kv_caches[0].shape[1]
+        for num_seqs, seq_len, context in self._WARM_UP_SHAPES:
+            if num_seqs * -(-(context + seq_len) // self.block_size) > num_blocks:
+                continue  # a cache too small for this shape (tests shrink it)
+            seconds = self.time_forward_passes(num_seqs, seq_len, 2, context)[-1]
+            timings.append((num_seqs, seq_len, context, seconds))
         hidden = self.model(*self._dummy_inputs(2, 1, 0), self.kv_caches,
                             self.attn_backend.build_metadata(dummy_layout(2, 1, 0, self.block_size), self.device))
         logits = self.model.compute_logits(hidden)
@@ -84,6 +94,7 @@ class ModelRunner:
         states = [RunnerRequestState(f"warm-up-{i}", [1], 1, p, [0], 0) for i, p in enumerate(params)]
         self.sampler(logits, self._sampling_metadata(states))
         self._seeded_generators.clear()
+        return timings
 
     def _dummy_inputs(self, num_seqs: int, seq_len: int, context: int) -> tuple[torch.Tensor, torch.Tensor]:
         input_ids = torch.randint(0, min(1000, self.model.config.vocab_size), (num_seqs * seq_len,), device=self.device)
@@ -161,12 +172,28 @@ class ModelRunner:
             presence_penalty=column([p.presence_penalty for p in params]) if any_penalty else None,
             frequency_penalty=column([p.frequency_penalty for p in params]) if any_penalty else None,
             repetition_penalty=column([p.repetition_penalty for p in params]) if any_penalty else None,
-            output_token_ids=[s.token_ids[s.num_prompt_tokens:] for s in states] if any_penalty else [],
-            prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] for s in states] if any_penalty else [],
+            token_ids=[s.token_ids for s in states] if any_penalty else [],
+            num_prompt_tokens=[s.num_prompt_tokens for s in states] if any_penalty else [],
             min_tokens_bans=min_tokens_bans,
-            generators=self._generators_for(states) if not all_greedy else {},
             max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
+            generators=self._generators_for(states) if not all_greedy and not self.sampler.uses_kernels else {},
+            draw_keys=self._draw_keys(states) if not all_greedy and self.sampler.uses_kernels else None,
         )
+
+    def _draw_keys(self, states: list[RunnerRequestState]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(key, counter) of each row's draw. A seeded row's is (its seed, its output position): the same
+        whatever the batch, and after a preemption that rebuilds the request. Others take this engine's key
+        and the next value of a counter that never repeats."""
+        keys, counters = [], []
+        for state in states:
+            seed = state.sampling_params.seed
+            if seed is None:
+                keys.append(self._unseeded_key)
+                counters.append(next(self._unseeded_draws))
+            else:
+                keys.append(_as_int64(seed))
+                counters.append(state.num_output_tokens)
+        return torch.tensor(keys, dtype=torch.long), torch.tensor(counters, dtype=torch.long)
 
     def _generators_for(self, states: list[RunnerRequestState]) -> dict[int, torch.Generator]:
         """Seeded rows draw from a generator keyed by (seed, output index): reproducible whatever the
@@ -182,3 +209,8 @@ class ModelRunner:
             generator.manual_seed((seed * _SEED_MIX + state.num_output_tokens) % (2**63))
             generators[row] = generator
         return generators
+
+
+def _as_int64(value: int) -> int:
+    """value modulo 2**64, as the signed 64-bit integer a torch.long holds."""
+    return (value + 2**63) % 2**64 - 2**63

@@ -1,9 +1,16 @@
-"""Sampling on the device: penalties, temperature, min-p / top-k / top-p, seeded draws, logprobs."""
+"""Sampling on the device: penalties, temperature, min-p / top-k / top-p, seeded draws, logprobs.
+
+On CPU with the C++ kernels, penalties and the filtered draw run in csrc/sampling.cpp: one pass per
+row, one counter-based uniform number per draw (keyed by a seed, counted by position: draw_keys).
+Elsewhere the torch path below runs (sorting filters, an exponential race with torch generators); it is
+also the reference the kernels are tested against, in distribution.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from pagedserve.outputs import LogprobsLists
@@ -21,18 +28,25 @@ class SamplingMetadata:
     presence_penalty: torch.Tensor | None  # [R]; None when no row has any penalty
     frequency_penalty: torch.Tensor | None
     repetition_penalty: torch.Tensor | None
-    output_token_ids: list[list[int]]  # needed for penalties
-    prompt_token_ids: list[list[int]]  # needed for the repetition penalty
+    token_ids: list[list[int]]  # each row's prompt and outputs, for the penalties (empty when none)
+    num_prompt_tokens: list[int]
     # rows still under min_tokens: (row, stop token ids to forbid)
     min_tokens_bans: list[tuple[int, list[int]]]
-    generators: dict[int, torch.Generator]  # rows with their own seed
     max_num_logprobs: int | None  # largest top-N asked; None when no row wants logprobs
+    generators: dict[int, torch.Generator] = field(default_factory=dict)  # torch path: rows with their own seed
+    # Kernel path: each row's draw as (key, counter) of the counter-based generator: [R] int64 each.
+    draw_keys: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class Sampler:
     def __init__(self, default_generator: torch.Generator | None = None, cpu_kernels=None) -> None:
         self.default_generator = default_generator
-        self.cpu_kernels = cpu_kernels  # for argmax on CPU; None: torch.argmax
+        self.cpu_kernels = cpu_kernels  # the C++ kernels (CPU); None: the torch path
+
+    @property
+    def uses_kernels(self) -> bool:
+        """Whether draws are keyed (SamplingMetadata.draw_keys) rather than drawn from torch generators."""
+        return self.cpu_kernels is not None
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> (sampled token ids [R], raw logprobs [R, V] or None). Logprobs are the model's, before any processing."""
@@ -42,13 +56,24 @@ class Sampler:
             logits = logits.clone()
             for row, banned in meta.min_tokens_bans:
                 logits[row, banned] = float("-inf")
+        kernels = self.cpu_kernels if logits.device.type == "cpu" else None
         if meta.presence_penalty is not None:
-            logits = apply_penalties(logits, meta)
-        greedy = argmax(logits, self.cpu_kernels)
+            logits = apply_penalties(logits, meta, kernels)
         if meta.all_greedy:
-            return greedy, raw_logprobs
+            return argmax(logits, kernels), raw_logprobs
+        if kernels is not None and meta.draw_keys is not None:
+            return self._sample_in_kernel(kernels, logits.contiguous(), meta), raw_logprobs
+        greedy = argmax(logits, kernels)
         sampled = self._sample_random(logits, meta)
         return torch.where(meta.temperature == 0, greedy, sampled), raw_logprobs
+
+    @staticmethod
+    def _sample_in_kernel(kernels, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        rows = logits.shape[0]
+        top_k = meta.top_k if meta.top_k is not None else torch.zeros(rows, dtype=torch.long)
+        top_p = meta.top_p if meta.top_p is not None else torch.ones(rows)
+        min_p = meta.min_p if meta.min_p is not None else torch.zeros(rows)
+        return kernels.sample_rows(logits, meta.temperature, top_k, top_p, min_p, *meta.draw_keys)
 
     def _sample_random(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         temperature = torch.where(meta.temperature == 0, torch.ones_like(meta.temperature), meta.temperature)
@@ -80,12 +105,24 @@ def argmax(rows: torch.Tensor, cpu_kernels=None) -> torch.Tensor:
     return rows.argmax(dim=-1)
 
 
-def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata, cpu_kernels=None) -> torch.Tensor:
+    """Repetition penalty over each row's prompt and outputs, then frequency and presence over its outputs.
+    With the kernels, in place over the tokens each row has seen; else over whole rows in torch."""
+    if cpu_kernels is not None:
+        lengths = [len(tokens) for tokens in meta.token_ids]
+        offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
+        flat = torch.from_numpy(np.fromiter((t for tokens in meta.token_ids for t in tokens), dtype=np.int64, count=int(offsets[-1])))
+        logits = logits.contiguous()
+        cpu_kernels.apply_penalties_(logits, flat, offsets, torch.tensor(meta.num_prompt_tokens, dtype=torch.long),
+                                     meta.presence_penalty, meta.frequency_penalty, meta.repetition_penalty)
+        return logits
     num_rows, vocab_size = logits.shape
-    output_counts = _token_counts(meta.output_token_ids, num_rows, vocab_size, logits.device)
+    outputs = [tokens[n:] for tokens, n in zip(meta.token_ids, meta.num_prompt_tokens)]
+    prompts = [tokens[:n] for tokens, n in zip(meta.token_ids, meta.num_prompt_tokens)]
+    output_counts = _token_counts(outputs, num_rows, vocab_size, logits.device)
     output_mask = output_counts > 0
     repetition = meta.repetition_penalty.unsqueeze(1)
-    seen = output_mask | (_token_counts(meta.prompt_token_ids, num_rows, vocab_size, logits.device) > 0)
+    seen = output_mask | (_token_counts(prompts, num_rows, vocab_size, logits.device) > 0)
     # Repetition penalty (CTRL): shrink positive logits, grow negative ones, over prompt and outputs.
     penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
     logits = torch.where(seen, penalized, logits)
