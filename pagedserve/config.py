@@ -40,6 +40,12 @@ class EngineConfig:
     max_num_batched_tokens: int = field(default=2048, metadata={"help": "token budget of one engine step"})
     max_num_seqs: int = field(default=256, metadata={"help": "most requests running at once"})
     long_prefill_token_threshold: int = field(default=0, metadata={"help": "cap of one prompt's chunk per step (0: no cap)"})
+    max_decode_stall: str = field(
+        default="2x",
+        metadata={"help": "how long a step that carries prompt tokens may make decoding streams wait: Nx (N times the decode-only "
+                  "step, predicted by a model of step times fit to the steps run), Ns (N seconds), or off (only the token budget "
+                  "bounds it); default 2x"},
+    )
     scheduling_policy: str = field(default="fcfs", metadata={"help": "fcfs or priority"})
     gguf_quantized_weights: bool = field(
         default=True,
@@ -86,6 +92,8 @@ class EngineConfig:
         _require(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", ", ".join(ATTENTION_BACKENDS),
                  self.attention_backend)
         _require(self.gemm_backend in GEMM_BACKENDS, "gemm_backend", ", ".join(GEMM_BACKENDS), self.gemm_backend)
+        _require(parse_stall_limit(self.max_decode_stall) is not None or self.max_decode_stall == "off", "max_decode_stall",
+                 "off, a multiple such as 2x (> 1), or seconds such as 0.5s (> 0)", self.max_decode_stall)
         if self.max_model_len is not None:
             _require(self.max_model_len >= 1, "max_model_len", ">= 1", self.max_model_len)
         if self.num_gpu_blocks_override is not None:
@@ -105,3 +113,19 @@ class EngineConfig:
 def _require(ok: bool, name: str, allowed: str, value) -> None:
     if not ok:
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def parse_stall_limit(text: str) -> tuple[str, float] | None:
+    """'2x' -> ('x', 2.0): a multiple of the decode-only step; '0.5s' -> ('s', 0.5): seconds; None for 'off' or nonsense."""
+    text = text.strip().lower()
+    if len(text) < 2 or text[-1] not in "xs":
+        return None
+    try:
+        value = float(text[:-1])
+    except ValueError:
+        return None
+    if not value == value or value in (float("inf"), float("-inf")):  # NaN or infinite
+        return None
+    if (text[-1] == "x" and value > 1) or (text[-1] == "s" and value > 0):
+        return text[-1], value
+    return None

@@ -228,3 +228,91 @@ def test_random_workloads_never_leak_or_double_free(ops, num_blocks, budget, cac
     assert all(r.is_finished and r.status.finish_reason in ("stop", "length", "abort") for r in added)
     assert all(finish_reasons.get(r.request_id) == r.status.finish_reason for r in added)
     assert sched.kv_cache_manager.num_free_blocks == num_blocks
+
+
+def test_step_time_model_recovers_a_linear_cost_and_forgets_old_costs():
+    import random
+
+    from pagedserve.core.step_time import StepShape, StepTimeModel, chunk_attention_pairs
+
+    truth = (0.02, 0.0015, 0.0012, 0.0004)  # overhead, per decode token, per prompt token, per 1000 attention pairs
+    rng = random.Random(0)
+    model = StepTimeModel()
+
+    def cost(shape, weights):
+        return sum(w * f for w, f in zip(weights, shape.features()))
+
+    for _ in range(200):
+        decodes, prompts = rng.randint(0, 64), rng.choice([0, 0, rng.randint(16, 512)])
+        shape = StepShape(decodes, prompts, decodes * 200 + chunk_attention_pairs(prompts, rng.randint(0, 300)))
+        model.observe(shape, cost(shape, truth) * rng.uniform(0.97, 1.03))
+    assert model.ready
+    assert model.weights == pytest.approx(truth, rel=0.15)
+    probe = StepShape(32, 100, 32 * 200 + chunk_attention_pairs(100, 50))
+    assert model.predict(probe) == pytest.approx(cost(probe, truth), rel=0.05)
+    assert model.prefill_cost(100, 50) == pytest.approx(cost(StepShape(0, 100, chunk_attention_pairs(100, 50)), truth) - truth[0], rel=0.1)
+    assert model.prefill_cost(model.max_chunk(0.1, 50, 1000), 50) <= 0.1 < model.prefill_cost(model.max_chunk(0.1, 50, 1000) + 1, 50)
+    slower = tuple(2 * w for w in truth)  # the machine slows down: recent steps count most
+    for _ in range(300):
+        decodes, prompts = rng.randint(1, 64), rng.choice([0, rng.randint(16, 512)])
+        shape = StepShape(decodes, prompts, decodes * 200 + chunk_attention_pairs(prompts, 0))
+        model.observe(shape, cost(shape, slower))
+    assert model.predict(probe) == pytest.approx(cost(probe, slower), rel=0.05)
+
+
+def _stall_scheduler(stall, budget=4096, max_num_seqs=64):
+    from pagedserve.core.step_time import StepShape
+
+    scheduler = make_scheduler(num_blocks=4096, block_size=16, max_model_len=2048, budget=budget, max_num_seqs=max_num_seqs,
+                               caching=False)
+    scheduler.max_decode_stall = stall
+    # A model fit to steps of known cost: 10 ms + 1 ms a decode token + 1 ms a prompt token, no attention cost.
+    for decodes, prompts in [(1, 0), (8, 0), (32, 0), (0, 64), (0, 256), (16, 100), (4, 300)]:
+        scheduler.observe_step(StepShape(decodes, prompts, 0.0), 0.010 + 0.001 * (decodes + prompts))
+    return scheduler
+
+
+def test_prompt_tokens_are_bounded_by_time_while_streams_decode():
+    """With a 2x limit, a step that carries prompt tokens while 8 requests decode takes about twice their
+    decode-only step, counted for the batch the waiting prompts will join; without decodes, or with the
+    limit off, the token budget alone bounds it."""
+    from pagedserve.core.step_time import StepShape
+
+    scheduler = _stall_scheduler(("x", 2.0))
+    for index in range(8):
+        scheduler.add_request(make_request(f"d{index}", prompt_len=20, max_tokens=100))
+    first, _ = step(scheduler)
+    assert first.total_num_scheduled_tokens == 160  # nothing decodes yet: no time bound
+    for index in range(4):
+        scheduler.add_request(make_request(f"long{index}", prompt_len=1000, max_tokens=10))
+    output, _ = step(scheduler)
+    decodes = sum(1 for n in output.num_scheduled_tokens.values() if n == 1)
+    prompt_tokens = output.total_num_scheduled_tokens - decodes
+    assert decodes == 8
+    # Decode-only step of the 12 requests' batch: 10 + 12 = 22 ms, the target 44 ms; 8 decodes take 18 ms.
+    model = scheduler.step_time
+    assert model.predict(output.shape) == pytest.approx(0.044, abs=0.002)
+    assert prompt_tokens == pytest.approx(26, abs=1) and output.shape == StepShape(8, prompt_tokens, output.shape.attention_pairs)
+    off = _stall_scheduler(None)
+    for index in range(8):
+        off.add_request(make_request(f"d{index}", prompt_len=20, max_tokens=100))
+    step(off)
+    for index in range(4):
+        off.add_request(make_request(f"long{index}", prompt_len=1000, max_tokens=10))
+    assert step(off)[0].total_num_scheduled_tokens == 8 + 4 * 1000  # all of every prompt: the budget allowed it
+
+
+def test_prompts_progress_however_tight_the_time_limit():
+    scheduler = _stall_scheduler(("s", 0.001))  # below even the decode-only step
+    for index in range(4):
+        scheduler.add_request(make_request(f"d{index}", prompt_len=20, max_tokens=100))
+    step(scheduler)
+    scheduler.add_request(make_request("long", prompt_len=200, max_tokens=5))
+    finished, chunks = None, []
+    for _ in range(30):
+        output, engine_outputs = step(scheduler)
+        check_block_accounting(scheduler)
+        chunks.append(output.num_scheduled_tokens.get("long", 0))
+        finished = finished or next((o for o in engine_outputs if o.request_id == "long" and o.finished), None)
+    assert finished is not None  # a block of 16 prompt tokens a step: prefilled in 13 steps, then 5 decodes
+    assert max(chunks) == 16 and sum(c for c in chunks if c > 1) == 200

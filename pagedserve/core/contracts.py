@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedserve.core.step_time import StepShape
 from pagedserve.outputs import LogprobsLists
 from pagedserve.sampling_params import SamplingParams
 
@@ -47,6 +48,7 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     # Requests the runner must forget: finished, aborted or preempted since the last step.
     finished_req_ids: set[str] = field(default_factory=set)
+    shape: StepShape = field(default_factory=StepShape)  # what the step carries, for the step-time model
 
     @property
     def is_empty(self) -> bool:

@@ -2,6 +2,8 @@
 
 Each step hands out at most max_num_batched_tokens tokens: running requests first (a decode
 takes one token, an unfinished prompt its next chunk), then waiting requests in policy order.
+While requests decode, the prompt tokens a step takes on are also bounded in time (max_decode_stall):
+a model of step times, fit to the steps the engine runs (core/step_time.py), says how many fit.
 """
 
 from __future__ import annotations
@@ -16,7 +18,29 @@ from pagedserve.core.contracts import (
 )
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request_queue import make_waiting_queue
+from pagedserve.core.step_time import StepShape, StepTimeModel, chunk_attention_pairs
 from pagedserve.request import Request, RequestStatus
+
+
+class PrefillAllowance:
+    """The seconds of prompt work a step may still take on while streams decode. The first chunk of a step
+    always gets min_tokens, so prompts progress however tight the limit."""
+
+    def __init__(self, model: StepTimeModel, seconds: float, min_tokens: int) -> None:
+        self.model = model
+        self.seconds = seconds
+        self.min_tokens = min_tokens
+        self.granted = False
+
+    def take(self, num_tokens: int, context_len: int) -> int:
+        """How many of num_tokens prompt tokens after context_len fit; they are then spent."""
+        allowed = self.model.max_chunk(self.seconds, context_len, num_tokens)
+        if allowed == 0 and not self.granted:
+            allowed = min(num_tokens, self.min_tokens)
+        if allowed:
+            self.seconds -= self.model.prefill_cost(allowed, context_len)
+            self.granted = True
+        return allowed
 
 
 class Scheduler:
@@ -28,6 +52,7 @@ class Scheduler:
         max_num_seqs: int,
         long_prefill_token_threshold: int = 0,
         policy: str = "fcfs",
+        max_decode_stall: tuple[str, float] | None = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
         self.max_model_len = max_model_len
@@ -42,6 +67,8 @@ class Scheduler:
         self.num_preemptions = 0
         # Prompt logprob positions already reported per request, so a recompute does not repeat them.
         self.num_prompt_logprobs_sent: dict[str, int] = {}
+        self.max_decode_stall = max_decode_stall  # ("x", multiple of the decode-only step) or ("s", seconds); None: off
+        self.step_time = StepTimeModel()
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -89,6 +116,9 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         running_reqs: list[RunningRequestData] = []
         preempted_any = False
+        allowance = self._prefill_allowance()
+        decode_tokens = prefill_tokens = 0
+        attention_pairs = 0.0
 
         index = 0
         allocate_slots = self.kv_cache_manager.allocate_slots
@@ -96,7 +126,10 @@ class Scheduler:
             request = self.running[index]
             num_new_tokens = len(request.all_token_ids) - request.num_computed_tokens
             if num_new_tokens > 1:  # an unfinished prompt: chunk it
-                num_new_tokens = self._chunk_size(num_new_tokens, token_budget)
+                num_new_tokens = self._chunk_size(num_new_tokens, token_budget, request.num_computed_tokens, allowance)
+                if num_new_tokens == 0:  # no time left in this step for its chunk
+                    index += 1
+                    continue
             new_blocks = None
             while True:
                 new_blocks = allocate_slots(request, num_new_tokens)
@@ -111,13 +144,21 @@ class Scheduler:
             if new_blocks:
                 running_reqs.append(RunningRequestData(request.request_id, [b.block_id for b in new_blocks]))
             num_scheduled_tokens[request.request_id] = num_new_tokens
+            if num_new_tokens == 1:
+                decode_tokens += 1
+                attention_pairs += request.num_computed_tokens + 1
+            else:
+                prefill_tokens += num_new_tokens
+                attention_pairs += chunk_attention_pairs(num_new_tokens, request.num_computed_tokens)
             request.num_computed_tokens += num_new_tokens
             token_budget -= num_new_tokens
             index += 1
 
         # New prompts only when nothing was preempted: memory is tight, let the running ones finish.
         if not preempted_any:
-            token_budget = self._schedule_waiting(token_budget, num_scheduled_tokens, new_reqs)
+            token_budget, new_tokens, new_pairs = self._schedule_waiting(token_budget, num_scheduled_tokens, new_reqs, allowance)
+            prefill_tokens += new_tokens
+            attention_pairs += new_pairs
 
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -125,12 +166,44 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled_tokens,
             total_num_scheduled_tokens=self.max_num_batched_tokens - token_budget,
             finished_req_ids=self.finished_req_ids,
+            shape=StepShape(decode_tokens, prefill_tokens, attention_pairs),
         )
         self.finished_req_ids = set()
         return output
 
-    def _schedule_waiting(self, token_budget: int, num_scheduled_tokens: dict, new_reqs: list) -> int:
+    def observe_step(self, shape: StepShape, seconds: float) -> None:
+        """How long a step of this shape took (to the step-time model)."""
+        if shape.decode_tokens or shape.prefill_tokens:
+            self.step_time.observe(shape, seconds)
+
+    def _prefill_allowance(self) -> PrefillAllowance | None:
+        """What bounds this step's prompt work in time: None when nothing does (no limit set, the model not yet
+        fit, or no request decoding, so that no stream waits for the prompts)."""
+        if self.max_decode_stall is None or not self.step_time.ready:
+            return None
+        decode_tokens, pairs = 0, 0.0
+        for request in self.running:
+            if len(request.all_token_ids) - request.num_computed_tokens == 1:
+                decode_tokens += 1
+                pairs += request.num_computed_tokens + 1
+        if not decode_tokens:
+            return None
+        decode_only = self.step_time.predict(StepShape(decode_tokens, 0, pairs))
+        kind, value = self.max_decode_stall
+        if kind == "x":
+            # The decode-only step of the batch these prompts are joining, not of the few streams that may be
+            # decoding when they arrive: the waiting requests decode too, as soon as their prompts are in.
+            batch = min(len(self.running) + len(self.waiting), self.max_num_seqs)
+            target = value * self.step_time.predict(StepShape(batch, 0, pairs * batch / decode_tokens))
+        else:
+            target = value
+        return PrefillAllowance(self.step_time, target - decode_only, min_tokens=self.kv_cache_manager.block_size)
+
+    def _schedule_waiting(self, token_budget: int, num_scheduled_tokens: dict, new_reqs: list,
+                          allowance: PrefillAllowance | None) -> tuple[int, int, float]:
+        """-> (token budget left, prompt tokens scheduled, their attention pairs)."""
         skipped = []
+        prefill_tokens, attention_pairs = 0, 0.0
         while len(self.waiting) > 0 and token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
             if self._sibling_is_prefilling(request):
@@ -138,7 +211,9 @@ class Scheduler:
                 skipped.append(self.waiting.pop())
                 continue
             computed_blocks, num_computed_tokens = self.kv_cache_manager.get_computed_blocks(request)
-            num_new_tokens = self._chunk_size(request.num_tokens - num_computed_tokens, token_budget)
+            num_new_tokens = self._chunk_size(request.num_tokens - num_computed_tokens, token_budget, num_computed_tokens, allowance)
+            if num_new_tokens == 0:  # no time left in this step
+                break
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens, computed_blocks)
             if new_blocks is None:
                 break
@@ -160,16 +235,20 @@ class Scheduler:
                 )
             )
             num_scheduled_tokens[request.request_id] = num_new_tokens
+            prefill_tokens += num_new_tokens
+            attention_pairs += chunk_attention_pairs(num_new_tokens, num_computed_tokens)
             request.num_computed_tokens += num_new_tokens
             token_budget -= num_new_tokens
         for request in reversed(skipped):
             self.waiting.add_front(request)
-        return token_budget
+        return token_budget, prefill_tokens, attention_pairs
 
-    def _chunk_size(self, num_remaining_tokens: int, token_budget: int) -> int:
+    def _chunk_size(self, num_remaining_tokens: int, token_budget: int, context_len: int, allowance: PrefillAllowance | None) -> int:
         num_tokens = min(num_remaining_tokens, token_budget)
         if self.long_prefill_token_threshold > 0:
             num_tokens = min(num_tokens, self.long_prefill_token_threshold)
+        if allowance is not None:
+            num_tokens = allowance.take(num_tokens, context_len)
         return num_tokens
 
     def _sibling_is_prefilling(self, request: Request) -> bool:

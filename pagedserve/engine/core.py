@@ -5,10 +5,11 @@ from __future__ import annotations
 import logging
 import time
 
-from pagedserve.config import EngineConfig
+from pagedserve.config import EngineConfig, parse_stall_limit
 from pagedserve.core.contracts import EngineCoreOutput, SchedulerStats
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.scheduler import Scheduler
+from pagedserve.core.step_time import StepShape, chunk_attention_pairs
 from pagedserve.engine.wire import EngineCoreRequest
 from pagedserve.executor.abstract import Executor, ModelInfo
 from pagedserve.request import Request
@@ -26,7 +27,7 @@ class EngineCore:
             self.executor.initialize_cache(num_blocks)
             self.model_info: ModelInfo = self.executor.model_info()
             warm_up_start = time.monotonic()
-            self.executor.collective_rpc("warm_up")
+            warm_up_timings = self.executor.collective_rpc("warm_up")[0]
             logger.info("warm-up steps ran in %.1f s", time.monotonic() - warm_up_start)
         except BaseException:
             self.executor.shutdown()
@@ -39,7 +40,10 @@ class EngineCore:
             max_num_seqs=config.max_num_seqs,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             policy=config.scheduling_policy,
+            max_decode_stall=parse_stall_limit(config.max_decode_stall),
         )
+        for num_seqs, seq_len, context, seconds in warm_up_timings:  # a first fit of the step-time model
+            self.scheduler.observe_step(warm_up_shape(num_seqs, seq_len, context), seconds)
         logger.info("engine core ready in %.1f s", time.monotonic() - start)
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -64,7 +68,9 @@ class EngineCore:
         if not self.has_work():
             return []
         scheduler_output = self.scheduler.schedule()
+        start = time.perf_counter()
         runner_output = self.executor.execute_model(scheduler_output)
+        self.scheduler.observe_step(scheduler_output.shape, time.perf_counter() - start)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def get_stats(self) -> SchedulerStats:
@@ -97,3 +103,9 @@ class EngineCore:
 
 
 _UTILITIES = frozenset({"reset_prefix_cache", "wait_for_kv_cache_mapping", "time_forward_passes", "get_stats"})
+
+
+def warm_up_shape(num_seqs: int, seq_len: int, context: int) -> StepShape:
+    if seq_len == 1:
+        return StepShape(num_seqs, 0, num_seqs * (context + 1))
+    return StepShape(0, num_seqs * seq_len, num_seqs * chunk_attention_pairs(seq_len, context))

@@ -137,8 +137,8 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
 
-    def warm_up(self) -> None:
-        self.model_runner.warm_up()
+    def warm_up(self) -> list[tuple[int, int, int, float]]:
+        return self.model_runner.warm_up()
 
     def time_forward_passes(self, num_seqs: int, seq_len: int, passes: int, context: int = 0) -> list[float]:
         return self.model_runner.time_forward_passes(num_seqs, seq_len, passes, context)
