@@ -57,7 +57,27 @@ class EngineConfig:
         metadata={"help": "default sampling parameters: auto (the model's generation_config.json, where it has one), vllm "
                   "(pagedserve's own defaults), or a directory holding a generation_config.json; a request's own values win"},
     )
-    num_threads: int | None = field(default=None, metadata={"help": "torch intra-op threads of the engine (default: all cores)"})
+    num_threads: int | None = field(
+        default=None, metadata={"help": "torch intra-op threads of the engine, or of each rank (default: the cores, shared among ranks)"})
+    tensor_parallel_size: int = field(
+        default=1, metadata={"help": "ranks that split every layer (heads, MLP columns, vocabulary) among them", "aliases": ["-tp"]})
+    pipeline_parallel_size: int = field(
+        default=1, metadata={"help": "ranks that split the layers into consecutive stages", "aliases": ["-pp"]})
+    pp_layer_partition: str | None = field(
+        default=None, metadata={"help": "decoder layers per pipeline stage, comma-separated (default: as even as they go)"})
+    data_parallel_size: int = field(
+        default=1, metadata={"help": "engine cores, each with its own scheduler and KV cache, behind one server", "aliases": ["-dp"]})
+    speculative_config: dict | None = field(
+        default=None,
+        metadata={"help": "speculative decoding, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                  "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4} or {\"method\": \"draft_model\", \"model\": DIR, "
+                  "\"num_speculative_tokens\": 4}; also disable_by_batch_size, min_acceptance_rate (default: off)"},
+    )
+    distributed_executor_backend: str | None = field(
+        default=None,
+        metadata={"help": "how ranks run: mp (a process each, the default with more than one rank), ray (Ray actors, on the cluster "
+                  "RAY_ADDRESS names or a local one), or uni (one process, one rank)"},
+    )
     attention_backend: str = field(
         default="auto",
         metadata={"help": "attention implementation: cpu (C++ kernels on the paged cache; CPU, float32), torch (the plain-torch "
@@ -94,12 +114,35 @@ class EngineConfig:
         _require(self.gemm_backend in GEMM_BACKENDS, "gemm_backend", ", ".join(GEMM_BACKENDS), self.gemm_backend)
         _require(parse_stall_limit(self.max_decode_stall) is not None or self.max_decode_stall == "off", "max_decode_stall",
                  "off, a multiple such as 2x (> 1), or seconds such as 0.5s (> 0)", self.max_decode_stall)
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            _require(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name, "an integer >= 1", getattr(self, name))
+        _require(self.distributed_executor_backend in (None, "mp", "ray", "uni"), "distributed_executor_backend", "mp, ray or uni",
+                 self.distributed_executor_backend)
+        if self.distributed_executor_backend == "uni":
+            _require(self.world_size == 1, "distributed_executor_backend", "mp or ray with more than one rank (uni runs one)",
+                     self.distributed_executor_backend)
+        self.speculative = SpeculativeConfig.from_dict(self.speculative_config)
+        if self.speculative is not None and self.world_size > 1:
+            raise ValueError("speculative_config runs with one rank (tensor_parallel_size and pipeline_parallel_size 1)")
+        if self.pp_layer_partition is not None:
+            parts = self.pp_layer_partition.split(",")
+            _require(len(parts) == self.pipeline_parallel_size and all(p.strip().isdigit() and int(p) > 0 for p in parts),
+                     "pp_layer_partition", f"{self.pipeline_parallel_size} positive layer counts, comma-separated", self.pp_layer_partition)
         if self.max_model_len is not None:
             _require(self.max_model_len >= 1, "max_model_len", ">= 1", self.max_model_len)
         if self.num_gpu_blocks_override is not None:
             _require(self.num_gpu_blocks_override >= 1, "num_gpu_blocks_override", ">= 1", self.num_gpu_blocks_override)
         if self.num_threads is not None:
             _require(self.num_threads >= 1, "num_threads", ">= 1", self.num_threads)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of one engine core (data-parallel cores each have this many)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def executor_backend(self) -> str:
+        return self.distributed_executor_backend or ("mp" if self.world_size > 1 else "uni")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
@@ -129,3 +172,61 @@ def parse_stall_limit(text: str) -> tuple[str, float] | None:
     if (text[-1] == "x" and value > 1) or (text[-1] == "s" and value > 0):
         return text[-1], value
     return None
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's field names): a proposer drafts num_speculative_tokens tokens per running
+    request after each step, and the next step verifies them all in one pass."""
+
+    method: str  # ngram: prompt lookup; draft_model: a smaller model with the same vocabulary
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    model: str | None = None
+    # No drafts while this many requests run (0: never off for the batch's sake).
+    disable_by_batch_size: int = 0
+    # A request whose drafts are accepted less often than this stops drafting for a while.
+    min_acceptance_rate: float = 0.1
+
+    @classmethod
+    def from_dict(cls, values: dict | str | None) -> SpeculativeConfig | None:
+        if values is None:
+            return None
+        if isinstance(values, str):
+            import json
+
+            try:
+                values = json.loads(values)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config must be a JSON object, got {values!r}: {exc}") from exc
+        if not isinstance(values, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {values!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        if "method" not in values or "num_speculative_tokens" not in values:
+            raise ValueError("speculative_config needs method (ngram or draft_model) and num_speculative_tokens")
+        config = cls(**values)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        name = "speculative_config."
+        _require(self.method in ("ngram", "draft_model"), name + "method", "ngram or draft_model", self.method)
+        _require(isinstance(self.num_speculative_tokens, int) and 1 <= self.num_speculative_tokens <= 16,
+                 name + "num_speculative_tokens", "an integer in [1, 16]", self.num_speculative_tokens)
+        _require(isinstance(self.prompt_lookup_min, int) and self.prompt_lookup_min >= 1, name + "prompt_lookup_min", ">= 1",
+                 self.prompt_lookup_min)
+        _require(isinstance(self.prompt_lookup_max, int) and self.prompt_lookup_max >= self.prompt_lookup_min,
+                 name + "prompt_lookup_max", f">= prompt_lookup_min ({self.prompt_lookup_min})", self.prompt_lookup_max)
+        _require(isinstance(self.disable_by_batch_size, int) and self.disable_by_batch_size >= 0, name + "disable_by_batch_size",
+                 ">= 0", self.disable_by_batch_size)
+        _require(isinstance(self.min_acceptance_rate, (int, float)) and 0 <= self.min_acceptance_rate <= 1,
+                 name + "min_acceptance_rate", "in [0, 1]", self.min_acceptance_rate)
+        if self.method == "draft_model":
+            _require(isinstance(self.model, str) and bool(self.model), name + "model", "the draft model's directory or .gguf file",
+                     self.model)
+        else:
+            _require(self.model is None, name + "model", "unset for method ngram", self.model)

@@ -25,6 +25,14 @@ class LogprobsLists:
     logprobs: list[list[float]]
     ranks: list[int]
 
+    @classmethod
+    def concat(cls, parts: list[LogprobsLists]) -> LogprobsLists:
+        return cls([ids for part in parts for ids in part.token_ids], [values for part in parts for values in part.logprobs],
+                   [rank for part in parts for rank in part.ranks])
+
+    def head(self, num_positions: int) -> LogprobsLists:
+        return LogprobsLists(self.token_ids[:num_positions], self.logprobs[:num_positions], self.ranks[:num_positions])
+
 
 @dataclass
 class CompletionOutput:

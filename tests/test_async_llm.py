@@ -53,8 +53,8 @@ def test_cancelled_consumer_aborts_and_frees_blocks(async_llm):
         # The engine reports its state after every step; wait for the one after the abort.
         for _ in range(200):
             await asyncio.sleep(0.05)
-            usage = async_llm.metrics.kv_cache_usage._value.get()
-            running = async_llm.metrics.num_running._value.get()
+            usage = async_llm.metrics.kv_cache_usage[0]._value.get()
+            running = async_llm.metrics.num_running[0]._value.get()
             if usage == 0 and running == 0:
                 break
         return seen, usage, running

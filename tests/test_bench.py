@@ -214,3 +214,12 @@ def test_ceiling_leaves_no_stale_prefix_cache(tiny_models):
     measure_ceiling(llm, num_seqs=4, seq_len=64)
     after = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
     assert after == before
+
+
+@pytest.mark.slow
+def test_executor_messages_are_timed_without_the_model(tmp_path, tiny_models):
+    record, stdout = bench(tmp_path, "executor", "--model", str(tiny_models["llama"]), "-tp", "2", "--num-running", "64", "--steps", "20",
+                           "--kv-cache-memory", str(2**24))
+    assert record["tensor_parallel_size"] == 2 and record["num_running"] == 64 and record["steps"] == 20
+    assert 0 < record["median_us_per_step"] <= record["p99_us_per_step"]
+    assert "2 ranks" in stdout

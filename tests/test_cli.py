@@ -79,3 +79,13 @@ def test_help_gives_each_default_once_and_every_sampling_flag_its_help():
                  "--frequency-penalty", "--stop", "--n"):
         after = generate.split(flag + " ", 1)[1].split(" --", 1)[0]
         assert "default" in after and len(after) > 30, (flag, after)
+
+
+def test_parallel_flags_have_short_forms():
+    from pagedserve.entrypoints.cli import build_parser
+    from pagedserve.entrypoints.engine_args import engine_config_from_args
+
+    args = build_parser().parse_args(["serve", "-tp", "2", "-pp", "3", "-dp", "2", "--distributed-executor-backend", "ray"])
+    config = engine_config_from_args(args)
+    assert (config.tensor_parallel_size, config.pipeline_parallel_size, config.data_parallel_size) == (2, 3, 2)
+    assert config.world_size == 6 and config.executor_backend == "ray"

@@ -8,16 +8,19 @@ from pathlib import Path
 import pytest
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent / "pagedserve"
-SUBPACKAGES = ("core", "engine", "executor", "models", "layers", "entrypoints", "benchmarks")
+SUBPACKAGES = ("core", "engine", "executor", "models", "layers", "entrypoints", "benchmarks", "distributed", "spec_decode")
 
 # package -> the packages it must not import (and whether torch is forbidden too)
 FORBIDDEN = {
-    "core": {"models", "layers", "executor", "engine", "entrypoints", "benchmarks", "torch"},
-    "layers": {"core", "engine", "executor", "entrypoints", "models", "benchmarks"},
-    "models": {"core", "engine", "executor", "entrypoints", "benchmarks"},
+    "core": {"models", "layers", "executor", "engine", "entrypoints", "benchmarks", "distributed", "spec_decode", "torch"},
+    "distributed": {"core", "models", "layers", "executor", "engine", "entrypoints", "benchmarks", "spec_decode"},
+    "layers": {"core", "engine", "executor", "entrypoints", "models", "benchmarks", "spec_decode"},
+    "models": {"core", "engine", "executor", "entrypoints", "benchmarks", "spec_decode"},
+    # Proposers and the rejection sampler see token lists and tensors, never requests or steps.
+    "spec_decode": {"core", "engine", "executor", "entrypoints", "benchmarks", "distributed"},
     "executor": {"engine", "entrypoints", "benchmarks"},
-    "engine": {"models", "layers", "entrypoints", "benchmarks"},
-    "benchmarks": {"layers", "models", "entrypoints"},
+    "engine": {"models", "layers", "entrypoints", "benchmarks", "spec_decode"},
+    "benchmarks": {"layers", "models", "entrypoints", "distributed", "spec_decode"},
     # The modules at the top of the package (config, envs, request, outputs, sampling_params) are shared by all.
     "common": {*SUBPACKAGES, "torch"},
 }

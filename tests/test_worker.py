@@ -102,5 +102,5 @@ def test_engine_maps_its_kv_cache_when_idle(prefault, tiny_models):
         assert executor.kv_prefault is None
         return
     executor.wait_for_kv_cache_mapping(120)
-    assert not executor.kv_prefault.is_alive()
+    assert not executor.kv_prefault.thread.is_alive()
     assert all(resident_fraction(cache) == 1.0 for cache in executor.worker.kv_caches)

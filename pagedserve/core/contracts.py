@@ -38,6 +38,9 @@ class RunningRequestData:
 
     request_id: str
     new_block_ids: list[int]
+    # The runner keeps this many of its block ids before appending the new ones: fewer than it holds once the
+    # scheduler gave back blocks that only rejected draft tokens used.
+    num_kept_blocks: int = -1
 
 
 @dataclass
@@ -49,6 +52,13 @@ class SchedulerOutput:
     # Requests the runner must forget: finished, aborted or preempted since the last step.
     finished_req_ids: set[str] = field(default_factory=set)
     shape: StepShape = field(default_factory=StepShape)  # what the step carries, for the step-time model
+    # Pipeline parallelism: each decoding request's last token, (its index, its id), for the stages that did
+    # not sample it. Empty otherwise.
+    last_token_ids: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # Speculative decoding: the draft tokens each request verifies in this step (its scheduled tokens are its
+    # last token and these), and the requests to propose new drafts for once this step has run.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    propose_for: set[str] = field(default_factory=set)
 
     @property
     def is_empty(self) -> bool:
@@ -61,8 +71,12 @@ class SchedulerOutput:
 @dataclass
 class ModelRunnerOutput:
     sampled_token_ids: dict[str, int]  # only requests that reached the end of their known tokens
-    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)  # one position per token the request gained
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    # Speculative decoding: the draft tokens each request's verification accepted, which come before its sampled
+    # token; and the drafts proposed for the next step.
+    accepted_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 # ---- scheduler -> engine core (and on to the front end) -------------------------------------
@@ -91,3 +105,21 @@ class SchedulerStats:
     prefix_cache_queries: int = 0  # cumulative
     prefix_cache_hits: int = 0  # cumulative
     num_preemptions: int = 0  # cumulative
+    spec: SpecDecodingStats | None = None  # cumulative; None without speculative decoding
+
+
+@dataclass
+class SpecDecodingStats:
+    num_drafts: int = 0  # verifications of a request's drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [i]: drafts whose i-th token was accepted
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_draft_tokens:
+            self.accepted_per_position.extend([0] * (num_draft_tokens - len(self.accepted_per_position)))
+        for position in range(num_accepted):
+            self.accepted_per_position[position] += 1

@@ -62,23 +62,25 @@ class KVCacheManager:
         return computed, num_computed_tokens
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] | None = None
+        self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] | None = None,
+        num_lookahead_tokens: int = 0,
     ) -> list[KVCacheBlock] | None:
-        """Make room for num_new_tokens more tokens after the computed ones. None if the pool can't."""
+        """Make room for num_new_tokens more tokens after the computed ones, and num_lookahead_tokens more slots
+        beyond them (a draft model's proposals write there). None if the pool can't."""
         block_size = self.block_size
         req_blocks = self.req_to_blocks.get(request.request_id)
         if req_blocks is None:
             req_blocks = self.req_to_blocks[request.request_id] = []
         if not new_computed_blocks:
             # The per-step decode path: most steps need no new block and fill no block.
-            num_tokens_after = request.num_computed_tokens + num_new_tokens
+            num_tokens_after = request.num_computed_tokens + num_new_tokens + num_lookahead_tokens
             if num_tokens_after <= len(req_blocks) * block_size and (
                 not self.enable_caching or num_tokens_after // block_size <= self.num_cached_blocks.get(request.request_id, 0)
             ):
                 return []
             new_computed_blocks = []
         num_computed_tokens = request.num_computed_tokens + len(new_computed_blocks) * block_size
-        num_required_blocks = cdiv(num_computed_tokens + num_new_tokens, block_size)
+        num_required_blocks = cdiv(num_computed_tokens + num_new_tokens + num_lookahead_tokens, block_size)
         num_new_blocks = num_required_blocks - len(req_blocks) - len(new_computed_blocks)
         # Cached blocks sitting in the free queue stop being free once touched.
         num_evictable_computed = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
@@ -93,6 +95,14 @@ class KVCacheManager:
         if self.enable_caching and not request.skips_prefix_cache:
             self._cache_full_blocks(request, num_computed_tokens + num_new_tokens)
         return new_blocks
+
+    def trim(self, request: Request) -> None:
+        """Give back the request's trailing blocks that hold none of its known tokens (rejected drafts used them)."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        keep = cdiv(request.num_tokens, self.block_size)
+        if blocks is not None and len(blocks) > keep:
+            self.block_pool.free_blocks(reversed(blocks[keep:]))
+            del blocks[keep:]
 
     def free(self, request: Request) -> None:
         blocks = self.req_to_blocks.pop(request.request_id, [])
@@ -119,7 +129,8 @@ class KVCacheManager:
         return hashes
 
     def _cache_full_blocks(self, request: Request, num_tokens_after_step: int) -> None:
-        num_full_blocks = num_tokens_after_step // self.block_size
+        # Only blocks full of known tokens: a step's draft tokens are not known until verified.
+        num_full_blocks = min(num_tokens_after_step, request.num_tokens) // self.block_size
         num_cached = self.num_cached_blocks.get(request.request_id, 0)
         if num_full_blocks <= num_cached:
             return

@@ -8,6 +8,9 @@ a model of step times, fit to the steps the engine runs (core/step_time.py), say
 
 from __future__ import annotations
 
+import dataclasses
+
+from pagedserve.config import SpeculativeConfig
 from pagedserve.core.contracts import (
     EngineCoreOutput,
     ModelRunnerOutput,
@@ -15,6 +18,7 @@ from pagedserve.core.contracts import (
     RunningRequestData,
     SchedulerOutput,
     SchedulerStats,
+    SpecDecodingStats,
 )
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request_queue import make_waiting_queue
@@ -53,6 +57,7 @@ class Scheduler:
         long_prefill_token_threshold: int = 0,
         policy: str = "fcfs",
         max_decode_stall: tuple[str, float] | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
         self.max_model_len = max_model_len
@@ -69,6 +74,12 @@ class Scheduler:
         self.num_prompt_logprobs_sent: dict[str, int] = {}
         self.max_decode_stall = max_decode_stall  # ("x", multiple of the decode-only step) or ("s", seconds); None: off
         self.step_time = StepTimeModel()
+        # Set under pipeline parallelism: every decode carries its last token (SchedulerOutput.last_token_ids).
+        self.send_last_tokens = False
+        self.speculative = speculative
+        # A draft model writes its proposals' K/V beyond the verified tokens: slots are held for them.
+        self.num_lookahead_tokens = speculative.num_speculative_tokens if speculative and speculative.method == "draft_model" else 0
+        self.spec_stats = SpecDecodingStats() if speculative else None
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -106,6 +117,8 @@ class Scheduler:
             prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits,
             num_preemptions=self.num_preemptions,
+            spec=dataclasses.replace(self.spec_stats, accepted_per_position=list(self.spec_stats.accepted_per_position))
+            if self.spec_stats else None,
         )
 
     # ---- one step --------------------------------------------------------------------------
@@ -119,20 +132,30 @@ class Scheduler:
         allowance = self._prefill_allowance()
         decode_tokens = prefill_tokens = 0
         attention_pairs = 0.0
+        last_token_ids: dict[str, tuple[int, int]] = {}
+        spec_token_ids: dict[str, list[int]] = {}
+        lookahead = self.num_lookahead_tokens
 
         index = 0
         allocate_slots = self.kv_cache_manager.allocate_slots
         while index < len(self.running) and token_budget > 0:
             request = self.running[index]
             num_new_tokens = len(request.all_token_ids) - request.num_computed_tokens
+            if num_new_tokens == 0:  # its last step is still in the pipeline: its next token is not known yet
+                index += 1
+                continue
+            drafts = request.spec_token_ids
             if num_new_tokens > 1:  # an unfinished prompt: chunk it
                 num_new_tokens = self._chunk_size(num_new_tokens, token_budget, request.num_computed_tokens, allowance)
                 if num_new_tokens == 0:  # no time left in this step for its chunk
                     index += 1
                     continue
+            elif drafts:  # a decode that verifies its drafts too, as far as the budget goes
+                drafts = drafts[: token_budget - 1]
+                num_new_tokens += len(drafts)
             new_blocks = None
             while True:
-                new_blocks = allocate_slots(request, num_new_tokens)
+                new_blocks = allocate_slots(request, num_new_tokens, None, lookahead)
                 if new_blocks is not None:
                     break
                 victim = self._preempt_one(first_candidate=index)
@@ -142,11 +165,17 @@ class Scheduler:
             if new_blocks is None:
                 break
             if new_blocks:
-                running_reqs.append(RunningRequestData(request.request_id, [b.block_id for b in new_blocks]))
+                num_blocks = len(self.kv_cache_manager.req_to_blocks[request.request_id])
+                running_reqs.append(RunningRequestData(request.request_id, [b.block_id for b in new_blocks], num_blocks - len(new_blocks)))
             num_scheduled_tokens[request.request_id] = num_new_tokens
-            if num_new_tokens == 1:
-                decode_tokens += 1
-                attention_pairs += request.num_computed_tokens + 1
+            if drafts:
+                spec_token_ids[request.request_id] = drafts
+                request.spec_token_ids = []
+            if num_new_tokens == 1 or drafts:
+                decode_tokens += num_new_tokens
+                attention_pairs += num_new_tokens * (request.num_computed_tokens + 1)
+                if self.send_last_tokens:
+                    last_token_ids[request.request_id] = (len(request.all_token_ids) - 1, request.all_token_ids[-1])
             else:
                 prefill_tokens += num_new_tokens
                 attention_pairs += chunk_attention_pairs(num_new_tokens, request.num_computed_tokens)
@@ -167,9 +196,26 @@ class Scheduler:
             total_num_scheduled_tokens=self.max_num_batched_tokens - token_budget,
             finished_req_ids=self.finished_req_ids,
             shape=StepShape(decode_tokens, prefill_tokens, attention_pairs),
+            last_token_ids=last_token_ids,
+            spec_token_ids=spec_token_ids,
+            propose_for=self._propose_for(num_scheduled_tokens) if self.speculative else set(),
         )
         self.finished_req_ids = set()
         return output
+
+    def _propose_for(self, num_scheduled_tokens: dict[str, int]) -> set[str]:
+        """The requests the runner drafts for after this step: those that will be decoding, unless the batch is
+        too large for speculation to pay, or a request's drafts have been accepted too rarely (it tries again
+        after as many tokens as it drafted at a time times eight)."""
+        limit = self.speculative.disable_by_batch_size
+        if limit and len(self.running) >= limit:
+            return set()
+        chosen = set()
+        for request_id in num_scheduled_tokens:
+            request = self.requests[request_id]
+            if request.num_computed_tokens + 1 >= request.num_tokens and request.num_output_tokens >= request.spec_paused_until:
+                chosen.add(request_id)
+        return chosen
 
     def observe_step(self, shape: StepShape, seconds: float) -> None:
         """How long a step of this shape took (to the step-time model)."""
@@ -273,6 +319,7 @@ class Scheduler:
         self.kv_cache_manager.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
+        victim.spec_token_ids = []  # the runner forgets what it knew of them (a draft model's probabilities)
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self.finished_req_ids.add(victim.request_id)
@@ -288,31 +335,43 @@ class Scheduler:
         stopped: list[Request] = []
         get_request, get_sampled = self.requests.get, runner_output.sampled_token_ids.get
         logprobs, prompt_logprobs_of = runner_output.logprobs, runner_output.prompt_logprobs
+        spec_token_ids, accepted_of = scheduler_output.spec_token_ids, runner_output.accepted_token_ids
+        proposals = runner_output.spec_token_ids
         max_model_len = self.max_model_len
         for request_id in scheduler_output.num_scheduled_tokens:
             request = get_request(request_id)
-            if request is None or request.is_finished:
-                continue  # aborted while the step ran
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted (or, with steps in flight, preempted) while the step ran
             new_token_ids = []
             finish_reason = None
             token_id = get_sampled(request_id)
             if token_id is not None:
-                request.append_output_token(token_id)
-                new_token_ids.append(token_id)
-                if request.check_stop(max_model_len):
+                if spec_token_ids and request_id in spec_token_ids:
+                    finish_reason = self._apply_verified(request, spec_token_ids[request_id], accepted_of.get(request_id, []), token_id,
+                                                         new_token_ids)
+                else:
+                    request.append_output_token(token_id)
+                    new_token_ids.append(token_id)
+                    if request.check_stop(max_model_len):
+                        finish_reason = request.status.finish_reason
+                if finish_reason is not None:
                     stopped.append(request)
-                    finish_reason = request.status.finish_reason
+                elif proposals:
+                    request.spec_token_ids = self._usable_drafts(request, proposals.get(request_id))
             prompt_logprobs = prompt_logprobs_of.get(request_id) if prompt_logprobs_of else None
             if prompt_logprobs is not None:
                 sent = self.num_prompt_logprobs_sent.get(request_id, 0)
                 self.num_prompt_logprobs_sent[request_id] = sent + len(prompt_logprobs.ranks)
             elif not new_token_ids:
                 continue
+            token_logprobs = logprobs.get(request_id) if logprobs else None
+            if token_logprobs is not None and len(token_logprobs.ranks) > len(new_token_ids):  # a stop inside verified drafts
+                token_logprobs = token_logprobs.head(len(new_token_ids))
             outputs.append(
                 EngineCoreOutput(
                     request_id,
                     new_token_ids,
-                    logprobs.get(request_id) if logprobs else None,
+                    token_logprobs,
                     prompt_logprobs,
                     finish_reason,
                     request.stop_reason,
@@ -323,6 +382,36 @@ class Scheduler:
             self.running.remove(request)
             self._free_request(request)
         return outputs
+
+    def _apply_verified(self, request: Request, drafts: list[int], accepted: list[int], token_id: int, new_token_ids: list) -> str | None:
+        """Append a verification's accepted drafts and its sampled token, stopping at a stop token or a length
+        limit; roll num_computed_tokens back over the rejected drafts and give back the blocks only they used.
+        Returns the finish reason, if it finished."""
+        self.spec_stats.observe(len(drafts), len(accepted))
+        rate = len(accepted) / len(drafts)
+        request.spec_acceptance = 0.8 * request.spec_acceptance + 0.2 * rate
+        if request.spec_acceptance < self.speculative.min_acceptance_rate:
+            request.spec_paused_until = request.num_output_tokens + 8 * len(drafts)
+            request.spec_acceptance = 1.0  # a fresh start once it drafts again
+        for token in (*accepted, token_id):
+            request.append_output_token(token)
+            new_token_ids.append(token)
+            if request.check_stop(self.max_model_len):
+                return request.status.finish_reason
+        # K/V is computed for the last known token's predecessors only: rejected drafts' slots are free again.
+        request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+        self.kv_cache_manager.trim(request)
+        return None
+
+    def _usable_drafts(self, request: Request, drafts: list[int] | None) -> list[int]:
+        """Drafts the request can still use: none past its max_tokens or the context."""
+        if not drafts:
+            return []
+        room = self.max_model_len - request.num_tokens
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - request.num_output_tokens)
+        return drafts[: max(room - 1, 0)]
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Callable
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.core_client import AsyncMPClient, EngineCoreClient, EngineDeadError
+from pagedserve.engine.dp_client import DPAsyncMPClient
 from pagedserve.engine.frontend import FrontEnd, FrontEndAccess
 from pagedserve.engine.metrics import EngineMetrics
 from pagedserve.engine.processor import PromptType
@@ -39,14 +40,17 @@ class AsyncLLM(FrontEndAccess):
             if while_starting is not None:
                 while_starting()
 
-        self.client: EngineCoreClient = AsyncMPClient(config, while_starting=front_end_start_up)
+        if config.data_parallel_size > 1:
+            self.client: EngineCoreClient = DPAsyncMPClient(config, while_starting=front_end_start_up)
+        else:
+            self.client = AsyncMPClient(config, while_starting=front_end_start_up)
         self.front_end = FrontEnd(config, self.client.model_info)
-        self.metrics = EngineMetrics(served_model_name or config.model)
+        self.metrics = EngineMetrics(served_model_name or config.model, config.data_parallel_size)
         self.max_waiting_requests = max_waiting_requests
         self.on_engine_dead = on_engine_dead
         self._queues: dict[str, asyncio.Queue] = {}
-        # The engine's waiting queue as of its last step, plus what was sent since.
-        self._engine_waiting = 0
+        # Each engine core's waiting queue as of its last step; plus what was sent since any's last step.
+        self._engine_waiting = [0] * config.data_parallel_size
         self._sent_since_stats = 0
         self._output_task: asyncio.Task | None = None
         self.dead_error: Exception | None = None
@@ -106,7 +110,7 @@ class AsyncLLM(FrontEndAccess):
     def _check_admission(self, num_samples: int) -> None:
         if self.dead_error is not None:
             raise EngineDeadError("the engine core is dead") from self.dead_error
-        num_waiting = self._engine_waiting + self._sent_since_stats
+        num_waiting = sum(self._engine_waiting) + self._sent_since_stats
         if self.max_waiting_requests is not None and num_waiting + num_samples > self.max_waiting_requests:
             raise QueueFullError(f"the server is at capacity: {num_waiting} samples are waiting, and this request adds "
                                  f"{num_samples} (limit {self.max_waiting_requests})")
@@ -140,9 +144,10 @@ class AsyncLLM(FrontEndAccess):
         try:
             while True:
                 core_outputs = await self.client.get_output_async()
-                self.metrics.record_outputs(core_outputs.outputs, core_outputs.scheduler_stats, time.monotonic())
+                engine = core_outputs.engine_index
+                self.metrics.record_outputs(core_outputs.outputs, core_outputs.scheduler_stats, time.monotonic(), engine)
                 if core_outputs.scheduler_stats is not None:
-                    self._engine_waiting, self._sent_since_stats = core_outputs.scheduler_stats.num_waiting, 0
+                    self._engine_waiting[engine], self._sent_since_stats = core_outputs.scheduler_stats.num_waiting, 0
                 processed = self.front_end.process_outputs(core_outputs.outputs)
                 for output in processed.request_outputs:
                     queue = self._queues.get(output.request_id)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 
 from pagedserve.config import EngineConfig, parse_stall_limit
-from pagedserve.core.contracts import EngineCoreOutput, SchedulerStats
+from pagedserve.core.contracts import EngineCoreOutput, SchedulerOutput, SchedulerStats
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.core.step_time import StepShape, chunk_attention_pairs
@@ -41,7 +42,11 @@ class EngineCore:
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             policy=config.scheduling_policy,
             max_decode_stall=parse_stall_limit(config.max_decode_stall),
+            speculative=config.speculative,
         )
+        # Pipeline parallelism: up to max_concurrent_batches steps in flight; a request's next step waits for its last.
+        self.batch_queue: deque[SchedulerOutput] | None = deque() if self.executor.max_concurrent_batches > 1 else None
+        self.scheduler.send_last_tokens = self.batch_queue is not None
         for num_seqs, seq_len, context, seconds in warm_up_timings:  # a first fit of the step-time model
             self.scheduler.observe_step(warm_up_shape(num_seqs, seq_len, context), seconds)
         logger.info("engine core ready in %.1f s", time.monotonic() - start)
@@ -62,16 +67,34 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self.scheduler.finished_req_ids)
+        return self.scheduler.has_unfinished_requests() or bool(self.scheduler.finished_req_ids) or bool(self.batch_queue)
 
     def step(self) -> list[EngineCoreOutput]:
         if not self.has_work():
             return []
+        if self.batch_queue is not None:
+            return self._step_with_batch_queue()
         scheduler_output = self.scheduler.schedule()
         start = time.perf_counter()
         runner_output = self.executor.execute_model(scheduler_output)
         self.scheduler.observe_step(scheduler_output.shape, time.perf_counter() - start)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def _step_with_batch_queue(self) -> list[EngineCoreOutput]:
+        """Submit a step when one can be scheduled and the pipeline has room; take back the oldest step's output
+        when the pipeline is full or nothing new could be scheduled."""
+        queue = self.batch_queue
+        submitted = False
+        if len(queue) < self.executor.max_concurrent_batches:
+            scheduler_output = self.scheduler.schedule()
+            if scheduler_output.total_num_scheduled_tokens or scheduler_output.finished_req_ids:
+                self.executor.submit_step(scheduler_output)
+                queue.append(scheduler_output)
+                submitted = True
+        if queue and (len(queue) == self.executor.max_concurrent_batches or not submitted):
+            scheduler_output = queue.popleft()
+            return self.scheduler.update_from_output(scheduler_output, self.executor.wait_step())
+        return []
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.get_stats()
@@ -102,7 +125,20 @@ class EngineCore:
         return seconds
 
 
-_UTILITIES = frozenset({"reset_prefix_cache", "wait_for_kv_cache_mapping", "time_forward_passes", "get_stats"})
+    def time_step_messages(self, num_running: int, steps: int) -> list[float]:
+        """Seconds of each of `steps` round trips of a step's messages between this core's executor and its ranks,
+        without the model: a step of num_running decodes one way, their sampled tokens back."""
+        from pagedserve.core.contracts import ModelRunnerOutput, RunningRequestData
+
+        if not hasattr(self.executor, "time_step_messages"):
+            raise ValueError("the executor's per-step messages are timed only with several ranks (distributed_executor_backend mp)")
+        ids = [f"request-{index}" for index in range(num_running)]
+        scheduler_output = SchedulerOutput([], [RunningRequestData(i, [7]) for i in ids[::16]], dict.fromkeys(ids, 1), num_running)
+        reply = ModelRunnerOutput(sampled_token_ids=dict.fromkeys(ids, 1234))
+        return self.executor.time_step_messages(scheduler_output, reply, steps)
+
+
+_UTILITIES = frozenset({"reset_prefix_cache", "wait_for_kv_cache_mapping", "time_forward_passes", "get_stats", "time_step_messages"})
 
 
 def warm_up_shape(num_seqs: int, seq_len: int, context: int) -> StepShape:

@@ -105,8 +105,9 @@ class InprocClient(EngineCoreClient):
 class AsyncMPClient(EngineCoreClient):
     """The engine core in a process of its own (spawned), over ZMQ; asyncio calls."""
 
-    def __init__(self, config: EngineConfig, startup_timeout_s: float = 600.0, while_starting=None) -> None:
-        """Start the engine core and wait until it is ready; while_starting() runs meanwhile in this process."""
+    def __init__(self, config: EngineConfig, startup_timeout_s: float = 600.0, while_starting=None, wait: bool = True) -> None:
+        """Start the engine core and wait until it is ready (unless not wait: then wait_ready() later);
+        while_starting() runs meanwhile in this process."""
         self._ipc_dir = tempfile.mkdtemp(prefix="pagedserve-")
         input_address = f"ipc://{self._ipc_dir}/input"
         output_address = f"ipc://{self._ipc_dir}/output"
@@ -116,17 +117,23 @@ class AsyncMPClient(EngineCoreClient):
         self.output_socket = self.context.socket(zmq.PULL)
         self.output_socket.bind(output_address)
         spawn = multiprocessing.get_context("spawn")
-        self.process = spawn.Process(
-            target=run_engine_core, args=(config, input_address, output_address, os.getpid()), name="EngineCore", daemon=True
-        )
+        # A daemonic process may not start children: an engine core with worker processes of its own is not one
+        # (it stops with its parent all the same: see core_proc.py).
+        self.process = spawn.Process(target=run_engine_core, args=(config, input_address, output_address, os.getpid()),
+                                     name="EngineCore", daemon=config.world_size == 1)
         self.process.start()
         self.dead = False
         self._utility_ids = itertools.count()
         self._utility_futures: dict[int, asyncio.Future] = {}
+        self.startup_timeout_s = startup_timeout_s
+        if wait:
+            self.wait_ready(while_starting)
+
+    def wait_ready(self, while_starting=None) -> None:
         try:
             if while_starting is not None:
                 while_starting()
-            self.model_info = self._wait_ready(startup_timeout_s)
+            self.model_info = self._wait_ready(self.startup_timeout_s)
         except BaseException:  # a signal or a failed start: leave no process behind
             self.shutdown()
             raise

@@ -48,7 +48,12 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         output_socket.send(encode_output(EngineFailed(f"{type(exc).__name__}: {exc}")))
         output_socket.close(linger=2000)
         os._exit(1)
-    proc.run_busy_loop()
+    try:
+        proc.run_busy_loop()
+    except Exception:  # a step failed (a worker died, say): stop the workers, then let the front end see the exit
+        logger.exception("engine core failed")
+        proc.engine_core.shutdown()
+        os._exit(1)
     proc.engine_core.shutdown()
     output_socket.close(linger=1000)
     input_socket.close(linger=0)

@@ -13,6 +13,9 @@ from pagedserve.sampling_params import SamplingParams
 
 class LLMEngine(FrontEndAccess):
     def __init__(self, config: EngineConfig) -> None:
+        if config.data_parallel_size > 1:
+            raise ValueError(f"data_parallel_size ({config.data_parallel_size}) > 1 runs engine cores behind the server "
+                             "(pagedserve serve); the offline LLM runs one")
         self.config = config
         self.client: EngineCoreClient = InprocClient(config)
         self.front_end = FrontEnd(config, self.client.model_info)

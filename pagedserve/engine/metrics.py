@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pagedserve.core.contracts import EngineCoreOutput, SchedulerStats
+from pagedserve.core.contracts import EngineCoreOutput, SchedulerStats, SpecDecodingStats
 
 logger = logging.getLogger("pagedserve.stats")
 
@@ -24,15 +24,21 @@ class _RequestTiming:
 
 
 class EngineMetrics:
-    def __init__(self, model_name: str) -> None:
+    """The server's metrics. What an engine core reports (its queues, cache, preemptions) and the tokens it
+    produced carry an `engine` label: one per data-parallel core, "0" with one core."""
+
+    def __init__(self, model_name: str, num_engines: int = 1) -> None:
         self.registry = CollectorRegistry()
         labels = ["model_name"]
+        engines = [str(index) for index in range(num_engines)]
 
         def gauge(name, doc):
-            return Gauge(f"pagedserve:{name}", doc, labels, registry=self.registry).labels(model_name)
+            metric = Gauge(f"pagedserve:{name}", doc, [*labels, "engine"], registry=self.registry)
+            return [metric.labels(model_name, engine) for engine in engines]
 
         def counter(name, doc):
-            return Counter(f"pagedserve:{name}", doc, labels, registry=self.registry).labels(model_name)
+            metric = Counter(f"pagedserve:{name}", doc, [*labels, "engine"], registry=self.registry)
+            return [metric.labels(model_name, engine) for engine in engines]
 
         def histogram(name, doc):
             return Histogram(f"pagedserve:{name}", doc, labels, buckets=_LATENCY_BUCKETS, registry=self.registry).labels(model_name)
@@ -45,6 +51,12 @@ class EngineMetrics:
         self.preemptions = counter("num_preemptions", "Requests preempted for lack of KV cache")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed")
         self.generation_tokens = counter("generation_tokens", "Tokens generated")
+        self.spec_drafts = counter("spec_decode_num_drafts", "Speculative drafts verified (one per request per step)")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted")
+        self.spec_accepted_per_position = Counter(
+            "pagedserve:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at each position of a draft (0: the first)",
+            [*labels, "engine", "position"], registry=self.registry)
         self.request_success = Counter(
             "pagedserve:request_success", "Finished requests by finish reason", ["model_name", "finished_reason"], registry=self.registry
         )
@@ -53,10 +65,11 @@ class EngineMetrics:
         self.itl = histogram("inter_token_latency_seconds", "Time between successive output tokens")
         self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency")
         self._timings: dict[str, _RequestTiming] = {}
-        self._last = SchedulerStats()
+        self._last = [SchedulerStats() for _ in engines]
         self._window_prompt_tokens = 0
         self._window_generation_tokens = 0
         self._last_log_time = time.monotonic()
+        self._logged_spec = (0, 0)  # (drafts, accepted tokens) at the last log line
 
     def request_added(self, engine_request_id: str, arrival: float, num_prompt_tokens: int) -> None:
         self._timings[engine_request_id] = _RequestTiming(arrival, num_prompt_tokens)
@@ -71,45 +84,63 @@ class EngineMetrics:
             self.e2e.observe(now - timing.arrival)
             self.request_success.labels(self.model_name, "stop").inc()
 
-    def record_outputs(self, outputs: list[EngineCoreOutput], stats: SchedulerStats | None, now: float) -> None:
+    def record_outputs(self, outputs: list[EngineCoreOutput], stats: SchedulerStats | None, now: float, engine: int = 0) -> None:
         for output in outputs:
-            self._record_output(output, now)
+            self._record_output(output, now, engine)
         if stats is not None:
-            self._record_scheduler_stats(stats)
+            self._record_scheduler_stats(stats, engine)
         self._maybe_log(now)
 
-    def _record_output(self, output: EngineCoreOutput, now: float) -> None:
+    def _record_output(self, output: EngineCoreOutput, now: float, engine: int) -> None:
         timing = self._timings.get(output.request_id)
         if timing is None or not output.new_token_ids:
             return
         if timing.last_token_time is None:
             self.ttft.observe(now - timing.arrival)
-            self.prompt_tokens.inc(timing.num_prompt_tokens)
+            self.prompt_tokens[engine].inc(timing.num_prompt_tokens)
             self._window_prompt_tokens += timing.num_prompt_tokens
         else:
             self.itl.observe(now - timing.last_token_time)
         timing.last_token_time = now
-        self.generation_tokens.inc(len(output.new_token_ids))
+        self.generation_tokens[engine].inc(len(output.new_token_ids))
         self._window_generation_tokens += len(output.new_token_ids)
         if output.finished:
             self.e2e.observe(now - timing.arrival)
             self.request_success.labels(self.model_name, output.finish_reason).inc()
             del self._timings[output.request_id]
 
-    def _record_scheduler_stats(self, stats: SchedulerStats) -> None:
-        self.num_running.set(stats.num_running)
-        self.num_waiting.set(stats.num_waiting)
-        self.kv_cache_usage.set(stats.kv_cache_usage)
-        self.prefix_cache_queries.inc(max(stats.prefix_cache_queries - self._last.prefix_cache_queries, 0))
-        self.prefix_cache_hits.inc(max(stats.prefix_cache_hits - self._last.prefix_cache_hits, 0))
-        self.preemptions.inc(max(stats.num_preemptions - self._last.num_preemptions, 0))
-        self._last = stats
+    def _record_scheduler_stats(self, stats: SchedulerStats, engine: int) -> None:
+        last = self._last[engine]
+        self.num_running[engine].set(stats.num_running)
+        self.num_waiting[engine].set(stats.num_waiting)
+        self.kv_cache_usage[engine].set(stats.kv_cache_usage)
+        self.prefix_cache_queries[engine].inc(max(stats.prefix_cache_queries - last.prefix_cache_queries, 0))
+        self.prefix_cache_hits[engine].inc(max(stats.prefix_cache_hits - last.prefix_cache_hits, 0))
+        self.preemptions[engine].inc(max(stats.num_preemptions - last.num_preemptions, 0))
+        if stats.spec is not None:
+            self._record_spec_stats(stats.spec, last.spec, engine)
+        self._last[engine] = stats
+
+    def _record_spec_stats(self, spec: SpecDecodingStats, last: SpecDecodingStats | None, engine: int) -> None:
+        last = last or SpecDecodingStats()
+        self.spec_drafts[engine].inc(max(spec.num_drafts - last.num_drafts, 0))
+        self.spec_draft_tokens[engine].inc(max(spec.num_draft_tokens - last.num_draft_tokens, 0))
+        self.spec_accepted_tokens[engine].inc(max(spec.num_accepted_tokens - last.num_accepted_tokens, 0))
+        for position, accepted in enumerate(spec.accepted_per_position):
+            before = last.accepted_per_position[position] if position < len(last.accepted_per_position) else 0
+            self.spec_accepted_per_position.labels(self.model_name, str(engine), str(position)).inc(max(accepted - before, 0))
 
     def _maybe_log(self, now: float) -> None:
         elapsed = now - self._last_log_time
         if elapsed < LOG_INTERVAL_S:
             return
-        stats = self._last
+        engines = self._last
+        stats = SchedulerStats(
+            num_running=sum(s.num_running for s in engines), num_waiting=sum(s.num_waiting for s in engines),
+            kv_cache_usage=sum(s.kv_cache_usage for s in engines) / len(engines),
+            prefix_cache_queries=sum(s.prefix_cache_queries for s in engines),
+            prefix_cache_hits=sum(s.prefix_cache_hits for s in engines), num_preemptions=sum(s.num_preemptions for s in engines),
+        )
         hit_rate = stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0
         logger.info(
             "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, Running: %d reqs, "
@@ -117,5 +148,18 @@ class EngineMetrics:
             self._window_prompt_tokens / elapsed, self._window_generation_tokens / elapsed, stats.num_running,
             stats.num_waiting, stats.kv_cache_usage * 100, hit_rate * 100, stats.num_preemptions,
         )
+        self._log_spec_stats([s.spec for s in engines if s.spec is not None])
         self._window_prompt_tokens = self._window_generation_tokens = 0
         self._last_log_time = now
+
+    def _log_spec_stats(self, specs: list[SpecDecodingStats]) -> None:
+        """Mean accepted length since the last line: tokens a verification step yields, the sampled one included."""
+        if not specs:
+            return
+        drafts, accepted = sum(s.num_drafts for s in specs), sum(s.num_accepted_tokens for s in specs)
+        new_drafts, new_accepted = drafts - self._logged_spec[0], accepted - self._logged_spec[1]
+        self._logged_spec = (drafts, accepted)
+        if new_drafts:
+            draft_tokens = sum(s.num_draft_tokens for s in specs)
+            logger.info("Speculative decoding: mean accepted length %.2f, acceptance rate %.1f%% overall (%d drafts)",
+                        1 + new_accepted / new_drafts, 100 * accepted / max(draft_tokens, 1), drafts)

@@ -123,7 +123,9 @@ class OutputProcessor:
         stop_string = sample.detokenizer.update(output.new_token_ids, stop_terminated)
         if stop_string is not None:
             sample.finish_reason, sample.stop_reason = "stop", stop_string
-            if sample.logprobs is not None:
+            if sample.logprobs is not None:  # positions after the stop string (tokens of one step) are not output
+                dropped = sample.logprobs[len(sample.detokenizer.token_ids):]
+                sample.cumulative_logprob -= sum(next(iter(position.values())).logprob for position in dropped)
                 del sample.logprobs[len(sample.detokenizer.token_ids):]
             return output.finish_reason is None
         if output.finish_reason is not None:

@@ -35,6 +35,7 @@ class EngineCoreOutputs:
 
     outputs: list[EngineCoreOutput]
     scheduler_stats: SchedulerStats | None = None
+    engine_index: int = 0  # which data-parallel core (set by the front end's client as the message arrives)
 
 
 class RequestType(enum.Enum):

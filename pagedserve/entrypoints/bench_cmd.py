@@ -76,6 +76,10 @@ def register(sub) -> None:
     sched.add_argument("--num-blocks", type=int, default=20000)
     sched.add_argument("--steps", type=int, default=500)
 
+    executor = _workload(workloads, "executor", "the executor's messages per step with several ranks, no model", engine=True)
+    executor.add_argument("--num-running", type=int, default=256)
+    executor.add_argument("--steps", type=int, default=200)
+
     plot = workloads.add_parser("plot", help="PNG plots from `bench serve --json` records")
     plot.add_argument("records", nargs="+", help="JSON records written by `bench serve --json` (one per server)")
     plot.add_argument("--out-dir", default="docs/img", help="where the PNG files go")
@@ -114,9 +118,9 @@ def run_plot(args) -> int:
 
 
 def run_bench(args) -> int:
-    from pagedserve.benchmarks import interference, kv_sched, prefix, serve, throughput
+    from pagedserve.benchmarks import executor, interference, kv_sched, prefix, serve, throughput
 
-    if args.workload in ("throughput", "prefix", "interference"):
+    if args.workload in ("throughput", "prefix", "interference", "executor"):
         defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
         # Engine settings the user changed, passed on to LLM(...); the model travels separately.
         args.engine_overrides = {name: getattr(args, name) for name in defaults if name != "model" and hasattr(args, name)
@@ -124,6 +128,6 @@ def run_bench(args) -> int:
     if args.workload == "throughput" and args.num_prompts is None:
         args.num_prompts = 64 if args.dataset == "mixed" else 32
     runners = {"throughput": throughput.run, "serve": serve.run, "prefix": prefix.run, "interference": interference.run,
-               "kv": kv_sched.run_kv, "sched": kv_sched.run_sched}
+               "kv": kv_sched.run_kv, "sched": kv_sched.run_sched, "executor": executor.run}
     runners[args.workload](args)
     return 0

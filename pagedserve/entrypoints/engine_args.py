@@ -13,16 +13,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     hints = typing.get_type_hints(EngineConfig)
     group = parser.add_argument_group("engine")
     for f in dataclasses.fields(EngineConfig):
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", [])]
         help_text = f.metadata.get("help", "")
         if hints[f.name] is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+            group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
             continue
         kind = _scalar_type(hints[f.name])
+        if kind is dict:  # given as JSON on the command line; EngineConfig checks it
+            kind = _json_object
         # A help text that explains its default itself gets no second one.
         if "default" not in help_text:
             help_text += " (default: %(default)s)"
-        group.add_argument(flag, type=kind, default=f.default, help=help_text)
+        group.add_argument(*flags, type=kind, default=f.default, help=help_text)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -32,3 +34,12 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 def _scalar_type(hint):
     options = [t for t in typing.get_args(hint) if t is not type(None)] or [hint]
     return options[0]
+
+
+def _json_object(text: str):
+    import json
+
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc

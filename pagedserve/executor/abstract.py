@@ -34,11 +34,31 @@ class Executor(ABC):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
 
+    # Steps that may be in flight at once: more than one under pipeline parallelism (submit_step / wait_step).
+    max_concurrent_batches = 1
+
     @staticmethod
     def get_class(config: EngineConfig) -> type[Executor]:
+        backend = config.executor_backend
+        if backend == "ray":
+            from pagedserve.executor.ray_executor import RayExecutor
+
+            return RayExecutor
+        if backend == "mp":
+            from pagedserve.executor.multiproc_executor import MultiprocExecutor
+
+            return MultiprocExecutor
         from pagedserve.executor.uniproc_executor import UniprocExecutor
 
         return UniprocExecutor
+
+    def submit_step(self, scheduler_output: SchedulerOutput) -> None:
+        """Start a step without waiting for it (executors with max_concurrent_batches > 1)."""
+        raise NotImplementedError
+
+    def wait_step(self) -> ModelRunnerOutput:
+        """The output of the oldest step submitted."""
+        raise NotImplementedError
 
     @abstractmethod
     def determine_num_blocks(self) -> int:

@@ -33,6 +33,7 @@ import mmap
 import os
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from functools import lru_cache
@@ -172,3 +173,30 @@ def _populate(madvise, blocks: torch.Tensor) -> bool:
         return True
     logger.debug("KV cache prefault stopped: madvise failed (%s)", os.strerror(ctypes.get_errno()))
     return False
+
+
+class KVCachePrefault:
+    """The prefault of one process's KV cache, run whenever that process has not stepped for a little while
+    (steps of an engine with requests follow each other within milliseconds)."""
+
+    IDLE_AFTER_S = 0.05
+
+    def __init__(self, kv_caches: list[torch.Tensor]) -> None:
+        self._in_step = False
+        self._last_step_end = 0.0
+        is_idle = weakref.WeakMethod(self._is_idle)  # the thread must not keep a dropped engine alive
+        self.thread = prefault_in_background(kv_caches, may_run=lambda: (idle := is_idle()) is None or idle())
+
+    def step_started(self) -> None:
+        self._in_step = True
+
+    def step_ended(self) -> None:
+        self._in_step = False
+        self._last_step_end = time.monotonic()
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        if self.thread is not None:
+            self.thread.join(timeout_s)
+
+    def _is_idle(self) -> bool:
+        return not self._in_step and time.monotonic() - self._last_step_end > self.IDLE_AFTER_S

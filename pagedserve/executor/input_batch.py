@@ -22,10 +22,11 @@ class RunnerRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     prompt_logprobs_start: int = 0
+    num_drafts: int = 0  # draft tokens at the end of token_ids, verified in this step
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        return len(self.token_ids) - self.num_drafts - self.num_prompt_tokens
 
 
 @dataclass
@@ -41,7 +42,7 @@ class ModelInputs:
     positions: torch.Tensor
     attn_metadata: AttentionMetadata
     sampling_req_ids: list[str]  # requests that sample this step, in logits order
-    logits_indices: torch.Tensor
+    logits_indices: torch.Tensor  # one row per sampling request; 1 + k for one verifying k drafts
     prompt_logprobs: list[PromptLogprobsSlice] = field(default_factory=list)
 
 
@@ -65,7 +66,10 @@ def prepare_inputs(states: dict[str, RunnerRequestState], num_scheduled_tokens: 
         tables.append(block_ids[: -(-end // block_size)])
         if end == len(state.token_ids):
             sampling_req_ids.append(request_id)
-            logits_indices.append(offset + num_tokens - 1)
+            if state.num_drafts:  # the target's logits after the last known token and after each draft
+                logits_indices.extend(range(offset + num_tokens - 1 - state.num_drafts, offset + num_tokens))
+            else:
+                logits_indices.append(offset + num_tokens - 1)
         if state.sampling_params.prompt_logprobs is not None:
             prompt_slice = _prompt_logprobs_slice(state, start, end, offset)
             if prompt_slice is not None:

@@ -6,14 +6,19 @@ import itertools
 import logging
 import time
 
+import numpy as np
 import torch
 
 from pagedserve.core.contracts import ModelRunnerOutput, SchedulerOutput
+from pagedserve.distributed.parallel_state import rank_info, receive_from_previous_stage, send_to_next_stage
 from pagedserve.executor.input_batch import ModelInputs, RunnerRequestState, dummy_layout, prepare_inputs
 from pagedserve.layers.attention import AttentionBackend
 from pagedserve.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
 from pagedserve.outputs import LogprobsLists
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.spec_decode.draft_model import DraftModelProposer
+from pagedserve.spec_decode.proposer import DraftInput, Proposer
+from pagedserve.spec_decode.rejection_sampler import verify
 
 logger = logging.getLogger(__name__)
 
@@ -23,12 +28,13 @@ _SEED_MIX = 0x9E3779B97F4A7C15
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int, device: torch.device, seed: int,
-                 attn_backend: AttentionBackend, cpu_kernels=None) -> None:
+                 attn_backend: AttentionBackend, cpu_kernels=None, proposer: Proposer | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
         self.attn_backend = attn_backend
+        self.model_dtype = next(model.parameters()).dtype
         default_generator = torch.Generator(device=device)
         default_generator.manual_seed(seed)
         self.sampler = Sampler(default_generator, cpu_kernels if device.type == "cpu" else None)
@@ -36,6 +42,9 @@ class ModelRunner:
         self._unseeded_draws = itertools.count()
         self.requests: dict[str, RunnerRequestState] = {}
         self._seeded_generators: dict[str, torch.Generator] = {}
+        self.proposer = proposer  # speculative decoding: drafts tokens after each step
+        # A draft model's distributions behind each request's pending drafts (sampled requests only).
+        self._draft_probabilities: dict[str, torch.Tensor] = {}
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -43,20 +52,42 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
         inputs = prepare_inputs(self.requests, scheduler_output.num_scheduled_tokens, self.block_size, self.attn_backend, self.device)
-        hidden_states = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+        hidden_states = self._forward(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.follow(inputs.input_ids, inputs.positions, inputs.attn_metadata)
         output = ModelRunnerOutput(sampled_token_ids={})
-        if inputs.sampling_req_ids:
+        if hidden_states is not None and inputs.sampling_req_ids:
             self._sample(inputs, hidden_states, output)
-        if inputs.prompt_logprobs:
+        if hidden_states is not None and inputs.prompt_logprobs:
             self._prompt_logprobs(inputs, hidden_states, output)
         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             self.requests[request_id].num_computed_tokens += num_tokens
+        for request_id in scheduler_output.spec_token_ids:  # K/V stands for the verified tokens only
+            state = self.requests[request_id]
+            state.num_computed_tokens = len(state.token_ids) - 1
+        if scheduler_output.propose_for and self.proposer is not None:
+            self._propose(scheduler_output.propose_for, output)
         return output
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor | None:
+        """This stage's part of the forward pass: the final hidden states on the last (or only) stage; on the
+        others None, their output having gone to the next stage."""
+        stage = rank_info()
+        intermediate = None
+        if not stage.is_first_stage:  # the previous stage's hidden states and residual, for these tokens
+            shape = (input_ids.shape[0], self.model.config.hidden_size)
+            intermediate = tuple(receive_from_previous_stage([shape, shape], self.model_dtype, self.device))
+        hidden_states = self.model(input_ids, positions, self.kv_caches, meta, intermediate)
+        if stage.is_last_stage:
+            return hidden_states
+        send_to_next_stage(list(hidden_states))
+        return None
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for request_id in scheduler_output.finished_req_ids:
             self.requests.pop(request_id, None)
             self._seeded_generators.pop(request_id, None)
+            self._draft_probabilities.pop(request_id, None)
         for new in scheduler_output.scheduled_new_reqs:
             self.requests[new.request_id] = RunnerRequestState(
                 request_id=new.request_id,
@@ -68,7 +99,19 @@ class ModelRunner:
                 prompt_logprobs_start=new.prompt_logprobs_start,
             )
         for running in scheduler_output.scheduled_running_reqs:
-            self.requests[running.request_id].block_ids.extend(running.new_block_ids)
+            block_ids = self.requests[running.request_id].block_ids
+            if 0 <= running.num_kept_blocks < len(block_ids):  # the scheduler took back blocks rejected drafts used
+                del block_ids[running.num_kept_blocks :]
+            block_ids.extend(running.new_block_ids)
+        for request_id, drafts in scheduler_output.spec_token_ids.items():
+            state = self.requests[request_id]
+            state.token_ids.extend(drafts)
+            state.num_drafts = len(drafts)
+        # Tokens sampled on another pipeline stage, which this stage's runner did not sample itself.
+        for request_id, (index, token_id) in scheduler_output.last_token_ids.items():
+            token_ids = self.requests[request_id].token_ids
+            if len(token_ids) == index:
+                token_ids.append(token_id)
 
     # (sequences, new tokens each, context): decodes of a few batch sizes and short prompts' prefills, the
     # steps a server meets first; their times also seed the scheduler's model of step times.
@@ -87,17 +130,19 @@ class ModelRunner:
                 continue  # a cache too small for this shape (tests shrink it)
             seconds = self.time_forward_passes(num_seqs, seq_len, 2, context)[-1]
             timings.append((num_seqs, seq_len, context, seconds))
-        hidden = self.model(*self._dummy_inputs(2, 1, 0), self.kv_caches,
-                            self.attn_backend.build_metadata(dummy_layout(2, 1, 0, self.block_size), self.device))
-        logits = self.model.compute_logits(hidden)
-        params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=0)]
-        states = [RunnerRequestState(f"warm-up-{i}", [1], 1, p, [0], 0) for i, p in enumerate(params)]
-        self.sampler(logits, self._sampling_metadata(states))
-        self._seeded_generators.clear()
+        hidden = self._forward(*self._dummy_inputs(2, 1, 0),
+                               self.attn_backend.build_metadata(dummy_layout(2, 1, 0, self.block_size), self.device))
+        if hidden is not None:
+            params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=0)]
+            states = [RunnerRequestState(f"warm-up-{i}", [1], 1, p, [0], 0) for i, p in enumerate(params)]
+            self.sampler(self.model.compute_logits(hidden), self._sampling_metadata(states))
+            self._seeded_generators.clear()
         return timings
 
     def _dummy_inputs(self, num_seqs: int, seq_len: int, context: int) -> tuple[torch.Tensor, torch.Tensor]:
-        input_ids = torch.randint(0, min(1000, self.model.config.vocab_size), (num_seqs * seq_len,), device=self.device)
+        # The same ids on every rank: tensor-parallel ranks each embed their share of them.
+        ids = torch.randint(0, min(1000, self.model.config.vocab_size), (num_seqs * seq_len,), generator=torch.Generator().manual_seed(0))
+        input_ids = ids.to(self.device)
         positions = (context + torch.arange(seq_len, device=self.device)).repeat(num_seqs)
         return input_ids, positions
 
@@ -112,14 +157,80 @@ class ModelRunner:
         seconds = []
         for _ in range(passes):
             start = time.perf_counter()
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
-            self.model.compute_logits(hidden[seq_len - 1 :: seq_len])
+            hidden = self._forward(input_ids, positions, meta)
+            if hidden is not None:
+                self.model.compute_logits(hidden[seq_len - 1 :: seq_len])
             seconds.append(time.perf_counter() - start)
         return seconds
 
     def _sample(self, inputs: ModelInputs, hidden_states: torch.Tensor, output: ModelRunnerOutput) -> None:
         states = [self.requests[rid] for rid in inputs.sampling_req_ids]
         logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
+        if not any(state.num_drafts for state in states):
+            self._sample_rows(states, logits, output)
+            return
+        plain_states, plain_rows, row = [], [], 0
+        for state in states:
+            num_rows = state.num_drafts + 1
+            if state.num_drafts:
+                self._verify(state, logits[row : row + num_rows], output)
+            else:
+                plain_states.append(state)
+                plain_rows.append(row)
+            row += num_rows
+        if plain_states:
+            self._sample_rows(plain_states, logits[plain_rows], output)
+
+    def _verify(self, state: RunnerRequestState, logits: torch.Tensor, output: ModelRunnerOutput) -> None:
+        """Accept a prefix of the request's drafts and draw the token after it, from the target's logits after
+        the last known token and after each draft (rejection_sampler.py)."""
+        num_drafts, params = state.num_drafts, state.sampling_params
+        drafts = state.token_ids[-num_drafts:]
+        del state.token_ids[-num_drafts:]
+        state.num_drafts = 0
+        processed = logits.float()
+        if params.has_penalties or state.num_output_tokens < params.min_tokens:
+            # Row i is scored as if drafts[:i] had been sampled: penalties and min_tokens see them.
+            rows = [RunnerRequestState(state.request_id, state.token_ids + drafts[:i], state.num_prompt_tokens, params, [], 0)
+                    for i in range(num_drafts + 1)]
+            processed = self.sampler.process_logits(processed, self._sampling_metadata(rows, for_draws=False))
+        draft_probabilities = self._draft_probabilities.pop(state.request_id, None)
+        if draft_probabilities is not None:
+            draft_probabilities = draft_probabilities[:num_drafts]
+        result = verify(processed, drafts, params, self._uniforms(state), draft_probabilities, self.sampler.cpu_kernels)
+        emitted = [*result.accepted, result.token_id]
+        if params.logprobs is not None:
+            raw_logprobs = torch.log_softmax(logits[: len(emitted)].float(), dim=-1)
+            chosen = torch.tensor(emitted, dtype=torch.long, device=raw_logprobs.device)
+            rows = gather_logprobs(raw_logprobs, chosen, [params.logprobs] * len(emitted))
+            output.logprobs[state.request_id] = LogprobsLists.concat(rows)
+        state.token_ids.extend(emitted)
+        output.sampled_token_ids[state.request_id] = result.token_id
+        output.accepted_token_ids[state.request_id] = result.accepted
+
+    def _propose(self, request_ids: set[str], output: ModelRunnerOutput) -> None:
+        """Drafts for the next step, for the requests that sampled now and may speculate."""
+        states = [self.requests[rid] for rid in request_ids if rid in output.sampled_token_ids]
+        if not states:
+            return
+        inputs = [DraftInput(s.token_ids, s.block_ids, s.sampling_params, self._uniforms(s, stream=1)) for s in states]
+        for state, proposal in zip(states, self.proposer.propose(inputs)):
+            if proposal.token_ids:
+                output.spec_token_ids[state.request_id] = proposal.token_ids
+                if proposal.probabilities is not None:
+                    self._draft_probabilities[state.request_id] = proposal.probabilities
+
+    def _uniforms(self, state: RunnerRequestState, stream: int = 0) -> np.random.Generator:
+        """Random numbers for one verification (stream 0) or one draft (stream 1) of a request: keyed by its seed
+        and output position when it has a seed, as its sampling draws are, else by this engine's key and a count."""
+        seed = state.sampling_params.seed
+        if seed is None:
+            high, low = self._unseeded_key, next(self._unseeded_draws)
+        else:
+            high, low = seed, 2 * state.num_output_tokens + stream
+        return np.random.Generator(np.random.Philox(key=(high % 2**64) << 64 | low % 2**64))
+
+    def _sample_rows(self, states: list[RunnerRequestState], logits: torch.Tensor, output: ModelRunnerOutput) -> None:
         metadata = self._sampling_metadata(states)
         sampled, raw_logprobs = self.sampler(logits, metadata)
         sampled_list = sampled.tolist()
@@ -142,13 +253,9 @@ class ModelRunner:
             logprobs = torch.log_softmax(self.model.compute_logits(hidden_states[index]).float(), dim=-1)
             targets = torch.tensor(prompt_slice.target_token_ids, dtype=torch.long, device=self.device)
             rows = gather_logprobs(logprobs, targets, [state.sampling_params.prompt_logprobs] * len(targets))
-            output.prompt_logprobs[state.request_id] = LogprobsLists(
-                token_ids=[ids for row in rows for ids in row.token_ids],
-                logprobs=[values for row in rows for values in row.logprobs],
-                ranks=[rank for row in rows for rank in row.ranks],
-            )
+            output.prompt_logprobs[state.request_id] = LogprobsLists.concat(rows)
 
-    def _sampling_metadata(self, states: list[RunnerRequestState]) -> SamplingMetadata:
+    def _sampling_metadata(self, states: list[RunnerRequestState], for_draws: bool = True) -> SamplingMetadata:
         params = [s.sampling_params for s in states]
         device = self.device
         all_greedy = all(p.is_greedy for p in params)
@@ -176,8 +283,8 @@ class ModelRunner:
             num_prompt_tokens=[s.num_prompt_tokens for s in states] if any_penalty else [],
             min_tokens_bans=min_tokens_bans,
             max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
-            generators=self._generators_for(states) if not all_greedy and not self.sampler.uses_kernels else {},
-            draw_keys=self._draw_keys(states) if not all_greedy and self.sampler.uses_kernels else None,
+            generators=self._generators_for(states) if for_draws and not all_greedy and not self.sampler.uses_kernels else {},
+            draw_keys=self._draw_keys(states) if for_draws and not all_greedy and self.sampler.uses_kernels else None,
         )
 
     def _draw_keys(self, states: list[RunnerRequestState]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-import time
-import weakref
 from pathlib import Path
 
 from pagedserve.config import EngineConfig
@@ -13,10 +10,6 @@ from pagedserve.executor import cpu_host
 from pagedserve.executor.abstract import Executor, ModelInfo
 from pagedserve.executor.worker import Worker
 from pagedserve.models.loader import eos_token_ids, generation_defaults
-
-# The engine counts as idle (the KV prefault may run) once no step has run for this long: steps of
-# an engine with requests follow each other within milliseconds.
-_IDLE_AFTER_S = 0.05
 
 
 class UniprocExecutor(Executor):
@@ -27,10 +20,8 @@ class UniprocExecutor(Executor):
         if self.on_cpu:
             cpu_host.keep_freed_memory()
         self.eos_token_ids = eos_token_ids(self.worker.model_dir, self.worker.hf_config)
-        self.generation_defaults = _generation_defaults(config, self.worker.model_dir)
-        self.kv_prefault: threading.Thread | None = None  # maps the KV cache's pages while the engine is idle
-        self._in_step = False
-        self._last_step_end = 0.0
+        self.generation_defaults = generation_defaults_of(config, self.worker.model_dir)
+        self.kv_prefault: cpu_host.KVCachePrefault | None = None  # maps the KV cache's pages while the engine is idle
 
     def determine_num_blocks(self) -> int:
         return self.worker.determine_num_blocks()
@@ -38,9 +29,7 @@ class UniprocExecutor(Executor):
     def initialize_cache(self, num_blocks: int) -> None:
         self.worker.initialize_cache(num_blocks)
         if self.on_cpu and self.config.prefault_kv_cache:
-            is_idle = weakref.WeakMethod(self._is_idle)  # the thread must not keep a dropped engine alive
-            self.kv_prefault = cpu_host.prefault_in_background(self.worker.kv_caches,
-                                                               may_run=lambda: (idle := is_idle()) is None or idle())
+            self.kv_prefault = cpu_host.KVCachePrefault(self.worker.kv_caches + self.worker.draft_kv_caches)
 
     def model_info(self) -> ModelInfo:
         worker = self.worker
@@ -49,12 +38,13 @@ class UniprocExecutor(Executor):
                          generation_defaults=dict(self.generation_defaults))
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self._in_step = True
+        if self.kv_prefault is None:
+            return self.worker.execute_model(scheduler_output)
+        self.kv_prefault.step_started()
         try:
             return self.worker.execute_model(scheduler_output)
         finally:
-            self._in_step = False
-            self._last_step_end = time.monotonic()
+            self.kv_prefault.step_ended()
 
     def collective_rpc(self, method: str, *args) -> list:
         return [getattr(self.worker, method)(*args)]
@@ -64,16 +54,13 @@ class UniprocExecutor(Executor):
 
     def wait_for_kv_cache_mapping(self, timeout_s: float | None = None) -> None:
         if self.kv_prefault is not None:
-            self.kv_prefault.join(timeout_s)
+            self.kv_prefault.wait(timeout_s)
 
     def shutdown(self) -> None:
         pass  # the worker's memory goes with the executor
 
-    def _is_idle(self) -> bool:
-        return not self._in_step and time.monotonic() - self._last_step_end > _IDLE_AFTER_S
 
-
-def _generation_defaults(config: EngineConfig, model_dir: Path) -> dict[str, float | int]:
+def generation_defaults_of(config: EngineConfig, model_dir: Path) -> dict[str, float | int]:
     if config.generation_config == "vllm":
         return {}
     source = model_dir if config.generation_config == "auto" else Path(config.generation_config)

@@ -9,13 +9,17 @@ import torch
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.contracts import ModelRunnerOutput, SchedulerOutput
+from pagedserve.distributed.parallel_state import rank_info
 from pagedserve.executor.model_runner import ModelRunner
 from pagedserve.layers import cpu_kernels
 from pagedserve.layers.attention import select_attention_backend
-from pagedserve.layers.linear import onednn_available
+from pagedserve.layers.linear import kv_heads_of_rank, onednn_available
 from pagedserve.models.gguf_blocks import load_quantized_blocks
 from pagedserve.models.llama import head_dim_of
 from pagedserve.models.loader import load_hf_config, load_model, max_position_of, resolve_model_dir
+from pagedserve.spec_decode.draft_model import DraftModelProposer
+from pagedserve.spec_decode.ngram_proposer import NgramProposer
+from pagedserve.spec_decode.proposer import Proposer
 
 logger = logging.getLogger(__name__)
 
@@ -25,9 +29,11 @@ _NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.bfl
 
 
 def resolve_device(config: EngineConfig) -> torch.device:
-    if config.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(config.device)
+    device = torch.device("cuda" if config.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if config.device == "auto" else config.device)
+    if device.type == "cuda" and device.index is None and rank_info().world_size > 1:
+        return torch.device("cuda", rank_info().rank % torch.cuda.device_count())  # a GPU per rank
+    return device
 
 
 def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
@@ -41,7 +47,8 @@ def resolve_kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> to
 
 
 class Worker:
-    """Loads the model at construction; determine_num_blocks() then initialize_cache() make it ready."""
+    """One rank's share of the model (all of it in a single process; see distributed/parallel_state.py).
+    Loads it at construction; determine_num_blocks() then initialize_cache() make it ready."""
 
     def __init__(self, config: EngineConfig) -> None:
         if config.num_threads is not None:
@@ -64,9 +71,11 @@ class Worker:
             self._use_gguf_blocks()
         if self._packs_for_onednn():
             self.model.pack_for_onednn()
+        self.draft_model, self.draft_config = self._load_draft_model() if config.speculative else (None, None)
         self.num_blocks = 0
         self.max_model_len = 0
         self.kv_caches: list[torch.Tensor] = []
+        self.draft_kv_caches: list[torch.Tensor] = []
         self.model_runner: ModelRunner | None = None
         logger.info("model %s on %s (%s), attention backend %s", self.model_dir.name, self.device, str(self.dtype).removeprefix("torch."),
                     self.attn_backend.name)
@@ -78,6 +87,35 @@ class Worker:
                              f"{self.device.type}, dtype {str(self.dtype).removeprefix('torch.')}")
         return available and self.config.gemm_backend != "torch"
 
+    def _load_draft_model(self) -> tuple[torch.nn.Module | None, object]:
+        """The draft model of speculative_config method draft_model, run like the target (same dtype, device,
+        attention backend and kernels)."""
+        spec = self.config.speculative
+        if spec.method != "draft_model":
+            return None, None
+        draft_dir = resolve_model_dir(spec.model)
+        draft_config = load_hf_config(draft_dir)
+        if draft_config.vocab_size != self.hf_config.vocab_size:
+            raise ValueError(f"speculative_config.model must share the target's vocabulary ({self.hf_config.vocab_size} tokens); "
+                             f"{draft_dir.name} has {draft_config.vocab_size}")
+        # Drafts run up to num_speculative_tokens positions past the verified tokens.
+        max_position = max(max_position_of(draft_config), self.model_max_len) + spec.num_speculative_tokens
+        draft = load_model(draft_config, draft_dir, self.dtype, self.device, max_position, self.attn_backend)
+        cpu_kernels.attach(draft, self.cpu_kernels)
+        if self._packs_for_onednn():
+            draft.pack_for_onednn()
+        logger.info("draft model %s (%d layers) for speculative decoding", draft_dir.name, draft_config.num_hidden_layers)
+        return draft, draft_config
+
+    def _make_proposer(self) -> Proposer | None:
+        spec = self.config.speculative
+        if spec is None:
+            return None
+        if spec.method == "ngram":
+            return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        return DraftModelProposer(self.draft_model, self.draft_kv_caches, self.config.block_size, self.attn_backend, self.device,
+                                  spec.num_speculative_tokens, self.cpu_kernels)
+
     def _use_gguf_blocks(self) -> None:
         blocks = load_quantized_blocks(self.model_dir)
         if blocks:
@@ -87,10 +125,21 @@ class Worker:
 
     # ---- KV cache ---------------------------------------------------------------------------------
 
+    @property
+    def num_local_layers(self) -> int:
+        return len(rank_info().stage_layers(self.hf_config.num_hidden_layers))
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        info = rank_info()
+        return kv_heads_of_rank(self.hf_config.num_key_value_heads, info.tp_size, info.tp_rank)[0]
+
     def kv_bytes_per_block(self) -> int:
-        cfg = self.hf_config
-        per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim_of(cfg) * self.kv_cache_dtype.itemsize
-        return per_token * self.config.block_size
+        """Bytes of one block in every cache this rank keeps (the target's, and a draft model's in the same layout)."""
+        per_token = 2 * self.num_local_layers * self.num_local_kv_heads * head_dim_of(self.hf_config)
+        if self.draft_config is not None:
+            per_token += 2 * self.draft_config.num_hidden_layers * self.draft_config.num_key_value_heads * head_dim_of(self.draft_config)
+        return per_token * self.kv_cache_dtype.itemsize * self.config.block_size
 
     def determine_num_blocks(self) -> int:
         if self.config.num_gpu_blocks_override is not None:
@@ -109,11 +158,14 @@ class Worker:
         config = self.config
         self.num_blocks = num_blocks
         self.max_model_len = self._max_model_len(num_blocks)
-        cfg = self.hf_config
-        shape = (2, num_blocks, config.block_size, cfg.num_key_value_heads, head_dim_of(cfg))
-        self.kv_caches = [zeroed(shape, self.kv_cache_dtype, self.device) for _ in range(cfg.num_hidden_layers)]
+        shape = (2, num_blocks, config.block_size, self.num_local_kv_heads, head_dim_of(self.hf_config))
+        self.kv_caches = [zeroed(shape, self.kv_cache_dtype, self.device) for _ in range(self.num_local_layers)]
+        if self.draft_config is not None:
+            draft_shape = (2, num_blocks, config.block_size, self.draft_config.num_key_value_heads, head_dim_of(self.draft_config))
+            num_draft_layers = self.draft_config.num_hidden_layers
+            self.draft_kv_caches = [zeroed(draft_shape, self.kv_cache_dtype, self.device) for _ in range(num_draft_layers)]
         self.model_runner = ModelRunner(self.model, self.kv_caches, config.block_size, self.device, config.seed, self.attn_backend,
-                                        self.cpu_kernels)
+                                        self.cpu_kernels, self._make_proposer())
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %s); max concurrency at max_model_len=%d: %.2fx",
             num_blocks, config.block_size, num_blocks * config.block_size, str(self.kv_cache_dtype).removeprefix("torch."),
@@ -136,6 +188,11 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
+
+    def info(self) -> dict:
+        """What the executor reports of this rank's model (ModelInfo's part that only a worker knows)."""
+        return {"model_dir": str(self.model_dir), "max_model_len": self.max_model_len, "vocab_size": self.hf_config.vocab_size,
+                "num_blocks": self.num_blocks}
 
     def warm_up(self) -> list[tuple[int, int, int, float]]:
         return self.model_runner.warm_up()

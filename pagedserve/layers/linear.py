@@ -1,4 +1,5 @@
-"""Linear layers: float32 weights pre-packed for oneDNN on CPU, or GGUF blocks read by our kernel.
+"""Linear layers: float32 weights pre-packed for oneDNN on CPU, or GGUF blocks read by our kernel; and
+their tensor-parallel forms (column-parallel, the head-aware qkv, row-parallel).
 
 MKL's fp32 GEMM is slow for the small-M shapes of decode steps on this class of CPU; oneDNN with a
 weight reordered once at load time is faster for M >= 8 and for the wide lm_head. A GGUF model's
@@ -11,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pagedserve.distributed.parallel_state import tp_all_reduce, tp_rank, tp_size
 
 # Batch size oneDNN's weight layout is tuned for: a typical decode batch.
 _PACKING_BATCH_HINT = 32
@@ -55,17 +58,109 @@ class QuantizedWeight:
 
 class Linear(nn.Linear):
     """nn.Linear that runs small batches on GGUF blocks once given them, and the rest on a oneDNN-packed
-    copy of its float32 weight once pack() was called."""
+    copy of its float32 weight once pack() was called. Replicated: every tensor-parallel rank holds all of
+    it. A fused layer (qkv, gate-up) lists its parts' output sizes in shard_sizes."""
 
     packed_weight: torch.Tensor | None = None
     quantized: QuantizedWeight | None = None
+    shard_sizes: tuple[int, ...] | None = None
 
     def pack(self) -> None:
         self.packed_weight = pack_weight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, self.bias)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quantized is not None and self.quantized.takes(x):
-            return self.quantized.linear(x, self.bias)
+            return self.quantized.linear(x, bias)
         if self.packed_weight is not None:
-            return packed_linear(x, self.packed_weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            return packed_linear(x, self.packed_weight, bias)
+        return F.linear(x, self.weight, bias)
+
+    def rank_slice(self, tensor: torch.Tensor, shard: int | None, is_bias: bool) -> torch.Tensor:
+        """The part of a full checkpoint tensor (part `shard` of a fused layer) this rank holds."""
+        return tensor
+
+    def rank_blocks(self, blocks: torch.Tensor, shard: int | None, bytes_per_block: int) -> torch.Tensor | None:
+        """The part of a part's GGUF blocks ([out rows, bytes]) this rank holds; None where it cannot be cut."""
+        return self.rank_slice(blocks, shard, is_bias=False)
+
+
+def split_evenly(size: int, name: str) -> tuple[int, int]:
+    """(start, length) of this rank's share of size, which the tensor-parallel ranks must divide."""
+    ranks, rank = tp_size(), tp_rank()
+    if size % ranks:
+        raise ValueError(f"{name} ({size}) is not divisible by tensor_parallel_size ({ranks})")
+    return rank * (size // ranks), size // ranks
+
+
+class ColumnParallelLinear(Linear):
+    """Output features split among the tensor-parallel ranks, each part of a fused layer evenly: each rank
+    computes its slice of the outputs, with no communication."""
+
+    def __init__(self, in_features: int, part_sizes: tuple[int, ...], bias: bool, name: str) -> None:
+        self.part_ranges = [split_evenly(size, f"{name} output part {i}") for i, size in enumerate(part_sizes)]
+        super().__init__(in_features, sum(length for _, length in self.part_ranges), bias=bias)
+        self.shard_sizes = tuple(length for _, length in self.part_ranges) if len(part_sizes) > 1 else None
+
+    def rank_slice(self, tensor, shard, is_bias):
+        start, length = self.part_ranges[shard or 0]
+        return tensor.narrow(0, start, length)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """The fused q, k, v projection split by heads: each rank takes num_heads / tp query heads and its KV
+    heads, num_kv_heads / tp of them, or, with more ranks than KV heads, the one its query heads read."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool) -> None:
+        ranks, rank = tp_size(), tp_rank()
+        self.num_local_heads = heads_per_rank(num_heads, ranks, "num_attention_heads")
+        self.num_local_kv_heads, first_kv = kv_heads_of_rank(num_kv_heads, ranks, rank)
+        q_range = (rank * self.num_local_heads * head_dim, self.num_local_heads * head_dim)
+        kv_range = (first_kv * head_dim, self.num_local_kv_heads * head_dim)
+        Linear.__init__(self, hidden_size, q_range[1] + 2 * kv_range[1], bias=bias)
+        self.part_ranges = [q_range, kv_range, kv_range]
+        self.shard_sizes = (q_range[1], kv_range[1], kv_range[1])
+
+
+def heads_per_rank(num_heads: int, ranks: int, name: str) -> int:
+    if num_heads % ranks:
+        raise ValueError(f"{name} ({num_heads}) is not divisible by tensor_parallel_size ({ranks})")
+    return num_heads // ranks
+
+
+def kv_heads_of_rank(num_kv_heads: int, ranks: int, rank: int) -> tuple[int, int]:
+    """(how many KV heads, the first one) this rank holds: a share, or one replicated head."""
+    if num_kv_heads >= ranks:
+        count = heads_per_rank(num_kv_heads, ranks, "num_key_value_heads")
+        return count, rank * count
+    if ranks % num_kv_heads:
+        raise ValueError(f"tensor_parallel_size ({ranks}) above num_key_value_heads ({num_kv_heads}) must be a multiple of it")
+    return 1, rank * num_kv_heads // ranks
+
+
+class RowParallelLinear(Linear):
+    """Input features split among the tensor-parallel ranks: each rank multiplies its slice of the input (the
+    output of a column-parallel layer) by its slice of the weight, and the partial sums are all-reduced; the
+    bias is added once, after."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, name: str) -> None:
+        self.in_range = split_evenly(in_features, f"{name} input features")
+        super().__init__(self.in_range[1], out_features, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = tp_all_reduce(self.matmul(x, None))
+        return out if self.bias is None else out + self.bias
+
+    def rank_slice(self, tensor, shard, is_bias):
+        return tensor if is_bias else tensor.narrow(1, *self.in_range)
+
+    def rank_blocks(self, blocks, shard, bytes_per_block):
+        start, length = self.in_range
+        if start % GGUF_BLOCK_VALUES or length % GGUF_BLOCK_VALUES:
+            return None  # the cut falls inside a block: this rank runs on float32 weights
+        return blocks.narrow(1, start // GGUF_BLOCK_VALUES * bytes_per_block, length // GGUF_BLOCK_VALUES * bytes_per_block)
+
+
+GGUF_BLOCK_VALUES = 32  # values per Q4_0/Q4_1/Q8_0 block

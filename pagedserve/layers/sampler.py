@@ -52,13 +52,8 @@ class Sampler:
         """-> (sampled token ids [R], raw logprobs [R, V] or None). Logprobs are the model's, before any processing."""
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.max_num_logprobs is not None else None
-        if meta.min_tokens_bans:
-            logits = logits.clone()
-            for row, banned in meta.min_tokens_bans:
-                logits[row, banned] = float("-inf")
+        logits = self.process_logits(logits, meta)
         kernels = self.cpu_kernels if logits.device.type == "cpu" else None
-        if meta.presence_penalty is not None:
-            logits = apply_penalties(logits, meta, kernels)
         if meta.all_greedy:
             return argmax(logits, kernels), raw_logprobs
         if kernels is not None and meta.draw_keys is not None:
@@ -66,6 +61,16 @@ class Sampler:
         greedy = argmax(logits, kernels)
         sampled = self._sample_random(logits, meta)
         return torch.where(meta.temperature == 0, greedy, sampled), raw_logprobs
+
+    def process_logits(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """float32 logits with min_tokens bans and penalties applied: what temperature and the filters act on."""
+        if meta.min_tokens_bans:
+            logits = logits.clone()
+            for row, banned in meta.min_tokens_bans:
+                logits[row, banned] = float("-inf")
+        if meta.presence_penalty is not None:
+            logits = apply_penalties(logits, meta, self.cpu_kernels if logits.device.type == "cpu" else None)
+        return logits
 
     @staticmethod
     def _sample_in_kernel(kernels, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

@@ -1,6 +1,9 @@
 """The Llama family: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm).
 
-Models take a flat token batch plus attention metadata; they never see requests.
+Models take a flat token batch plus attention metadata; they never see requests. Under tensor
+parallelism (distributed/parallel_state.py) each rank builds its share of every layer (heads, MLP
+columns, vocabulary) and loads only that share of the checkpoint; under pipeline parallelism each
+rank builds its stage's decoder layers, the first stage the embedding, the last the norm and lm_head.
 """
 
 from __future__ import annotations
@@ -11,11 +14,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.distributed.parallel_state import rank_info
 from pagedserve.layers.activation import SiluAndMul
 from pagedserve.layers.attention import Attention, AttentionBackend, AttentionMetadata
 from pagedserve.layers.layernorm import RMSNorm
-from pagedserve.layers.linear import Linear, QuantizedWeight, pack_weight, packed_linear
+from pagedserve.layers.linear import (
+    ColumnParallelLinear,
+    Linear,
+    QKVParallelLinear,
+    QuantizedWeight,
+    RowParallelLinear,
+    pack_weight,
+    packed_linear,
+)
 from pagedserve.layers.rotary import RotaryEmbedding
+from pagedserve.layers.vocab_embedding import VocabParallelEmbedding, gather_logits
 
 # checkpoint name piece -> (our fused parameter, shard index)
 STACKED_PARAMS = {
@@ -34,17 +47,18 @@ def head_dim_of(hf_config) -> int:
 class LlamaAttention(nn.Module):
     def __init__(self, hf_config, max_position: int, attn_backend: AttentionBackend) -> None:
         super().__init__()
-        self.num_heads = hf_config.num_attention_heads
-        self.num_kv_heads = hf_config.num_key_value_heads
         self.head_dim = head_dim_of(hf_config)
         model_type = hf_config.model_type
         qkv_bias = model_type == "qwen2" or getattr(hf_config, "attention_bias", False)
         o_bias = model_type != "qwen2" and getattr(hf_config, "attention_bias", False)
+        self.qkv_proj = QKVParallelLinear(hf_config.hidden_size, self.head_dim, hf_config.num_attention_heads,
+                                          hf_config.num_key_value_heads, bias=qkv_bias)
+        self.num_heads = self.qkv_proj.num_local_heads  # this rank's
+        self.num_kv_heads = self.qkv_proj.num_local_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(hf_config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.qkv_proj.shard_sizes = (self.q_size, self.kv_size, self.kv_size)
-        self.o_proj = Linear(self.q_size, hf_config.hidden_size, bias=o_bias)
+        self.o_proj = RowParallelLinear(hf_config.num_attention_heads * self.head_dim, hf_config.hidden_size, bias=o_bias,
+                                        name="o_proj")
         self.qk_norm = model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
@@ -70,10 +84,9 @@ class LlamaMLP(nn.Module):
         if hf_config.hidden_act != "silu":
             raise ValueError(f"hidden_act {hf_config.hidden_act!r} is not supported; only 'silu'")
         bias = getattr(hf_config, "mlp_bias", False)
-        self.intermediate_size = hf_config.intermediate_size
-        self.gate_up_proj = Linear(hf_config.hidden_size, 2 * self.intermediate_size, bias=bias)
-        self.gate_up_proj.shard_sizes = (self.intermediate_size, self.intermediate_size)
-        self.down_proj = Linear(self.intermediate_size, hf_config.hidden_size, bias=bias)
+        size = hf_config.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(hf_config.hidden_size, (size, size), bias=bias, name="intermediate_size")
+        self.down_proj = RowParallelLinear(size, hf_config.hidden_size, bias=bias, name="intermediate_size")
         self.act_fn = SiluAndMul()
 
     def forward(self, x):
@@ -99,18 +112,37 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
+class MissingLayer(nn.Module):
+    """A decoder layer that another pipeline stage runs: it keeps the layers' numbering and holds nothing."""
+
+
 class LlamaModel(nn.Module):
     def __init__(self, hf_config, max_position: int, attn_backend: AttentionBackend) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
-        self.layers = nn.ModuleList([LlamaDecoderLayer(hf_config, max_position, attn_backend)
-                                     for _ in range(hf_config.num_hidden_layers)])
-        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        info = rank_info()
+        tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+        # The last stage holds the embedding too when the lm_head is tied to it.
+        if info.is_first_stage or (tied and info.is_last_stage):
+            self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.stage_layers = info.stage_layers(hf_config.num_hidden_layers)
+        self.layers = nn.ModuleList([
+            LlamaDecoderLayer(hf_config, max_position, attn_backend) if index in self.stage_layers else MissingLayer()
+            for index in range(hf_config.num_hidden_layers)
+        ])
+        if info.is_last_stage:
+            self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
 
-    def forward(self, input_ids, positions, kv_caches, meta):
-        hidden_states, residual = self.embed_tokens(input_ids), None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, meta)
+    def forward(self, input_ids, positions, kv_caches, meta, intermediate=None):
+        """kv_caches: this stage's layers' caches. The last stage returns the final hidden states; the others
+        (hidden states, residual) for the next stage, which passes them back in as intermediate."""
+        if intermediate is None:
+            hidden_states, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden_states, residual = intermediate
+        for index, kv_cache in zip(self.stage_layers, kv_caches):
+            hidden_states, residual = self.layers[index](positions, hidden_states, residual, kv_cache, meta)
+        if not rank_info().is_last_stage:
+            return hidden_states, residual
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -123,31 +155,38 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.packed_lm_head: torch.Tensor | None = None
         self.quantized_lm_head: QuantizedWeight | None = None
-        if self.tie_word_embeddings:
+        if not rank_info().is_last_stage:
+            self.lm_head = None
+        elif self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
-            self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+            self.lm_head = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)  # its rows: this rank's vocabulary
 
-    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, meta)
+    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, intermediate=None):
+        return self.model(input_ids, positions, kv_caches, meta, intermediate)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Logits over the whole vocabulary (each tensor-parallel rank computes its share, then they are gathered)."""
         if self.quantized_lm_head is not None and self.quantized_lm_head.takes(hidden_states):
-            return self.quantized_lm_head.linear(hidden_states)
-        if self.packed_lm_head is not None:
-            return packed_linear(hidden_states, self.packed_lm_head, None)
-        return F.linear(hidden_states, self.lm_head.weight)
+            local = self.quantized_lm_head.linear(hidden_states)
+        elif self.packed_lm_head is not None:
+            local = packed_linear(hidden_states, self.packed_lm_head, None)
+        else:
+            local = F.linear(hidden_states, self.lm_head.weight)
+        return gather_logits(local)
 
     def pack_for_onednn(self) -> None:
         """Run every GEMM on oneDNN-packed weights (CPU, float32); the originals stay for reading."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
-        self.packed_lm_head = pack_weight(self.lm_head.weight)
+        if self.lm_head is not None:
+            self.packed_lm_head = pack_weight(self.lm_head.weight)
 
     def use_quantized_weights(self, blocks: dict[str, tuple[torch.Tensor, int]], kernels) -> int:
         """Run the GEMMs whose checkpoint tensors come as GGUF blocks on them (the C++ kernels, float32
-        activations). A fused layer needs all its shards in one type. Returns how many layers switched."""
+        activations), this rank's share of them. A fused layer needs all its shards in one type. Returns how
+        many layers switched."""
         shards: dict[str, dict[int | None, tuple[torch.Tensor, int]]] = {}
         for name, entry in blocks.items():
             target, shard = _fused_target(name)
@@ -156,18 +195,27 @@ class LlamaForCausalLM(nn.Module):
         switched = 0
         for target, parts in shards.items():
             if target == lm_head_source:
-                self.quantized_lm_head = QuantizedWeight(*parts[None], kernels)
-                switched += 1
+                if self.lm_head is not None:
+                    qblocks, qtype = parts[None]
+                    self.quantized_lm_head = QuantizedWeight(self.lm_head.rank_slice(qblocks, None, False).contiguous(), qtype, kernels)
+                    switched += 1
                 continue
-            module = self.get_submodule(target.rsplit(".", 1)[0])
-            expected = range(len(module.shard_sizes)) if getattr(module, "shard_sizes", None) else [None]
-            if not isinstance(module, Linear) or set(parts) != set(expected) or len({q for _, q in parts.values()}) != 1:
+            module = self._module_of(target)
+            if not isinstance(module, Linear):
+                continue  # another stage's, or not a linear layer
+            expected = range(len(module.shard_sizes)) if module.shard_sizes else [None]
+            if set(parts) != set(expected) or len({q for _, q in parts.values()}) != 1:
                 continue
-            module.quantized = QuantizedWeight(torch.cat([parts[s][0] for s in expected]), parts[expected[0]][1], kernels)
+            qtype = parts[expected[0]][1]
+            local = [module.rank_blocks(parts[s][0], s, kernels.quantized_block_bytes(qtype)) for s in expected]
+            if any(part is None for part in local):
+                continue
+            module.quantized = QuantizedWeight(torch.cat(local).contiguous(), qtype, kernels)
             switched += 1
         return switched
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy this rank's share of each checkpoint tensor into place; tensors of other stages are skipped."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -175,17 +223,31 @@ class LlamaForCausalLM(nn.Module):
                 continue
             target, shard = _fused_target(name)
             if target not in params:
+                if self._belongs_to_another_stage(target):
+                    continue
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            _copy_into(self.get_submodule(target.rsplit(".", 1)[0]), params[target], tensor, shard, name)
+            _copy_into(self._module_of(target), params[target], tensor, shard, name)
             loaded.add(f"{target}#{shard}")
         missing = [n for n in self._expected_loads() if n not in loaded]
         if missing:
             raise ValueError(f"checkpoint is missing tensors for: {', '.join(sorted(missing)[:8])}")
 
+    def _module_of(self, param_name: str) -> nn.Module | None:
+        try:
+            return self.get_submodule(param_name.rsplit(".", 1)[0])
+        except AttributeError:
+            return None
+
+    def _belongs_to_another_stage(self, param_name: str) -> bool:
+        parts = param_name.split(".")
+        if parts[:2] == ["model", "layers"]:
+            return isinstance(self.model.layers[int(parts[2])], MissingLayer)
+        return parts[1] in ("embed_tokens", "norm") or parts[0] == "lm_head"  # held by the first or last stage only
+
     def _expected_loads(self) -> list[str]:
         expected = []
         for name, _ in self.named_parameters():
-            module = self.get_submodule(name.rsplit(".", 1)[0])
+            module = self._module_of(name)
             shards = getattr(module, "shard_sizes", None)
             expected += [f"{name}#{i}" for i in range(len(shards))] if shards else [f"{name}#None"]
         return expected
@@ -200,6 +262,9 @@ def _fused_target(name: str) -> tuple[str, int | None]:
 
 def _copy_into(module: nn.Module, param: nn.Parameter, tensor: torch.Tensor, shard: int | None, name: str) -> None:
     with torch.no_grad():
+        rank_slice = getattr(module, "rank_slice", None)
+        if rank_slice is not None:
+            tensor = rank_slice(tensor, shard, name.endswith(".bias"))
         if shard is None:
             dest = param
         else:

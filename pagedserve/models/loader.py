@@ -128,3 +128,27 @@ def max_position_of(hf_config) -> int:
     if window and getattr(hf_config, "use_sliding_window", True):
         max_position = min(max_position, window)
     return max_position
+
+
+def validate_parallel_shape(hf_config, tensor_parallel_size: int, pipeline_parallel_size: int,
+                            layer_partition: tuple[int, ...] | None = None) -> None:
+    """Refuse, naming the numbers, a split of the model its shape does not allow."""
+    tp, pp = tensor_parallel_size, pipeline_parallel_size
+    heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
+    problems = []
+    for name, value in (("num_attention_heads", heads), ("vocab_size", hf_config.vocab_size),
+                        ("intermediate_size", hf_config.intermediate_size)):
+        if value % tp:
+            problems.append(f"{name} ({value}) is not divisible by tensor_parallel_size ({tp})")
+    if kv_heads >= tp and kv_heads % tp:
+        problems.append(f"num_key_value_heads ({kv_heads}) is not divisible by tensor_parallel_size ({tp})")
+    if kv_heads < tp and tp % kv_heads:
+        problems.append(f"tensor_parallel_size ({tp}) above num_key_value_heads ({kv_heads}) must be a multiple of it")
+    layers = hf_config.num_hidden_layers
+    if pp > layers:
+        problems.append(f"pipeline_parallel_size ({pp}) is more than the model's {layers} layers")
+    if layer_partition is not None and sum(layer_partition) != layers:
+        given = ",".join(map(str, layer_partition))
+        problems.append(f"pp_layer_partition {given} sums to {sum(layer_partition)}, not the model's {layers} layers")
+    if problems:
+        raise ValueError("this model cannot be split so: " + "; ".join(problems))

@@ -1,0 +1,122 @@
+"""This process's place among the ranks of a tensor- and pipeline-parallel engine, and the collectives
+the model layers use. Ranks are numbered pipeline-major: rank = pp_rank * tp_size + tp_rank, so the
+ranks of one pipeline stage form a tensor-parallel group. torch.distributed does the communication
+(gloo on CPU, NCCL on CUDA). In a process that runs the whole model alone every call is a no-op, so
+layers call them unconditionally."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    tp_size: int = 1
+    pp_size: int = 1
+    rank: int = 0
+    # Decoder layers per pipeline stage; None: as even as they go, the first stages taking any remainder.
+    layer_partition: tuple[int, ...] | None = None
+
+    def stage_layers(self, num_layers: int) -> range:
+        """The decoder layers this rank's pipeline stage runs."""
+        counts = self.layer_partition or pipeline_partition(num_layers, self.pp_size)
+        start = sum(counts[: self.pp_rank])
+        return range(start, start + counts[self.pp_rank])
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // self.tp_size
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def is_output_rank(self) -> bool:
+        """The rank whose step outputs go back to the engine: the last stage's first tensor-parallel rank."""
+        return self.is_last_stage and self.tp_rank == 0
+
+
+def pipeline_partition(num_layers: int, pp_size: int) -> tuple[int, ...]:
+    base, extra = divmod(num_layers, pp_size)
+    return tuple(base + (stage < extra) for stage in range(pp_size))
+
+
+_info = RankInfo()
+_tp_group = None
+_previous_stage: int | None = None
+_next_stage: int | None = None
+
+
+def rank_info() -> RankInfo:
+    return _info
+
+
+def tp_rank() -> int:
+    return _info.tp_rank
+
+
+def tp_size() -> int:
+    return _info.tp_size
+
+
+def init_distributed(info: RankInfo, init_method: str, backend: str) -> None:
+    """Join the process group (every rank calls this) and make the tensor-parallel groups."""
+    global _info, _tp_group, _previous_stage, _next_stage
+    dist.init_process_group(backend=backend, init_method=init_method, world_size=info.world_size, rank=info.rank)
+    groups = [dist.new_group(list(range(stage * info.tp_size, (stage + 1) * info.tp_size))) for stage in range(info.pp_size)]
+    _info = info
+    _tp_group = groups[info.pp_rank]
+    _previous_stage = info.rank - info.tp_size if not info.is_first_stage else None
+    _next_stage = info.rank + info.tp_size if not info.is_last_stage else None
+
+
+def destroy_distributed() -> None:
+    global _info, _tp_group, _previous_stage, _next_stage
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _info, _tp_group, _previous_stage, _next_stage = RankInfo(), None, None, None
+
+
+def tp_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum over the tensor-parallel ranks, in place."""
+    if _info.tp_size > 1:
+        dist.all_reduce(tensor, group=_tp_group)
+    return tensor
+
+
+def tp_all_gather(tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """The ranks' tensors concatenated along dim, in rank order, on every rank."""
+    if _info.tp_size == 1:
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(_info.tp_size)]
+    dist.all_gather(parts, tensor.contiguous(), group=_tp_group)
+    return torch.cat(parts, dim=dim)
+
+
+def send_to_next_stage(tensors: list[torch.Tensor]) -> None:
+    """Each tensor to the same tensor-parallel rank of the next pipeline stage."""
+    for tensor in tensors:
+        dist.send(tensor.contiguous(), dst=_next_stage)
+
+
+def receive_from_previous_stage(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    tensors = [torch.empty(shape, dtype=dtype, device=device) for shape in shapes]
+    for tensor in tensors:
+        dist.recv(tensor, src=_previous_stage)
+    return tensors

@@ -1,0 +1,228 @@
+"""Tensor, pipeline and data parallelism give the single-process engine's outputs: token for token, or
+diverging only where the reference's top two tokens are a near-tie (an all-reduce sums in another order);
+logprobs within 1e-3. Each mode also runs the features that touch the step contract: prefix caching,
+chunked prefill, preemption, n > 1 and aborts. Ranks are processes, so these tests are slow."""
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+from server_utils import RemoteServer, metric_value
+
+from pagedserve import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+SHARED = list(range(300, 340))  # a prefix of 40 tokens that two prompts share: cached blocks
+PROMPTS = [[1, 400, 500, 600, 700], SHARED + [11, 12], SHARED + [13, 14, 15], list(range(100, 190)), [7] * 3]
+
+
+def run_workload(llm: LLM) -> list:
+    """Greedy requests with logprobs (one with n=2), one aborted midway; returns the finished outputs."""
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+    for index, prompt in enumerate(PROMPTS):
+        engine.add_request(str(index), {"prompt_token_ids": prompt}, params)
+    engine.add_request("pair", {"prompt_token_ids": PROMPTS[0]}, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, n=2))
+    engine.add_request("aborted", {"prompt_token_ids": PROMPTS[3]}, SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))
+    finished = {}
+    for step in range(10_000):
+        if not engine.has_unfinished_requests():
+            break
+        if step == 4:
+            engine.abort_request("aborted")
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+    assert "aborted" not in finished
+    assert engine.get_stats().kv_cache_usage == 0.0  # every block back, the aborted request's too
+    return [finished[str(index)] for index in range(len(PROMPTS))] + [finished["pair"]]
+
+
+def assert_matches(outputs: list, reference: list) -> None:
+    for ours, theirs in zip(outputs, reference):
+        for mine, expected in zip(ours.outputs, theirs.outputs):
+            for position, (token, want) in enumerate(zip(mine.token_ids, expected.token_ids)):
+                if token == want:
+                    if mine.logprobs is not None:
+                        assert mine.logprobs[position][token].logprob == pytest.approx(expected.logprobs[position][want].logprob, abs=1e-3)
+                    continue
+                top = sorted(lp.logprob for lp in expected.logprobs[position].values())[-2:]
+                assert top[1] - top[0] < 0.01, f"diverged at position {position} without a near-tie: {top}"
+                break  # after a near-tie divergence the continuations differ
+
+
+def parallel_llm(model_dir, **settings) -> LLM:
+    # A small cache (preemptions) and a small token budget (chunked prefill).
+    return LLM(str(model_dir), num_gpu_blocks_override=12, max_model_len=192, max_num_batched_tokens=48, **settings)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_models):
+    llm = parallel_llm(tiny_models["llama"])
+    outputs = run_workload(llm)
+    stats = llm.llm_engine.get_stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0  # the workload does exercise both
+    return outputs
+
+
+@pytest.mark.parametrize("settings", [
+    {"tensor_parallel_size": 2},
+    {"pipeline_parallel_size": 2},
+    {"tensor_parallel_size": 2, "pipeline_parallel_size": 2},
+    {"pipeline_parallel_size": 2, "pp_layer_partition": "1,1", "distributed_executor_backend": "mp"},
+], ids=["tp2", "pp2", "tp2-pp2", "pp2-explicit"])
+def test_parallel_engine_matches_the_single_process_one(tiny_models, reference, settings):
+    llm = parallel_llm(tiny_models["llama"], **settings)
+    try:
+        outputs = run_workload(llm)
+        assert llm.llm_engine.get_stats().num_preemptions > 0
+    finally:
+        llm.llm_engine.shutdown()
+    assert_matches(outputs, reference)
+
+
+def test_ray_backend_runs_the_same_workers(tiny_models, reference):
+    pytest.importorskip("ray", reason="Ray is an optional extra: pip install -e '.[ray]'")
+    llm = parallel_llm(tiny_models["llama"], tensor_parallel_size=2, distributed_executor_backend="ray")
+    try:
+        outputs = run_workload(llm)
+    finally:
+        llm.llm_engine.shutdown()
+    assert_matches(outputs, reference)
+
+
+def test_three_way_tensor_parallel_default_model(default_model_dir, tokenizer):
+    """9 heads and 3 KV heads over 3 ranks, each GEMM on its share of the GGUF blocks."""
+    prompts = ["The capital of France is", "Here is a short story about a robot who learns to paint:"]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    reference = LLM(max_model_len=512, kv_cache_memory=2**27).generate(prompts, params, use_tqdm=False)
+    llm = LLM(max_model_len=512, kv_cache_memory=2**27, tensor_parallel_size=3)
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+    assert_matches(outputs, reference)
+
+
+def test_impossible_splits_fail_at_start_naming_the_numbers(tiny_models):
+    with pytest.raises(ValueError, match=r"num_attention_heads \(9\) is not divisible by tensor_parallel_size \(2\)"):
+        LLM(tensor_parallel_size=2, kv_cache_memory=2**27)
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size \(3\) is more than the model's 2 layers"):
+        LLM(str(tiny_models["llama"]), pipeline_parallel_size=3, kv_cache_memory=2**24)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size \(3\) above num_key_value_heads \(2\) must be a multiple"):
+        LLM(str(tiny_models["llama"]), tensor_parallel_size=3, kv_cache_memory=2**24)
+    with pytest.raises(ValueError, match="pp_layer_partition must be 2 positive layer counts"):
+        LLM(str(tiny_models["llama"]), pipeline_parallel_size=2, pp_layer_partition="2")
+    with pytest.raises(ValueError, match="distributed_executor_backend must be mp or ray with more than one rank"):
+        LLM(str(tiny_models["llama"]), tensor_parallel_size=2, distributed_executor_backend="uni")
+
+
+def _descendants(pid: int) -> list[int]:
+    children = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout.split()
+    return [int(child) for child in children] + [grandchild for child in children for grandchild in _descendants(int(child))]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _stream_then_kill(server: RemoteServer, victim) -> tuple[int, Exception | None]:
+    """A long stream; after its 5th chunk victim() is killed. -> (chunks seen, the error that ended it)."""
+
+    async def main():
+        client = server.async_openai()
+        stream = await client.completions.create(model="tiny", prompt=[5, 6], max_tokens=900, stream=True,
+                                                 extra_body={"ignore_eos": True})
+        seen, error = 0, None
+        try:
+            async for _ in stream:
+                seen += 1
+                if seen == 5:
+                    os.kill(victim(), signal.SIGKILL)
+        except Exception as exc:
+            error = exc
+        return seen, error
+
+    return asyncio.run(main())
+
+
+def _processes_of(server: RemoteServer, marker: str) -> list[int]:
+    pids = _descendants(server.process.pid)
+    return [pid for pid in pids if _alive(pid) and marker in open(f"/proc/{pid}/cmdline").read()]
+
+
+@pytest.mark.parametrize("mode", ["tp-worker", "dp-core"])
+def test_a_killed_worker_or_core_fails_the_server_cleanly(tiny_models, mode):
+    flags = ["-tp", "2"] if mode == "tp-worker" else ["-dp", "2"]
+    server = RemoteServer("--model", str(tiny_models["llama"]), "--served-model-name", "tiny", "--kv-cache-memory", str(2**24), *flags)
+    everyone = _descendants(server.process.pid)
+    try:
+        spawned = _processes_of(server, "spawn_main")
+        victim = spawned[-1]  # a worker (spawned by the engine core) or the second engine core
+        seen, error = _stream_then_kill(server, lambda: victim)
+        returncode = server.process.wait(60)
+    finally:
+        server.stop()
+    assert error is not None and seen < 900
+    assert returncode != 0 and "engine core is dead" in server.log_text()
+    deadline = time.monotonic() + 15
+    while any(_alive(pid) for pid in everyone) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [pid for pid in everyone if _alive(pid)], "processes outlived the server"
+
+
+def test_data_parallel_server_routes_by_load_and_prefix_and_labels_its_metrics(tiny_models):
+    """Two engine cores behind one server: greedy outputs as one engine gives them, requests spread over both,
+    a shared prompt prefix kept on one core (its cache hits), streams and aborts as usual, per-core metrics,
+    and SIGTERM stops every process."""
+    server = RemoteServer("--model", str(tiny_models["llama"]), "--served-model-name", "tiny", "--kv-cache-memory", str(2**24),
+                          "-dp", "2")
+    everyone = _descendants(server.process.pid)
+    single = LLM(str(tiny_models["llama"]), kv_cache_memory=2**24)
+    prompts = [[5 + index, 6, 7, 8] for index in range(8)]
+    expected = [o.outputs[0].text for o in single.generate([{"prompt_token_ids": p} for p in prompts],
+                                                          SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+                                                          use_tqdm=False)]
+    try:
+        async def main():
+            client = server.async_openai()
+            answers = await asyncio.gather(*(client.completions.create(
+                model="tiny", prompt=p, max_tokens=16, temperature=0.0, logprobs=1, extra_body={"ignore_eos": True}) for p in prompts))
+            stream = await client.completions.create(model="tiny", prompt=[9, 9, 9], max_tokens=400, stream=True,
+                                                     extra_body={"ignore_eos": True})
+            async for _ in stream:
+                break  # a client that goes away: its request is aborted on its core
+            await stream.close()
+            shared = list(range(300, 364))
+            for suffix in range(4):
+                await client.completions.create(model="tiny", prompt=shared + [suffix], max_tokens=2)
+            return answers
+
+        answers = asyncio.run(main())
+        assert [a.choices[0].text for a in answers] == expected
+        metrics = server.get("/metrics").text
+        generated = [metric_value(metrics, f'pagedserve:generation_tokens_total{{engine="{e}",model_name="tiny"}}') for e in (0, 1)]
+        assert all(count > 0 for count in generated)  # both cores served
+        hits = [metric_value(metrics, f'pagedserve:prefix_cache_hits_total{{engine="{e}",model_name="tiny"}}') for e in (0, 1)]
+        assert max(hits) >= 3 * 64 - 16  # the shared prefix's later requests hit the core that cached it
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            metrics = server.get("/metrics").text
+            if all(metric_value(metrics, f'pagedserve:num_requests_running{{engine="{e}",model_name="tiny"}}') == 0 for e in (0, 1)):
+                break
+            time.sleep(0.2)
+        assert all(metric_value(metrics, f'pagedserve:kv_cache_usage_perc{{engine="{e}",model_name="tiny"}}') == 0 for e in (0, 1))
+    finally:
+        assert server.stop(signal.SIGTERM) == 0
+    deadline = time.monotonic() + 15
+    while any(_alive(pid) for pid in everyone) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [pid for pid in everyone if _alive(pid)]
