@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -194,8 +195,6 @@ class SpeculativeConfig:
         if values is None:
             return None
         if isinstance(values, str):
-            import json
-
             try:
                 values = json.loads(values)
             except json.JSONDecodeError as exc:

@@ -130,3 +130,20 @@ def greedy(max_tokens: int, **kwargs):
 
 def token_ids_of(outputs):
     return [o.outputs[0].token_ids for o in outputs]
+
+
+def chi_square_p_value(counts: torch.Tensor, probabilities: torch.Tensor) -> float:
+    """Pearson's test of counts against probabilities, tokens expected fewer than 5 times pooled."""
+    total = counts.sum().item()
+    expected = probabilities * total
+    big = expected >= 5
+    observed = [*counts[big].tolist(), counts[~big].sum().item()]
+    expected_list = [*expected[big].tolist(), expected[~big].sum().item()]
+    if expected_list[-1] < 5:  # nothing worth a bin of its own: fold it in, it must then be (nearly) empty
+        assert observed[-1] <= 2
+        observed, expected_list = observed[:-1], expected_list[:-1]
+    scale = sum(observed) / sum(expected_list)
+    statistic = sum((o - e * scale) ** 2 / (e * scale) for o, e in zip(observed, expected_list))
+    degrees = len(observed) - 1
+    # The chi-square distribution's survival function: the regularized upper incomplete gamma function.
+    return torch.special.gammaincc(torch.tensor(degrees / 2, dtype=torch.float64), torch.tensor(statistic / 2, dtype=torch.float64)).item()

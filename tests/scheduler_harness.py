@@ -14,9 +14,9 @@ EOS = 2
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_model_len=256, budget=32, max_num_seqs=16, caching=True,
-                   policy="fcfs", threshold=0):
+                   policy="fcfs", threshold=0, speculative=None):
     kv = KVCacheManager(num_blocks, block_size, caching)
-    return Scheduler(kv, max_model_len, budget, max_num_seqs, threshold, policy)
+    return Scheduler(kv, max_model_len, budget, max_num_seqs, threshold, policy, speculative=speculative)
 
 
 def make_request(request_id, prompt_len=None, max_tokens=8, prompt=None, priority=0, arrival=None, group=None, eos=False):
@@ -26,13 +26,20 @@ def make_request(request_id, prompt_len=None, max_tokens=8, prompt=None, priorit
 
 
 def fake_run(scheduler_output: SchedulerOutput, scheduler: Scheduler, rng: random.Random | None = None) -> ModelRunnerOutput:
-    """Sample a token for every request that reached the end of its known tokens."""
-    sampled = {}
+    """Sample a token for every request that reached the end of its known tokens; accept a random prefix of each
+    request's drafts, and propose random drafts where the scheduler asks for them."""
+    output = ModelRunnerOutput(sampled_token_ids={})
     for request_id in scheduler_output.num_scheduled_tokens:
         request = scheduler.requests[request_id]
-        if request.num_computed_tokens == request.num_tokens:
-            sampled[request_id] = rng.randrange(0, 60) if rng else 7
-    return ModelRunnerOutput(sampled_token_ids=sampled)
+        if request.num_computed_tokens >= request.num_tokens:
+            output.sampled_token_ids[request_id] = rng.randrange(0, 60) if rng else 7
+            drafts = scheduler_output.spec_token_ids.get(request_id)
+            if drafts:
+                output.accepted_token_ids[request_id] = drafts[: rng.randint(0, len(drafts)) if rng else len(drafts)]
+            if request_id in scheduler_output.propose_for:
+                k = scheduler.speculative.num_speculative_tokens
+                output.spec_token_ids[request_id] = [rng.randrange(0, 60) for _ in range(rng.randint(0, k))] if rng else [7] * k
+    return output
 
 
 def step(scheduler: Scheduler, rng: random.Random | None = None):

@@ -89,3 +89,17 @@ def test_parallel_flags_have_short_forms():
     config = engine_config_from_args(args)
     assert (config.tensor_parallel_size, config.pipeline_parallel_size, config.data_parallel_size) == (2, 3, 2)
     assert config.world_size == 6 and config.executor_backend == "ray"
+
+
+def test_speculative_config_is_json_on_the_command_line():
+    from pagedserve.entrypoints.cli import build_parser
+    from pagedserve.entrypoints.engine_args import engine_config_from_args
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+    spec = engine_config_from_args(args).speculative
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max) == ("ngram", 3, 2, 4)
+    assert engine_config_from_args(parser.parse_args(["serve"])).speculative is None  # off by default
+    args = parser.parse_args(["serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 99}'])
+    with pytest.raises(ValueError, match=r"speculative_config.num_speculative_tokens must be an integer in \[1, 16\]"):
+        engine_config_from_args(args)

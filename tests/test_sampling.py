@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import PROMPTS, greedy, token_ids_of
+from conftest import PROMPTS, chi_square_p_value, greedy, token_ids_of
 
 from pagedserve import SamplingParams
 from pagedserve.layers.sampler import apply_min_p, apply_top_k_top_p
@@ -168,23 +168,6 @@ def reference_probabilities(logits: torch.Tensor, temperature: float, top_k: int
         scaled = apply_min_p(scaled, torch.tensor([min_p]))
     scaled = apply_top_k_top_p(scaled, torch.tensor([top_k]), torch.tensor([top_p]))
     return torch.softmax(scaled, dim=-1)[0].double()
-
-
-def chi_square_p_value(counts: torch.Tensor, probabilities: torch.Tensor) -> float:
-    """Pearson's test of counts against probabilities, tokens expected fewer than 5 times pooled."""
-    total = counts.sum().item()
-    expected = probabilities * total
-    big = expected >= 5
-    observed = [*counts[big].tolist(), counts[~big].sum().item()]
-    expected_list = [*expected[big].tolist(), expected[~big].sum().item()]
-    if expected_list[-1] < 5:  # nothing worth a bin of its own: fold it in, it must then be (nearly) empty
-        assert observed[-1] <= 2
-        observed, expected_list = observed[:-1], expected_list[:-1]
-    scale = sum(observed) / sum(expected_list)
-    statistic = sum((o - e * scale) ** 2 / (e * scale) for o, e in zip(observed, expected_list))
-    degrees = len(observed) - 1
-    # The chi-square distribution's survival function: the regularized upper incomplete gamma function.
-    return torch.special.gammaincc(torch.tensor(degrees / 2, dtype=torch.float64), torch.tensor(statistic / 2, dtype=torch.float64)).item()
 
 
 FILTERS = [  # (temperature, top_k, top_p, min_p)

@@ -7,6 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scheduler_harness import check_block_accounting, fake_run, make_request, make_scheduler, step
 
+from pagedserve.config import SpeculativeConfig
 from pagedserve.request import RequestStatus
 
 
@@ -175,12 +176,21 @@ operations = st.lists(
 )
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SPECULATION = {
+    None: None,
+    "ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=3),
+    "draft_model": SpeculativeConfig(method="draft_model", num_speculative_tokens=4, model="draft"),  # lookahead slots too
+}
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=operations, num_blocks=st.integers(12, 40), budget=st.integers(4, 48), caching=st.booleans(),
-       policy=st.sampled_from(["fcfs", "priority"]), seed=st.integers(0, 1000))
-def test_random_workloads_never_leak_or_double_free(ops, num_blocks, budget, caching, policy, seed):
+       policy=st.sampled_from(["fcfs", "priority"]), seed=st.integers(0, 1000), speculation=st.sampled_from(list(SPECULATION)))
+def test_random_workloads_never_leak_or_double_free(ops, num_blocks, budget, caching, policy, seed, speculation):
+    """Random arrivals, aborts, finishes and preemptions, with speculation that accepts a random share of its drafts."""
     rng = random.Random(seed)
-    sched = make_scheduler(num_blocks=num_blocks, block_size=4, max_model_len=48, budget=budget, caching=caching, policy=policy)
+    sched = make_scheduler(num_blocks=num_blocks, block_size=4, max_model_len=48, budget=budget, caching=caching, policy=policy,
+                           speculative=SPECULATION[speculation])
     added, finish_reasons, counter = [], {}, 0
     shared_prefix = [rng.randrange(60, 90) for _ in range(8)]
 
@@ -199,6 +209,10 @@ def test_random_workloads_never_leak_or_double_free(ops, num_blocks, budget, cac
         for request_id in decoding:
             assert request_id in output.num_scheduled_tokens or preempted, "a running decode was starved"
         assert output.total_num_scheduled_tokens <= budget
+        for request in sched.running:  # rejected drafts rolled back: only verified tokens are computed or cached
+            assert request.num_computed_tokens <= request.num_tokens
+            assert kv.num_cached_blocks.get(request.request_id, 0) * kv.block_size <= request.num_tokens
+            assert len(kv.req_to_blocks[request.request_id]) <= -(-(request.num_tokens + sched.num_lookahead_tokens) // kv.block_size)
         finish_reasons.update({o.request_id: o.finish_reason for o in outputs if o.finished})
         check_block_accounting(sched)
 

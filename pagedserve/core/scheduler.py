@@ -260,7 +260,7 @@ class Scheduler:
             num_new_tokens = self._chunk_size(request.num_tokens - num_computed_tokens, token_budget, num_computed_tokens, allowance)
             if num_new_tokens == 0:  # no time left in this step
                 break
-            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens, computed_blocks)
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens, computed_blocks, self.num_lookahead_tokens)
             if new_blocks is None:
                 break
             self.waiting.pop()

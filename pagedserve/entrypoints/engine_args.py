@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import typing
 
 from pagedserve.config import EngineConfig
@@ -37,8 +38,6 @@ def _scalar_type(hint):
 
 
 def _json_object(text: str):
-    import json
-
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:

@@ -53,9 +53,10 @@ class DraftModelProposer:
         """Greedy requests take the draft's argmax (verification wants the target's argmax); the others draw from the
         draft's distribution under their own temperature and filters, and keep it for the verification."""
         picks = argmax(logits.contiguous(), self.cpu_kernels).tolist()
-        for row, request in enumerate(requests):
-            if not request.params.is_greedy:
-                q = target_probabilities(logits[row : row + 1], request.params)[0]
-                picks[row] = draw(q, request.uniforms)
+        sampled = [row for row, request in enumerate(requests) if not request.params.is_greedy]
+        if sampled:
+            distributions = target_probabilities(logits[sampled], [requests[row].params for row in sampled])
+            for q, row in zip(distributions, sampled):
+                picks[row] = draw(q, requests[row].uniforms)
                 probabilities[row].append(q)
         return picks

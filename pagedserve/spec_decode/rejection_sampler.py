@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedserve.layers.sampler import apply_min_p, apply_top_k_top_p, argmax
+from pagedserve.layers.sampler import argmax
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -25,16 +25,35 @@ class Verification:
     token_id: int  # the token drawn after them (a correction, or the bonus when all were accepted)
 
 
-def target_probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """[rows, V] processed logits (penalties applied) -> the distributions normal sampling draws from."""
-    scaled = logits / params.temperature
-    rows = logits.shape[0]
+def target_probabilities(logits: torch.Tensor, params: SamplingParams | list[SamplingParams]) -> torch.Tensor:
+    """[rows, V] processed logits (penalties applied) -> [rows, V] float64: the distributions normal sampling draws
+    from (temperature, then min-p, top-k and top-p as layers/sampler.py applies them), under one request's
+    parameters or each row's own."""
+    per_row = params if isinstance(params, list) else [params] * logits.shape[0]
+    return torch.stack([_filtered_distribution(row, p) for row, p in zip(logits, per_row)])
+
+
+def _filtered_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    probs = torch.softmax(logits.double() / params.temperature, dim=-1)
     if params.min_p > 0:
-        scaled = apply_min_p(scaled, torch.full((rows,), params.min_p))
-    if params.top_k or params.top_p < 1.0:
-        scaled = apply_top_k_top_p(scaled, torch.full((rows,), params.top_k, dtype=torch.long) if params.top_k else None,
-                                   torch.full((rows,), params.top_p) if params.top_p < 1.0 else None)
-    return torch.softmax(scaled, dim=-1, dtype=torch.float64)
+        probs = torch.where(probs < probs.max() * params.min_p, 0.0, probs)
+    vocab_size = probs.shape[0]
+    top_k = params.top_k if 0 < params.top_k < vocab_size else vocab_size
+    if top_k == vocab_size and params.top_p >= 1.0:
+        return probs / probs.sum()
+    # The largest tokens, in order: the top-k, or (top-p alone) enough of them to hold top_p of the mass. No full
+    # sort of the vocabulary: a draft row is filtered once per draft position.
+    count = top_k if top_k < vocab_size else min(64, vocab_size)
+    values, ids = probs.topk(count)
+    mass = values.sum() if top_k < vocab_size else probs.sum()
+    while top_k == vocab_size and values.sum() < params.top_p * mass and count < vocab_size:
+        count = min(4 * count, vocab_size)
+        values, ids = probs.topk(count)
+    if params.top_p < 1.0:
+        mass_before = torch.cumsum(values, dim=0) - values
+        values = torch.where(mass_before < params.top_p * mass, values, 0.0)  # the smallest set reaching top_p
+    filtered = torch.zeros_like(probs).index_copy_(0, ids, values)
+    return filtered / filtered.sum()
 
 
 def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams, uniforms: np.random.Generator,
