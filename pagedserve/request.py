@@ -62,6 +62,7 @@ class Request:
         self.spec_token_ids: list[int] = []
         self.spec_acceptance = 1.0  # running share of its draft tokens accepted (decaying average)
         self.spec_paused_until = 0  # the output length before which it drafts no more (acceptance too low)
+        self.spec_num_pauses = 0  # pauses in a row, without a well-accepted draft between them
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -223,3 +223,19 @@ def test_executor_messages_are_timed_without_the_model(tmp_path, tiny_models):
     assert record["tensor_parallel_size"] == 2 and record["num_running"] == 64 and record["steps"] == 20
     assert 0 < record["median_us_per_step"] <= record["p99_us_per_step"]
     assert "2 ranks" in stdout
+
+
+@pytest.mark.slow
+def test_spec_compares_speculation_on_and_off(tmp_path, tiny_models):
+    """Both servers answer the copy workload; the random-token run reports both sides."""
+    record, stdout = bench(tmp_path, "spec", "--model", str(tiny_models["llama"]), "--concurrency", "1", "2", "--requests-per-user", "1",
+                           "--num-prompts", "3", "--input-len", "12", "--output-len", "6", "--server-args", "--kv-cache-memory",
+                           str(2**24))
+    rows = record["copy"]
+    assert sorted((r["speculation"], r["concurrency"]) for r in rows) == [(False, 1), (False, 2), (True, 1), (True, 2)]
+    assert all(r["failures"] == 0 and r["output_tokens_per_s"] > 0 for r in rows)
+    assert all(r["mean_accepted_length"] is None for r in rows if not r["speculation"])
+    assert record["speculative_config"]["method"] == "ngram"
+    off, on = record["random_throughput"]
+    assert (off["speculation"], on["speculation"]) == (False, True) and off["drafts"] == 0
+    assert "speed-up" in stdout and "mean accepted length" in stdout and "ratio on/off" in stdout

@@ -20,6 +20,7 @@ class BenchRequest:
     prompt_token_ids: list[int] | None  # a completion prompt as token ids...
     output_len: int
     messages: list[dict] | None = None  # ...or a conversation, for the chat endpoint
+    ignore_eos: bool = True  # False: the answer ends where the model ends it (max output_len)
 
     def as_messages(self, rng: random.Random) -> list[dict]:
         """The request as a conversation: its own, or a user message of passage text about as long as its prompt."""
@@ -65,6 +66,28 @@ def chat_requests(num_prompts: int, seed: int = 0, output_range=(32, 256), max_t
         requests.append(BenchRequest(None, rng.randint(*output_range), messages))
     return requests
 
+
+def copy_requests(num_prompts: int, seed: int = 0, max_output_len: int = 256) -> list[BenchRequest]:
+    """Conversations asking the model to repeat, or lightly edit, about 160 words of passage text: answers that
+    copy their prompt, where prompt-lookup speculation pays. They end where the model ends them."""
+    rng = random.Random(seed)
+    texts = passages()
+    requests = []
+    for _ in range(num_prompts):
+        first = rng.randrange(len(texts))
+        text = f"{texts[first]}\n\n{texts[(first + 1) % len(texts)]}"
+        old_word, new_word = rng.choice(_EDITS)
+        instruction = rng.choice((
+            "Repeat the following text exactly, word for word.",
+            "Copy out the following text without changing anything.",
+            f"Rewrite the following text, replacing the word '{old_word}' with '{new_word}' and changing nothing else.",
+            "Rewrite the following text with British spelling, changing nothing else.",
+        ))
+        requests.append(BenchRequest(None, max_output_len, [{"role": "user", "content": f"{instruction}\n\n{text}"}], ignore_eos=False))
+    return requests
+
+
+_EDITS = (("the", "this"), ("and", "plus"), ("was", "seemed"), ("of", "from"), ("a", "one"))
 
 _QUESTIONS = (
     "Summarize this passage in two sentences.", "What is the main idea here?", "Rewrite the passage for a ten-year-old.",

@@ -55,7 +55,7 @@ class Sampling:
 
 
 def request_body(endpoint: str, model: str, request: BenchRequest, sampling: Sampling, rng: random.Random) -> dict:
-    body = {"model": model, "max_tokens": request.output_len, "stream": True, "ignore_eos": True,
+    body = {"model": model, "max_tokens": request.output_len, "stream": True, "ignore_eos": request.ignore_eos,
             "stream_options": {"include_usage": True}, **sampling.fields()}
     if sampling.seeded:
         body["seed"] = rng.randrange(2**31)
@@ -222,7 +222,7 @@ def run(args) -> dict:
     records = []
     seeds = itertools.count(args.seed)
     with (contextlib.nullcontext(args.base_url) if args.base_url else own_server(args.model, args.server_args)) as url:
-        model = args.served_model or _first_model(url, args.api_key)
+        model = args.served_model or first_model(url, args.api_key)
         for temperature, rate, concurrency in itertools.product(temperatures, rates, concurrencies):
             sampling = Sampling(temperature, args.top_p, args.top_k, args.min_p, args.repetition_penalty, args.frequency_penalty,
                                 args.presence_penalty, args.seeded)
@@ -253,7 +253,7 @@ def run(args) -> dict:
     return record
 
 
-def _first_model(url: str, api_key: str | None) -> str:
+def first_model(url: str, api_key: str | None) -> str:
     import urllib.request
 
     request = urllib.request.Request(url + "/v1/models", headers={"Authorization": f"Bearer {api_key}"} if api_key else {})

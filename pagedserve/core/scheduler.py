@@ -205,8 +205,7 @@ class Scheduler:
 
     def _propose_for(self, num_scheduled_tokens: dict[str, int]) -> set[str]:
         """The requests the runner drafts for after this step: those that will be decoding, unless the batch is
-        too large for speculation to pay, or a request's drafts have been accepted too rarely (it tries again
-        after as many tokens as it drafted at a time times eight)."""
+        too large for speculation to pay, or a request's drafts have been accepted too rarely (_track_acceptance)."""
         limit = self.speculative.disable_by_batch_size
         if limit and len(self.running) >= limit:
             return set()
@@ -356,7 +355,7 @@ class Scheduler:
                         finish_reason = request.status.finish_reason
                 if finish_reason is not None:
                     stopped.append(request)
-                elif proposals:
+                elif proposals and request.num_output_tokens >= request.spec_paused_until:  # not paused by this step's verdict
                     request.spec_token_ids = self._usable_drafts(request, proposals.get(request_id))
             prompt_logprobs = prompt_logprobs_of.get(request_id) if prompt_logprobs_of else None
             if prompt_logprobs is not None:
@@ -388,11 +387,7 @@ class Scheduler:
         limit; roll num_computed_tokens back over the rejected drafts and give back the blocks only they used.
         Returns the finish reason, if it finished."""
         self.spec_stats.observe(len(drafts), len(accepted))
-        rate = len(accepted) / len(drafts)
-        request.spec_acceptance = 0.8 * request.spec_acceptance + 0.2 * rate
-        if request.spec_acceptance < self.speculative.min_acceptance_rate:
-            request.spec_paused_until = request.num_output_tokens + 8 * len(drafts)
-            request.spec_acceptance = 1.0  # a fresh start once it drafts again
+        self._track_acceptance(request, len(accepted) / len(drafts))
         for token in (*accepted, token_id):
             request.append_output_token(token)
             new_token_ids.append(token)
@@ -402,6 +397,22 @@ class Scheduler:
         request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
         self.kv_cache_manager.trim(request)
         return None
+
+    def _track_acceptance(self, request: Request, rate: float) -> None:
+        """Pause a request's drafting while its drafts are mostly rejected: every rejected draft token costs a
+        slot in the step. The running rate weighs the latest draft as much as all before it, so a few failures
+        pause it; each pause in a row lasts twice as long (from 8 drafts' worth of tokens up to 64); after one
+        it resumes just above the limit, so that one more failure pauses it again."""
+        minimum = self.speculative.min_acceptance_rate
+        request.spec_acceptance = 0.5 * request.spec_acceptance + 0.5 * rate
+        if request.spec_acceptance >= minimum:
+            if rate >= minimum:
+                request.spec_num_pauses = 0
+            return
+        num_tokens = self.speculative.num_speculative_tokens * 8 * 2 ** min(request.spec_num_pauses, 3)
+        request.spec_paused_until = request.num_output_tokens + num_tokens
+        request.spec_num_pauses += 1
+        request.spec_acceptance = 1.5 * minimum
 
     def _usable_drafts(self, request: Request, drafts: list[int] | None) -> list[int]:
         """Drafts the request can still use: none past its max_tokens or the context."""

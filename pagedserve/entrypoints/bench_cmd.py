@@ -80,6 +80,19 @@ def register(sub) -> None:
     executor.add_argument("--num-running", type=int, default=256)
     executor.add_argument("--steps", type=int, default=200)
 
+    spec = _workload(workloads, "spec", "speculative decoding on vs off: copy-heavy chat at several concurrencies, random-token "
+                                        "throughput")
+    spec.add_argument("--model", default=EngineConfig.model)
+    spec.add_argument("--concurrency", type=_positive_int, nargs="+", default=[1, 4, 16], help="concurrent users, in turn")
+    spec.add_argument("--requests-per-user", type=_positive_int, default=3, help="requests per concurrent user")
+    spec.add_argument("--num-speculative-tokens", type=_positive_int, default=4)
+    spec.add_argument("--random-throughput", action=argparse.BooleanOptionalAction, default=True,
+                      help="also the offline random-token workload with and without speculation")
+    spec.add_argument("--num-prompts", type=int, default=32, help="random-token workload: prompts")
+    spec.add_argument("--input-len", type=int, default=128)
+    spec.add_argument("--output-len", type=int, default=128)
+    spec.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="extra flags for both servers (last)")
+
     plot = workloads.add_parser("plot", help="PNG plots from `bench serve --json` records")
     plot.add_argument("records", nargs="+", help="JSON records written by `bench serve --json` (one per server)")
     plot.add_argument("--out-dir", default="docs/img", help="where the PNG files go")
@@ -118,7 +131,7 @@ def run_plot(args) -> int:
 
 
 def run_bench(args) -> int:
-    from pagedserve.benchmarks import executor, interference, kv_sched, prefix, serve, throughput
+    from pagedserve.benchmarks import executor, interference, kv_sched, prefix, serve, spec, throughput
 
     if args.workload in ("throughput", "prefix", "interference", "executor"):
         defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
@@ -128,6 +141,6 @@ def run_bench(args) -> int:
     if args.workload == "throughput" and args.num_prompts is None:
         args.num_prompts = 64 if args.dataset == "mixed" else 32
     runners = {"throughput": throughput.run, "serve": serve.run, "prefix": prefix.run, "interference": interference.run,
-               "kv": kv_sched.run_kv, "sched": kv_sched.run_sched, "executor": executor.run}
+               "kv": kv_sched.run_kv, "sched": kv_sched.run_sched, "executor": executor.run, "spec": spec.run}
     runners[args.workload](args)
     return 0
