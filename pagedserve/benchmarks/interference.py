@@ -1,5 +1,6 @@
-"""Interference: 16 decoding streams while a long prompt arrives; their inter-token latency
-during its prefill, with chunked prefill (small per-step chunks) vs the whole prompt in one step."""
+"""Interference: 16 decoding streams while a long prompt arrives; their inter-token latency during its
+prefill, three ways: the default stall-free scheduling (prompt tokens per step bounded in time), fixed
+small chunks per step (no time bound), and the whole prompt in one step."""
 
 from __future__ import annotations
 
@@ -9,15 +10,21 @@ from pagedserve.benchmarks.report import percentile, print_table, write_json
 from pagedserve.benchmarks.timed_run import TimedRun
 from pagedserve.sampling_params import SamplingParams
 
+# How each arm sets the engine up: (stall-free time bound on, chunk cap on, budget for the whole prompt).
+ARMS = {"stall_free": (True, False, False), "chunked": (False, True, False), "whole": (False, False, True)}
 
-def _run(args, chunked: bool) -> dict:
+
+def _run(args, arm: str) -> dict:
     from pagedserve import LLM
 
     rng = random.Random(args.seed)
     overrides = dict(args.engine_overrides)
-    if chunked:
+    time_bound, chunk_cap, whole_prompt = ARMS[arm]
+    if not time_bound:
+        overrides["max_decode_stall"] = "off"
+    if chunk_cap:
         overrides["long_prefill_token_threshold"] = args.chunk_size
-    else:
+    if whole_prompt:
         overrides["max_num_batched_tokens"] = max(overrides.get("max_num_batched_tokens", 0), args.long_prompt_len + 64)
     llm = LLM(args.model, **overrides)
     run = TimedRun(llm.llm_engine)
@@ -43,14 +50,16 @@ def _run(args, chunked: bool) -> dict:
 
 
 def run(args) -> dict:
-    chunked, whole = _run(args, True), _run(args, False)
-    record = {"benchmark": "interference", "long_prompt_len": args.long_prompt_len, "chunk_size": args.chunk_size,
-              "chunked": chunked, "unchunked": whole, "chunked_p99_over_p50": chunked["itl_p99_s"] / chunked["itl_p50_s"]}
-    print_table(f"interference (16 streams, {args.long_prompt_len}-token prompt arrives)", [
-        (f"ITL p50 s, chunked ({args.chunk_size}/step)", chunked["itl_p50_s"]), ("ITL p99 s, chunked", chunked["itl_p99_s"]),
-        ("p99 / p50, chunked", record["chunked_p99_over_p50"]), ("long prefill s, chunked", chunked["prefill_s"]),
-        ("ITL p50 s, whole prompt in one step", whole["itl_p50_s"]), ("ITL p99 s, whole prompt", whole["itl_p99_s"]),
-        ("long prefill s, whole prompt", whole["prefill_s"]),
-    ])
+    arms = {arm: _run(args, arm) for arm in ARMS}
+    record = {"benchmark": "interference", "long_prompt_len": args.long_prompt_len, "chunk_size": args.chunk_size, **arms,
+              **{f"{arm}_p99_over_p50": figures["itl_p99_s"] / figures["itl_p50_s"] for arm, figures in arms.items()}}
+    names = {"stall_free": "stall-free (defaults)", "chunked": f"chunks of {args.chunk_size}, no time bound",
+             "whole": "whole prompt in one step"}
+    rows = []
+    for arm, figures in arms.items():
+        rows += [(f"{names[arm]}: ITL p50 / p99 s", f"{figures['itl_p50_s']:.3f} / {figures['itl_p99_s']:.3f}"),
+                 (f"{names[arm]}: p99 / p50", record[f"{arm}_p99_over_p50"]),
+                 (f"{names[arm]}: long prefill s", figures["prefill_s"])]
+    print_table(f"interference (16 streams, {args.long_prompt_len}-token prompt arrives)", rows)
     write_json(args.json, record)
     return record

@@ -7,7 +7,7 @@ import time
 from collections import deque
 
 from pagedserve.config import EngineConfig, parse_stall_limit
-from pagedserve.core.contracts import EngineCoreOutput, SchedulerOutput, SchedulerStats
+from pagedserve.core.contracts import EngineCoreOutput, ModelRunnerOutput, RunningRequestData, SchedulerOutput, SchedulerStats
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.core.step_time import StepShape, chunk_attention_pairs
@@ -124,12 +124,9 @@ class EngineCore:
         self.kv_cache_manager.reset_prefix_cache()
         return seconds
 
-
     def time_step_messages(self, num_running: int, steps: int) -> list[float]:
         """Seconds of each of `steps` round trips of a step's messages between this core's executor and its ranks,
         without the model: a step of num_running decodes one way, their sampled tokens back."""
-        from pagedserve.core.contracts import ModelRunnerOutput, RunningRequestData
-
         if not hasattr(self.executor, "time_step_messages"):
             raise ValueError("the executor's per-step messages are timed only with several ranks (distributed_executor_backend mp)")
         ids = [f"request-{index}" for index in range(num_running)]
