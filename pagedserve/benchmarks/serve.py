@@ -215,12 +215,19 @@ def workload_name(args) -> str:
     return f"{args.num_prompts} requests, {shape}, {args.endpoint}"
 
 
+def prompt_seed(seed: int | None) -> int:
+    """The seed of an invocation's prompts: the one given, or a new one, so that a second invocation against a
+    server that stays up sends prompts its prefix cache has not seen."""
+    return seed if seed is not None else random.SystemRandom().randrange(2**31)
+
+
 def run(args) -> dict:
     rates = [float(rate) for rate in args.request_rate]
     concurrencies = args.max_concurrency or [None]
     temperatures = args.temperature
     records = []
-    seeds = itertools.count(args.seed)
+    seed = prompt_seed(args.seed)
+    seeds = itertools.count(seed)
     with (contextlib.nullcontext(args.base_url) if args.base_url else own_server(args.model, args.server_args)) as url:
         model = args.served_model or first_model(url, args.api_key)
         for temperature, rate, concurrency in itertools.product(temperatures, rates, concurrencies):
@@ -230,7 +237,7 @@ def run(args) -> dict:
             for _ in range(args.repeats):
                 # Fresh prompts for each run: a server's prefix cache must not turn later runs into cache hits.
                 requests = make_requests(args, seed=next(seeds))
-                results, duration = asyncio.run(run_load(url, model, requests, rate, concurrency, args.api_key, args.seed,
+                results, duration = asyncio.run(run_load(url, model, requests, rate, concurrency, args.api_key, seed,
                                                          args.endpoint, sampling))
                 repeats.append(summarize(results, duration))
             summary = {"request_rate": rate, "max_concurrency": concurrency, **sampling.fields(), "seeded": sampling.seeded,
@@ -248,7 +255,7 @@ def run(args) -> dict:
             ])
     record = {"benchmark": "serve", "label": args.label or ("pagedserve" if not args.base_url else args.base_url),
               "base_url": args.base_url, "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
-              "dataset": args.dataset, "endpoint": args.endpoint, "runs": records}
+              "dataset": args.dataset, "endpoint": args.endpoint, "seed": seed, "runs": records}
     write_json(args.json, record)
     return record
 

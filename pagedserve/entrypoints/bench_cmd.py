@@ -27,7 +27,7 @@ def register(sub) -> None:
     throughput.add_argument("--repeats", type=_positive_int, default=1,
                             help="run the workload this many times (fresh prompts each, HF right after ours) and report medians")
 
-    serve = _workload(workloads, "serve", "streaming HTTP client against an OpenAI-compatible server")
+    serve = _workload(workloads, "serve", "streaming HTTP client against an OpenAI-compatible server", prompt_seed=None)
     serve.add_argument("--base-url", default=None, help="server to measure (default: start our own)")
     serve.add_argument("--model", default=EngineConfig.model, help="model for our own server")
     serve.add_argument("--served-model", default=None, help="model name to send (default: the server's first)")
@@ -106,13 +106,17 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _workload(workloads, name: str, help_text: str, engine: bool = False) -> argparse.ArgumentParser:
+def _workload(workloads, name: str, help_text: str, engine: bool = False, prompt_seed: int | None = 0) -> argparse.ArgumentParser:
     parser = workloads.add_parser(name, help=help_text)
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON")
     if engine:
         add_engine_args(parser)  # its --seed seeds the prompts too
+    elif prompt_seed is None:
+        parser.add_argument("--seed", type=int, default=None,
+                            help="seed of the random prompts (default: a new one each invocation, named in the record, so "
+                                 "a server that stays up cannot answer a repeated workload from its prefix cache)")
     else:
-        parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+        parser.add_argument("--seed", type=int, default=prompt_seed, help="seed of the random prompts")
     parser.set_defaults(handler=run_bench)
     return parser
 
