@@ -25,6 +25,9 @@ from pagedserve.core.request_queue import make_waiting_queue
 from pagedserve.core.step_time import StepShape, StepTimeModel, chunk_attention_pairs
 from pagedserve.request import Request, RequestStatus
 
+# The share of a step's time limit the scheduler plans to fill (the step-time model errs by ~5-10% a step).
+_PLANNING_MARGIN = 0.9
+
 
 class PrefillAllowance:
     """The seconds of prompt work a step may still take on while streams decode. The first chunk of a step
@@ -74,11 +77,13 @@ class Scheduler:
         self.num_prompt_logprobs_sent: dict[str, int] = {}
         self.max_decode_stall = max_decode_stall  # ("x", multiple of the decode-only step) or ("s", seconds); None: off
         self.step_time = StepTimeModel()
+        self.decode_step_time = StepTimeModel()  # decode-only steps alone: the yardstick of a stall
         # Set under pipeline parallelism: every decode carries its last token (SchedulerOutput.last_token_ids).
         self.send_last_tokens = False
         self.speculative = speculative
         # A draft model writes its proposals' K/V beyond the verified tokens: slots are held for them.
         self.num_lookahead_tokens = speculative.num_speculative_tokens if speculative and speculative.method == "draft_model" else 0
+        self._without_draft_slots: set[str] = set()  # this step's requests that got no lookahead slots (_lookahead)
         self.spec_stats = SpecDecodingStats() if speculative else None
 
     # ---- requests in and out -------------------------------------------------------------
@@ -134,10 +139,12 @@ class Scheduler:
         attention_pairs = 0.0
         last_token_ids: dict[str, tuple[int, int]] = {}
         spec_token_ids: dict[str, list[int]] = {}
-        lookahead = self.num_lookahead_tokens
+        self._without_draft_slots.clear()
 
         index = 0
         allocate_slots = self.kv_cache_manager.allocate_slots
+        # Drafts only take budget that the decodes after them do not need: no decode is starved for a draft.
+        decodes_to_come = sum(1 for r in self.running if len(r.all_token_ids) - r.num_computed_tokens == 1) if self.speculative else 0
         while index < len(self.running) and token_budget > 0:
             request = self.running[index]
             num_new_tokens = len(request.all_token_ids) - request.num_computed_tokens
@@ -150,11 +157,15 @@ class Scheduler:
                 if num_new_tokens == 0:  # no time left in this step for its chunk
                     index += 1
                     continue
-            elif drafts:  # a decode that verifies its drafts too, as far as the budget goes
-                drafts = drafts[: token_budget - 1]
-                num_new_tokens += len(drafts)
+            else:
+                decodes_to_come -= 1
+                if drafts:  # a decode that verifies its drafts too, as far as the budget goes; the rest are stale after it
+                    request.spec_token_ids = []
+                    drafts = drafts[: max(token_budget - 1 - decodes_to_come, 0)]
+                    num_new_tokens += len(drafts)
             new_blocks = None
             while True:
+                lookahead = self._lookahead(request, request.num_computed_tokens, num_new_tokens)
                 new_blocks = allocate_slots(request, num_new_tokens, None, lookahead)
                 if new_blocks is not None:
                     break
@@ -203,6 +214,20 @@ class Scheduler:
         self.finished_req_ids = set()
         return output
 
+    def _lookahead(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> int:
+        """Slots held beyond this step's tokens for the draft model's proposals after it. None where no draft could
+        be used (the request ends with its next token) or they would pass max_model_len: then a request alone
+        always fits the cache, and it is not drafted for after this step."""
+        k = self.num_lookahead_tokens
+        if not k:
+            return 0
+        max_tokens = request.sampling_params.max_tokens
+        if (max_tokens is not None and request.num_output_tokens + 1 >= max_tokens) or (
+                num_computed_tokens + num_new_tokens + k > self.max_model_len):
+            self._without_draft_slots.add(request.request_id)
+            return 0
+        return k
+
     def _propose_for(self, num_scheduled_tokens: dict[str, int]) -> set[str]:
         """The requests the runner drafts for after this step: those that will be decoding, unless the batch is
         too large for speculation to pay, or a request's drafts have been accepted too rarely (_track_acceptance)."""
@@ -212,7 +237,8 @@ class Scheduler:
         chosen = set()
         for request_id in num_scheduled_tokens:
             request = self.requests[request_id]
-            if request.num_computed_tokens + 1 >= request.num_tokens and request.num_output_tokens >= request.spec_paused_until:
+            if (request.num_computed_tokens + 1 >= request.num_tokens and request.num_output_tokens >= request.spec_paused_until
+                    and request_id not in self._without_draft_slots):
                 chosen.add(request_id)
         return chosen
 
@@ -220,29 +246,40 @@ class Scheduler:
         """How long a step of this shape took (to the step-time model)."""
         if shape.decode_tokens or shape.prefill_tokens:
             self.step_time.observe(shape, seconds)
+        if shape.decode_tokens and not shape.prefill_tokens:
+            self.decode_step_time.observe(shape, seconds)
+
+    def _decode_only_seconds(self, shape: StepShape) -> float:
+        # Fit to decode-only steps alone where there are enough: the fit over all steps is dominated by the
+        # steps with prompts, and misjudges by 10-20% the decode-only step a stall is measured against.
+        model = self.decode_step_time if self.decode_step_time.num_observations >= 3 else self.step_time
+        return model.predict(shape)
 
     def _prefill_allowance(self) -> PrefillAllowance | None:
         """What bounds this step's prompt work in time: None when nothing does (no limit set, the model not yet
-        fit, or no request decoding, so that no stream waits for the prompts)."""
+        fit, no request decoding, so that no stream waits for the prompts, or no prompt to bound)."""
         if self.max_decode_stall is None or not self.step_time.ready:
             return None
-        decode_tokens, pairs = 0, 0.0
+        decode_tokens, pairs, prompt_work = 0, 0.0, bool(self.waiting)
         for request in self.running:
             if len(request.all_token_ids) - request.num_computed_tokens == 1:
                 decode_tokens += 1
                 pairs += request.num_computed_tokens + 1
-        if not decode_tokens:
+            else:
+                prompt_work = True
+        if not decode_tokens or not prompt_work:
             return None
-        decode_only = self.step_time.predict(StepShape(decode_tokens, 0, pairs))
+        decode_only = self._decode_only_seconds(StepShape(decode_tokens, 0, pairs))
         kind, value = self.max_decode_stall
         if kind == "x":
             # The decode-only step of the batch these prompts are joining, not of the few streams that may be
             # decoding when they arrive: the waiting requests decode too, as soon as their prompts are in.
             batch = min(len(self.running) + len(self.waiting), self.max_num_seqs)
-            target = value * self.step_time.predict(StepShape(batch, 0, pairs * batch / decode_tokens))
+            target = value * self._decode_only_seconds(StepShape(batch, 0, pairs * batch / decode_tokens))
         else:
             target = value
-        return PrefillAllowance(self.step_time, target - decode_only, min_tokens=self.kv_cache_manager.block_size)
+        # Planned a little under the limit: a plan at the limit overshoots it about half the time.
+        return PrefillAllowance(self.step_time, _PLANNING_MARGIN * target - decode_only, min_tokens=self.kv_cache_manager.block_size)
 
     def _schedule_waiting(self, token_budget: int, num_scheduled_tokens: dict, new_reqs: list,
                           allowance: PrefillAllowance | None) -> tuple[int, int, float]:
@@ -259,7 +296,8 @@ class Scheduler:
             num_new_tokens = self._chunk_size(request.num_tokens - num_computed_tokens, token_budget, num_computed_tokens, allowance)
             if num_new_tokens == 0:  # no time left in this step
                 break
-            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens, computed_blocks, self.num_lookahead_tokens)
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens, computed_blocks,
+                                                              self._lookahead(request, num_computed_tokens, num_new_tokens))
             if new_blocks is None:
                 break
             self.waiting.pop()

@@ -31,13 +31,20 @@ def chunk_attention_pairs(query_len: int, context_len: int) -> float:
 
 
 class StepTimeModel:
-    """seconds ~ overhead + per decode token + per prompt token + per attention unit."""
+    """seconds ~ overhead + per decode token + per prompt token + per attention unit, every weight >= 0.
+
+    The fit is least squares over all observed steps, older ones weighted down by `forgetting` per step,
+    constrained to non-negative weights: the features move together (a bigger batch has more decode tokens
+    and more attention), and an unconstrained fit trades a negative overhead for inflated per-token costs,
+    which over-predicts exactly the decode-only steps the stall limit is measured against."""
 
     def __init__(self, forgetting: float = 0.98, min_observations: int = 5) -> None:
         self.forgetting = forgetting
         self.min_observations = min_observations
-        self.weights = [0.0, 0.0, 0.0, 0.0]
-        self._inverse = [[1e3 if i == j else 0.0 for j in range(4)] for i in range(4)]  # P = (X^T X)^-1, a weak prior
+        self._gram = [[0.0] * 4 for _ in range(4)]  # sum of forgetting^age * x x^T
+        self._moment = [0.0] * 4  # sum of forgetting^age * x * seconds
+        self._weights = [0.0] * 4
+        self._stale = False  # refit lazily: observing is every step, predicting only when prompts wait
         self.num_observations = 0
         self._saw_prefill = self._saw_decode_only = False
 
@@ -46,25 +53,32 @@ class StepTimeModel:
         """Fit to enough steps, decode-only and with prompt tokens, to tell their costs apart."""
         return self.num_observations >= self.min_observations and self._saw_prefill and self._saw_decode_only
 
+    @property
+    def weights(self) -> list[float]:
+        if self._stale:
+            self._weights = nonnegative_least_squares(self._gram, self._moment)
+            self._stale = False
+        return self._weights
+
     def observe(self, shape: StepShape, seconds: float) -> None:
         x = shape.features()
-        p = self._inverse
-        px = [sum(p[i][j] * x[j] for j in range(4)) for i in range(4)]
-        denominator = self.forgetting + sum(x[i] * px[i] for i in range(4))
-        gain = [v / denominator for v in px]
-        error = seconds - sum(w * v for w, v in zip(self.weights, x))
-        self.weights = [w + g * error for w, g in zip(self.weights, gain)]
-        self._inverse = [[(p[i][j] - gain[i] * px[j]) / self.forgetting for j in range(4)] for i in range(4)]
+        keep = self.forgetting
+        for i in range(4):
+            self._moment[i] = keep * self._moment[i] + x[i] * seconds
+            row = self._gram[i]
+            for j in range(4):
+                row[j] = keep * row[j] + x[i] * x[j]
+        self._stale = True
         self.num_observations += 1
         self._saw_prefill |= shape.prefill_tokens > 0
         self._saw_decode_only |= shape.prefill_tokens == 0 and shape.decode_tokens > 0
 
     def predict(self, shape: StepShape) -> float:
-        return sum(max(w, 0.0) * v for w, v in zip(self.weights, shape.features()))
+        return sum(w * v for w, v in zip(self.weights, shape.features()))
 
     def prefill_cost(self, query_len: int, context_len: int) -> float:
         """Seconds a chunk adds to a step."""
-        _, _, per_token, per_unit = (max(w, 0.0) for w in self.weights)
+        _, _, per_token, per_unit = self.weights
         return per_token * query_len + per_unit * chunk_attention_pairs(query_len, context_len) / _PAIRS_PER_UNIT
 
     def max_chunk(self, seconds: float, context_len: int, limit: int) -> int:
@@ -79,3 +93,46 @@ class StepTimeModel:
             else:
                 high = middle - 1
         return low
+
+
+def nonnegative_least_squares(gram: list[list[float]], moment: list[float]) -> list[float]:
+    """argmin over w >= 0 of w^T G w - 2 m^T w, given the normal equations G = X^T X, m = X^T y. With four
+    unknowns every support is tried: the optimum is the unconstrained solution on its own support, and
+    no feasible candidate beats it."""
+    n = len(moment)
+    best, best_objective = [0.0] * n, 0.0
+    for mask in range(1, 1 << n):
+        support = [i for i in range(n) if mask >> i & 1]
+        solution = _solve([[gram[i][j] for j in support] for i in support], [moment[i] for i in support])
+        if solution is None or min(solution) < 0.0:
+            continue
+        weights = [0.0] * n
+        for i, value in zip(support, solution):
+            weights[i] = value
+        objective = sum(weights[i] * gram[i][j] * weights[j] for i in support for j in support) - 2.0 * sum(
+            weights[i] * moment[i] for i in support)
+        if objective < best_objective:
+            best, best_objective = weights, objective
+    return best
+
+
+def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting; None when the system is (nearly) singular, as it is for a
+    feature the steps have not varied yet."""
+    n = len(rhs)
+    rows = [matrix[i][:] + [rhs[i]] for i in range(n)]
+    scale = max(abs(rows[i][i]) for i in range(n)) or 1.0
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(rows[r][col]))
+        if abs(rows[pivot][col]) <= 1e-12 * scale:
+            return None
+        rows[col], rows[pivot] = rows[pivot], rows[col]
+        for r in range(col + 1, n):
+            factor = rows[r][col] / rows[col][col]
+            if factor:
+                for c in range(col, n + 1):
+                    rows[r][c] -= factor * rows[col][c]
+    solution = [0.0] * n
+    for i in reversed(range(n)):
+        solution[i] = (rows[i][n] - sum(rows[i][j] * solution[j] for j in range(i + 1, n))) / rows[i][i]
+    return solution

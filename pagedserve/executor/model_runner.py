@@ -115,10 +115,11 @@ class ModelRunner:
 
     # (sequences, new tokens each, context): decodes of a few batch sizes and short prompts' prefills, the
     # steps a server meets first; their times also seed the scheduler's model of step times.
-    _WARM_UP_SHAPES = ((1, 1, 0), (8, 1, 64), (32, 1, 64), (1, 64, 0), (2, 128, 0))
+    # Decodes at two contexts, so that the step-time model can tell attention from per-token costs.
+    _WARM_UP_SHAPES = ((1, 1, 0), (8, 1, 64), (8, 1, 1024), (32, 1, 64), (1, 64, 0), (2, 128, 0))
 
     @torch.inference_mode()
-    def warm_up(self) -> list[tuple[int, int, int, float]]:
+    def warm_up(self, max_model_len: int) -> list[tuple[int, int, int, float]]:
         """Run the first shapes a server meets (twice: the first run pays one-time costs, kernel setup for new
         GEMM shapes and first touches of buffers) and both sampling paths, so the first requests do not.
         Returns (sequences, new tokens each, context, seconds) of the second runs. K/V land in the first
@@ -126,8 +127,8 @@ class ModelRunner:
         timings = []
         num_blocks = self.kv_caches[0].shape[1]
         for num_seqs, seq_len, context in self._WARM_UP_SHAPES:
-            if num_seqs * -(-(context + seq_len) // self.block_size) > num_blocks:
-                continue  # a cache too small for this shape (tests shrink it)
+            if num_seqs * -(-(context + seq_len) // self.block_size) > num_blocks or context + seq_len > max_model_len:
+                continue  # a cache or a context too small for this shape (tests shrink them)
             seconds = self.time_forward_passes(num_seqs, seq_len, 2, context)[-1]
             timings.append((num_seqs, seq_len, context, seconds))
         hidden = self._forward(*self._dummy_inputs(2, 1, 0),

@@ -195,7 +195,7 @@ class Worker:
                 "num_blocks": self.num_blocks}
 
     def warm_up(self) -> list[tuple[int, int, int, float]]:
-        return self.model_runner.warm_up()
+        return self.model_runner.warm_up(self.max_model_len)
 
     def time_forward_passes(self, num_seqs: int, seq_len: int, passes: int, context: int = 0) -> list[float]:
         return self.model_runner.time_forward_passes(num_seqs, seq_len, passes, context)
