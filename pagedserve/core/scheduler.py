@@ -242,13 +242,12 @@ class Scheduler:
                 chosen.add(request_id)
         return chosen
 
-    def observe_step(self, shape: StepShape, seconds: float, lasting: bool = False) -> None:
-        """How long a step of this shape took (to the step-time models); `lasting` for the warm-up steps, which
-        keep their weight (StepTimeModel)."""
+    def observe_step(self, shape: StepShape, seconds: float) -> None:
+        """How long a step of this shape took (to the step-time model)."""
         if shape.decode_tokens or shape.prefill_tokens:
-            self.step_time.observe(shape, seconds, lasting)
+            self.step_time.observe(shape, seconds)
         if shape.decode_tokens and not shape.prefill_tokens:
-            self.decode_step_time.observe(shape, seconds, lasting)
+            self.decode_step_time.observe(shape, seconds)
 
     def _decode_only_seconds(self, shape: StepShape) -> float:
         # Fit to decode-only steps alone where there are enough: the fit over all steps is dominated by the

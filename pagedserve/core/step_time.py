@@ -36,19 +36,13 @@ class StepTimeModel:
     The fit is least squares over all observed steps, older ones weighted down by `forgetting` per step,
     constrained to non-negative weights: the features move together (a bigger batch has more decode tokens
     and more attention), and an unconstrained fit trades a negative overhead for inflated per-token costs,
-    which over-predicts exactly the decode-only steps the stall limit is measured against.
-
-    Steps observed as `lasting` (the engine's warm-up steps) are never weighted down: a long run of steps of
-    one shape (one stream decoding for minutes) informs nothing about the others, and without them the
-    forgotten directions would leave the fit undetermined there."""
+    which over-predicts exactly the decode-only steps the stall limit is measured against."""
 
     def __init__(self, forgetting: float = 0.98, min_observations: int = 5) -> None:
         self.forgetting = forgetting
         self.min_observations = min_observations
         self._gram = [[0.0] * 4 for _ in range(4)]  # sum of forgetting^age * x x^T
         self._moment = [0.0] * 4  # sum of forgetting^age * x * seconds
-        self._lasting_gram = [[0.0] * 4 for _ in range(4)]  # the same sums over lasting steps, never weighted down
-        self._lasting_moment = [0.0] * 4
         self._weights = [0.0] * 4
         self._stale = False  # refit lazily: observing is every step, predicting only when prompts wait
         self.num_observations = 0
@@ -62,18 +56,16 @@ class StepTimeModel:
     @property
     def weights(self) -> list[float]:
         if self._stale:
-            gram = [[a + b for a, b in zip(row, lasting)] for row, lasting in zip(self._gram, self._lasting_gram)]
-            self._weights = nonnegative_least_squares(gram, [a + b for a, b in zip(self._moment, self._lasting_moment)])
+            self._weights = nonnegative_least_squares(self._gram, self._moment)
             self._stale = False
         return self._weights
 
-    def observe(self, shape: StepShape, seconds: float, lasting: bool = False) -> None:
+    def observe(self, shape: StepShape, seconds: float) -> None:
         x = shape.features()
-        keep = 1.0 if lasting else self.forgetting
-        gram, moment = (self._lasting_gram, self._lasting_moment) if lasting else (self._gram, self._moment)
+        keep = self.forgetting
         for i in range(4):
-            moment[i] = keep * moment[i] + x[i] * seconds
-            row = gram[i]
+            self._moment[i] = keep * self._moment[i] + x[i] * seconds
+            row = self._gram[i]
             for j in range(4):
                 row[j] = keep * row[j] + x[i] * x[j]
         self._stale = True

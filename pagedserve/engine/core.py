@@ -48,7 +48,7 @@ class EngineCore:
         self.batch_queue: deque[SchedulerOutput] | None = deque() if self.executor.max_concurrent_batches > 1 else None
         self.scheduler.send_last_tokens = self.batch_queue is not None
         for num_seqs, seq_len, context, seconds in warm_up_timings:  # a first fit of the step-time model
-            self.scheduler.observe_step(warm_up_shape(num_seqs, seq_len, context), seconds, lasting=True)
+            self.scheduler.observe_step(warm_up_shape(num_seqs, seq_len, context), seconds)
         logger.info("engine core ready in %.1f s", time.monotonic() - start)
 
     def add_request(self, request: EngineCoreRequest) -> None:
