@@ -323,6 +323,30 @@ def test_step_time_fit_stays_non_negative_when_the_features_move_together():
     assert nonnegative_least_squares(gram, moment) == pytest.approx([1.0, 1.0, 0.0], abs=1e-9)
 
 
+def test_step_time_model_keeps_what_a_long_run_of_one_shape_does_not_inform():
+    """Minutes of one stream decoding refresh the cost of that step shape only: what earlier steps said about
+    prompt chunks and bigger batches stays, so a burst after them is priced right."""
+    import random
+
+    from pagedserve.core.step_time import StepShape, StepTimeModel
+
+    truth = (0.01, 0.0017, 0.0012, 0.002)
+    rng = random.Random(2)
+    model = StepTimeModel()
+
+    def cost(shape):
+        return sum(w * f for w, f in zip(truth, shape.features()))
+
+    for _ in range(40):
+        shape = StepShape(rng.randint(0, 64), rng.choice([0, rng.randint(16, 512)]), rng.uniform(0, 30000))
+        model.observe(shape, cost(shape))
+    for position in range(3000):
+        shape = StepShape(1, 0, 200 + position % 128)
+        model.observe(shape, cost(shape))
+    for probe in (StepShape(0, 256, 40000), StepShape(16, 0, 16 * 300), StepShape(16, 200, 20000)):
+        assert model.predict(probe) == pytest.approx(cost(probe), rel=0.05)
+
+
 def _stall_scheduler(stall, budget=4096, max_num_seqs=64):
     from pagedserve.core.step_time import StepShape
 

@@ -33,16 +33,17 @@ def chunk_attention_pairs(query_len: int, context_len: int) -> float:
 class StepTimeModel:
     """seconds ~ overhead + per decode token + per prompt token + per attention unit, every weight >= 0.
 
-    The fit is least squares over all observed steps, older ones weighted down by `forgetting` per step,
-    constrained to non-negative weights: the features move together (a bigger batch has more decode tokens
-    and more attention), and an unconstrained fit trades a negative overhead for inflated per-token costs,
-    which over-predicts exactly the decode-only steps the stall limit is measured against."""
+    The fit is least squares over all observed steps, older ones weighted down by `forgetting` per step in the
+    direction each new step informs, constrained to non-negative weights: the features move together (a
+    bigger batch has more decode tokens and more attention), and an unconstrained fit trades a negative
+    overhead for inflated per-token costs, which over-predicts exactly the decode-only steps the stall limit
+    is measured against."""
 
     def __init__(self, forgetting: float = 0.98, min_observations: int = 5) -> None:
         self.forgetting = forgetting
         self.min_observations = min_observations
-        self._gram = [[0.0] * 4 for _ in range(4)]  # sum of forgetting^age * x x^T
-        self._moment = [0.0] * 4  # sum of forgetting^age * x * seconds
+        self._gram = [[0.0] * 4 for _ in range(4)]  # sum of x x^T, old steps weighted down (_forget_along)
+        self._moment = [0.0] * 4  # sum of x * seconds, likewise
         self._weights = [0.0] * 4
         self._stale = False  # refit lazily: observing is every step, predicting only when prompts wait
         self.num_observations = 0
@@ -62,16 +63,33 @@ class StepTimeModel:
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         x = shape.features()
-        keep = self.forgetting
+        self._forget_along(x)
         for i in range(4):
-            self._moment[i] = keep * self._moment[i] + x[i] * seconds
+            self._moment[i] += x[i] * seconds
             row = self._gram[i]
             for j in range(4):
-                row[j] = keep * row[j] + x[i] * x[j]
+                row[j] += x[i] * x[j]
         self._stale = True
         self.num_observations += 1
         self._saw_prefill |= shape.prefill_tokens > 0
         self._saw_decode_only |= shape.prefill_tokens == 0 and shape.decode_tokens > 0
+
+    def _forget_along(self, x: tuple[float, ...]) -> None:
+        """Weight the old steps down only in the direction the new step informs (directional forgetting): a long
+        run of one step shape (one stream decoding for minutes) then refreshes what it measures and keeps what
+        earlier steps said about the others, which uniform forgetting would erase. Keeps G^-1 m where it was."""
+        gram, moment = self._gram, self._moment
+        gx = [sum(gram[i][j] * x[j] for j in range(4)) for i in range(4)]
+        information = sum(x[i] * gx[i] for i in range(4))
+        if information <= 1e-12:
+            return
+        lose = (1.0 - self.forgetting) / information
+        xm = sum(x[i] * moment[i] for i in range(4))
+        for i in range(4):
+            moment[i] -= lose * gx[i] * xm
+            row = gram[i]
+            for j in range(4):
+                row[j] -= lose * gx[i] * gx[j]
 
     def predict(self, shape: StepShape) -> float:
         return sum(w * v for w, v in zip(self.weights, shape.features()))
