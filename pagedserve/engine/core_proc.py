@@ -5,8 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import threading
-import time
 import traceback
 
 import zmq
@@ -22,6 +20,7 @@ from pagedserve.engine.wire import (
     decode_request,
     encode_output,
 )
+from pagedserve.processes import exit_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +34,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     logging.basicConfig(level=envs.log_level(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    _exit_with_parent(parent_pid)
+    exit_with_parent(parent_pid)
     context = zmq.Context()
     input_socket = context.socket(zmq.PULL)
     input_socket.connect(input_address)
@@ -60,18 +59,6 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     context.term()
     logging.shutdown()
     os._exit(0)  # skip interpreter teardown of torch: nothing is left to flush
-
-
-def _exit_with_parent(parent_pid: int) -> None:
-    """No orphans: if the front end dies without shutting us down, stop too."""
-
-    def watch() -> None:
-        while True:
-            if os.getppid() != parent_pid:
-                os._exit(1)
-            time.sleep(0.5)
-
-    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
 
 
 class EngineCoreProc:

@@ -224,11 +224,7 @@ class ModelRunner:
     def _uniforms(self, state: RunnerRequestState, stream: int = 0) -> np.random.Generator:
         """Random numbers for one verification (stream 0) or one draft (stream 1) of a request: keyed by its seed
         and output position when it has a seed, as its sampling draws are, else by this engine's key and a count."""
-        seed = state.sampling_params.seed
-        if seed is None:
-            high, low = self._unseeded_key, next(self._unseeded_draws)
-        else:
-            high, low = seed, 2 * state.num_output_tokens + stream
+        high, low = self._draw_key(state, 2 * state.num_output_tokens + stream)
         return np.random.Generator(np.random.Philox(key=(high % 2**64) << 64 | low % 2**64))
 
     def _sample_rows(self, states: list[RunnerRequestState], logits: torch.Tensor, output: ModelRunnerOutput) -> None:
@@ -292,16 +288,16 @@ class ModelRunner:
         """(key, counter) of each row's draw. A seeded row's is (its seed, its output position): the same
         whatever the batch, and after a preemption that rebuilds the request. Others take this engine's key
         and the next value of a counter that never repeats."""
-        keys, counters = [], []
-        for state in states:
-            seed = state.sampling_params.seed
-            if seed is None:
-                keys.append(self._unseeded_key)
-                counters.append(next(self._unseeded_draws))
-            else:
-                keys.append(_as_int64(seed))
-                counters.append(state.num_output_tokens)
+        keys, counters = zip(*(self._draw_key(state, state.num_output_tokens) for state in states))
         return torch.tensor(keys, dtype=torch.long), torch.tensor(counters, dtype=torch.long)
+
+    def _draw_key(self, state: RunnerRequestState, seeded_counter: int) -> tuple[int, int]:
+        """(key, counter) of one draw: a seeded request's (its seed, a counter given by its output position);
+        others this engine's key and the next value of a counter that never repeats."""
+        seed = state.sampling_params.seed
+        if seed is None:
+            return self._unseeded_key, next(self._unseeded_draws)
+        return _as_int64(seed), seeded_counter
 
     def _generators_for(self, states: list[RunnerRequestState]) -> dict[int, torch.Generator]:
         """Seeded rows draw from a generator keyed by (seed, output index): reproducible whatever the

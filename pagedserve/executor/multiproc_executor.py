@@ -19,7 +19,6 @@ import shutil
 import signal
 import socket
 import tempfile
-import threading
 import time
 import traceback
 from collections import deque
@@ -30,6 +29,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.contracts import ModelRunnerOutput, SchedulerOutput
 from pagedserve.distributed.parallel_state import RankInfo
 from pagedserve.executor.abstract import Executor, ModelInfo
+from pagedserve.processes import exit_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -215,7 +215,7 @@ def run_worker(config: EngineConfig, info: RankInfo, init_method: str, input_add
     """Process entry point of one rank."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine core decides when workers stop
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    _exit_with_parent(parent_pid)
+    exit_with_parent(parent_pid)
     logging.basicConfig(level=logging.WARNING if info.rank else logging.INFO,
                         format=f"%(asctime)s %(levelname)s rank {info.rank} %(name)s: %(message)s")
     context = zmq.Context()
@@ -233,17 +233,6 @@ def run_worker(config: EngineConfig, info: RankInfo, init_method: str, input_add
     runner.serve(inputs, results)
     results.close(linger=1000)
     os._exit(0)  # no interpreter teardown of torch.distributed and the kernels
-
-
-def _exit_with_parent(parent_pid: int) -> None:
-    """No orphans: a worker whose engine core is gone stops too."""
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(0.5)
-        os._exit(1)
-
-    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
 
 
 class WorkerProcess:
