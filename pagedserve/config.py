@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -95,6 +96,10 @@ class EngineConfig:
                   "where torch has it)"},
     )
 
+    # Parsed from the fields above, once, by validate(): what the engine reads.
+    decode_stall: DecodeStallLimit | None = field(init=False, repr=False, default=None)
+    speculative: SpeculativeConfig | None = field(init=False, repr=False, default=None)
+
     def __post_init__(self) -> None:
         self.validate()
 
@@ -113,8 +118,7 @@ class EngineConfig:
         _require(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", ", ".join(ATTENTION_BACKENDS),
                  self.attention_backend)
         _require(self.gemm_backend in GEMM_BACKENDS, "gemm_backend", ", ".join(GEMM_BACKENDS), self.gemm_backend)
-        _require(parse_stall_limit(self.max_decode_stall) is not None or self.max_decode_stall == "off", "max_decode_stall",
-                 "off, a multiple such as 2x (> 1), or seconds such as 0.5s (> 0)", self.max_decode_stall)
+        self.decode_stall = DecodeStallLimit.parse(self.max_decode_stall)
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             _require(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name, "an integer >= 1", getattr(self, name))
         _require(self.distributed_executor_backend in (None, "mp", "ray", "uni"), "distributed_executor_backend", "mp, ray or uni",
@@ -146,8 +150,13 @@ class EngineConfig:
         return self.distributed_executor_backend or ("mp" if self.world_size > 1 else "uni")
 
     @classmethod
+    def settings(cls) -> list[dataclasses.Field]:
+        """The fields a user sets (the rest are parsed from them)."""
+        return [f for f in dataclasses.fields(cls) if f.init]
+
+    @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = {f.name for f in cls.settings()}
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
@@ -159,20 +168,34 @@ def _require(ok: bool, name: str, allowed: str, value) -> None:
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
 
 
-def parse_stall_limit(text: str) -> tuple[str, float] | None:
-    """'2x' -> ('x', 2.0): a multiple of the decode-only step; '0.5s' -> ('s', 0.5): seconds; None for 'off' or nonsense."""
-    text = text.strip().lower()
-    if len(text) < 2 or text[-1] not in "xs":
-        return None
-    try:
-        value = float(text[:-1])
-    except ValueError:
-        return None
-    if not value == value or value in (float("inf"), float("-inf")):  # NaN or infinite
-        return None
-    if (text[-1] == "x" and value > 1) or (text[-1] == "s" and value > 0):
-        return text[-1], value
-    return None
+@dataclass(frozen=True)
+class DecodeStallLimit:
+    """How long a step that carries prompt tokens may make decoding streams wait (max_decode_stall): a multiple of
+    the decode-only step ('2x'), or seconds ('0.5s')."""
+
+    multiple: float | None = None
+    seconds: float | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> DecodeStallLimit | None:
+        """'2x' -> a multiple, '0.5s' -> seconds, 'off' -> None; anything else is refused, naming the setting."""
+        if text.strip().lower() == "off":
+            return None
+        text = text.strip().lower()
+        try:
+            value = float(text[:-1]) if len(text) >= 2 else float("nan")
+        except ValueError:
+            value = float("nan")
+        finite = math.isfinite(value)
+        if finite and text.endswith("x") and value > 1:
+            return cls(multiple=value)
+        if finite and text.endswith("s") and value > 0:
+            return cls(seconds=value)
+        raise ValueError(f"max_decode_stall must be off, a multiple such as 2x (> 1), or seconds such as 0.5s (> 0), got {text!r}")
+
+    def limit(self, decode_only_seconds: float) -> float:
+        """The limit in seconds, given the decode-only step of the batch that the prompts are joining."""
+        return self.seconds if self.multiple is None else self.multiple * decode_only_seconds
 
 
 @dataclass(frozen=True)

@@ -58,11 +58,6 @@ class Request:
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self._stop_ids = sampling_params.all_stop_token_ids()
-        # Speculative decoding: the draft tokens proposed after the last step, to verify in the next.
-        self.spec_token_ids: list[int] = []
-        self.spec_acceptance = 1.0  # running share of its draft tokens accepted (decaying average)
-        self.spec_paused_until = 0  # the output length before which it drafts no more (acceptance too low)
-        self.spec_num_pauses = 0  # pauses in a row, without a well-accepted draft between them
 
     @property
     def num_prompt_tokens(self) -> int:

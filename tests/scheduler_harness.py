@@ -14,9 +14,9 @@ EOS = 2
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_model_len=256, budget=32, max_num_seqs=16, caching=True,
-                   policy="fcfs", threshold=0, speculative=None):
+                   policy="fcfs", threshold=0, speculative=None, stall=None):
     kv = KVCacheManager(num_blocks, block_size, caching)
-    return Scheduler(kv, max_model_len, budget, max_num_seqs, threshold, policy, speculative=speculative)
+    return Scheduler(kv, max_model_len, budget, max_num_seqs, threshold, policy, max_decode_stall=stall, speculative=speculative)
 
 
 def make_request(request_id, prompt_len=None, max_tokens=8, prompt=None, priority=0, arrival=None, group=None, eos=False):
@@ -33,12 +33,12 @@ def fake_run(scheduler_output: SchedulerOutput, scheduler: Scheduler, rng: rando
         request = scheduler.requests[request_id]
         if request.num_computed_tokens >= request.num_tokens:
             output.sampled_token_ids[request_id] = rng.randrange(0, 60) if rng else 7
-            drafts = scheduler_output.spec_token_ids.get(request_id)
+            drafts = scheduler_output.drafts_to_verify.get(request_id)
             if drafts:
                 output.accepted_token_ids[request_id] = drafts[: rng.randint(0, len(drafts)) if rng else len(drafts)]
             if request_id in scheduler_output.propose_for:
                 k = scheduler.speculative.num_speculative_tokens
-                output.spec_token_ids[request_id] = [rng.randrange(0, 60) for _ in range(rng.randint(0, k))] if rng else [7] * k
+                output.proposed_drafts[request_id] = [rng.randrange(0, 60) for _ in range(rng.randint(0, k))] if rng else [7] * k
     return output
 
 

@@ -103,3 +103,18 @@ def test_speculative_config_is_json_on_the_command_line():
     args = parser.parse_args(["serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 99}'])
     with pytest.raises(ValueError, match=r"speculative_config.num_speculative_tokens must be an integer in \[1, 16\]"):
         engine_config_from_args(args)
+
+
+def test_max_decode_stall_is_parsed_once_into_what_the_scheduler_reads():
+    from pagedserve.config import DecodeStallLimit, EngineConfig
+    from pagedserve.entrypoints.cli import build_parser
+    from pagedserve.entrypoints.engine_args import engine_config_from_args
+
+    parser = build_parser()
+    config = engine_config_from_args(parser.parse_args(["serve", "--max-decode-stall", "3x"]))
+    assert config.decode_stall == DecodeStallLimit(multiple=3.0) and config.decode_stall.limit(0.1) == pytest.approx(0.3)
+    assert EngineConfig(max_decode_stall="0.5s").decode_stall.limit(10.0) == 0.5
+    assert EngineConfig(max_decode_stall="off").decode_stall is None
+    for bad in ("1x", "0s", "nans", "infx", "fast", "x"):
+        with pytest.raises(ValueError, match="max_decode_stall"):
+            EngineConfig(max_decode_stall=bad)

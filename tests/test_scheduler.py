@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scheduler_harness import check_block_accounting, fake_run, make_request, make_scheduler, step
 
-from pagedserve.config import SpeculativeConfig
+from pagedserve.config import DecodeStallLimit, SpeculativeConfig
 from pagedserve.request import RequestStatus
 
 
@@ -193,6 +193,7 @@ def test_random_workloads_never_leak_or_double_free(ops, num_blocks, budget, cac
                            speculative=SPECULATION[speculation])
     added, finish_reasons, counter = [], {}, 0
     shared_prefix = [rng.randrange(60, 90) for _ in range(8)]
+    num_lookahead_tokens = sched.drafts.num_lookahead_tokens if sched.drafts else 0
 
     def run_step():
         decoding = [r.request_id for r in sched.running if r.num_computed_tokens == r.num_tokens - 1]
@@ -212,7 +213,7 @@ def test_random_workloads_never_leak_or_double_free(ops, num_blocks, budget, cac
         for request in sched.running:  # rejected drafts rolled back: only verified tokens are computed or cached
             assert request.num_computed_tokens <= request.num_tokens
             assert kv.num_cached_blocks.get(request.request_id, 0) * kv.block_size <= request.num_tokens
-            assert len(kv.req_to_blocks[request.request_id]) <= -(-(request.num_tokens + sched.num_lookahead_tokens) // kv.block_size)
+            assert len(kv.req_to_blocks[request.request_id]) <= -(-(request.num_tokens + num_lookahead_tokens) // kv.block_size)
         finish_reasons.update({o.request_id: o.finish_reason for o in outputs if o.finished})
         check_block_accounting(sched)
 
@@ -257,7 +258,7 @@ def test_drafts_never_starve_a_decode_and_a_request_that_fills_the_cache_finishe
         decoding = [r.request_id for r in sched.running if r.num_computed_tokens == r.num_tokens - 1]
         output, _ = step(sched)
         assert len(decoding) == 3 and set(decoding) <= set(output.num_scheduled_tokens)
-        assert output.spec_token_ids and output.total_num_scheduled_tokens == 6
+        assert output.drafts_to_verify and output.total_num_scheduled_tokens == 6
 
     alone = make_scheduler(num_blocks=12, block_size=4, max_model_len=48, budget=4, caching=False, speculative=draft)
     alone.add_request(make_request("r", prompt_len=34, max_tokens=14))
@@ -351,8 +352,7 @@ def _stall_scheduler(stall, budget=4096, max_num_seqs=64):
     from pagedserve.core.step_time import StepShape
 
     scheduler = make_scheduler(num_blocks=4096, block_size=16, max_model_len=2048, budget=budget, max_num_seqs=max_num_seqs,
-                               caching=False)
-    scheduler.max_decode_stall = stall
+                               caching=False, stall=stall)
     # A model fit to steps of known cost: 10 ms + 1 ms a decode token + 1 ms a prompt token, no attention cost.
     for decodes, prompts in [(1, 0), (8, 0), (32, 0), (0, 64), (0, 256), (16, 100), (4, 300)]:
         scheduler.observe_step(StepShape(decodes, prompts, 0.0), 0.010 + 0.001 * (decodes + prompts))
@@ -365,7 +365,7 @@ def test_prompt_tokens_are_bounded_by_time_while_streams_decode():
     limit off, the token budget alone bounds it."""
     from pagedserve.core.step_time import StepShape
 
-    scheduler = _stall_scheduler(("x", 2.0))
+    scheduler = _stall_scheduler(DecodeStallLimit(multiple=2.0))
     for index in range(8):
         scheduler.add_request(make_request(f"d{index}", prompt_len=20, max_tokens=100))
     first, _ = step(scheduler)
@@ -378,7 +378,7 @@ def test_prompt_tokens_are_bounded_by_time_while_streams_decode():
     assert decodes == 8
     # Decode-only step of the 12 requests' batch: 10 + 12 = 22 ms, the limit 44 ms, planned at 90% of it
     # (39.6 ms); 8 decodes take 18 ms, which leaves 21 prompt tokens.
-    model = scheduler.step_time
+    model = scheduler.stall_bound.step_time
     assert model.predict(output.shape) == pytest.approx(0.9 * 0.044, abs=0.002)
     assert prompt_tokens == pytest.approx(21, abs=1) and output.shape == StepShape(8, prompt_tokens, output.shape.attention_pairs)
     off = _stall_scheduler(None)
@@ -391,7 +391,7 @@ def test_prompt_tokens_are_bounded_by_time_while_streams_decode():
 
 
 def test_prompts_progress_however_tight_the_time_limit():
-    scheduler = _stall_scheduler(("s", 0.001))  # below even the decode-only step
+    scheduler = _stall_scheduler(DecodeStallLimit(seconds=0.001))  # below even the decode-only step
     for index in range(4):
         scheduler.add_request(make_request(f"d{index}", prompt_len=20, max_tokens=100))
     step(scheduler)
@@ -404,3 +404,17 @@ def test_prompts_progress_however_tight_the_time_limit():
         finished = finished or next((o for o in engine_outputs if o.request_id == "long" and o.finished), None)
     assert finished is not None  # a block of 16 prompt tokens a step: prefilled in 13 steps, then 5 decodes
     assert max(chunks) == 16 and sum(c for c in chunks if c > 1) == 200
+
+
+def test_a_step_of_decodes_has_the_shape_the_warm_up_fits_the_step_time_model_with():
+    """The engine's warm-up steps and the scheduler's steps describe their work through one ShapeTally, so the
+    step-time model sees the same features for the same work."""
+    from pagedserve.core.step_time import uniform_step_shape
+
+    scheduler = make_scheduler(num_blocks=64, block_size=4, budget=64)
+    for index in range(4):
+        scheduler.add_request(make_request(f"r{index}", prompt=[100 + index] * 12, max_tokens=8))
+    prefill, _ = step(scheduler)
+    assert prefill.shape == uniform_step_shape(4, 12, 0)
+    decode, _ = step(scheduler)
+    assert decode.shape == uniform_step_shape(4, 1, 12)

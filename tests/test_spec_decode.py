@@ -256,10 +256,10 @@ def _run_steps(scheduler, steps, accept):
             request = scheduler.requests[request_id]
             if request.num_computed_tokens >= request.num_tokens:
                 runner.sampled_token_ids[request_id] = 7
-                drafts = output.spec_token_ids.get(request_id, [])
+                drafts = output.drafts_to_verify.get(request_id, [])
                 runner.accepted_token_ids[request_id] = drafts[:accept]
                 if request_id in output.propose_for:
-                    runner.spec_token_ids[request_id] = [7, 7, 7]
+                    runner.proposed_drafts[request_id] = [7, 7, 7]
         scheduler.update_from_output(output, runner)
     return proposed_for
 
@@ -275,15 +275,15 @@ def test_a_request_whose_drafts_are_rejected_stops_drafting_for_a_while():
     # Each pause in a row lasts longer: the gaps between drafting grow.
     gaps = [b - a for a, b in zip(resumed, resumed[1:]) if b - a > 1]
     assert len(gaps) >= 2 and gaps == sorted(gaps) and gaps[-1] > gaps[0]
-    rate = scheduler.spec_stats.num_accepted_tokens / scheduler.spec_stats.num_draft_tokens
-    assert rate == 0 and scheduler.spec_stats.num_drafts < 20  # far fewer verifications than steps
+    rate = scheduler.drafts.stats.num_accepted_tokens / scheduler.drafts.stats.num_draft_tokens
+    assert rate == 0 and scheduler.drafts.stats.num_drafts < 20  # far fewer verifications than steps
 
 
 def test_accepted_drafts_keep_drafting_and_a_large_batch_turns_it_off():
     scheduler = make_scheduler(speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=3, disable_by_batch_size=3))
     scheduler.add_request(make_request("a", prompt_len=8, max_tokens=100))
     assert all(_run_steps(scheduler, 10, accept=3)[1:])
-    assert scheduler.spec_stats.num_accepted_tokens == scheduler.spec_stats.num_draft_tokens > 0
+    assert scheduler.drafts.stats.num_accepted_tokens == scheduler.drafts.stats.num_draft_tokens > 0
     for name in ("b", "c"):
         scheduler.add_request(make_request(name, prompt_len=8, max_tokens=100))
     assert not any(_run_steps(scheduler, 5, accept=3)[1:])

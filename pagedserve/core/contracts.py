@@ -49,15 +49,17 @@ class SchedulerOutput:
     scheduled_running_reqs: list[RunningRequestData]  # only running requests that got new blocks
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
-    # Requests the runner must forget: finished, aborted or preempted since the last step.
+    # Requests the runner must forget: those that finished or were aborted since the last step, and those preempted
+    # (they come back as new requests, rebuilt from their tokens).
     finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
     shape: StepShape = field(default_factory=StepShape)  # what the step carries, for the step-time model
     # Pipeline parallelism: each decoding request's last token, (its index, its id), for the stages that did
     # not sample it. Empty otherwise.
     last_token_ids: dict[str, tuple[int, int]] = field(default_factory=dict)
     # Speculative decoding: the draft tokens each request verifies in this step (its scheduled tokens are its
     # last token and these), and the requests to propose new drafts for once this step has run.
-    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    drafts_to_verify: dict[str, list[int]] = field(default_factory=dict)
     propose_for: set[str] = field(default_factory=set)
 
     @property
@@ -76,7 +78,7 @@ class ModelRunnerOutput:
     # Speculative decoding: the draft tokens each request's verification accepted, which come before its sampled
     # token; and the drafts proposed for the next step.
     accepted_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    proposed_drafts: dict[str, list[int]] = field(default_factory=dict)
 
 
 # ---- scheduler -> engine core (and on to the front end) -------------------------------------

@@ -30,6 +30,43 @@ def chunk_attention_pairs(query_len: int, context_len: int) -> float:
     return query_len * (context_len + (query_len + 1) / 2)
 
 
+class ShapeTally:
+    """What a step carries, added up as the step is built: by the scheduler's StepPlan, by the stall bound for the
+    decode-only batch it measures against, and by the engine for its warm-up steps. The one place that says what
+    a decode and a prompt chunk cost in each feature."""
+
+    __slots__ = ("decode_tokens", "prefill_tokens", "attention_pairs")
+
+    def __init__(self) -> None:
+        self.decode_tokens = 0
+        self.prefill_tokens = 0
+        self.attention_pairs = 0.0
+
+    def add_decode(self, num_tokens: int, context_len: int) -> None:
+        """A decode: its last token (and any drafts it verifies) after context_len tokens with K/V."""
+        self.decode_tokens += num_tokens
+        self.attention_pairs += num_tokens * (context_len + 1)
+
+    def add_chunk(self, num_tokens: int, context_len: int) -> None:
+        """A chunk of a prompt after context_len tokens with K/V."""
+        self.prefill_tokens += num_tokens
+        self.attention_pairs += chunk_attention_pairs(num_tokens, context_len)
+
+    def shape(self) -> StepShape:
+        return StepShape(self.decode_tokens, self.prefill_tokens, self.attention_pairs)
+
+
+def uniform_step_shape(num_seqs: int, seq_len: int, context_len: int) -> StepShape:
+    """The shape of a step of num_seqs alike sequences: decodes when seq_len is 1, else prompt chunks."""
+    tally = ShapeTally()
+    for _ in range(num_seqs):
+        if seq_len == 1:
+            tally.add_decode(1, context_len)
+        else:
+            tally.add_chunk(seq_len, context_len)
+    return tally.shape()
+
+
 class StepTimeModel:
     """seconds ~ overhead + per decode token + per prompt token + per attention unit, every weight >= 0.
 

@@ -6,11 +6,11 @@ import logging
 import time
 from collections import deque
 
-from pagedserve.config import EngineConfig, parse_stall_limit
+from pagedserve.config import EngineConfig
 from pagedserve.core.contracts import EngineCoreOutput, ModelRunnerOutput, RunningRequestData, SchedulerOutput, SchedulerStats
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.scheduler import Scheduler
-from pagedserve.core.step_time import StepShape, chunk_attention_pairs
+from pagedserve.core.step_time import uniform_step_shape
 from pagedserve.engine.wire import EngineCoreRequest
 from pagedserve.executor.abstract import Executor, ModelInfo
 from pagedserve.request import Request
@@ -34,6 +34,8 @@ class EngineCore:
             self.executor.shutdown()
             raise
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        # Pipeline parallelism: up to max_concurrent_batches steps in flight; a request's next step waits for its last.
+        self.batch_queue: deque[SchedulerOutput] | None = deque() if self.executor.max_concurrent_batches > 1 else None
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             max_model_len=self.model_info.max_model_len,
@@ -41,14 +43,12 @@ class EngineCore:
             max_num_seqs=config.max_num_seqs,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             policy=config.scheduling_policy,
-            max_decode_stall=parse_stall_limit(config.max_decode_stall),
+            max_decode_stall=config.decode_stall,
             speculative=config.speculative,
+            send_last_tokens=self.batch_queue is not None,
         )
-        # Pipeline parallelism: up to max_concurrent_batches steps in flight; a request's next step waits for its last.
-        self.batch_queue: deque[SchedulerOutput] | None = deque() if self.executor.max_concurrent_batches > 1 else None
-        self.scheduler.send_last_tokens = self.batch_queue is not None
         for num_seqs, seq_len, context, seconds in warm_up_timings:  # a first fit of the step-time model
-            self.scheduler.observe_step(warm_up_shape(num_seqs, seq_len, context), seconds)
+            self.scheduler.observe_step(uniform_step_shape(num_seqs, seq_len, context), seconds)
         logger.info("engine core ready in %.1f s", time.monotonic() - start)
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -67,7 +67,7 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self.scheduler.finished_req_ids) or bool(self.batch_queue)
+        return self.scheduler.has_unfinished_requests() or self.scheduler.has_news_for_runner() or bool(self.batch_queue)
 
     def step(self) -> list[EngineCoreOutput]:
         if not self.has_work():
@@ -87,7 +87,7 @@ class EngineCore:
         submitted = False
         if len(queue) < self.executor.max_concurrent_batches:
             scheduler_output = self.scheduler.schedule()
-            if scheduler_output.total_num_scheduled_tokens or scheduler_output.finished_req_ids:
+            if scheduler_output.total_num_scheduled_tokens or scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids:
                 self.executor.submit_step(scheduler_output)
                 queue.append(scheduler_output)
                 submitted = True
@@ -137,8 +137,3 @@ class EngineCore:
 
 _UTILITIES = frozenset({"reset_prefix_cache", "wait_for_kv_cache_mapping", "time_forward_passes", "get_stats", "time_step_messages"})
 
-
-def warm_up_shape(num_seqs: int, seq_len: int, context: int) -> StepShape:
-    if seq_len == 1:
-        return StepShape(num_seqs, 0, num_seqs * (context + 1))
-    return StepShape(0, num_seqs * seq_len, num_seqs * chunk_attention_pairs(seq_len, context))

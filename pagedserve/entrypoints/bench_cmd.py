@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 
 from pagedserve.config import EngineConfig
@@ -138,7 +137,7 @@ def run_bench(args) -> int:
     from pagedserve.benchmarks import executor, interference, kv_sched, prefix, serve, spec, throughput
 
     if args.workload in ("throughput", "prefix", "interference", "executor"):
-        defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+        defaults = {f.name: f.default for f in EngineConfig.settings()}
         # Engine settings the user changed, passed on to LLM(...); the model travels separately.
         args.engine_overrides = {name: getattr(args, name) for name in defaults if name != "model" and hasattr(args, name)
                                  and getattr(args, name) != defaults[name]}

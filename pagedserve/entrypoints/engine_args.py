@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import typing
 
@@ -13,7 +12,7 @@ from pagedserve.config import EngineConfig
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     hints = typing.get_type_hints(EngineConfig)
     group = parser.add_argument_group("engine")
-    for f in dataclasses.fields(EngineConfig):
+    for f in EngineConfig.settings():
         flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", [])]
         help_text = f.metadata.get("help", "")
         if hints[f.name] is bool:
@@ -29,7 +28,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in EngineConfig.settings()})
 
 
 def _scalar_type(hint):

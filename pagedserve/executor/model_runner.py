@@ -62,7 +62,7 @@ class ModelRunner:
             self._prompt_logprobs(inputs, hidden_states, output)
         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             self.requests[request_id].num_computed_tokens += num_tokens
-        for request_id in scheduler_output.spec_token_ids:  # K/V stands for the verified tokens only
+        for request_id in scheduler_output.drafts_to_verify:  # K/V stands for the verified tokens only
             state = self.requests[request_id]
             state.num_computed_tokens = len(state.token_ids) - 1
         if scheduler_output.propose_for and self.proposer is not None:
@@ -84,7 +84,7 @@ class ModelRunner:
         return None
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
-        for request_id in scheduler_output.finished_req_ids:
+        for request_id in (*scheduler_output.finished_req_ids, *scheduler_output.preempted_req_ids):
             self.requests.pop(request_id, None)
             self._seeded_generators.pop(request_id, None)
             self._draft_probabilities.pop(request_id, None)
@@ -103,7 +103,7 @@ class ModelRunner:
             if 0 <= running.num_kept_blocks < len(block_ids):  # the scheduler took back blocks rejected drafts used
                 del block_ids[running.num_kept_blocks :]
             block_ids.extend(running.new_block_ids)
-        for request_id, drafts in scheduler_output.spec_token_ids.items():
+        for request_id, drafts in scheduler_output.drafts_to_verify.items():
             state = self.requests[request_id]
             state.token_ids.extend(drafts)
             state.num_drafts = len(drafts)
@@ -217,7 +217,7 @@ class ModelRunner:
         inputs = [DraftInput(s.token_ids, s.block_ids, s.sampling_params, self._uniforms(s, stream=1)) for s in states]
         for state, proposal in zip(states, self.proposer.propose(inputs)):
             if proposal.token_ids:
-                output.spec_token_ids[state.request_id] = proposal.token_ids
+                output.proposed_drafts[state.request_id] = proposal.token_ids
                 if proposal.probabilities is not None:
                     self._draft_probabilities[state.request_id] = proposal.probabilities
 

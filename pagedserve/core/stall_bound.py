@@ -1,0 +1,82 @@
+"""The time bound on a step's prompt work while streams decode (max_decode_stall; stall-free scheduling, after
+Sarathi-Serve): two models of step times, fit to the steps the engine runs, say how many prompt tokens fit in a
+step before the streams it carries wait longer than the limit allows."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from pagedserve.config import DecodeStallLimit
+from pagedserve.core.step_time import ShapeTally, StepShape, StepTimeModel
+from pagedserve.request import Request
+
+# The share of a step's time limit that is planned: the step-time model's prediction of one step errs either way,
+# and a plan at the limit overshoots it about half the time.
+PLANNING_MARGIN = 0.9
+# Decode-only steps seen before their own model is the yardstick (until then, the model over all steps).
+_MIN_DECODE_ONLY_STEPS = 3
+
+
+class PrefillAllowance:
+    """The seconds of prompt work a step may still take on while streams decode. The first chunk of a step
+    always gets min_tokens, so prompts progress however tight the limit."""
+
+    def __init__(self, model: StepTimeModel, seconds: float, min_tokens: int) -> None:
+        self.model = model
+        self.seconds = seconds
+        self.min_tokens = min_tokens
+        self.granted = False
+
+    def take(self, num_tokens: int, context_len: int) -> int:
+        """How many of num_tokens prompt tokens after context_len fit; they are then spent."""
+        allowed = self.model.max_chunk(self.seconds, context_len, num_tokens)
+        if allowed == 0 and not self.granted:
+            allowed = min(num_tokens, self.min_tokens)
+        if allowed:
+            self.seconds -= self.model.prefill_cost(allowed, context_len)
+            self.granted = True
+        return allowed
+
+
+class DecodeStallBound:
+    """Two step-time models: one over all steps, which prices prompt chunks, and one over decode-only steps, the
+    yardstick a stall is measured against (the fit over all steps is dominated by the steps with prompts)."""
+
+    def __init__(self, limit: DecodeStallLimit | None, min_chunk_tokens: int) -> None:
+        self.limit = limit
+        self.min_chunk_tokens = min_chunk_tokens
+        self.step_time = StepTimeModel()
+        self.decode_step_time = StepTimeModel()
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        """How long a step of this shape took."""
+        if shape.decode_tokens or shape.prefill_tokens:
+            self.step_time.observe(shape, seconds)
+        if shape.decode_tokens and not shape.prefill_tokens:
+            self.decode_step_time.observe(shape, seconds)
+
+    def allowance(self, running: Iterable[Request], num_waiting: int, max_num_seqs: int) -> PrefillAllowance | None:
+        """What bounds the next step's prompt work in time: None when nothing does (no limit set, the model not yet
+        fit, no request decoding, so that no stream waits for the prompts, or no prompt to bound)."""
+        if self.limit is None or not self.step_time.ready:
+            return None
+        decoding, num_running, prompt_work = ShapeTally(), 0, num_waiting > 0
+        for request in running:
+            num_running += 1
+            if request.num_tokens - request.num_computed_tokens == 1:
+                decoding.add_decode(1, request.num_computed_tokens)
+            else:
+                prompt_work = True
+        if not decoding.decode_tokens or not prompt_work:
+            return None
+        decode_only = self._decode_only_seconds(decoding.shape())
+        # The decode-only step of the batch these prompts are joining, not of the few streams that may be
+        # decoding when they arrive: the waiting requests decode too, as soon as their prompts are in.
+        batch = min(num_running + num_waiting, max_num_seqs)
+        joined = StepShape(batch, 0, decoding.attention_pairs * batch / decoding.decode_tokens)
+        target = self.limit.limit(self._decode_only_seconds(joined))
+        return PrefillAllowance(self.step_time, PLANNING_MARGIN * target - decode_only, self.min_chunk_tokens)
+
+    def _decode_only_seconds(self, shape: StepShape) -> float:
+        enough = self.decode_step_time.num_observations >= _MIN_DECODE_ONLY_STEPS
+        return (self.decode_step_time if enough else self.step_time).predict(shape)

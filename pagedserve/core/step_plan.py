@@ -1,0 +1,94 @@
+"""One engine step as the scheduler builds it: what is left of its token budget and of its time for prompt work,
+what it carries (its shape, for the step-time model), and the parts of the SchedulerOutput it becomes."""
+
+from __future__ import annotations
+
+from pagedserve.core.block_pool import KVCacheBlock
+from pagedserve.core.contracts import NewRequestData, RunningRequestData, SchedulerOutput
+from pagedserve.core.stall_bound import PrefillAllowance
+from pagedserve.core.step_time import ShapeTally
+from pagedserve.request import Request
+
+
+class StepPlan:
+    """Requests join the step through add_decode, add_chunk and add_new_request; each advances the request's
+    num_computed_tokens past what the step computes and spends the budget."""
+
+    def __init__(self, token_budget: int, allowance: PrefillAllowance | None = None, long_prefill_token_threshold: int = 0,
+                 send_last_tokens: bool = False) -> None:
+        self.max_num_tokens = token_budget
+        self.token_budget = token_budget
+        self.allowance = allowance
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        # Pipeline parallelism: every decode carries its last token to the stages that did not sample it.
+        self.send_last_tokens = send_last_tokens
+        self.tally = ShapeTally()
+        self.num_scheduled_tokens: dict[str, int] = {}
+        self.new_reqs: list[NewRequestData] = []
+        self.running_reqs: list[RunningRequestData] = []
+        self.last_token_ids: dict[str, tuple[int, int]] = {}
+        self.drafts_to_verify: dict[str, list[int]] = {}
+
+    def chunk_size(self, num_remaining_tokens: int, context_len: int) -> int:
+        """How many of a prompt's remaining tokens after context_len this step can take: 0 when it has no time left."""
+        num_tokens = min(num_remaining_tokens, self.token_budget)
+        if self.long_prefill_token_threshold > 0:
+            num_tokens = min(num_tokens, self.long_prefill_token_threshold)
+        if self.allowance is not None:
+            num_tokens = self.allowance.take(num_tokens, context_len)
+        return num_tokens
+
+    def add_decode(self, request: Request, drafts: list[int], new_blocks: list[KVCacheBlock], num_blocks: int) -> None:
+        """A running request's next token, and the drafts it verifies with it. num_blocks: the blocks it now holds."""
+        num_tokens = 1 + len(drafts)
+        if drafts:
+            self.drafts_to_verify[request.request_id] = drafts
+        if self.send_last_tokens:
+            self.last_token_ids[request.request_id] = (request.num_tokens - 1, request.all_token_ids[-1])
+        self.tally.add_decode(num_tokens, request.num_computed_tokens)
+        self._add_running(request, num_tokens, new_blocks, num_blocks)
+
+    def add_chunk(self, request: Request, num_tokens: int, new_blocks: list[KVCacheBlock], num_blocks: int) -> None:
+        """The next chunk of a running request's prompt."""
+        self.tally.add_chunk(num_tokens, request.num_computed_tokens)
+        self._add_running(request, num_tokens, new_blocks, num_blocks)
+
+    def add_new_request(self, request: Request, num_tokens: int, block_ids: list[int], prompt_logprobs_start: int) -> None:
+        """A request the runner has not seen (or must rebuild after preemption), with its first chunk; its
+        num_computed_tokens counts its prefix-cache hit."""
+        self.new_reqs.append(NewRequestData(
+            request_id=request.request_id,
+            token_ids=list(request.all_token_ids),
+            num_prompt_tokens=request.num_prompt_tokens,
+            sampling_params=request.sampling_params,
+            block_ids=block_ids,
+            num_computed_tokens=request.num_computed_tokens,
+            prompt_logprobs_start=prompt_logprobs_start,
+        ))
+        self.tally.add_chunk(num_tokens, request.num_computed_tokens)
+        self._schedule(request, num_tokens)
+
+    def _add_running(self, request: Request, num_tokens: int, new_blocks: list[KVCacheBlock], num_blocks: int) -> None:
+        if new_blocks:  # only requests that got blocks are described: the runner knows the rest
+            block_ids = [block.block_id for block in new_blocks]
+            self.running_reqs.append(RunningRequestData(request.request_id, block_ids, num_blocks - len(new_blocks)))
+        self._schedule(request, num_tokens)
+
+    def _schedule(self, request: Request, num_tokens: int) -> None:
+        self.num_scheduled_tokens[request.request_id] = num_tokens
+        request.num_computed_tokens += num_tokens
+        self.token_budget -= num_tokens
+
+    def build(self, finished_req_ids: set[str], preempted_req_ids: set[str], propose_for: set[str]) -> SchedulerOutput:
+        return SchedulerOutput(
+            scheduled_new_reqs=self.new_reqs,
+            scheduled_running_reqs=self.running_reqs,
+            num_scheduled_tokens=self.num_scheduled_tokens,
+            total_num_scheduled_tokens=self.max_num_tokens - self.token_budget,
+            finished_req_ids=finished_req_ids,
+            preempted_req_ids=preempted_req_ids,
+            shape=self.tally.shape(),
+            last_token_ids=self.last_token_ids,
+            drafts_to_verify=self.drafts_to_verify,
+            propose_for=propose_for,
+        )
