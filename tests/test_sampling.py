@@ -4,8 +4,8 @@ import pytest
 import torch
 from conftest import PROMPTS, chi_square_p_value, greedy, token_ids_of
 
-from pagedserve import SamplingParams
-from pagedserve.layers.sampler import apply_min_p, apply_top_k_top_p
+from pagedserve import LLM, SamplingParams
+from pagedserve.layers.sampling_rule import FilterColumns, filtered_distribution
 
 
 def sample(temperature=1.0, max_tokens=16, **kwargs):
@@ -88,7 +88,7 @@ def penalty_metadata(presence, frequency, repetition, token_ids, num_prompt_toke
 
     rows = len(token_ids)
     return SamplingMetadata(
-        temperature=torch.zeros(rows), all_greedy=True, top_k=None, top_p=None, min_p=None,
+        filters=FilterColumns(torch.zeros(rows)), all_greedy=True,
         presence_penalty=torch.tensor(presence), frequency_penalty=torch.tensor(frequency), repetition_penalty=torch.tensor(repetition),
         token_ids=token_ids, num_prompt_tokens=num_prompt_tokens, min_tokens_bans=[], max_num_logprobs=None,
     )
@@ -123,14 +123,25 @@ def test_penalty_kernel_matches_the_torch_path():
     torch.testing.assert_close(apply_penalties(logits.clone(), meta, cpu_kernels.load()), expected)
 
 
-def test_top_k_top_p_min_p_filters():
-    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    kept = lambda x: torch.isfinite(x[0]).tolist()  # noqa: E731
-    assert kept(apply_top_k_top_p(logits, torch.tensor([2]), None)) == [True, True, False, False]
-    assert kept(apply_top_k_top_p(logits, None, torch.tensor([0.7]))) == [True, True, False, False]
-    assert kept(apply_top_k_top_p(logits, None, torch.tensor([0.5]))) == [True, False, False, False]
-    assert kept(apply_top_k_top_p(logits, torch.tensor([0]), torch.tensor([1.0]))) == [True] * 4
-    assert kept(apply_min_p(logits, torch.tensor([0.25]))) == [True, True, True, False]
+def distribution(probabilities, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
+    logits = torch.log(torch.tensor([probabilities], dtype=torch.float64))
+    columns = FilterColumns(torch.tensor([temperature]), torch.tensor([top_k]), torch.tensor([top_p]), torch.tensor([min_p]))
+    return filtered_distribution(logits, columns)[0].tolist()
+
+
+def test_the_filters_keep_what_the_api_says():
+    """Worked by hand: top-k keeps the k most likely (and any tied with the k-th), top-p the smallest set of the most
+    likely that reaches p, min-p the tokens at least min_p times as likely as the most likely one."""
+    p = [0.5, 0.3, 0.15, 0.05]
+    assert distribution(p, top_k=2) == pytest.approx([0.625, 0.375, 0, 0])
+    assert distribution(p, top_p=0.7) == pytest.approx([0.625, 0.375, 0, 0])  # 0.5 alone falls short of 0.7
+    assert distribution(p, top_p=0.5) == pytest.approx([1, 0, 0, 0])  # 0.5 reaches it
+    assert distribution(p, top_k=0, top_p=1.0) == pytest.approx(p)
+    assert distribution(p, min_p=0.25) == pytest.approx([0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0])
+    assert distribution(p, temperature=0.5) == pytest.approx([x * x / sum(y * y for y in p) for x in p])
+    tied = [0.4, 0.2, 0.2, 0.2]
+    assert distribution(tied, top_k=2) == pytest.approx(tied)  # all tied with the 2nd stay
+    assert distribution(tied, top_p=0.5) == pytest.approx(tied)  # each 0.2 has only 0.4 strictly above it
 
 
 @pytest.mark.parametrize(
@@ -162,12 +173,9 @@ def test_min_tokens_above_max_tokens_is_rejected():
 
 
 def reference_probabilities(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
-    """The target distribution, by the torch path's filters: what every draw must follow."""
-    scaled = logits[None] / temperature
-    if min_p > 0:
-        scaled = apply_min_p(scaled, torch.tensor([min_p]))
-    scaled = apply_top_k_top_p(scaled, torch.tensor([top_k]), torch.tensor([top_p]))
-    return torch.softmax(scaled, dim=-1)[0].double()
+    """The filtered distribution (layers/sampling_rule.py): what every draw must follow."""
+    columns = FilterColumns(torch.tensor([temperature]), torch.tensor([top_k]), torch.tensor([top_p]), torch.tensor([min_p]))
+    return filtered_distribution(logits[None].double(), columns)[0]
 
 
 FILTERS = [  # (temperature, top_k, top_p, min_p)
@@ -180,7 +188,7 @@ FILTERS = [  # (temperature, top_k, top_p, min_p)
 @pytest.mark.parametrize("vocab", [24, 3000])  # 3000: a long tail of tiny weights, as a real vocabulary has
 @pytest.mark.parametrize("temperature,top_k,top_p,min_p", FILTERS)
 def test_kernel_draws_follow_the_filtered_distribution(vocab, temperature, top_k, top_p, min_p):
-    """Many draws of one row against the torch path's distribution (chi-square at a fixed seed); the same
+    """Many draws of one row against the filtered distribution (chi-square at a fixed seed); the same
     test rejects the draws when the distribution they are held to is off by a little (temperature +10%)."""
     from pagedserve.layers import cpu_kernels
 
@@ -214,3 +222,34 @@ def test_kernel_draws_are_keyed_by_seed_and_position_and_greedy_rows_take_argmax
     swapped = kernels.sample_rows(logits[[1, 0]].contiguous(), temperature[:2], top_k[:2], top_p[:2], min_p[:2],
                                   torch.tensor([7, 7]), torch.tensor([3, 3]))
     assert torch.equal(swapped, first[[1, 0]])  # a row's draw depends on its key and position, not its place in the batch
+
+
+@pytest.mark.parametrize("vocab", [24, 3000, 49152])
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", FILTERS)
+def test_the_torch_path_draws_the_kernels_tokens(vocab, temperature, top_k, top_p, min_p):
+    """One draw rule: for the same logits, filters and keys, the torch path (no C++ kernels built, or another device)
+    draws token for token what the kernel draws, and a row's token does not depend on the rows beside it."""
+    from pagedserve.layers import cpu_kernels
+    from pagedserve.layers.sampling_rule import sample
+
+    rows = 64
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(vocab)) * 4
+    full = lambda value, dtype=torch.float32: torch.full((rows,), value, dtype=dtype)  # noqa: E731
+    columns = FilterColumns(full(temperature), full(top_k, torch.long), full(top_p), full(min_p))
+    keys, counters = torch.arange(rows) * 7919 - 3, torch.arange(rows) + 11
+    kernel = sample(logits, columns, keys, counters, cpu_kernels.load())
+    assert torch.equal(sample(logits, columns, keys, counters, None), kernel)
+    reversed_rows = torch.arange(rows - 1, -1, -1)
+    reversed_columns = FilterColumns(*(getattr(columns, name)[reversed_rows] for name in ("temperature", "top_k", "top_p", "min_p")))
+    alone = sample(logits[reversed_rows], reversed_columns, keys[reversed_rows], counters[reversed_rows], None)
+    assert torch.equal(alone, kernel[reversed_rows])
+
+
+@pytest.mark.slow
+def test_a_seeded_request_samples_the_same_tokens_with_or_without_the_kernels(default_llm):
+    """A user's seeded request gives the same text whether or not the C++ kernels are built (cpu_kernels off: every
+    layer and the sampler on their torch paths, the GEMMs on dequantized weights)."""
+    params = [sample(seed=seed, temperature=0.8, top_p=0.95, top_k=50, max_tokens=12) for seed in (1, 2, 3)]
+    with_kernels = token_ids_of(default_llm.generate(PROMPTS[:3], params, use_tqdm=False))
+    plain = LLM(max_model_len=512, kv_cache_memory=64 * 1024**2, cpu_kernels=False, attention_backend="torch")
+    assert token_ids_of(plain.generate(PROMPTS[:3], params, use_tqdm=False)) == with_kernels

@@ -19,7 +19,7 @@ from pagedserve.benchmarks.datasets import passages
 from pagedserve.config import EngineConfig, SpeculativeConfig
 from pagedserve.core.contracts import ModelRunnerOutput, SchedulerStats, SpecDecodingStats
 from pagedserve.engine.metrics import EngineMetrics
-from pagedserve.layers.sampler import apply_min_p, apply_top_k_top_p
+from pagedserve.layers.sampling_rule import RESIDUAL_STREAM, FilterColumns, philox_uniform, sample
 from pagedserve.spec_decode import rejection_sampler
 from pagedserve.spec_decode.ngram_proposer import NgramProposer
 
@@ -155,9 +155,10 @@ def _verify_many(p: torch.Tensor, q: torch.Tensor | None, trials: int, seed: int
     logits = torch.log(p).repeat(2, 1)  # position 0 scores the draft; position 1 is the bonus token's
     params = SamplingParams(temperature=1.0)
     counts = np.zeros(len(p), dtype=np.int64)
-    for _ in range(trials):
+    for trial in range(trials):
         draft = 0 if q is None else int(rng.choice(len(q), p=q.numpy()))
-        result = rejection_sampler.verify(logits, [draft], params, rng, None if q is None else q.unsqueeze(0).double())
+        keys = [(seed, 2 * trial), (seed, 2 * trial + 1)]
+        result = rejection_sampler.verify(logits, [draft], params, keys, None if q is None else q.unsqueeze(0).double())
         counts[result.accepted[0] if result.accepted else result.token_id] += 1
     return counts
 
@@ -166,18 +167,26 @@ TARGET = torch.tensor([0.05, 0.30, 0.10, 0.25, 0.02, 0.08, 0.15, 0.05], dtype=to
 DRAFT = torch.tensor([0.30, 0.05, 0.20, 0.05, 0.20, 0.05, 0.10, 0.05], dtype=torch.float64)
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [
-    (1.0, 0, 1.0, 0.0), (0.7, 5, 1.0, 0.0), (1.0, 0, 0.8, 0.0), (1.0, 0, 0.999, 0.0), (1.0, 0, 1.0, 0.2), (0.9, 8, 0.9, 0.05),
-    (1.2, 3000, 0.95, 0.0)])
-def test_verification_uses_the_distribution_sampling_draws_from(temperature, top_k, top_p, min_p):
-    logits = torch.randn(3, 5000, generator=torch.Generator().manual_seed(1)) * 4
-    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-    scaled = logits / temperature
-    if min_p:
-        scaled = apply_min_p(scaled, torch.full((3,), min_p))
-    scaled = apply_top_k_top_p(scaled, torch.full((3,), top_k), torch.full((3,), top_p))
-    torch.testing.assert_close(rejection_sampler.target_probabilities(logits, params), torch.softmax(scaled.double(), dim=-1),
-                               atol=1e-6, rtol=1e-4)
+@pytest.mark.parametrize("with_kernels", [False, True])
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [(1.0, 0, 1.0, 0.0), (0.9, 8, 0.9, 0.05), (1.2, 3000, 0.95, 0.0)])
+def test_a_verification_that_accepts_every_draft_draws_the_next_token_as_sampling_would(temperature, top_k, top_p, min_p,
+                                                                                          with_kernels):
+    """The same draw rule with speculation on or off: drafts the target is sure of are accepted, and the token after
+    them is the one the sampler draws from the same logits at the same position and seed."""
+    from pagedserve.layers import cpu_kernels
+
+    kernels = cpu_kernels.load() if with_kernels else None
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=77)
+    for trial in range(20):
+        logits = torch.randn(4, 5000, generator=torch.Generator().manual_seed(trial)) * 4
+        drafts = [11, 12, 13]
+        for position, draft in enumerate(drafts):
+            logits[position, draft] = 1e4  # the target's certain choice
+        keys = [(77, 30 + position) for position in range(4)]
+        result = rejection_sampler.verify(logits, drafts, params, keys, None, kernels)
+        columns = FilterColumns(torch.tensor([temperature]), torch.tensor([top_k]), torch.tensor([top_p]), torch.tensor([min_p]))
+        sampled = sample(logits[3:].contiguous(), columns, torch.tensor([77]), torch.tensor([33]), kernels)
+        assert result.accepted == drafts and result.token_id == int(sampled[0])
 
 
 @pytest.mark.parametrize("q", [DRAFT, None], ids=["draft-model", "point-mass"])
@@ -191,10 +200,11 @@ def test_the_chi_square_check_catches_a_wrong_residual(q, monkeypatch):
     """The same check fails when a rejection resamples from p instead of the normalized (p - q)+."""
     real_verify = rejection_sampler.verify
 
-    def residual_from_p(logits, drafts, params, uniforms, draft_probs=None, cpu_kernels=None):
-        result = real_verify(logits, drafts, params, uniforms, draft_probs, cpu_kernels)
+    def residual_from_p(logits, drafts, params, draw_keys, draft_probs=None, cpu_kernels=None):
+        result = real_verify(logits, drafts, params, draw_keys, draft_probs, cpu_kernels)
         if not result.accepted:
-            result.token_id = rejection_sampler.draw(torch.softmax(logits[0].double(), dim=-1), uniforms)
+            uniform = philox_uniform(*draw_keys[0], RESIDUAL_STREAM)
+            result.token_id = rejection_sampler.draw(torch.softmax(logits[0].double(), dim=-1), uniform)
         return result
 
     monkeypatch.setattr(rejection_sampler, "verify", residual_from_p)

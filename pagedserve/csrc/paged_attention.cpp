@@ -2,12 +2,12 @@
 // straight from the block layout (no gather copy).
 //
 // Decodes: one task per sequence, all its heads together: a block's K (then V) rows for every KV head
-// are one contiguous 12 KB run at the default shapes; a task per (sequence, KV head) read 256-byte
-// pieces at a 768-byte stride and ran ~30% slower with the cache cold. Head sizes that are a multiple
+// are one contiguous run (KV heads x head size floats), where a task per (sequence, KV head) would read
+// one head's short piece at a stride of all heads, which prefetches poorly from a cold cache. Head sizes that are a multiple
 // of 32 (AVX2) take three passes (all scores, one softmax, all values; attend_sequence_three_pass);
 // other head sizes visit each block once with an online softmax (attend_sequence). Either way a
 // sequence's context is attended in parts of at most 512 tokens, merged after (decode_in_parts), so
-// one long sequence runs on both threads, and the parts are split between threads by context
+// one long sequence runs on every thread, and the parts are split between threads by context
 // length, so one long sequence does not leave a thread idle behind many short ones.
 //
 // The cache may store float32, bfloat16 or float16 (kv_cache_dtype); the kernels compute in float32.
@@ -814,8 +814,8 @@ void paged_prefill_attention(const at::Tensor& query, const at::Tensor& key_cach
 }
 
 // key/value [T, KV, D] (any token and head strides, rows contiguous) -> key_cache/value_cache
-// [num_blocks, block_size, KV, D] at the flat slots of slot_mapping [T]. index_copy_ takes ~100 us a
-// call for a decode batch (a generic strided loop); this is a copy of T rows, rounded to nearest even
+// [num_blocks, block_size, KV, D] at the flat slots of slot_mapping [T]. index_copy_ runs a generic
+// strided loop with per-element index arithmetic; this is a copy of T rows, rounded to nearest even
 // (as torch's .to()) when the cache stores bfloat16 or float16.
 void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache, at::Tensor value_cache,
                     const at::Tensor& slot_mapping) {

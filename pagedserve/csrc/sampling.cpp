@@ -2,11 +2,12 @@
 // fused, a few vectorized passes over each row; and the repetition, frequency and presence penalties
 // in place.
 //
-// torch's path sorts each row for top-k/top-p and draws one exponential per vocabulary entry. Here
-// the draw takes one uniform number per try, inverting the cumulative sum of the kept weights in
-// vocabulary order. The numbers are counter-based (Philox-4x32-10 keyed by the row's seed, counted by
-// the token's position), so a seeded request draws the same numbers whatever else is in the batch,
-// with no generator to keep. The penalties touch only the tokens a row has seen, not its vocabulary.
+// The distribution and the draw rule are defined in pagedserve/layers/sampling_rule.py, whose torch
+// path draws the same tokens (the tests hold the two token for token): one uniform number per try,
+// inverting the running sum of the kept weights in vocabulary order. The numbers are counter-based
+// (Philox-4x32-10 keyed by the row's seed, counted by the token's position), so a seeded request draws
+// the same numbers whatever else is in the batch, with no generator to keep. The penalties touch only
+// the tokens a row has seen, not its vocabulary.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -56,12 +57,12 @@ double philox_uniform(uint64_t key64, uint64_t counter, uint32_t stream) {
 // tokens strictly heavier than it weigh less than that. So the draw is by rejection: draw from the
 // thresholded weights, accept when the drawn token belongs, else draw again. This is exact (accepted
 // draws follow the weights restricted to the set) and needs no sort; a try costs two vectorized passes,
-// and a draw takes 1 / (the set's share of the kept weight) tries, at most 1 / p on average. On this
-// model the set of top_p = 0.95 often holds thousands of tokens, which is why no sort or selection
-// over it is done.
+// and a draw takes 1 / (the set's share of the kept weight) tries, at most 1 / p on average. The set of
+// a top_p near 1 over a large vocabulary can hold thousands of tokens, which is why no sort or
+// selection over it is done.
 
-constexpr int64_t kBlock = 16;  // the draw finds its block of this many weights by their sums first
-constexpr uint32_t kMaxTries = 1000;
+constexpr int64_t kBlock = 16;  // the draw finds its block of this many weights by their sums first (_BLOCK in sampling_rule.py)
+constexpr uint32_t kMaxTries = 1000;  // MAX_TRIES in sampling_rule.py
 
 float row_max(const float* x, int64_t n) {
   Vec best(-std::numeric_limits<float>::infinity());

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 
-import numpy as np
 import torch
 
 from pagedserve.core.contracts import ModelRunnerOutput, SchedulerOutput
 from pagedserve.distributed.parallel_state import rank_info, receive_from_previous_stage, send_to_next_stage
 from pagedserve.executor.input_batch import ModelInputs, RunnerRequestState, dummy_layout, prepare_inputs
 from pagedserve.layers.attention import AttentionBackend
-from pagedserve.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
+from pagedserve.layers.sampler import GREEDY_ROW_TEMPERATURE, Sampler, SamplingMetadata, gather_logprobs
+from pagedserve.layers.sampling_rule import DrawKeys, FilterColumns
 from pagedserve.outputs import LogprobsLists
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.spec_decode.draft_model import DraftModelProposer
@@ -21,9 +20,6 @@ from pagedserve.spec_decode.proposer import DraftInput, Proposer
 from pagedserve.spec_decode.rejection_sampler import verify
 
 logger = logging.getLogger(__name__)
-
-# Odd 64-bit constant (golden ratio): spreads (seed, step) pairs over generator states.
-_SEED_MIX = 0x9E3779B97F4A7C15
 
 
 class ModelRunner:
@@ -35,13 +31,9 @@ class ModelRunner:
         self.device = device
         self.attn_backend = attn_backend
         self.model_dtype = next(model.parameters()).dtype
-        default_generator = torch.Generator(device=device)
-        default_generator.manual_seed(seed)
-        self.sampler = Sampler(default_generator, cpu_kernels if device.type == "cpu" else None)
-        self._unseeded_key = _as_int64(seed * _SEED_MIX + 1)
-        self._unseeded_draws = itertools.count()
+        self.sampler = Sampler(cpu_kernels if device.type == "cpu" else None)
+        self.draw_keys = DrawKeys(seed)
         self.requests: dict[str, RunnerRequestState] = {}
-        self._seeded_generators: dict[str, torch.Generator] = {}
         self.proposer = proposer  # speculative decoding: drafts tokens after each step
         # A draft model's distributions behind each request's pending drafts (sampled requests only).
         self._draft_probabilities: dict[str, torch.Tensor] = {}
@@ -86,7 +78,6 @@ class ModelRunner:
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for request_id in (*scheduler_output.finished_req_ids, *scheduler_output.preempted_req_ids):
             self.requests.pop(request_id, None)
-            self._seeded_generators.pop(request_id, None)
             self._draft_probabilities.pop(request_id, None)
         for new in scheduler_output.scheduled_new_reqs:
             self.requests[new.request_id] = RunnerRequestState(
@@ -137,7 +128,6 @@ class ModelRunner:
             params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=0)]
             states = [RunnerRequestState(f"warm-up-{i}", [1], 1, p, [0], 0) for i, p in enumerate(params)]
             self.sampler(self.model.compute_logits(hidden), self._sampling_metadata(states))
-            self._seeded_generators.clear()
         return timings
 
     def _dummy_inputs(self, num_seqs: int, seq_len: int, context: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,7 +188,8 @@ class ModelRunner:
         draft_probabilities = self._draft_probabilities.pop(state.request_id, None)
         if draft_probabilities is not None:
             draft_probabilities = draft_probabilities[:num_drafts]
-        result = verify(processed, drafts, params, self._uniforms(state), draft_probabilities, self.sampler.cpu_kernels)
+        keys = self.draw_keys.of(params.seed, state.num_output_tokens, num_drafts + 1)
+        result = verify(processed, drafts, params, keys, draft_probabilities, self.sampler.cpu_kernels)
         emitted = [*result.accepted, result.token_id]
         if params.logprobs is not None:
             raw_logprobs = torch.log_softmax(logits[: len(emitted)].float(), dim=-1)
@@ -214,18 +205,13 @@ class ModelRunner:
         states = [self.requests[rid] for rid in request_ids if rid in output.sampled_token_ids]
         if not states:
             return
-        inputs = [DraftInput(s.token_ids, s.block_ids, s.sampling_params, self._uniforms(s, stream=1)) for s in states]
+        inputs = [DraftInput(s.token_ids, s.block_ids, s.sampling_params,
+                             self.draw_keys.of(s.sampling_params.seed, s.num_output_tokens, self.proposer.k)) for s in states]
         for state, proposal in zip(states, self.proposer.propose(inputs)):
             if proposal.token_ids:
                 output.proposed_drafts[state.request_id] = proposal.token_ids
                 if proposal.probabilities is not None:
                     self._draft_probabilities[state.request_id] = proposal.probabilities
-
-    def _uniforms(self, state: RunnerRequestState, stream: int = 0) -> np.random.Generator:
-        """Random numbers for one verification (stream 0) or one draft (stream 1) of a request: keyed by its seed
-        and output position when it has a seed, as its sampling draws are, else by this engine's key and a count."""
-        high, low = self._draw_key(state, 2 * state.num_output_tokens + stream)
-        return np.random.Generator(np.random.Philox(key=(high % 2**64) << 64 | low % 2**64))
 
     def _sample_rows(self, states: list[RunnerRequestState], logits: torch.Tensor, output: ModelRunnerOutput) -> None:
         metadata = self._sampling_metadata(states)
@@ -268,11 +254,13 @@ class ModelRunner:
                 if banned:
                     min_tokens_bans.append((row, sorted(banned)))
         return SamplingMetadata(
-            temperature=column([0.0 if p.is_greedy else p.temperature for p in params]),
+            filters=FilterColumns(
+                temperature=column([GREEDY_ROW_TEMPERATURE if p.is_greedy else p.temperature for p in params]),
+                top_k=column([p.top_k for p in params], torch.long) if any(p.top_k for p in params) else None,
+                top_p=column([p.top_p for p in params]) if any(p.top_p < 1.0 for p in params) else None,
+                min_p=column([p.min_p for p in params]) if any(p.min_p > 0 for p in params) else None,
+            ),
             all_greedy=all_greedy,
-            top_k=column([p.top_k for p in params], torch.long) if any(p.top_k for p in params) else None,
-            top_p=column([p.top_p for p in params]) if any(p.top_p < 1.0 for p in params) else None,
-            min_p=column([p.min_p for p in params]) if any(p.min_p > 0 for p in params) else None,
             presence_penalty=column([p.presence_penalty for p in params]) if any_penalty else None,
             frequency_penalty=column([p.frequency_penalty for p in params]) if any_penalty else None,
             repetition_penalty=column([p.repetition_penalty for p in params]) if any_penalty else None,
@@ -280,41 +268,10 @@ class ModelRunner:
             num_prompt_tokens=[s.num_prompt_tokens for s in states] if any_penalty else [],
             min_tokens_bans=min_tokens_bans,
             max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
-            generators=self._generators_for(states) if for_draws and not all_greedy and not self.sampler.uses_kernels else {},
-            draw_keys=self._draw_keys(states) if for_draws and not all_greedy and self.sampler.uses_kernels else None,
+            draw_keys=self._row_draw_keys(states) if for_draws and not all_greedy else None,
         )
 
-    def _draw_keys(self, states: list[RunnerRequestState]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(key, counter) of each row's draw. A seeded row's is (its seed, its output position): the same
-        whatever the batch, and after a preemption that rebuilds the request. Others take this engine's key
-        and the next value of a counter that never repeats."""
-        keys, counters = zip(*(self._draw_key(state, state.num_output_tokens) for state in states))
+    def _row_draw_keys(self, states: list[RunnerRequestState]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(key, counter) of each row's draw at its next output position (sampling_rule.DrawKeys)."""
+        keys, counters = zip(*(self.draw_keys.of(s.sampling_params.seed, s.num_output_tokens)[0] for s in states))
         return torch.tensor(keys, dtype=torch.long), torch.tensor(counters, dtype=torch.long)
-
-    def _draw_key(self, state: RunnerRequestState, seeded_counter: int) -> tuple[int, int]:
-        """(key, counter) of one draw: a seeded request's (its seed, a counter given by its output position);
-        others this engine's key and the next value of a counter that never repeats."""
-        seed = state.sampling_params.seed
-        if seed is None:
-            return self._unseeded_key, next(self._unseeded_draws)
-        return _as_int64(seed), seeded_counter
-
-    def _generators_for(self, states: list[RunnerRequestState]) -> dict[int, torch.Generator]:
-        """Seeded rows draw from a generator keyed by (seed, output index): reproducible whatever the
-        batch, and unchanged by a preemption that rebuilds the request."""
-        generators = {}
-        for row, state in enumerate(states):
-            seed = state.sampling_params.seed
-            if seed is None or state.sampling_params.is_greedy:
-                continue
-            generator = self._seeded_generators.get(state.request_id)
-            if generator is None:
-                generator = self._seeded_generators[state.request_id] = torch.Generator(device=self.device)
-            generator.manual_seed((seed * _SEED_MIX + state.num_output_tokens) % (2**63))
-            generators[row] = generator
-        return generators
-
-
-def _as_int64(value: int) -> int:
-    """value modulo 2**64, as the signed 64-bit integer a torch.long holds."""
-    return (value + 2**63) % 2**64 - 2**63

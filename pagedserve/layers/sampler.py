@@ -1,30 +1,27 @@
-"""Sampling on the device: penalties, temperature, min-p / top-k / top-p, seeded draws, logprobs.
-
-On CPU with the C++ kernels, penalties and the filtered draw run in csrc/sampling.cpp: one pass per
-row, one counter-based uniform number per draw (keyed by a seed, counted by position: draw_keys).
-Elsewhere the torch path below runs (sorting filters, an exponential race with torch generators); it is
-also the reference the kernels are tested against, in distribution.
-"""
+"""Sampling on the device: penalties, min_tokens bans, then one keyed draw per row by the rule of
+layers/sampling_rule.py (temperature, min-p, top-k, top-p; in the C++ kernel on CPU, in torch elsewhere, the same
+tokens either way); logprobs of the model's raw distribution."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from pagedserve.layers.sampling_rule import FilterColumns, sample
 from pagedserve.outputs import LogprobsLists
+
+# The temperature column's mark of a greedy row (SamplingParams.is_greedy decides which rows are).
+GREEDY_ROW_TEMPERATURE = 0.0
 
 
 @dataclass
 class SamplingMetadata:
     """One row per sampling request, in logits order."""
 
-    temperature: torch.Tensor  # [R] float; 0 for greedy rows
+    filters: FilterColumns  # temperature GREEDY_ROW_TEMPERATURE for greedy rows
     all_greedy: bool
-    top_k: torch.Tensor | None  # [R] long, 0 = off; None when no row uses it
-    top_p: torch.Tensor | None  # [R] float
-    min_p: torch.Tensor | None  # [R] float
     presence_penalty: torch.Tensor | None  # [R]; None when no row has any penalty
     frequency_penalty: torch.Tensor | None
     repetition_penalty: torch.Tensor | None
@@ -33,20 +30,13 @@ class SamplingMetadata:
     # rows still under min_tokens: (row, stop token ids to forbid)
     min_tokens_bans: list[tuple[int, list[int]]]
     max_num_logprobs: int | None  # largest top-N asked; None when no row wants logprobs
-    generators: dict[int, torch.Generator] = field(default_factory=dict)  # torch path: rows with their own seed
-    # Kernel path: each row's draw as (key, counter) of the counter-based generator: [R] int64 each.
+    # Each row's draw as (key, counter) (sampling_rule.DrawKeys): [R] int64 each; None when every row is greedy.
     draw_keys: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class Sampler:
-    def __init__(self, default_generator: torch.Generator | None = None, cpu_kernels=None) -> None:
-        self.default_generator = default_generator
-        self.cpu_kernels = cpu_kernels  # the C++ kernels (CPU); None: the torch path
-
-    @property
-    def uses_kernels(self) -> bool:
-        """Whether draws are keyed (SamplingMetadata.draw_keys) rather than drawn from torch generators."""
-        return self.cpu_kernels is not None
+    def __init__(self, cpu_kernels=None) -> None:
+        self.cpu_kernels = cpu_kernels  # the C++ kernels (CPU); None: the torch paths
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> (sampled token ids [R], raw logprobs [R, V] or None). Logprobs are the model's, before any processing."""
@@ -56,11 +46,7 @@ class Sampler:
         kernels = self.cpu_kernels if logits.device.type == "cpu" else None
         if meta.all_greedy:
             return argmax(logits, kernels), raw_logprobs
-        if kernels is not None and meta.draw_keys is not None:
-            return self._sample_in_kernel(kernels, logits.contiguous(), meta), raw_logprobs
-        greedy = argmax(logits, kernels)
-        sampled = self._sample_random(logits, meta)
-        return torch.where(meta.temperature == 0, greedy, sampled), raw_logprobs
+        return sample(logits.contiguous(), meta.filters, *meta.draw_keys, kernels), raw_logprobs
 
     def process_logits(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """float32 logits with min_tokens bans and penalties applied: what temperature and the filters act on."""
@@ -71,34 +57,6 @@ class Sampler:
         if meta.presence_penalty is not None:
             logits = apply_penalties(logits, meta, self.cpu_kernels if logits.device.type == "cpu" else None)
         return logits
-
-    @staticmethod
-    def _sample_in_kernel(kernels, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        rows = logits.shape[0]
-        top_k = meta.top_k if meta.top_k is not None else torch.zeros(rows, dtype=torch.long)
-        top_p = meta.top_p if meta.top_p is not None else torch.ones(rows)
-        min_p = meta.min_p if meta.min_p is not None else torch.zeros(rows)
-        return kernels.sample_rows(logits, meta.temperature, top_k, top_p, min_p, *meta.draw_keys)
-
-    def _sample_random(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        temperature = torch.where(meta.temperature == 0, torch.ones_like(meta.temperature), meta.temperature)
-        logits = logits / temperature.unsqueeze(1)
-        if meta.min_p is not None:
-            logits = apply_min_p(logits, meta.min_p)
-        if meta.top_k is not None or meta.top_p is not None:
-            logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
-        probs = torch.softmax(logits, dim=-1)
-        return self._exponential_race(probs, meta.generators)
-
-    def _exponential_race(self, probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-        """argmax(p / Exp(1)) draws from p; each seeded row uses only its own generator,
-        so its draws do not depend on what else is in the batch."""
-        noise = torch.empty_like(probs)
-        if len(generators) < probs.shape[0]:
-            noise.exponential_(generator=self.default_generator)
-        for row, generator in generators.items():
-            noise[row].exponential_(generator=generator)
-        return argmax(probs.div(noise), self.cpu_kernels)
 
 
 def argmax(rows: torch.Tensor, cpu_kernels=None) -> torch.Tensor:
@@ -145,28 +103,6 @@ def _token_counts(token_lists: list[list[int]], num_rows: int, vocab_size: int, 
         padded = padded.to(device)
         counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=counts.dtype))
     return counts[:, :vocab_size]
-
-
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    probs = torch.softmax(logits, dim=-1)
-    threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
-    return logits.masked_fill(probs < threshold, float("-inf"))
-
-
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-    vocab_size = logits.shape[-1]
-    remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
-    if top_k is not None:
-        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab_size)).clamp(max=vocab_size)
-        ranks = torch.arange(vocab_size, device=logits.device).unsqueeze(0)
-        remove |= ranks >= k.unsqueeze(1)
-    if top_p is not None:
-        probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        remove |= mass_before >= top_p.unsqueeze(1)  # keeps the smallest set reaching top_p, at least one
-    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
 
 
 def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]) -> list[LogprobsLists]:

@@ -10,8 +10,9 @@ import torch
 
 from pagedserve.layers.attention import AttentionBackend, AttentionMetadata, BatchLayout
 from pagedserve.layers.sampler import argmax
+from pagedserve.layers.sampling_rule import DRAFT_STREAM, draw, philox_uniform
 from pagedserve.spec_decode.proposer import DraftInput, Proposal
-from pagedserve.spec_decode.rejection_sampler import draw, target_probabilities
+from pagedserve.spec_decode.rejection_sampler import target_probabilities
 
 
 class DraftModelProposer:
@@ -36,20 +37,20 @@ class DraftModelProposer:
         positions = np.asarray([len(r.token_ids) - 1 for r in requests], dtype=np.int64)
         drafts: list[list[int]] = [[] for _ in requests]
         probabilities: list[list[torch.Tensor]] = [[] for _ in requests]
-        for _ in range(self.k):
+        for position in range(self.k):
             slots = np.asarray([table[p // block_size] * block_size + p % block_size for table, p in zip(tables, positions)])
             seq_lens = (positions + 1).tolist()
             layout = BatchLayout(slots, len(requests), [1] * len(requests), seq_lens,
                                  [table[: -(-n // block_size)] for table, n in zip(tables, seq_lens)])
             hidden = self.model(torch.tensor(tokens, device=self.device), torch.from_numpy(positions).to(self.device), self.kv_caches,
                                 self.attn_backend.build_metadata(layout, self.device))
-            tokens = self._pick(self.model.compute_logits(hidden).float(), requests, probabilities)
+            tokens = self._pick(self.model.compute_logits(hidden).float(), requests, position, probabilities)
             for row, token in enumerate(tokens):
                 drafts[row].append(token)
             positions = positions + 1
         return [Proposal(d, torch.stack(p) if p else None) for d, p in zip(drafts, probabilities)]
 
-    def _pick(self, logits: torch.Tensor, requests: list[DraftInput], probabilities: list[list[torch.Tensor]]) -> list[int]:
+    def _pick(self, logits: torch.Tensor, requests: list[DraftInput], position: int, probabilities: list[list[torch.Tensor]]) -> list[int]:
         """Greedy requests take the draft's argmax (verification wants the target's argmax); the others draw from the
         draft's distribution under their own temperature and filters, and keep it for the verification."""
         picks = argmax(logits.contiguous(), self.cpu_kernels).tolist()
@@ -57,6 +58,7 @@ class DraftModelProposer:
         if sampled:
             distributions = target_probabilities(logits[sampled], [requests[row].params for row in sampled])
             for q, row in zip(distributions, sampled):
-                picks[row] = draw(q, requests[row].uniforms)
+                key, counter = requests[row].draw_keys[position]
+                picks[row] = draw(q, philox_uniform(key, counter, DRAFT_STREAM))
                 probabilities[row].append(q)
         return picks

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
 import torch
 
 from pagedserve.sampling_params import SamplingParams
@@ -18,7 +17,8 @@ class DraftInput:
     token_ids: list[int]  # prompt and outputs, all known
     block_ids: list[int]  # its block table, with slots held beyond its tokens for a draft model's K/V
     params: SamplingParams
-    uniforms: np.random.Generator  # its random numbers for this draft (keyed like its sampling draws)
+    # (key, counter) of each draft position (layers/sampling_rule.py): a draft model draws with them.
+    draw_keys: list[tuple[int, int]]
 
 
 @dataclass
@@ -28,4 +28,6 @@ class Proposal:
 
 
 class Proposer(Protocol):
+    k: int  # drafts per request, at most
+
     def propose(self, requests: list[DraftInput]) -> list[Proposal]: ...
