@@ -1,15 +1,15 @@
 """pagedserve: an LLM inference and serving engine with a paged KV cache."""
 
 # First, before anything can import torch: OpenMP reads its settings once, when torch loads it (see
-# pagedserve/executor/cpu_host.py). That module imports no torch.
-from pagedserve.executor.cpu_host import set_openmp_defaults
+# pagedserve/openmp.py). That module imports no torch.
+from pagedserve.openmp import set_openmp_defaults
 
 set_openmp_defaults()
 
 from pagedserve.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
+from pagedserve.version import __version__  # noqa: E402
 
-__version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestOutputKind", "__version__"]
 
 

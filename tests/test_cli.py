@@ -59,7 +59,7 @@ def test_environment_without_openmp_defaults_leaves_out_only_what_pagedserve_set
     """Baselines (HF static batching) run with the environment as the user had it."""
     import os
 
-    script = ("import pagedserve.executor.cpu_host as host; e = host.environment_without_openmp_defaults(); "
+    script = ("import pagedserve.openmp as host; e = host.environment_without_openmp_defaults(); "
               "print(e.get('OMP_WAIT_POLICY'), e.get('GOMP_SPINCOUNT'))")
     clean = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     result = subprocess.run([sys.executable, "-c", script], env={**clean, "GOMP_SPINCOUNT": "7"}, capture_output=True, text=True,

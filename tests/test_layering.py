@@ -23,13 +23,15 @@ FORBIDDEN = {
     "benchmarks": {"layers", "models", "entrypoints", "distributed", "spec_decode"},
     # The modules at the top of the package (config, envs, request, outputs, sampling_params) are shared by all.
     "common": {*SUBPACKAGES, "torch"},
+    # The package's own __init__, every process's entry: the shared modules, and LLM from engine (lazily).
+    "entry": {*(set(SUBPACKAGES) - {"engine"}), "torch"},
 }
 
 
 def package_of(path: Path) -> str | None:
     parts = path.relative_to(PACKAGE_ROOT).parts
     if len(parts) == 1:
-        return None if parts[0] == "__init__.py" else "common"  # the package's __init__ is its entry point
+        return "entry" if parts[0] == "__init__.py" else "common"
     return parts[0]
 
 
@@ -75,6 +77,50 @@ def test_package_imports_only_what_its_layer_allows(package):
     edges = package_imports()[package]
     violations = {target: sorted(files) for target, files in edges.items() if target in FORBIDDEN[package]}
     assert not violations, f"{package} imports what its layer forbids: {violations}"
+
+
+def test_nothing_inside_the_package_imports_the_package_itself():
+    """A module that needs a side effect of `import pagedserve` (the OpenMP defaults) calls it by name instead."""
+    importers = set()
+    for path in PACKAGE_ROOT.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import) and any(alias.name == "pagedserve" for alias in node.names):
+                importers.add(str(path.relative_to(PACKAGE_ROOT)))
+            elif isinstance(node, ast.ImportFrom) and node.module == "pagedserve" and path.name != "__init__.py":
+                if not all(_is_module(f"pagedserve.{alias.name}") for alias in node.names):  # `from pagedserve import envs` is a module
+                    importers.add(str(path.relative_to(PACKAGE_ROOT)))
+    assert not importers, f"modules that import the package itself: {sorted(importers)}"
+
+
+def test_no_import_cycle_between_modules_of_a_package():
+    """Inside a package too: the executor interface does not import the executors that implement it."""
+    graph = defaultdict(set)
+    for path in PACKAGE_ROOT.rglob("*.py"):
+        module = ".".join(("pagedserve", *path.relative_to(PACKAGE_ROOT).with_suffix("").parts)).removesuffix(".__init__")
+        for name in imported_modules(path):
+            while name and not _is_module(name):
+                name = name.rpartition(".")[0]
+            if name and name != module and name.split(".")[:2] == module.split(".")[:2] and name.count(".") > 1:
+                graph[module].add(name)
+
+    def on_cycle(start):
+        stack, seen = list(graph[start]), set()
+        while stack:
+            node = stack.pop()
+            if node == start:
+                return True
+            if node not in seen:
+                seen.add(node)
+                stack.extend(graph[node])
+        return False
+
+    cycles = sorted(module for module in list(graph) if on_cycle(module))
+    assert not cycles, f"modules on an import cycle: {cycles}"
+
+
+def _is_module(name: str) -> bool:
+    path = PACKAGE_ROOT.parent.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
 def test_no_import_cycle_between_packages():

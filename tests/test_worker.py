@@ -94,13 +94,13 @@ def test_engine_maps_its_kv_cache_when_idle(prefault, tiny_models):
 
     model_dir = tiny_models["llama"]
     llm = LLM(str(model_dir), kv_cache_memory=64 * 1024**2, prefault_kv_cache=prefault)
-    executor = engine_core_of(llm).executor
+    worker = engine_core_of(llm).executor.worker
     prompts = [[1, 400, 500, 600, 700], list(range(100, 140))]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(16), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(model_dir, prompts, 16)
     if not prefault:
-        assert executor.kv_prefault is None
+        assert worker.kv_prefault is None
         return
-    executor.wait_for_kv_cache_mapping(120)
-    assert not executor.kv_prefault.thread.is_alive()
-    assert all(resident_fraction(cache) == 1.0 for cache in executor.worker.kv_caches)
+    worker.wait_for_kv_cache_mapping(120)
+    assert not worker.kv_prefault.thread.is_alive()
+    assert all(resident_fraction(cache) == 1.0 for cache in worker.kv_caches)

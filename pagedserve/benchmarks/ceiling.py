@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 
+from pagedserve.benchmarks import worker_probes
 from pagedserve.benchmarks.datasets import BenchRequest
 
 # The bare prefill pass: a few prompts of the default workload's length.
@@ -19,12 +20,18 @@ def measure_ceiling(llm, num_seqs: int, seq_len: int, repeats: int = 3, context:
 
 
 def time_bare_passes(llm, num_seqs: int, seq_len: int, passes: int, context: int = 0) -> list[float]:
-    """Seconds of each of `passes` bare forward passes (see measure_ceiling), timed inside the engine
-    (the time_forward_passes utility): seq_len 1 runs as the engine runs decodes (one batched attention
-    call), longer ones as prefill chunks, through the engine's attention backend. The context's K/V are
-    whatever the blocks hold: attention reads them at the cost it would pay for real ones. The engine
-    empties its prefix cache after, since the passes wrote over its blocks."""
-    return llm.llm_engine.call_utility("time_forward_passes", num_seqs, seq_len, passes, context)
+    """Seconds of each of `passes` bare forward passes (see measure_ceiling), timed on rank 0 (through the
+    engine's collective_rpc): seq_len 1 runs as the engine runs decodes (one batched attention call), longer
+    ones as prefill chunks, through the engine's attention backend. The context's K/V are whatever the blocks
+    hold: attention reads them at the cost it would pay for real ones. The passes write K/V into any block, so
+    the engine must be idle, and its prefix cache is emptied after."""
+    engine = llm.llm_engine
+    stats = engine.get_stats()
+    if stats.num_running or stats.num_waiting:
+        raise RuntimeError("the bare forward pass must be timed on an idle engine")
+    seconds = engine.call_utility("collective_rpc", worker_probes.time_forward_passes, num_seqs, seq_len, passes, context)[0]
+    engine.call_utility("reset_prefix_cache")
+    return seconds
 
 
 def mean_decode_context(requests: list[BenchRequest]) -> int:
@@ -57,7 +64,7 @@ def decode_batch(llm, requests: list[BenchRequest]) -> int:
 def replay_seconds(llm, requests: list[BenchRequest]) -> dict:
     """The same bare passes the ceiling counts (the prompt tokens as 4 x 128-token prefills, the output
     tokens as decode steps of the whole batch, no context), all run and timed in full rather than
-    extrapolated from the best one. The machine's speed drifts by 10-30% within minutes; a run of ours
+    extrapolated from the best one. A shared machine's speed drifts within minutes; a run of ours
     pays that drift, a best-of-10 pass does not, so this is the ceiling at the speed the machine had
     right after the run. Also the spread of its decode passes (median over fastest)."""
     prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)

@@ -15,7 +15,7 @@ ARMS = {"stall_free": (True, False, False), "chunked": (False, True, False), "wh
 
 
 def _run(args, arm: str) -> dict:
-    from pagedserve import LLM
+    from pagedserve.engine.llm import LLM
 
     rng = random.Random(args.seed)
     overrides = dict(args.engine_overrides)

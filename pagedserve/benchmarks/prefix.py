@@ -11,7 +11,7 @@ from pagedserve.sampling_params import SamplingParams
 
 
 def _run(args, enable_prefix_caching: bool, prompts: list[list[int]]) -> tuple[float, float, int]:
-    from pagedserve import LLM
+    from pagedserve.engine.llm import LLM
 
     llm = LLM(args.model, enable_prefix_caching=enable_prefix_caching, **args.engine_overrides)
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=16)

@@ -51,7 +51,7 @@ def run_copy_workload(args, spec_json: str | None) -> list[dict]:
 
 
 def run_random_throughput(args, spec: dict | None) -> dict:
-    from pagedserve import LLM
+    from pagedserve.engine.llm import LLM
 
     llm = LLM(args.model, **({"speculative_config": spec} if spec else {}))
     requests = random_requests(args.num_prompts, args.input_len, args.output_len, llm.get_tokenizer().vocab_size, seed=args.seed)

@@ -23,7 +23,7 @@ def make_requests(args, vocab_size: int, seed: int) -> list[BenchRequest]:
 
 
 def run_pagedserve(llm, requests: list[BenchRequest]) -> float:
-    from pagedserve import SamplingParams
+    from pagedserve.sampling_params import SamplingParams
 
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r.output_len) for r in requests]
@@ -37,7 +37,7 @@ def run_pagedserve(llm, requests: list[BenchRequest]) -> float:
 def run_hf_static_batching(model_dir: str, requests: list[BenchRequest]) -> float:
     """Seconds of transformers' generate() on the requests, in a process of its own with the user's
     environment as it was before pagedserve set its OpenMP defaults (see hf_static_batching.py)."""
-    from pagedserve.executor.cpu_host import environment_without_openmp_defaults
+    from pagedserve.openmp import environment_without_openmp_defaults
 
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
         json.dump([{"prompt_token_ids": r.prompt_token_ids, "output_len": r.output_len} for r in requests], f)
@@ -50,7 +50,7 @@ def run_hf_static_batching(model_dir: str, requests: list[BenchRequest]) -> floa
 
 
 def run(args) -> dict:
-    from pagedserve import LLM
+    from pagedserve.engine.llm import LLM
 
     llm = LLM(args.model, **args.engine_overrides)
     mapping_s = wait_for_kv_cache_mapping(llm)

@@ -7,12 +7,14 @@ import time
 from collections import deque
 
 from pagedserve.config import EngineConfig
-from pagedserve.core.contracts import EngineCoreOutput, ModelRunnerOutput, RunningRequestData, SchedulerOutput, SchedulerStats
+from pagedserve.core.contracts import EngineCoreOutput, SchedulerOutput, SchedulerStats
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.core.step_time import uniform_step_shape
 from pagedserve.engine.wire import EngineCoreRequest
-from pagedserve.executor.abstract import Executor, ModelInfo
+from pagedserve.executor.abstract import Executor, WorkerCall
+from pagedserve.executor.selector import executor_class as select_executor_class
+from pagedserve.model_info import ModelInfo
 from pagedserve.request import Request
 
 logger = logging.getLogger(__name__)
@@ -22,7 +24,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None) -> None:
         start = time.monotonic()
         self.config = config
-        self.executor = (executor_class or Executor.get_class(config))(config)
+        self.executor = (executor_class or select_executor_class(config))(config)
         try:
             num_blocks = self.executor.determine_num_blocks()
             self.executor.initialize_cache(num_blocks)
@@ -115,25 +117,11 @@ class EngineCore:
     def wait_for_kv_cache_mapping(self, timeout_s: float | None = None) -> None:
         self.executor.wait_for_kv_cache_mapping(timeout_s)
 
-    def time_forward_passes(self, num_seqs: int, seq_len: int, passes: int, context: int = 0) -> list[float]:
-        """Rank 0's seconds for each of `passes` bare forward passes (see ModelRunner.time_forward_passes).
-        They write K/V into any block, so the engine must be idle; the prefix cache is emptied after."""
-        if self.scheduler.has_unfinished_requests():
-            raise RuntimeError("the bare forward pass must be timed on an idle engine")
-        seconds = self.executor.collective_rpc("time_forward_passes", num_seqs, seq_len, passes, context)[0]
-        self.kv_cache_manager.reset_prefix_cache()
-        return seconds
-
-    def time_step_messages(self, num_running: int, steps: int) -> list[float]:
-        """Seconds of each of `steps` round trips of a step's messages between this core's executor and its ranks,
-        without the model: a step of num_running decodes one way, their sampled tokens back."""
-        if not hasattr(self.executor, "time_step_messages"):
-            raise ValueError("the executor's per-step messages are timed only with several ranks (distributed_executor_backend mp)")
-        ids = [f"request-{index}" for index in range(num_running)]
-        scheduler_output = SchedulerOutput([], [RunningRequestData(i, [7]) for i in ids[::16]], dict.fromkeys(ids, 1), num_running)
-        reply = ModelRunnerOutput(sampled_token_ids=dict.fromkeys(ids, 1234))
-        return self.executor.time_step_messages(scheduler_output, reply, steps)
+    def collective_rpc(self, method: WorkerCall, *args) -> list:
+        """A worker method (or a function of the worker) run on every rank; their results in rank order. The route
+        by which tools such as the benchmarks measure a worker, so that the engine itself carries no such code."""
+        return self.executor.collective_rpc(method, *args)
 
 
-_UTILITIES = frozenset({"reset_prefix_cache", "wait_for_kv_cache_mapping", "time_forward_passes", "get_stats", "time_step_messages"})
+_UTILITIES = frozenset({"reset_prefix_cache", "wait_for_kv_cache_mapping", "get_stats", "collective_rpc"})
 

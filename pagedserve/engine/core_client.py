@@ -29,7 +29,7 @@ from pagedserve.engine.wire import (
     decode_output,
     encode_request,
 )
-from pagedserve.executor.abstract import ModelInfo
+from pagedserve.model_info import ModelInfo
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from pagedserve.engine.output_processor import OutputProcessor, ProcessedOutputs
 from pagedserve.engine.processor import ProcessedPrompt, Processor, PromptType
 from pagedserve.engine.tokenizer import load_tokenizer
 from pagedserve.engine.wire import EngineCoreRequest
-from pagedserve.executor.abstract import ModelInfo
+from pagedserve.model_info import ModelInfo
 from pagedserve.sampling_params import SamplingParams
 
 

@@ -40,7 +40,7 @@ class LLMEngine(FrontEndAccess):
         return self.client.call_utility("get_stats")
 
     def call_utility(self, method: str, *args):
-        """An engine-core utility by name (reset_prefix_cache, wait_for_kv_cache_mapping, time_forward_passes, get_stats)."""
+        """An engine-core utility by name (reset_prefix_cache, wait_for_kv_cache_mapping, get_stats, collective_rpc)."""
         return self.client.call_utility(method, *args)
 
     def shutdown(self) -> None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from pagedserve.engine.wire import EngineCoreRequest
-from pagedserve.executor.abstract import ModelInfo
+from pagedserve.model_info import ModelInfo
 from pagedserve.sampling_params import SamplingParams
 
 # A prompt is text, token ids, or a dict with "prompt" or "prompt_token_ids".

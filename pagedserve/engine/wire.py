@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import msgspec
 
 from pagedserve.core.contracts import EngineCoreOutput, SchedulerStats
-from pagedserve.executor.abstract import ModelInfo
+from pagedserve.model_info import ModelInfo
 from pagedserve.sampling_params import SamplingParams
 
 

@@ -2,29 +2,25 @@
 
 An executor owns one or more workers (one per rank). Each step the engine core hands it the
 scheduler's output and gets back one ModelRunnerOutput; it never sees a tensor. This module imports
-no torch: the front end reads ModelInfo from it.
+no torch.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections.abc import Callable
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.contracts import ModelRunnerOutput, SchedulerOutput
+from pagedserve.model_info import ModelInfo
+
+# A call made on every rank: a Worker method by name, or a module-level function called with the worker first
+# (picklable by reference, so it travels to worker processes).
+WorkerCall = str | Callable
 
 
-@dataclass
-class ModelInfo:
-    """What the engine core and front end need to know of the loaded model (the ready handshake)."""
-
-    model_dir: str
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: list[int]
-    num_blocks: int
-    # Default sampling parameters (SamplingParams field names) from the generation config; empty when none.
-    generation_defaults: dict[str, float | int]
+def run_on_worker(worker, method: WorkerCall, args: tuple):
+    return method(worker, *args) if callable(method) else getattr(worker, method)(*args)
 
 
 class Executor(ABC):
@@ -36,21 +32,6 @@ class Executor(ABC):
 
     # Steps that may be in flight at once: more than one under pipeline parallelism (submit_step / wait_step).
     max_concurrent_batches = 1
-
-    @staticmethod
-    def get_class(config: EngineConfig) -> type[Executor]:
-        backend = config.executor_backend
-        if backend == "ray":
-            from pagedserve.executor.ray_executor import RayExecutor
-
-            return RayExecutor
-        if backend == "mp":
-            from pagedserve.executor.multiproc_executor import MultiprocExecutor
-
-            return MultiprocExecutor
-        from pagedserve.executor.uniproc_executor import UniprocExecutor
-
-        return UniprocExecutor
 
     def submit_step(self, scheduler_output: SchedulerOutput) -> None:
         """Start a step without waiting for it (executors with max_concurrent_batches > 1)."""
@@ -75,8 +56,8 @@ class Executor(ABC):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
     @abstractmethod
-    def collective_rpc(self, method: str, *args) -> list:
-        """Call a worker method on every rank; their results in rank order."""
+    def collective_rpc(self, method: WorkerCall, *args) -> list:
+        """Call a worker method (or a function of the worker) on every rank; their results in rank order."""
 
     @abstractmethod
     def check_health(self) -> None:

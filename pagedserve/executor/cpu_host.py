@@ -1,17 +1,11 @@
-"""Tuning of the CPU host an engine runs on: OpenMP's thread waiting, glibc's malloc, and mapping the
-KV cache's pages ahead of use. The measurements behind each choice are in docs/cpu.md.
+"""Tuning of the CPU host an engine runs on: threads per rank, glibc's malloc, and mapping the KV cache's
+pages ahead of use. The measurements behind each choice are in docs/cpu.md.
 
-**OpenMP.** libgomp reads OMP_WAIT_POLICY and GOMP_SPINCOUNT once, when torch loads it, so they must
-be in the environment before `import torch`. set_openmp_defaults() runs when the `pagedserve` package
-is imported (pagedserve/__init__.py), which precedes torch in every process pagedserve starts (the
-CLI, the engine-core process, worker processes) since each imports the package first, and spawned
-children inherit the environment. A program that imports torch before pagedserve keeps torch's
-defaults; that is logged. Threads that spin without end collapse when the two cores are shared with
-the front end (PASSIVE: they sleep between parallel regions), but waking a sleeping thread costs tens
-of microseconds and a decode step opens hundreds of parallel regions, so they spin briefly first.
+**OpenMP** waiting is set before torch loads, in pagedserve/openmp.py. **Threads**: threads_per_rank below is
+the one rule for how many torch threads a rank runs.
 
 **malloc.** glibc maps large blocks straight from the OS and unmaps them on free, and trims the top
-of its heap; a long prefill step frees hundreds of MB of activations, which the next step would then
+of its heap; a long prefill step frees large activation buffers, which the next step would then
 page-fault back in. A fixed mmap threshold at glibc's maximum and no trimming keep them.
 
 **KV cache pages.** The cache comes from calloc, so start-up does not pay for gigabytes of page
@@ -31,7 +25,6 @@ import ctypes.util
 import logging
 import mmap
 import os
-import sys
 import threading
 import time
 import weakref
@@ -42,28 +35,19 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from pagedserve.config import EngineConfig
+
 logger = logging.getLogger(__name__)
 
-OPENMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "20000"}
-_openmp_set_here: list[str] = []
 
-
-def set_openmp_defaults() -> None:
-    """Put OPENMP_DEFAULTS into the environment where the user has not set them (see the module doc).
-    Processes started from here inherit them even where this one loaded torch too early to use them."""
-    if _openmp_set_here:
-        return
-    if "torch" in sys.modules:
-        logger.debug("torch was imported before pagedserve: this process's OpenMP runtime keeps its own wait policy")
-    for name, value in OPENMP_DEFAULTS.items():
-        if name not in os.environ:
-            os.environ[name] = value
-            _openmp_set_here.append(name)
-
-
-def environment_without_openmp_defaults() -> dict[str, str]:
-    """The environment as the user had it, for baselines that must run as their users run them."""
-    return {name: value for name, value in os.environ.items() if name not in _openmp_set_here}
+def threads_per_rank(config: EngineConfig) -> int | None:
+    """torch intra-op threads of each rank: num_threads where the user set it, else the machine's cores shared
+    evenly among every rank of every engine core (data parallelism included); None where one rank runs alone,
+    which keeps torch's own default."""
+    if config.num_threads is not None:
+        return config.num_threads
+    ranks = config.world_size * config.data_parallel_size
+    return None if ranks == 1 else max(1, (os.cpu_count() or 1) // ranks)
 
 
 # ---- malloc --------------------------------------------------------------------------------

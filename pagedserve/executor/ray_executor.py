@@ -13,7 +13,8 @@ from collections import deque
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.contracts import ModelRunnerOutput, SchedulerOutput
-from pagedserve.executor.multiproc_executor import DistributedExecutor, WorkerDiedError
+from pagedserve.executor.abstract import WorkerCall
+from pagedserve.executor.distributed import DistributedExecutor, WorkerDiedError
 
 logger = logging.getLogger(__name__)
 
@@ -35,13 +36,12 @@ class RayWorker:
         """Where torch.distributed's ranks meet: this node's address and a free port."""
         import ray
 
-        from pagedserve.executor.multiproc_executor import free_port
+        from pagedserve.executor.distributed import free_port
 
         return f"tcp://{ray.util.get_node_ip_address()}:{free_port()}"
 
     def start(self, config: EngineConfig, info, init_method: str) -> None:
-        import pagedserve  # noqa: F401 (the OpenMP defaults, before torch loads)
-        from pagedserve.executor.multiproc_executor import WorkerProcess
+        from pagedserve.executor.distributed import WorkerProcess
 
         self.process = WorkerProcess(config, info, init_method)
 
@@ -49,7 +49,7 @@ class RayWorker:
         output = self.process.step(scheduler_output)
         return output if self.process.rank.is_output_rank else None  # only one rank's output travels back
 
-    def call(self, method: str, args) -> object:
+    def call(self, method: WorkerCall, args) -> object:
         return self.process.call(method, args)
 
 
@@ -92,11 +92,11 @@ class RayExecutor(DistributedExecutor):
     def wait_step(self) -> ModelRunnerOutput:
         return self._get(self._pending.popleft())[self.output_rank]
 
-    def collective_rpc(self, method: str, *args) -> list:
+    def collective_rpc(self, method: WorkerCall, *args) -> list:
         return self._get([actor.call.remote(method, args) for actor in self.actors])
 
     def check_health(self) -> None:
-        self._get([actor.call.remote("info", ()) for actor in self.actors])
+        self._get([actor.call.remote("model_info", ()) for actor in self.actors])
 
     def _get(self, refs: list) -> list:
         try:

@@ -1,8 +1,10 @@
-"""Worker: one rank's device, model and paged KV cache; it runs steps through its ModelRunner."""
+"""Worker: one rank's device, model and paged KV cache, and the tuning of the host it runs on; it runs steps
+through its ModelRunner."""
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -10,13 +12,22 @@ import torch
 from pagedserve.config import EngineConfig
 from pagedserve.core.contracts import ModelRunnerOutput, SchedulerOutput
 from pagedserve.distributed.parallel_state import rank_info
+from pagedserve.executor import cpu_host
 from pagedserve.executor.model_runner import ModelRunner
 from pagedserve.layers import cpu_kernels
 from pagedserve.layers.attention import select_attention_backend
 from pagedserve.layers.linear import kv_heads_of_rank, onednn_available
+from pagedserve.model_info import ModelInfo
 from pagedserve.models.gguf_blocks import load_quantized_blocks
 from pagedserve.models.llama import head_dim_of
-from pagedserve.models.loader import load_hf_config, load_model, max_position_of, resolve_model_dir
+from pagedserve.models.loader import (
+    eos_token_ids,
+    generation_defaults,
+    load_hf_config,
+    load_model,
+    max_position_of,
+    resolve_model_dir,
+)
 from pagedserve.spec_decode.draft_model import DraftModelProposer
 from pagedserve.spec_decode.ngram_proposer import NgramProposer
 from pagedserve.spec_decode.proposer import Proposer
@@ -51,10 +62,14 @@ class Worker:
     Loads it at construction; determine_num_blocks() then initialize_cache() make it ready."""
 
     def __init__(self, config: EngineConfig) -> None:
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
+        threads = cpu_host.threads_per_rank(config)
+        if threads is not None:
+            torch.set_num_threads(threads)
         self.config = config
         self.device = resolve_device(config)
+        self.on_cpu = self.device.type == "cpu"
+        if self.on_cpu:
+            cpu_host.keep_freed_memory()
         self.dtype = resolve_dtype(config, self.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config, self.dtype)
         self.model_dir = resolve_model_dir(config.model)
@@ -62,6 +77,8 @@ class Worker:
         self.model_max_len = max_position_of(self.hf_config)
         if config.max_model_len is not None and config.max_model_len > self.model_max_len:
             raise ValueError(f"max_model_len must be <= {self.model_max_len} (the model's context length), got {config.max_model_len}")
+        self.eos_token_ids = eos_token_ids(self.model_dir, self.hf_config)
+        self.generation_defaults = generation_defaults_of(config, self.model_dir)
         # Compiled now (the first time on a machine), not during the first request.
         self.cpu_kernels = cpu_kernels.load() if config.cpu_kernels and self.device.type == "cpu" else None
         self.attn_backend = select_attention_backend(config.attention_backend, self.device, self.dtype, self.cpu_kernels)
@@ -77,6 +94,7 @@ class Worker:
         self.kv_caches: list[torch.Tensor] = []
         self.draft_kv_caches: list[torch.Tensor] = []
         self.model_runner: ModelRunner | None = None
+        self.kv_prefault: cpu_host.KVCachePrefault | None = None  # maps the KV cache's pages while the engine is idle
         logger.info("model %s on %s (%s), attention backend %s", self.model_dir.name, self.device, str(self.dtype).removeprefix("torch."),
                     self.attn_backend.name)
 
@@ -166,6 +184,8 @@ class Worker:
             self.draft_kv_caches = [zeroed(draft_shape, self.kv_cache_dtype, self.device) for _ in range(num_draft_layers)]
         self.model_runner = ModelRunner(self.model, self.kv_caches, config.block_size, self.device, config.seed, self.attn_backend,
                                         self.cpu_kernels, self._make_proposer())
+        if self.on_cpu and config.prefault_kv_cache:
+            self.kv_prefault = cpu_host.KVCachePrefault(self.kv_caches + self.draft_kv_caches)
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %s); max concurrency at max_model_len=%d: %.2fx",
             num_blocks, config.block_size, num_blocks * config.block_size, str(self.kv_cache_dtype).removeprefix("torch."),
@@ -187,18 +207,41 @@ class Worker:
     # ---- steps --------------------------------------------------------------------------------------
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.model_runner.execute_model(scheduler_output)
+        if self.kv_prefault is None:
+            return self.model_runner.execute_model(scheduler_output)
+        self.kv_prefault.step_started()
+        try:
+            return self.model_runner.execute_model(scheduler_output)
+        finally:
+            self.kv_prefault.step_ended()
 
-    def info(self) -> dict:
-        """What the executor reports of this rank's model (ModelInfo's part that only a worker knows)."""
-        return {"model_dir": str(self.model_dir), "max_model_len": self.max_model_len, "vocab_size": self.hf_config.vocab_size,
-                "num_blocks": self.num_blocks}
+    def wait_for_kv_cache_mapping(self, timeout_s: float | None = None) -> None:
+        """Return once the KV cache's pages are mapped in (at once without the prefault)."""
+        if self.kv_prefault is not None:
+            self.kv_prefault.wait(timeout_s)
+
+    def model_info(self) -> ModelInfo:
+        return ModelInfo(model_dir=str(self.model_dir), max_model_len=self.max_model_len, vocab_size=self.hf_config.vocab_size,
+                         eos_token_ids=list(self.eos_token_ids), num_blocks=self.num_blocks,
+                         generation_defaults=dict(self.generation_defaults))
+
+    @property
+    def is_output_rank(self) -> bool:
+        """Whether this rank's step output goes back to the engine core (the last stage's first tensor-parallel rank)."""
+        return rank_info().is_output_rank
 
     def warm_up(self) -> list[tuple[int, int, int, float]]:
         return self.model_runner.warm_up(self.max_model_len)
 
-    def time_forward_passes(self, num_seqs: int, seq_len: int, passes: int, context: int = 0) -> list[float]:
-        return self.model_runner.time_forward_passes(num_seqs, seq_len, passes, context)
+
+def generation_defaults_of(config: EngineConfig, model_dir: Path) -> dict[str, float | int]:
+    """Default sampling parameters by the generation_config setting (auto: the model's own; vllm: none; or a directory)."""
+    if config.generation_config == "vllm":
+        return {}
+    source = model_dir if config.generation_config == "auto" else Path(config.generation_config)
+    if config.generation_config != "auto" and not (source / "generation_config.json").is_file():
+        raise FileNotFoundError(f"generation_config: no generation_config.json in {source}")
+    return generation_defaults(source)
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

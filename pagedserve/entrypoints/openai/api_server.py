@@ -11,7 +11,6 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-import pagedserve
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.entrypoints.openai.chat_template import ChatTemplateRenderer
 from pagedserve.entrypoints.openai.errors import APIError, install_error_handlers
@@ -33,6 +32,7 @@ from pagedserve.entrypoints.openai.protocol import (
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedserve.entrypoints.openai.settings import ServerSettings
+from pagedserve.version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
     renderer = ChatTemplateRenderer(engine.tokenizer, settings.trust_request_chat_template, settings.chat_template_timeout)
     completions = OpenAIServingCompletion(engine, names, max_n)
     chat = OpenAIServingChat(engine, names, max_n, renderer)
-    app = FastAPI(title="pagedserve", version=pagedserve.__version__)
+    app = FastAPI(title="pagedserve", version=__version__)
     install_error_handlers(app)
     install_middleware(app, settings, is_draining=lambda: state.draining)
 
@@ -68,7 +68,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
 
     @app.get("/version", response_model=VersionResponse, responses=_ERRORS)
     async def version():
-        return VersionResponse(version=pagedserve.__version__)
+        return VersionResponse(version=__version__)
 
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
     async def models():

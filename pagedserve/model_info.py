@@ -1,0 +1,17 @@
+"""ModelInfo: what the engine core and its front end learn of the loaded model when the engine is ready. Defined
+here, beside the other shared types, so that the front end reads it without reaching into the executor."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ModelInfo:
+    model_dir: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    num_blocks: int
+    # Default sampling parameters (SamplingParams field names) from the generation config; empty when none.
+    generation_defaults: dict[str, float | int]
