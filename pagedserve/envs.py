@@ -1,6 +1,6 @@
 """The environment variables pagedserve reads, all of them, read here and nowhere else. Everything
 else is an EngineConfig field (and a CLI flag). The OpenMP variables pagedserve sets for its own
-processes are in executor/cpu_host.py."""
+processes are in openmp.py."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from pathlib import Path
 PAGEDSERVE_CACHE_DIR = "PAGEDSERVE_CACHE_DIR"
 # Log level of pagedserve's processes (default INFO).
 PAGEDSERVE_LOG_LEVEL = "PAGEDSERVE_LOG_LEVEL"
+# How the mp executor starts its worker processes: fork or spawn (default: fork where it is safe, else spawn).
+PAGEDSERVE_WORKER_MULTIPROC_METHOD = "PAGEDSERVE_WORKER_MULTIPROC_METHOD"
 
 
 def cache_root() -> Path:
@@ -19,3 +21,10 @@ def cache_root() -> Path:
 
 def log_level() -> str:
     return os.environ.get(PAGEDSERVE_LOG_LEVEL, "INFO")
+
+
+def worker_multiproc_method() -> str | None:
+    method = os.environ.get(PAGEDSERVE_WORKER_MULTIPROC_METHOD) or None
+    if method not in (None, "fork", "spawn"):
+        raise ValueError(f"{PAGEDSERVE_WORKER_MULTIPROC_METHOD} must be fork or spawn, got {method!r}")
+    return method

@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import sys
 import threading
 import time
+
+from pagedserve import envs
+
+# The exit code of a spawned child that found itself re-running its parent's program (exit_if_reimporting_main).
+UNGUARDED_MAIN_EXIT_CODE = 87
+UNGUARDED_MAIN_MESSAGE = (
+    "pagedserve's worker processes start by spawn here ({reason}), and spawn runs this program's main module again in each "
+    "of them, which started another engine. Put the code that creates the engine under `if __name__ == \"__main__\":` "
+    "in the script you run."
+)
 
 
 def exit_with_parent(parent_pid: int) -> None:
@@ -16,3 +28,36 @@ def exit_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
     threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+
+
+def exit_if_reimporting_main() -> None:
+    """In a child started by spawn, while it imports its parent's main module to begin: an engine started there means
+    the parent's script has no `if __name__ == "__main__":` guard. Exit at once with UNGUARDED_MAIN_EXIT_CODE, so
+    that the parent can say what to add (instead of Python's bootstrapping traceback and a dead worker)."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        os._exit(UNGUARDED_MAIN_EXIT_CODE)
+
+
+def child_start_method() -> tuple[str, str]:
+    """(how to start a child process of this one, why). fork where it is safe: on Linux, with no accelerator
+    initialised and no thread pool of native threads running (OpenMP's, once a parallel region ran, or a ZMQ
+    context's): a forked child inherits such a pool without its threads and hangs on its first use. spawn otherwise,
+    or as PAGEDSERVE_WORKER_MULTIPROC_METHOD says."""
+    chosen = envs.worker_multiproc_method()
+    if chosen is not None:
+        return chosen, f"{envs.PAGEDSERVE_WORKER_MULTIPROC_METHOD}={chosen}"
+    if sys.platform != "linux":
+        return "spawn", f"fork is not safe on {sys.platform}"
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "spawn", "CUDA is initialised in this process"
+    if _native_threads() > threading.active_count() + (1 if torch is not None else 0):  # torch's import starts one
+        return "spawn", "native threads (OpenMP, ZMQ) already run in this process"
+    return "fork", "fork is safe here"
+
+
+def _native_threads() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return sys.maxsize  # unknown: assume the worst

@@ -7,6 +7,7 @@ import asyncio
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -226,3 +227,35 @@ def test_data_parallel_server_routes_by_load_and_prefix_and_labels_its_metrics(t
     while any(_alive(pid) for pid in everyone) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not [pid for pid in everyone if _alive(pid)]
+
+
+PLAIN_SCRIPT = """from pagedserve import LLM, SamplingParams
+llm = LLM({model!r}, tensor_parallel_size=2, kv_cache_memory=2**24)
+params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+print("TOKENS", llm.generate([{{"prompt_token_ids": [1, 400, 500]}}], params, use_tqdm=False)[0].outputs[0].token_ids)
+"""
+
+
+def test_a_plain_script_without_a_main_guard_runs_tensor_parallel(tiny_models, tmp_path):
+    """As with vLLM: `LLM(tensor_parallel_size=2)` at the top of a script works without `if __name__ == "__main__":` (the
+    workers start by fork where that is safe); where they must start by spawn, the user gets one error that says
+    what to add, not Python's bootstrapping traceback."""
+    from conftest import hf_greedy
+
+    script = tmp_path / "plain.py"
+    script.write_text(PLAIN_SCRIPT.format(model=str(tiny_models["llama"])))
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f"TOKENS {hf_greedy(tiny_models['llama'], [[1, 400, 500]], 6)[0]}" in run.stdout
+    spawned = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                             env={**os.environ, "PAGEDSERVE_WORKER_MULTIPROC_METHOD": "spawn"})
+    assert spawned.returncode != 0
+    assert 'if __name__ == "__main__":' in spawned.stderr and "bootstrapping" not in spawned.stderr, spawned.stderr[-3000:]
+
+
+def test_workers_start_by_fork_only_where_it_is_safe():
+    """Once OpenMP has run a parallel region, a forked child would inherit its pool without the threads and hang."""
+    script = ("import torch; from pagedserve.processes import child_start_method; print(child_start_method()[0]); "
+              "torch.set_num_threads(2); a = torch.randn(600, 600); a @ a; print(child_start_method()[0])")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.stdout.split() == ["fork", "spawn"], run.stderr[-2000:]

@@ -30,6 +30,7 @@ from pagedserve.engine.wire import (
     encode_request,
 )
 from pagedserve.model_info import ModelInfo
+from pagedserve.processes import UNGUARDED_MAIN_EXIT_CODE, UNGUARDED_MAIN_MESSAGE, exit_if_reimporting_main
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +109,7 @@ class AsyncMPClient(EngineCoreClient):
     def __init__(self, config: EngineConfig, startup_timeout_s: float = 600.0, while_starting=None, wait: bool = True) -> None:
         """Start the engine core and wait until it is ready (unless not wait: then wait_ready() later);
         while_starting() runs meanwhile in this process."""
+        exit_if_reimporting_main()
         self._ipc_dir = tempfile.mkdtemp(prefix="pagedserve-")
         input_address = f"ipc://{self._ipc_dir}/input"
         output_address = f"ipc://{self._ipc_dir}/output"
@@ -148,6 +150,8 @@ class AsyncMPClient(EngineCoreClient):
                 if isinstance(message, EngineFailed):
                     raise RuntimeError(f"engine core failed to start: {message.error}")
                 return message.model_info
+            if self.process.exitcode == UNGUARDED_MAIN_EXIT_CODE:
+                raise RuntimeError(UNGUARDED_MAIN_MESSAGE.format(reason="the engine core always runs in a process of its own"))
             if not self.process.is_alive():
                 raise RuntimeError(f"engine core process exited during start-up (exit code {self.process.exitcode})")
         raise RuntimeError(f"engine core was not ready within {timeout_s:.0f} s")

@@ -1,5 +1,7 @@
-"""The executor of a tensor- and pipeline-parallel engine: one worker process per rank (spawned), a
-torch.distributed process group among them (gloo on CPU, NCCL on CUDA).
+"""The executor of a tensor- and pipeline-parallel engine: one worker process per rank, a torch.distributed
+process group among them (gloo on CPU, NCCL on CUDA). Workers start by fork where that is safe, so a plain script
+needs no `if __name__ == "__main__":` guard; by spawn otherwise (processes.child_start_method), where a script
+without the guard gets one error that says to add it.
 
 Each step's scheduler output is pickled once and sent to every rank over a ZMQ socket of its own
 (IPC); every rank runs its share of the step, the ranks exchanging activations through
@@ -29,7 +31,13 @@ from pagedserve.core.contracts import ModelRunnerOutput, SchedulerOutput
 from pagedserve.distributed.parallel_state import RankInfo
 from pagedserve.executor.abstract import WorkerCall
 from pagedserve.executor.distributed import DistributedExecutor, WorkerDiedError, WorkerProcess, free_port
-from pagedserve.processes import exit_with_parent
+from pagedserve.processes import (
+    UNGUARDED_MAIN_EXIT_CODE,
+    UNGUARDED_MAIN_MESSAGE,
+    child_start_method,
+    exit_if_reimporting_main,
+    exit_with_parent,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -38,26 +46,31 @@ _STARTUP_TIMEOUT_S = 900.0
 
 class MultiprocExecutor(DistributedExecutor):
     def __init__(self, config: EngineConfig) -> None:
+        exit_if_reimporting_main()
         super().__init__(config)
         self._pending: deque[float] = deque()  # submit times of the steps in flight
         self._ipc_dir = tempfile.mkdtemp(prefix="pagedserve-workers-")
+        self._start_method, self._start_reason = child_start_method()
+        result_address = f"ipc://{self._ipc_dir}/results"
+        addresses = [f"ipc://{self._ipc_dir}/rank{info.rank}" for info in self.infos]
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        context = multiprocessing.get_context(self._start_method)
+        # The workers start before this process's ZMQ context exists (its I/O threads would not survive a fork); they
+        # connect, and ZMQ holds their messages until the sockets below are bound.
+        self.processes = [context.Process(target=run_worker, name=f"Worker-{info.rank}", daemon=True,
+                                          args=(config, info, init_method, address, result_address, os.getpid()))
+                          for info, address in zip(self.infos, addresses)]
         self._context = zmq.Context()
         self._results = self._context.socket(zmq.PULL)
-        result_address = f"ipc://{self._ipc_dir}/results"
-        self._results.bind(result_address)
-        self._inputs, self.processes = [], []
-        init_method = f"tcp://127.0.0.1:{free_port()}"
-        spawn = multiprocessing.get_context("spawn")
+        self._inputs = []
         try:
-            for info in self.infos:
-                address = f"ipc://{self._ipc_dir}/rank{info.rank}"
+            for process in self.processes:
+                process.start()
+            self._results.bind(result_address)
+            for address in addresses:
                 socket_ = self._context.socket(zmq.PUSH)
                 socket_.bind(address)
                 self._inputs.append(socket_)
-                process = spawn.Process(target=run_worker, name=f"Worker-{info.rank}", daemon=True,
-                                        args=(config, info, init_method, address, result_address, os.getpid()))
-                process.start()
-                self.processes.append(process)
             self._collect(lambda kind: kind == "ready", len(self.infos), _STARTUP_TIMEOUT_S)
         except BaseException:
             self.shutdown()
@@ -83,7 +96,9 @@ class MultiprocExecutor(DistributedExecutor):
 
     def check_health(self) -> None:
         for rank, process in enumerate(self.processes):
-            if not process.is_alive():
+            if process.exitcode == UNGUARDED_MAIN_EXIT_CODE:
+                raise RuntimeError(UNGUARDED_MAIN_MESSAGE.format(reason=self._start_reason))
+            if process.pid is not None and not process.is_alive():
                 raise WorkerDiedError(f"worker of rank {rank} (pid {process.pid}) exited with code {process.exitcode}")
 
     def shutdown(self) -> None:
@@ -95,9 +110,10 @@ class MultiprocExecutor(DistributedExecutor):
             except zmq.ZMQError:
                 pass
         deadline = time.monotonic() + 5
-        for process in self.processes:
+        started = [process for process in self.processes if process.pid is not None]
+        for process in started:
             process.join(max(0.0, deadline - time.monotonic()))
-        for process in self.processes:
+        for process in started:
             if process.is_alive():
                 process.kill()
                 process.join()
@@ -149,7 +165,7 @@ def run_worker(config: EngineConfig, info: RankInfo, init_method: str, input_add
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine core decides when workers stop
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     exit_with_parent(parent_pid)
-    logging.basicConfig(level=logging.WARNING if info.rank else logging.INFO,
+    logging.basicConfig(level=logging.WARNING if info.rank else logging.INFO, force=True,  # not a forked parent's handlers
                         format=f"%(asctime)s %(levelname)s rank {info.rank} %(name)s: %(message)s")
     context = zmq.Context()
     inputs = context.socket(zmq.PULL)
