@@ -104,3 +104,17 @@ def test_engine_maps_its_kv_cache_when_idle(prefault, tiny_models):
     worker.wait_for_kv_cache_mapping(120)
     assert not worker.kv_prefault.thread.is_alive()
     assert all(resident_fraction(cache) == 1.0 for cache in worker.kv_caches)
+
+
+def test_threads_per_rank_share_the_cores_among_every_rank_of_every_engine_core(monkeypatch):
+    import os
+
+    from pagedserve.config import EngineConfig
+    from pagedserve.executor.cpu_host import threads_per_rank
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    assert threads_per_rank(EngineConfig()) is None  # one rank alone: torch's own default
+    assert threads_per_rank(EngineConfig(tensor_parallel_size=2)) == 4
+    assert threads_per_rank(EngineConfig(pipeline_parallel_size=2, data_parallel_size=2)) == 2
+    assert threads_per_rank(EngineConfig(tensor_parallel_size=3, data_parallel_size=3)) == 1
+    assert threads_per_rank(EngineConfig(tensor_parallel_size=2, num_threads=3)) == 3  # the user's word wins

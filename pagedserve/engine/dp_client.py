@@ -16,6 +16,7 @@ from collections import OrderedDict
 from pagedserve.config import EngineConfig
 from pagedserve.engine.core_client import AsyncMPClient, EngineCoreClient
 from pagedserve.engine.wire import EngineCoreOutputs, EngineCoreRequest
+from pagedserve.executor.cpu_host import threads_per_rank
 
 # Prompts are grouped by their first this-many tokens (a KV block at the default size).
 AFFINITY_TOKENS = 16
@@ -27,9 +28,8 @@ _AFFINITY_ENTRIES = 65536
 class DPAsyncMPClient(EngineCoreClient):
     def __init__(self, config: EngineConfig, while_starting=None) -> None:
         size = config.data_parallel_size
-        # The cores share the machine's cores unless the user says otherwise.
-        per_core = dataclasses.replace(config, data_parallel_size=1,
-                                       num_threads=config.num_threads or max(1, (_cpu_count() // size) // config.world_size))
+        # Each core's ranks get their share of the machine's threads, as the one rule for all ranks says.
+        per_core = dataclasses.replace(config, data_parallel_size=1, num_threads=threads_per_rank(config))
         self.clients: list[AsyncMPClient] = []
         try:
             for _ in range(size):  # all start at once; then each is waited for
@@ -109,8 +109,3 @@ class DPAsyncMPClient(EngineCoreClient):
         for client in self.clients:
             client.shutdown()
 
-
-def _cpu_count() -> int:
-    import os
-
-    return os.cpu_count() or 1

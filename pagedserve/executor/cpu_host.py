@@ -25,6 +25,7 @@ import ctypes.util
 import logging
 import mmap
 import os
+import sys
 import threading
 import time
 import weakref
@@ -48,6 +49,12 @@ def threads_per_rank(config: EngineConfig) -> int | None:
         return config.num_threads
     ranks = config.world_size * config.data_parallel_size
     return None if ranks == 1 else max(1, (os.cpu_count() or 1) // ranks)
+
+
+def limit_front_end_threads() -> None:
+    """The server's front end does no tensor math: if anything pulled torch into it, keep it off the engine's cores."""
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
 
 
 # ---- malloc --------------------------------------------------------------------------------

@@ -15,12 +15,12 @@ import contextlib
 import importlib
 import logging
 import signal
-import sys
 import time
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.entrypoints.openai.settings import ServerSettings
+from pagedserve.executor.cpu_host import limit_front_end_threads
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def run_server(config: EngineConfig, settings: ServerSettings) -> int:
 
     from pagedserve.entrypoints.openai.api_server import ServerState, build_app
 
-    _limit_front_end_threads()
+    limit_front_end_threads()
     state = ServerState()
     try:
         app = build_app(engine, settings, state)
@@ -74,12 +74,6 @@ async def _serve(server, engine: AsyncLLM) -> None:
 
 def _raise_keyboard_interrupt(*_) -> None:
     raise KeyboardInterrupt
-
-
-def _limit_front_end_threads() -> None:
-    # The front end does no tensor math: if anything pulled in torch, keep it off the engine's cores.
-    if "torch" in sys.modules:
-        sys.modules["torch"].set_num_threads(1)
 
 
 def _draining_server_class():
