@@ -140,7 +140,7 @@ class Scheduler:
             preempted_any |= preempted
             if new_blocks is None:  # it preempted itself
                 break
-            num_blocks = len(self.kv_cache_manager.req_to_blocks[request.request_id])
+            num_blocks = len(self.kv_cache_manager.req_to_blocks[request.request_id]) if new_blocks else 0
             if num_new_tokens == 1 or drafts:
                 plan.add_decode(request, drafts, new_blocks, num_blocks)
             else:
