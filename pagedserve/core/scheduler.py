@@ -19,6 +19,8 @@ from pagedserve.core.step_plan import StepPlan
 from pagedserve.core.step_time import StepShape
 from pagedserve.request import Request, RequestStatus
 
+_NO_DRAFTS: list[int] = []  # shared, never changed: a decode without drafts
+
 
 class Scheduler:
     def __init__(
@@ -121,26 +123,32 @@ class Scheduler:
 
     def _schedule_running(self, plan: StepPlan) -> bool:
         """Running requests in order, each its next token or chunk, preempting the least important when the cache
-        is full. Returns whether any request was preempted."""
+        is full. Returns whether any request was preempted. Runs for every running request each step: lookups are
+        hoisted and a decode that fits costs no call beyond its allocation and the plan's."""
+        allocate_slots, req_to_blocks = self.kv_cache_manager.allocate_slots, self.kv_cache_manager.req_to_blocks
+        drafts_policy = self.drafts
         preempted_any = False
         index = 0
         while index < len(self.running) and plan.token_budget > 0:
             request = self.running[index]
-            num_new_tokens = request.num_tokens - request.num_computed_tokens
-            drafts: list[int] = []
+            num_new_tokens = len(request.all_token_ids) - request.num_computed_tokens
+            drafts = _NO_DRAFTS
             if num_new_tokens > 1:  # an unfinished prompt: chunk it (0: no time left in this step for it)
                 num_new_tokens = plan.chunk_size(num_new_tokens, request.num_computed_tokens)
-            elif num_new_tokens == 1 and self.drafts:
-                drafts = self.drafts.take_drafts(request, plan.token_budget)
+            elif num_new_tokens == 1 and drafts_policy is not None:
+                drafts = drafts_policy.take_drafts(request, plan.token_budget)
                 num_new_tokens += len(drafts)
             if num_new_tokens == 0:  # no time for its chunk, or its last step is still in the pipeline
                 index += 1
                 continue
-            new_blocks, preempted = self._allocate_or_preempt(request, num_new_tokens, index)
-            preempted_any |= preempted
-            if new_blocks is None:  # it preempted itself
-                break
-            num_blocks = len(self.kv_cache_manager.req_to_blocks[request.request_id]) if new_blocks else 0
+            lookahead = drafts_policy.lookahead_slots(request, request.num_computed_tokens + num_new_tokens) if drafts_policy else 0
+            new_blocks = allocate_slots(request, num_new_tokens, None, lookahead)
+            if new_blocks is None:
+                preempted_any = True
+                new_blocks = self._preempt_until_it_fits(request, num_new_tokens, lookahead, index)
+                if new_blocks is None:  # it preempted itself
+                    break
+            num_blocks = len(req_to_blocks[request.request_id]) if new_blocks else 0
             if num_new_tokens == 1 or drafts:
                 plan.add_decode(request, drafts, new_blocks, num_blocks)
             else:
@@ -148,18 +156,15 @@ class Scheduler:
             index += 1
         return preempted_any
 
-    def _allocate_or_preempt(self, request: Request, num_new_tokens: int, index: int) -> tuple[list | None, bool]:
-        """Slots for running[index]'s new tokens, preempting requests not yet scheduled in this step until they fit.
-        -> (its new blocks, or None if it was preempted itself; whether anything was preempted)."""
-        lookahead = self.drafts.lookahead_slots(request, request.num_computed_tokens + num_new_tokens) if self.drafts else 0
-        preempted = False
+    def _preempt_until_it_fits(self, request: Request, num_new_tokens: int, lookahead: int, index: int) -> list | None:
+        """Preempt requests not yet scheduled in this step until running[index]'s new tokens fit; its new blocks, or
+        None once it was preempted itself."""
         while True:
+            if self._preempt_one(first_candidate=index) is request:
+                return None
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens, None, lookahead)
             if new_blocks is not None:
-                return new_blocks, preempted
-            preempted = True
-            if self._preempt_one(first_candidate=index) is request:
-                return None, preempted
+                return new_blocks
 
     def _schedule_waiting(self, plan: StepPlan) -> None:
         """Waiting requests in policy order, while the budget, the cache and max_num_seqs allow."""
@@ -235,6 +240,7 @@ class Scheduler:
         get_request, get_sampled = self.requests.get, runner_output.sampled_token_ids.get
         logprobs, prompt_logprobs_of = runner_output.logprobs, runner_output.prompt_logprobs
         verified = scheduler_output.drafts_to_verify
+        max_model_len = self.max_model_len
         for request_id in scheduler_output.num_scheduled_tokens:
             request = get_request(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -245,8 +251,11 @@ class Scheduler:
             if token_id is not None:
                 if verified and request_id in verified:
                     finish_reason = self._append_verified(request, verified[request_id], runner_output, new_token_ids)
-                else:
-                    finish_reason = self._append_token(request, token_id, new_token_ids)
+                else:  # as _append_token, inlined: every decode of every step passes here
+                    request.append_output_token(token_id)
+                    new_token_ids.append(token_id)
+                    if request.check_stop(max_model_len):
+                        finish_reason = request.status.finish_reason
                 if finish_reason is not None:
                     stopped.append(request)
                 elif runner_output.proposed_drafts:
@@ -259,8 +268,9 @@ class Scheduler:
             token_logprobs = logprobs.get(request_id) if logprobs else None
             if token_logprobs is not None and len(token_logprobs.ranks) > len(new_token_ids):  # a stop inside verified drafts
                 token_logprobs = token_logprobs.head(len(new_token_ids))
+            num_cached_tokens = request.num_cached_tokens if request.num_cached_tokens > 0 else 0
             outputs.append(EngineCoreOutput(request_id, new_token_ids, token_logprobs, prompt_logprobs, finish_reason, request.stop_reason,
-                                            max(request.num_cached_tokens, 0)))
+                                            num_cached_tokens))
         for request in stopped:
             self.running.remove(request)
             self._free_request(request)

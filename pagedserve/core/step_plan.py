@@ -40,18 +40,26 @@ class StepPlan:
 
     def add_decode(self, request: Request, drafts: list[int], new_blocks: list[KVCacheBlock], num_blocks: int) -> None:
         """A running request's next token, and the drafts it verifies with it. num_blocks: the blocks it now holds."""
+        request_id = request.request_id
         num_tokens = 1 + len(drafts)
         if drafts:
-            self.drafts_to_verify[request.request_id] = drafts
+            self.drafts_to_verify[request_id] = drafts
         if self.send_last_tokens:
-            self.last_token_ids[request.request_id] = (request.num_tokens - 1, request.all_token_ids[-1])
+            self.last_token_ids[request_id] = (len(request.all_token_ids) - 1, request.all_token_ids[-1])
         self.tally.add_decode(num_tokens, request.num_computed_tokens)
-        self._add_running(request, num_tokens, new_blocks, num_blocks)
+        if new_blocks:
+            self._describe_new_blocks(request_id, new_blocks, num_blocks)
+        # As _schedule, inlined: every decode of every step passes here.
+        self.num_scheduled_tokens[request_id] = num_tokens
+        request.num_computed_tokens += num_tokens
+        self.token_budget -= num_tokens
 
     def add_chunk(self, request: Request, num_tokens: int, new_blocks: list[KVCacheBlock], num_blocks: int) -> None:
         """The next chunk of a running request's prompt."""
         self.tally.add_chunk(num_tokens, request.num_computed_tokens)
-        self._add_running(request, num_tokens, new_blocks, num_blocks)
+        if new_blocks:
+            self._describe_new_blocks(request.request_id, new_blocks, num_blocks)
+        self._schedule(request, num_tokens)
 
     def add_new_request(self, request: Request, num_tokens: int, block_ids: list[int], prompt_logprobs_start: int) -> None:
         """A request the runner has not seen (or must rebuild after preemption), with its first chunk; its
@@ -68,11 +76,10 @@ class StepPlan:
         self.tally.add_chunk(num_tokens, request.num_computed_tokens)
         self._schedule(request, num_tokens)
 
-    def _add_running(self, request: Request, num_tokens: int, new_blocks: list[KVCacheBlock], num_blocks: int) -> None:
-        if new_blocks:  # only requests that got blocks are described: the runner knows the rest
-            block_ids = [block.block_id for block in new_blocks]
-            self.running_reqs.append(RunningRequestData(request.request_id, block_ids, num_blocks - len(new_blocks)))
-        self._schedule(request, num_tokens)
+    def _describe_new_blocks(self, request_id: str, new_blocks: list[KVCacheBlock], num_blocks: int) -> None:
+        """Only running requests that got blocks are described: the runner knows the rest."""
+        block_ids = [block.block_id for block in new_blocks]
+        self.running_reqs.append(RunningRequestData(request_id, block_ids, num_blocks - len(new_blocks)))
 
     def _schedule(self, request: Request, num_tokens: int) -> None:
         self.num_scheduled_tokens[request.request_id] = num_tokens
