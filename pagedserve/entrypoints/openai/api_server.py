@@ -41,8 +41,12 @@ _ERRORS = {status: {"model": ErrorResponse, "description": description} for stat
     (413, "request body over the limit"), (500, "a server bug: the message names the request id to look up in the log"),
     (503, "at capacity, shutting down, or the engine is gone"),
 )}
-# Generation endpoints answer JSON, or an event stream with "stream": true.
-_STREAMS = {"text/event-stream": {"schema": {"type": "string"}}}
+# Generation endpoints answer JSON, or an event stream with "stream": true. Before OpenAPI 3.2 (FastAPI writes 3.1) an
+# event stream's schema describes each event: its data is a JSON chunk, or [DONE] at the end.
+_SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
+    "data": {"type": "string", "description": "a JSON chunk of the response (or an error object), or [DONE] at the end"},
+    "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}}}
+_STREAMS = {"text/event-stream": {"schema": _SSE_EVENT}}
 
 
 @dataclass
