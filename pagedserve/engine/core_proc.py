@@ -9,7 +9,7 @@ import traceback
 
 import zmq
 
-from pagedserve import envs
+from pagedserve import log
 from pagedserve.config import EngineConfig
 from pagedserve.engine.wire import (
     EngineCoreOutputs,
@@ -33,7 +33,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     # Ctrl-C reaches the whole process group: the front end decides when the core stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    logging.basicConfig(level=envs.log_level(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log.configure()
     exit_with_parent(parent_pid)
     context = zmq.Context()
     input_socket = context.socket(zmq.PULL)

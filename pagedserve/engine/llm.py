@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
+from pagedserve import log
 from pagedserve.config import DEFAULT_MODEL, EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.processor import PromptType
@@ -35,6 +36,7 @@ class LLM:
         return llm
 
     def _init(self, config: EngineConfig) -> None:
+        log.configure_library()
         self.llm_engine = LLMEngine(config)
         self._request_counter = itertools.count()
 

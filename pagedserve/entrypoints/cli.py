@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
-from pagedserve import envs
+from pagedserve import log
 
 # OpenMP's wait policy and spin count are set by the package's __init__, which runs before this module.
 
@@ -14,7 +13,7 @@ from pagedserve import envs
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=envs.log_level(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log.configure()
     try:
         return args.handler(args)
     except (ValueError, FileNotFoundError, TypeError) as exc:

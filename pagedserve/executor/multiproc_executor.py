@@ -26,6 +26,7 @@ from collections import deque
 
 import zmq
 
+from pagedserve import log
 from pagedserve.config import EngineConfig
 from pagedserve.core.contracts import ModelRunnerOutput, SchedulerOutput
 from pagedserve.distributed.parallel_state import RankInfo
@@ -165,8 +166,9 @@ def run_worker(config: EngineConfig, info: RankInfo, init_method: str, input_add
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine core decides when workers stop
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     exit_with_parent(parent_pid)
-    logging.basicConfig(level=logging.WARNING if info.rank else logging.INFO, force=True,  # not a forked parent's handlers
-                        format=f"%(asctime)s %(levelname)s rank {info.rank} %(name)s: %(message)s")
+    log.configure(log.FORMAT.replace("%(name)s", f"rank {info.rank} %(name)s"), force=True)  # not a forked parent's handlers
+    if info.rank:  # one rank speaks for all
+        logging.getLogger().setLevel(logging.WARNING)
     context = zmq.Context()
     inputs = context.socket(zmq.PULL)
     inputs.connect(input_address)

@@ -10,10 +10,13 @@ and every layer runs its plain-torch path.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
+import os
 import shutil
 import sys
+import threading
 import time
 from functools import lru_cache
 from pathlib import Path
@@ -73,22 +76,57 @@ def load():
                 shutil.rmtree(staging, ignore_errors=True)
         first_build = not any(build_dir.glob("*.so"))
         if first_build:
-            logger.info("compiling the C++ CPU kernels for this machine (once, about a minute) into %s", build_dir)
+            logger.info("compiling the C++ CPU kernels for this machine (once per machine, toolchain and torch) into %s", build_dir)
+        _use_packaged_ninja()
         start = time.monotonic()
-        module = load_extension(
-            name="pagedserve_cpu_kernels",
-            sources=[str(source_dir / name) for name in _SOURCES],
-            extra_cflags=_compile_flags(),
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-            verbose=False,
-        )
+        with _progress(build_dir, start) if first_build else contextlib.nullcontext():
+            module = load_extension(
+                name="pagedserve_cpu_kernels",
+                sources=[str(source_dir / name) for name in _SOURCES],
+                extra_cflags=_compile_flags(),
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir),
+                verbose=False,
+            )
         if first_build:
             logger.info("C++ CPU kernels built in %.0f s", time.monotonic() - start)
         return module
     except Exception as exc:  # no compiler, no ninja, ...: the reference paths still work
         logger.warning("CPU kernels unavailable (%s); using the torch reference paths", exc)
         return None
+
+
+def _use_packaged_ninja() -> None:
+    """torch runs the `ninja` it finds first on PATH. Put the one pagedserve depends on (the ninja package) first,
+    so the same ninja builds whether or not a virtual environment is active: a different ninja reads another's
+    build log as stale and rebuilds everything, and a machine without a system ninja still builds."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    bin_dir = str(ninja.BIN_DIR)
+    if os.environ.get("PATH", "").split(os.pathsep)[0] != bin_dir:
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+
+
+@contextlib.contextmanager
+def _progress(build_dir: Path, start: float, every_s: float = 10.0):
+    """Say how far the first build is while it runs (compiled files out of all), every every_s seconds."""
+    done = threading.Event()
+
+    def report() -> None:
+        while not done.wait(every_s):
+            compiled = sum(1 for name in _SOURCES if (build_dir / name.replace(".cpp", ".o")).is_file())
+            logger.info("compiling the C++ CPU kernels: %d of %d files compiled, %.0f s", compiled, len(_SOURCES),
+                        time.monotonic() - start)
+
+    thread = threading.Thread(target=report, name="kernel-build-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def _build_dir() -> Path:
@@ -119,3 +157,10 @@ def _vector_flags() -> list[str]:
     if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
         return ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
     return []
+
+
+if __name__ == "__main__":  # set-up compiles the kernels ahead of the first start
+    from pagedserve import log
+
+    log.configure()
+    sys.exit(0 if load() is not None else 1)

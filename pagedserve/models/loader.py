@@ -152,3 +152,11 @@ def validate_parallel_shape(hf_config, tensor_parallel_size: int, pipeline_paral
         problems.append(f"pp_layer_partition {given} sums to {sum(layer_partition)}, not the model's {layers} layers")
     if problems:
         raise ValueError("this model cannot be split so: " + "; ".join(problems))
+
+
+if __name__ == "__main__":  # set-up converts the default model ahead of the first start
+    from pagedserve import log
+    from pagedserve.config import DEFAULT_MODEL
+
+    log.configure()
+    resolve_model_dir(DEFAULT_MODEL)
