@@ -179,9 +179,9 @@ class DecodeStallLimit:
     @classmethod
     def parse(cls, text: str) -> DecodeStallLimit | None:
         """'2x' -> a multiple, '0.5s' -> seconds, 'off' -> None; anything else is refused, naming the setting."""
-        if text.strip().lower() == "off":
-            return None
         text = text.strip().lower()
+        if text == "off":
+            return None
         try:
             value = float(text[:-1]) if len(text) >= 2 else float("nan")
         except ValueError:

@@ -84,11 +84,9 @@ class Request:
         # Prompt logprobs need the logits of every prompt position, so nothing may be skipped.
         return self.sampling_params.prompt_logprobs is not None
 
-    def append_output_token(self, token_id: int) -> None:
+    def append_output_token(self, token_id: int, max_model_len: int) -> bool:
+        """Append a new token, then set a finished status if the request must stop with it. Returns True if it did."""
         self.all_token_ids.append(token_id)
-
-    def check_stop(self, max_model_len: int) -> bool:
-        """After a new token: set a finished status if the request must stop. Returns True if it did."""
         params = self.sampling_params
         num_tokens = len(self.all_token_ids)
         num_output_tokens = num_tokens - len(self.prompt_token_ids)

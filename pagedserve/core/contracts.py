@@ -66,6 +66,11 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
 
+    @property
+    def needs_runner(self) -> bool:
+        """Tokens to run, or requests the runner must forget."""
+        return bool(self.total_num_scheduled_tokens or self.finished_req_ids or self.preempted_req_ids)
+
 
 # ---- runner -> scheduler -------------------------------------------------------------------
 

@@ -84,7 +84,8 @@ class Scheduler:
         return bool(self.running) or len(self.waiting) > 0
 
     def has_news_for_runner(self) -> bool:
-        """Whether the runner must hear of finished or preempted requests even if nothing runs."""
+        """Whether the runner must hear of finished or preempted requests even if nothing runs (as the next
+        SchedulerOutput.needs_runner says)."""
         return bool(self.finished_req_ids or self.preempted_req_ids)
 
     def get_stats(self) -> SchedulerStats:
@@ -251,10 +252,9 @@ class Scheduler:
             if token_id is not None:
                 if verified and request_id in verified:
                     finish_reason = self._append_verified(request, verified[request_id], runner_output, new_token_ids)
-                else:  # as _append_token, inlined: every decode of every step passes here
-                    request.append_output_token(token_id)
+                else:
                     new_token_ids.append(token_id)
-                    if request.check_stop(max_model_len):
+                    if request.append_output_token(token_id, max_model_len):
                         finish_reason = request.status.finish_reason
                 if finish_reason is not None:
                     stopped.append(request)
@@ -276,12 +276,6 @@ class Scheduler:
             self._free_request(request)
         return outputs
 
-    def _append_token(self, request: Request, token_id: int, new_token_ids: list[int]) -> str | None:
-        """Append a sampled token; returns the finish reason if the request stops with it."""
-        request.append_output_token(token_id)
-        new_token_ids.append(token_id)
-        return request.status.finish_reason if request.check_stop(self.max_model_len) else None
-
     def _append_verified(self, request: Request, drafts: list[int], runner_output: ModelRunnerOutput,
                          new_token_ids: list[int]) -> str | None:
         """Append a verification's accepted drafts and its sampled token, stopping at a stop token or a length
@@ -290,9 +284,9 @@ class Scheduler:
         accepted = runner_output.accepted_token_ids.get(request.request_id, [])
         self.drafts.verified(request, len(drafts), len(accepted))
         for token in (*accepted, runner_output.sampled_token_ids[request.request_id]):
-            finish_reason = self._append_token(request, token, new_token_ids)
-            if finish_reason is not None:
-                return finish_reason
+            new_token_ids.append(token)
+            if request.append_output_token(token, self.max_model_len):
+                return request.status.finish_reason
         # K/V is computed for the last known token's predecessors only: rejected drafts' slots are free again.
         request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
         self.kv_cache_manager.trim(request)

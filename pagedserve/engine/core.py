@@ -89,7 +89,7 @@ class EngineCore:
         submitted = False
         if len(queue) < self.executor.max_concurrent_batches:
             scheduler_output = self.scheduler.schedule()
-            if scheduler_output.total_num_scheduled_tokens or scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids:
+            if scheduler_output.needs_runner:
                 self.executor.submit_step(scheduler_output)
                 queue.append(scheduler_output)
                 submitted = True

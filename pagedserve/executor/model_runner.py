@@ -11,7 +11,7 @@ from pagedserve.core.contracts import ModelRunnerOutput, SchedulerOutput
 from pagedserve.distributed.parallel_state import rank_info, receive_from_previous_stage, send_to_next_stage
 from pagedserve.executor.input_batch import ModelInputs, RunnerRequestState, dummy_layout, prepare_inputs
 from pagedserve.layers.attention import AttentionBackend
-from pagedserve.layers.sampler import GREEDY_ROW_TEMPERATURE, Sampler, SamplingMetadata, gather_logprobs
+from pagedserve.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
 from pagedserve.layers.sampling_rule import DrawKeys, FilterColumns
 from pagedserve.outputs import LogprobsLists
 from pagedserve.sampling_params import SamplingParams
@@ -254,12 +254,7 @@ class ModelRunner:
                 if banned:
                     min_tokens_bans.append((row, sorted(banned)))
         return SamplingMetadata(
-            filters=FilterColumns(
-                temperature=column([GREEDY_ROW_TEMPERATURE if p.is_greedy else p.temperature for p in params]),
-                top_k=column([p.top_k for p in params], torch.long) if any(p.top_k for p in params) else None,
-                top_p=column([p.top_p for p in params]) if any(p.top_p < 1.0 for p in params) else None,
-                min_p=column([p.min_p for p in params]) if any(p.min_p > 0 for p in params) else None,
-            ),
+            filters=FilterColumns.of(params, device),
             all_greedy=all_greedy,
             presence_penalty=column([p.presence_penalty for p in params]) if any_penalty else None,
             frequency_penalty=column([p.frequency_penalty for p in params]) if any_penalty else None,
@@ -273,5 +268,5 @@ class ModelRunner:
 
     def _row_draw_keys(self, states: list[RunnerRequestState]) -> tuple[torch.Tensor, torch.Tensor]:
         """(key, counter) of each row's draw at its next output position (sampling_rule.DrawKeys)."""
-        keys, counters = zip(*(self.draw_keys.of(s.sampling_params.seed, s.num_output_tokens)[0] for s in states))
+        keys, counters = zip(*(self.draw_keys.at(s.sampling_params.seed, s.num_output_tokens) for s in states))
         return torch.tensor(keys, dtype=torch.long), torch.tensor(counters, dtype=torch.long)

@@ -12,15 +12,12 @@ import torch
 from pagedserve.layers.sampling_rule import FilterColumns, sample
 from pagedserve.outputs import LogprobsLists
 
-# The temperature column's mark of a greedy row (SamplingParams.is_greedy decides which rows are).
-GREEDY_ROW_TEMPERATURE = 0.0
-
 
 @dataclass
 class SamplingMetadata:
     """One row per sampling request, in logits order."""
 
-    filters: FilterColumns  # temperature GREEDY_ROW_TEMPERATURE for greedy rows
+    filters: FilterColumns  # FilterColumns.of the rows' parameters (greedy rows marked)
     all_greedy: bool
     presence_penalty: torch.Tensor | None  # [R]; None when no row has any penalty
     frequency_penalty: torch.Tensor | None

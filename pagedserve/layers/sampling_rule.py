@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedserve.sampling_params import SamplingParams
+
 # Tries of one draw before it falls back to the heaviest token (kMaxTries in csrc/sampling.cpp).
 MAX_TRIES = 1000
 # Streams of a row's key beyond the draw's tries: a speculative verification's acceptance test and its draw from
@@ -32,6 +34,9 @@ ACCEPT_STREAM = 1 << 20
 RESIDUAL_STREAM = ACCEPT_STREAM + 1
 DRAFT_STREAM = ACCEPT_STREAM + 2
 _BLOCK = 16  # weights per block of the inversion (kBlock in csrc/sampling.cpp)
+# The temperature column's mark of a greedy row (SamplingParams.is_greedy decides which rows are): sample() and the
+# kernel take such a row's argmax.
+GREEDY_ROW_TEMPERATURE = 0.0
 
 # ---- Philox-4x32-10 (Salmon et al., SC 2011), as csrc/sampling.cpp computes it ---------------------------
 
@@ -74,6 +79,19 @@ class FilterColumns:
     top_p: torch.Tensor | None = None  # [R] float32, 1 = off
     min_p: torch.Tensor | None = None  # [R] float32, 0 = off
 
+    @classmethod
+    def of(cls, params: list[SamplingParams], device: torch.device | None = None) -> FilterColumns:
+        """Each request's filters, a row each; a filter no row uses is left off (None)."""
+        def column(values, dtype=torch.float32):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        return cls(
+            temperature=column([GREEDY_ROW_TEMPERATURE if p.is_greedy else p.temperature for p in params]),
+            top_k=column([p.top_k for p in params], torch.long) if any(p.top_k for p in params) else None,
+            top_p=column([p.top_p for p in params]) if any(p.top_p < 1.0 for p in params) else None,
+            min_p=column([p.min_p for p in params]) if any(p.min_p > 0 for p in params) else None,
+        )
+
     def filled(self) -> FilterColumns:
         rows, device = self.temperature.shape[0], self.temperature.device
         return FilterColumns(
@@ -114,12 +132,17 @@ def heavier_mass(kept: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(values).scatter_(-1, order, before.gather(-1, first_equal))
 
 
+def kept_weights(logits: torch.Tensor, columns: FilterColumns) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, the weights min-p and top-k keep, zero elsewhere), [R, V] each, in the logits' dtype; columns filled."""
+    weights = weights_of(logits, columns.temperature)
+    threshold = kept_threshold(weights, columns.top_k, columns.min_p)
+    return weights, torch.where(weights >= threshold.unsqueeze(1), weights, 0.0)
+
+
 def filtered_distribution(logits: torch.Tensor, columns: FilterColumns, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """[R, V] logits -> [R, V] the distribution each row draws from (see the module doc), in dtype."""
     columns = columns.filled()
-    weights = weights_of(logits.to(dtype), columns.temperature)
-    threshold = kept_threshold(weights, columns.top_k, columns.min_p)
-    kept = torch.where(weights >= threshold.unsqueeze(1), weights, 0.0)
+    _, kept = kept_weights(logits.to(dtype), columns)
     total = kept.double().sum(dim=-1, keepdim=True)
     in_set = heavier_mass(kept) < columns.top_p.double().unsqueeze(1) * total
     filtered = torch.where(in_set, kept, 0.0)
@@ -145,9 +168,8 @@ def _sample_in_torch(logits: torch.Tensor, columns: FilterColumns, keys: torch.T
     rows = ((columns.temperature > 0) & torch.isfinite(top)).nonzero().squeeze(1)  # the others take the argmax
     if rows.numel() == 0:
         return result
-    weights = weights_of(logits[rows], columns.temperature[rows])
-    threshold = kept_threshold(weights, columns.top_k[rows], columns.min_p[rows])
-    kept = torch.where(weights >= threshold.unsqueeze(1), weights, 0.0)
+    row_columns = FilterColumns(columns.temperature[rows], columns.top_k[rows], columns.top_p[rows], columns.min_p[rows])
+    weights, kept = kept_weights(logits[rows], row_columns)
     inversion = _Inversion(kept)
     needed = columns.top_p[rows].double() * inversion.total
     top_p_off = columns.top_p[rows] >= 1.0
@@ -229,12 +251,16 @@ class DrawKeys:
         self.engine_key = as_int64(engine_seed * self._SEED_MIX + 1)
         self._next_counter = 0
 
-    def of(self, seed: int | None, position: int, count: int = 1) -> list[tuple[int, int]]:
-        """The keys of `count` draws at output positions position, position + 1, ..."""
+    def at(self, seed: int | None, position: int) -> tuple[int, int]:
+        """The key of one draw at an output position."""
         if seed is None:
-            first, self._next_counter = self._next_counter, self._next_counter + count
-            return [(self.engine_key, first + i) for i in range(count)]
-        return [(as_int64(seed), position + i) for i in range(count)]
+            self._next_counter += 1
+            return self.engine_key, self._next_counter - 1
+        return as_int64(seed), position
+
+    def of(self, seed: int | None, position: int, count: int) -> list[tuple[int, int]]:
+        """The keys of `count` draws at output positions position, position + 1, ..."""
+        return [self.at(seed, position + i) for i in range(count)]
 
 
 def as_int64(value: int) -> int:

@@ -34,20 +34,11 @@ class Verification:
     token_id: int  # the token drawn after them (a correction, or the bonus when all were accepted)
 
 
-def filter_columns(params: list[SamplingParams], device: torch.device | None = None) -> FilterColumns:
-    """The filters of sampled requests, a row each."""
-    def column(values, dtype=torch.float32):
-        return torch.tensor(values, dtype=dtype, device=device)
-
-    return FilterColumns(column([p.temperature for p in params]), column([p.top_k for p in params], torch.long),
-                         column([p.top_p for p in params]), column([p.min_p for p in params]))
-
-
 def target_probabilities(logits: torch.Tensor, params: SamplingParams | list[SamplingParams]) -> torch.Tensor:
     """[rows, V] processed logits (penalties applied) -> [rows, V] float64: the distributions normal sampling draws
     from, under one request's parameters or each row's own."""
     per_row = params if isinstance(params, list) else [params] * logits.shape[0]
-    return filtered_distribution(logits, filter_columns(per_row, logits.device))
+    return filtered_distribution(logits, FilterColumns.of(per_row, logits.device))
 
 
 def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams, draw_keys: list[tuple[int, int]],
@@ -79,6 +70,6 @@ def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams, draw
         return Verification(accepted, draw(residual, philox_uniform(key, counter, RESIDUAL_STREAM)))
     # All accepted: the next token is drawn as normal sampling draws it.
     key, counter = draw_keys[len(drafts)]
-    bonus = sample(logits[len(drafts):].float().contiguous(), filter_columns([params], logits.device),
+    bonus = sample(logits[len(drafts):].float().contiguous(), FilterColumns.of([params], logits.device),
                    torch.tensor([key]), torch.tensor([counter]), cpu_kernels)
     return Verification(accepted, int(bonus[0]))
