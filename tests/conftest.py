@@ -11,7 +11,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from pagedserve.config import DEFAULT_MODEL  # noqa: E402
-from pagedserve.models.loader import resolve_model_dir  # noqa: E402
+from pagedserve.models.location import resolve_model_dir  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 

@@ -13,7 +13,7 @@ from pagedserve.engine.dp_client import DPAsyncMPClient
 from pagedserve.engine.frontend import FrontEnd, FrontEndAccess
 from pagedserve.engine.metrics import EngineMetrics
 from pagedserve.engine.processor import PromptType
-from pagedserve.engine.tokenizer import preload_tokenizer_library
+from pagedserve.engine.tokenizer import load_tokenizer, preload_tokenizer_library
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -40,11 +40,14 @@ class AsyncLLM(FrontEndAccess):
             if while_starting is not None:
                 while_starting()
 
-        if config.data_parallel_size > 1:
-            self.client: EngineCoreClient = DPAsyncMPClient(config, while_starting=front_end_start_up)
-        else:
-            self.client = AsyncMPClient(config, while_starting=front_end_start_up)
-        self.front_end = FrontEnd(config, self.client.model_info)
+        tokenizer = []
+
+        def on_model_located(model_dir: str) -> None:  # read while the engine loads the model
+            tokenizer.append(load_tokenizer(config.tokenizer or model_dir))
+
+        client_class = DPAsyncMPClient if config.data_parallel_size > 1 else AsyncMPClient
+        self.client: EngineCoreClient = client_class(config, while_starting=front_end_start_up, on_model_located=on_model_located)
+        self.front_end = FrontEnd(config, self.client.model_info, *tokenizer)
         self.metrics = EngineMetrics(served_model_name or config.model, config.data_parallel_size)
         self.max_waiting_requests = max_waiting_requests
         self.on_engine_dead = on_engine_dead

@@ -12,6 +12,7 @@ from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.core.step_time import uniform_step_shape
 from pagedserve.engine.wire import EngineCoreRequest
+from pagedserve.executor import step_timings_cache
 from pagedserve.executor.abstract import Executor, WorkerCall
 from pagedserve.executor.selector import executor_class as select_executor_class
 from pagedserve.model_info import ModelInfo
@@ -29,9 +30,7 @@ class EngineCore:
             num_blocks = self.executor.determine_num_blocks()
             self.executor.initialize_cache(num_blocks)
             self.model_info: ModelInfo = self.executor.model_info()
-            warm_up_start = time.monotonic()
-            warm_up_timings = self.executor.collective_rpc("warm_up")[0]
-            logger.info("warm-up steps ran in %.1f s", time.monotonic() - warm_up_start)
+            warm_up_timings = self._warm_up()
         except BaseException:
             self.executor.shutdown()
             raise
@@ -52,6 +51,21 @@ class EngineCore:
         for num_seqs, seq_len, context, seconds in warm_up_timings:  # a first fit of the step-time model
             self.scheduler.observe_step(uniform_step_shape(num_seqs, seq_len, context), seconds)
         logger.info("engine core ready in %.1f s", time.monotonic() - start)
+
+    def _warm_up(self) -> step_timings_cache.StepTimings:
+        """The warm-up steps; their timings (a first fit of the step-time model) from an earlier start when one on this
+        machine with these settings stored them, else timed now and stored."""
+        start = time.monotonic()
+        path = step_timings_cache.timings_file(self.config, self.model_info)
+        timings = step_timings_cache.load(path)
+        if timings is not None:
+            self.executor.collective_rpc("warm_up", False)
+            logger.info("warm-up steps ran in %.1f s (step timings of an earlier start: %s)", time.monotonic() - start, path)
+            return timings
+        timings = self.executor.collective_rpc("warm_up", True)[0]
+        step_timings_cache.store(path, timings)
+        logger.info("warm-up steps ran and were timed in %.1f s", time.monotonic() - start)
+        return timings
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.scheduler.add_request(

@@ -24,6 +24,7 @@ from pagedserve.engine.wire import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineFailed,
+    ModelLocated,
     RequestType,
     UtilityResult,
     decode_output,
@@ -106,9 +107,10 @@ class InprocClient(EngineCoreClient):
 class AsyncMPClient(EngineCoreClient):
     """The engine core in a process of its own (spawned), over ZMQ; asyncio calls."""
 
-    def __init__(self, config: EngineConfig, startup_timeout_s: float = 600.0, while_starting=None, wait: bool = True) -> None:
-        """Start the engine core and wait until it is ready (unless not wait: then wait_ready() later);
-        while_starting() runs meanwhile in this process."""
+    def __init__(self, config: EngineConfig, startup_timeout_s: float = 600.0, while_starting=None, wait: bool = True,
+                 on_model_located=None) -> None:
+        """Start the engine core and wait until it is ready (unless not wait: then wait_ready() later); see
+        wait_ready for the callbacks."""
         exit_if_reimporting_main()
         self._ipc_dir = tempfile.mkdtemp(prefix="pagedserve-")
         input_address = f"ipc://{self._ipc_dir}/input"
@@ -129,18 +131,20 @@ class AsyncMPClient(EngineCoreClient):
         self._utility_futures: dict[int, asyncio.Future] = {}
         self.startup_timeout_s = startup_timeout_s
         if wait:
-            self.wait_ready(while_starting)
+            self.wait_ready(while_starting, on_model_located)
 
-    def wait_ready(self, while_starting=None) -> None:
+    def wait_ready(self, while_starting=None, on_model_located=None) -> None:
+        """while_starting(): work of this process's own meanwhile; on_model_located(model_dir): called when the core has
+        found the model's files, while it loads them."""
         try:
             if while_starting is not None:
                 while_starting()
-            self.model_info = self._wait_ready(self.startup_timeout_s)
+            self.model_info = self._wait_ready(self.startup_timeout_s, on_model_located)
         except BaseException:  # a signal or a failed start: leave no process behind
             self.shutdown()
             raise
 
-    def _wait_ready(self, timeout_s: float) -> ModelInfo:
+    def _wait_ready(self, timeout_s: float, on_model_located=None) -> ModelInfo:
         """Block until the core reports ready; fail fast if it dies or reports an error."""
         sync_socket = zmq.Socket.shadow(self.output_socket.underlying)
         deadline = time.monotonic() + timeout_s
@@ -149,6 +153,10 @@ class AsyncMPClient(EngineCoreClient):
                 message = decode_output(sync_socket.recv())
                 if isinstance(message, EngineFailed):
                     raise RuntimeError(f"engine core failed to start: {message.error}")
+                if isinstance(message, ModelLocated):
+                    if on_model_located is not None:
+                        on_model_located(message.model_dir)
+                    continue
                 return message.model_info
             if self.process.exitcode == UNGUARDED_MAIN_EXIT_CODE:
                 raise RuntimeError(UNGUARDED_MAIN_MESSAGE.format(reason="the engine core always runs in a process of its own"))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import traceback
 
@@ -15,12 +14,14 @@ from pagedserve.engine.wire import (
     EngineCoreOutputs,
     EngineFailed,
     EngineReady,
+    ModelLocated,
     RequestType,
     UtilityResult,
     decode_request,
     encode_output,
 )
-from pagedserve.processes import exit_with_parent
+from pagedserve.executor.abstract import Executor
+from pagedserve.processes import exit_process, exit_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     """Process entry point."""
     # Ctrl-C reaches the whole process group: the front end decides when the core stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    signal.signal(signal.SIGTERM, lambda *_: exit_process(0))
     log.configure()
     exit_with_parent(parent_pid)
     context = zmq.Context()
@@ -41,24 +42,25 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     output_socket = context.socket(zmq.PUSH)
     output_socket.connect(output_address)
     try:
+        output_socket.send(encode_output(ModelLocated(Executor.model_dir(config))))
         proc = EngineCoreProc(config, input_socket, output_socket)
     except Exception as exc:  # report why, so the front end can say it
         logger.exception("engine core failed to start")
         output_socket.send(encode_output(EngineFailed(f"{type(exc).__name__}: {exc}")))
         output_socket.close(linger=2000)
-        os._exit(1)
+        exit_process(1)
     try:
         proc.run_busy_loop()
     except Exception:  # a step failed (a worker died, say): stop the workers, then let the front end see the exit
         logger.exception("engine core failed")
         proc.engine_core.shutdown()
-        os._exit(1)
+        exit_process(1)
     proc.engine_core.shutdown()
     output_socket.close(linger=1000)
     input_socket.close(linger=0)
     context.term()
     logging.shutdown()
-    os._exit(0)  # skip interpreter teardown of torch: nothing is left to flush
+    exit_process(0)
 
 
 class EngineCoreProc:

@@ -26,7 +26,7 @@ _AFFINITY_ENTRIES = 65536
 
 
 class DPAsyncMPClient(EngineCoreClient):
-    def __init__(self, config: EngineConfig, while_starting=None) -> None:
+    def __init__(self, config: EngineConfig, while_starting=None, on_model_located=None) -> None:
         size = config.data_parallel_size
         # Each core's ranks get their share of the machine's threads, as the one rule for all ranks says.
         per_core = dataclasses.replace(config, data_parallel_size=1, num_threads=threads_per_rank(config))
@@ -34,7 +34,7 @@ class DPAsyncMPClient(EngineCoreClient):
         try:
             for _ in range(size):  # all start at once; then each is waited for
                 self.clients.append(AsyncMPClient(per_core, wait=False))
-            self.clients[0].wait_ready(while_starting)
+            self.clients[0].wait_ready(while_starting, on_model_located)
             for client in self.clients[1:]:
                 client.wait_ready()
         except BaseException:

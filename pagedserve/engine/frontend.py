@@ -29,9 +29,10 @@ class PreparedRequest:
 class FrontEnd:
     """One per LLMEngine or AsyncLLM, which differ only in how they reach the engine core and deliver outputs."""
 
-    def __init__(self, config: EngineConfig, model_info: ModelInfo) -> None:
+    def __init__(self, config: EngineConfig, model_info: ModelInfo, tokenizer=None) -> None:
+        """tokenizer: the model's, when already loaded."""
         self.model_info = model_info
-        self.tokenizer = load_tokenizer(config.tokenizer or model_info.model_dir)
+        self.tokenizer = tokenizer or load_tokenizer(config.tokenizer or model_info.model_dir)
         self.processor = Processor(self.tokenizer, model_info)
         self.output_processor = OutputProcessor(self.tokenizer)
 

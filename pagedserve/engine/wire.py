@@ -46,6 +46,14 @@ class RequestType(enum.Enum):
 
 
 @dataclass
+class ModelLocated:
+    """Sent as soon as the core has found the model's files, before it loads anything: the front end reads the
+    tokenizer meanwhile."""
+
+    model_dir: str
+
+
+@dataclass
 class EngineReady:
     """First message of a healthy engine core: what the front end needs to validate requests."""
 
@@ -64,8 +72,8 @@ class UtilityResult:
     error: str | None = None
 
 
-# Outputs channel: the ready/failed handshake, then step outputs and utility replies.
-_OUTPUT_TYPES = {cls.__name__: cls for cls in (EngineReady, EngineFailed, EngineCoreOutputs, UtilityResult)}
+# Outputs channel: the start-up handshake (located, then ready or failed), then step outputs and utility replies.
+_OUTPUT_TYPES = {cls.__name__: cls for cls in (ModelLocated, EngineReady, EngineFailed, EngineCoreOutputs, UtilityResult)}
 
 _encoder = msgspec.msgpack.Encoder()
 

@@ -27,6 +27,13 @@ class Executor(ABC):
     """Start-up runs determine_num_blocks(), then initialize_cache(), then model_info(); then
     execute_model() once per step until shutdown()."""
 
+    @staticmethod
+    def model_dir(config: EngineConfig) -> str:
+        """Where the model's HF-format files are (a GGUF converted first), found without loading anything."""
+        from pagedserve.models.location import resolve_model_dir
+
+        return str(resolve_model_dir(config.model))
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
 

@@ -32,7 +32,9 @@ class DistributedExecutor(Executor):
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
-        from pagedserve.models.loader import load_hf_config, resolve_model_dir, validate_parallel_shape
+        from pagedserve.models.hf_config import load_hf_config
+        from pagedserve.models.loader import validate_parallel_shape
+        from pagedserve.models.location import resolve_model_dir
 
         self.infos = rank_infos(config)
         hf_config = load_hf_config(resolve_model_dir(config.model))

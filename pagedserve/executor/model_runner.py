@@ -104,23 +104,24 @@ class ModelRunner:
             if len(token_ids) == index:
                 token_ids.append(token_id)
 
-    # (sequences, new tokens each, context): decodes of a few batch sizes and short prompts' prefills, the
-    # steps a server meets first; their times also seed the scheduler's model of step times.
-    # Decodes at two contexts, so that the step-time model can tell attention from per-token costs.
-    _WARM_UP_SHAPES = ((1, 1, 0), (8, 1, 64), (8, 1, 1024), (32, 1, 64), (1, 64, 0), (2, 128, 0))
+    # (sequences, new tokens each, context): decodes of a few batch sizes and a short prompt's prefill, the
+    # steps a server meets first; and, for the step-time model only, a long context's decodes (so that it can
+    # tell attention from per-token costs) and a longer prefill. Their times seed the scheduler's model of step times.
+    _FIRST_SHAPES = ((1, 1, 0), (8, 1, 64), (32, 1, 64), (1, 64, 0))
+    _FIT_SHAPES = ((8, 1, 1024), (2, 128, 0))
 
     @torch.inference_mode()
-    def warm_up(self, max_model_len: int) -> list[tuple[int, int, int, float]]:
-        """Run the first shapes a server meets (twice: the first run pays one-time costs, kernel setup for new
-        GEMM shapes and first touches of buffers) and both sampling paths, so the first requests do not.
-        Returns (sequences, new tokens each, context, seconds) of the second runs. K/V land in the first
-        blocks, which hold nothing yet."""
+    def warm_up(self, max_model_len: int, timed: bool = True) -> list[tuple[int, int, int, float]]:
+        """Run the first shapes a server meets and both sampling paths, so the first requests do not pay one-time
+        costs (kernel set-up for new GEMM shapes, first touches of buffers). Timed: every shape twice (the first
+        run pays those costs), and (sequences, new tokens each, context, seconds) of the second runs returned.
+        K/V land in the first blocks, which hold nothing yet."""
         timings = []
         num_blocks = self.kv_caches[0].shape[1]
-        for num_seqs, seq_len, context in self._WARM_UP_SHAPES:
+        for num_seqs, seq_len, context in self._FIRST_SHAPES + (self._FIT_SHAPES if timed else ()):
             if num_seqs * -(-(context + seq_len) // self.block_size) > num_blocks or context + seq_len > max_model_len:
                 continue  # a cache or a context too small for this shape (tests shrink them)
-            seconds = self.time_forward_passes(num_seqs, seq_len, 2, context)[-1]
+            seconds = self.time_forward_passes(num_seqs, seq_len, 2 if timed else 1, context)[-1]
             timings.append((num_seqs, seq_len, context, seconds))
         hidden = self._forward(*self._dummy_inputs(2, 1, 0),
                                self.attn_backend.build_metadata(dummy_layout(2, 1, 0, self.block_size), self.device))
@@ -128,7 +129,7 @@ class ModelRunner:
             params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=0)]
             states = [RunnerRequestState(f"warm-up-{i}", [1], 1, p, [0], 0) for i, p in enumerate(params)]
             self.sampler(self.model.compute_logits(hidden), self._sampling_metadata(states))
-        return timings
+        return timings if timed else []
 
     def _dummy_inputs(self, num_seqs: int, seq_len: int, context: int) -> tuple[torch.Tensor, torch.Tensor]:
         # The same ids on every rank: tensor-parallel ranks each embed their share of them.

@@ -37,6 +37,7 @@ from pagedserve.processes import (
     UNGUARDED_MAIN_MESSAGE,
     child_start_method,
     exit_if_reimporting_main,
+    exit_process,
     exit_with_parent,
 )
 
@@ -164,7 +165,7 @@ def run_worker(config: EngineConfig, info: RankInfo, init_method: str, input_add
                parent_pid: int) -> None:
     """Process entry point of one rank."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine core decides when workers stop
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    signal.signal(signal.SIGTERM, lambda *_: exit_process(0))
     exit_with_parent(parent_pid)
     log.configure(log.FORMAT.replace("%(name)s", f"rank {info.rank} %(name)s"), force=True)  # not a forked parent's handlers
     if info.rank:  # one rank speaks for all
@@ -179,11 +180,11 @@ def run_worker(config: EngineConfig, info: RankInfo, init_method: str, input_add
     except Exception:
         results.send(pickle.dumps(("error", info.rank, traceback.format_exc())))
         results.close(linger=2000)
-        os._exit(1)
+        exit_process(1)
     results.send(pickle.dumps(("ready", info.rank, None)))
     serve(runner, inputs, results)
     results.close(linger=1000)
-    os._exit(0)  # no interpreter teardown of torch.distributed and the kernels
+    exit_process(0)
 
 
 def serve(rank: WorkerProcess, inputs, results) -> None:

@@ -19,15 +19,15 @@ from pagedserve.layers.attention import select_attention_backend
 from pagedserve.layers.linear import kv_heads_of_rank, onednn_available
 from pagedserve.model_info import ModelInfo
 from pagedserve.models.gguf_blocks import load_quantized_blocks
+from pagedserve.models.hf_config import load_hf_config
 from pagedserve.models.llama import head_dim_of
 from pagedserve.models.loader import (
     eos_token_ids,
     generation_defaults,
-    load_hf_config,
     load_model,
     max_position_of,
-    resolve_model_dir,
 )
+from pagedserve.models.location import resolve_model_dir
 from pagedserve.spec_decode.draft_model import DraftModelProposer
 from pagedserve.spec_decode.ngram_proposer import NgramProposer
 from pagedserve.spec_decode.proposer import Proposer
@@ -230,8 +230,8 @@ class Worker:
         """Whether this rank's step output goes back to the engine core (the last stage's first tensor-parallel rank)."""
         return rank_info().is_output_rank
 
-    def warm_up(self) -> list[tuple[int, int, int, float]]:
-        return self.model_runner.warm_up(self.max_model_len)
+    def warm_up(self, timed: bool = True) -> list[tuple[int, int, int, float]]:
+        return self.model_runner.warm_up(self.max_model_len, timed)
 
 
 def generation_defaults_of(config: EngineConfig, model_dir: Path) -> dict[str, float | int]:

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pagedserve.cpu_features import cpu_features
 from pagedserve.envs import cache_root
 
 logger = logging.getLogger(__name__)
@@ -129,27 +130,21 @@ def _progress(build_dir: Path, start: float, every_s: float = 10.0):
         thread.join()
 
 
-def _build_dir() -> Path:
+def build_key() -> str:
+    """A digest of everything a build depends on: sources, flags, Python, torch, the processor."""
     digest = hashlib.sha256()
     for name in (*_SOURCES, *_HEADERS):
         digest.update(name.encode())
         digest.update((_CSRC / name).read_bytes())
     digest.update(" ".join(_compile_flags()).encode())
-    digest.update(f"{sys.version}|{torch.__version__}|{Path(torch.__file__).parent}|{_processor()}".encode())
-    build_dir = cache_root() / "extensions" / f"cpu_kernels-{digest.hexdigest()[:16]}"
+    digest.update(f"{sys.version}|{torch.__version__}|{Path(torch.__file__).parent}|{cpu_features().identity}".encode())
+    return digest.hexdigest()[:16]
+
+
+def _build_dir() -> Path:
+    build_dir = cache_root() / "extensions" / f"cpu_kernels-{build_key()}"
     build_dir.mkdir(parents=True, exist_ok=True)
     return build_dir
-
-
-def _processor() -> str:
-    """The processor's model and feature flags (what -march=native compiles for)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        import platform
-
-        return platform.processor()
-    return "|".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
 
 
 def _vector_flags() -> list[str]:

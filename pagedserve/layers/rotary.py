@@ -30,7 +30,9 @@ def compute_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
         return inv_freq, 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+    # transformers' rope functions take its own config object (models/hf_config.py keeps a plain one).
+    as_transformers = getattr(hf_config, "to_transformers", None)
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](as_transformers() if as_transformers else hf_config, "cpu")
     return inv_freq.float(), float(attention_scaling)
 
 

@@ -24,14 +24,13 @@ QUANTIZED_FILE = Path("gguf_blocks") / "blocks.safetensors"
 KERNEL_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
 
 
-def extract_quantized_blocks(gguf_path: Path, hf_tensors: dict[str, torch.Tensor], out_dir: Path) -> int:
-    """Write the kernel-readable quantized tensors of gguf_path to out_dir/QUANTIZED_FILE, in the row order
-    of their float32 counterparts in hf_tensors; returns how many were written."""
-    from gguf import GGMLQuantizationType, GGUFReader
+def extract_quantized_blocks(reader, hf_tensors: dict[str, torch.Tensor], out_dir: Path) -> int:
+    """Write the kernel-readable quantized tensors of the file `reader` (a gguf.GGUFReader) reads to
+    out_dir/QUANTIZED_FILE, in the row order of their float32 counterparts in hf_tensors; returns how many were written."""
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
     from safetensors.numpy import save_file
 
-    reader = GGUFReader(str(gguf_path))
     kernel_types = {GGMLQuantizationType[name] for name in KERNEL_TYPES}
     candidates = [t for t in reader.tensors if t.tensor_type in kernel_types and len(t.data.shape) == 2]
     if not candidates:

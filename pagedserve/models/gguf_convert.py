@@ -72,6 +72,7 @@ def ensure_converted(gguf_path: str | Path) -> Path:
 
 def _convert(gguf_path: Path, out_dir: Path) -> None:
     import torch
+    from gguf import GGUFReader
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -90,11 +91,12 @@ def _convert(gguf_path: Path, out_dir: Path) -> None:
     logger.info("writing %d tensors as safetensors", len(tensors))
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     logger.info("matching the quantized tensors to their float32 rows")
-    kept = extract_quantized_blocks(gguf_path, tensors, out_dir)
+    reader = GGUFReader(str(gguf_path))  # reading its metadata takes seconds: once for both uses here
+    kept = extract_quantized_blocks(reader, tensors, out_dir)
     logger.info("kept %d quantized tensors in their GGUF blocks", kept)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     tokenizer.save_pretrained(out_dir)
-    _write_generation_config(gguf_path, out_dir)
+    _write_generation_config(reader, out_dir)
 
 
 # llama.cpp's sampling metadata keys -> generation_config.json fields.
@@ -102,11 +104,8 @@ _GGUF_SAMPLING_KEYS = {"general.sampling.temp": "temperature", "general.sampling
                        "general.sampling.min_p": "min_p", "general.sampling.penalty_repeat": "repetition_penalty"}
 
 
-def _write_generation_config(gguf_path: Path, out_dir: Path) -> None:
-    """The file's recommended sampling settings, where it has any, as generation_config.json."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(gguf_path))
+def _write_generation_config(reader, out_dir: Path) -> None:
+    """The file's recommended sampling settings (of a gguf.GGUFReader), where it has any, as generation_config.json."""
     values = {}
     for key, name in _GGUF_SAMPLING_KEYS.items():
         field = reader.fields.get(key)

@@ -45,7 +45,7 @@ def head_dim_of(hf_config) -> int:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, hf_config, max_position: int, attn_backend: AttentionBackend) -> None:
+    def __init__(self, hf_config, rotary_emb: RotaryEmbedding, attn_backend: AttentionBackend) -> None:
         super().__init__()
         self.head_dim = head_dim_of(hf_config)
         model_type = hf_config.model_type
@@ -63,7 +63,7 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(hf_config, self.head_dim, max_position)
+        self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, attn_backend)
 
     def forward(self, positions, hidden_states, kv_cache, meta: AttentionMetadata):
@@ -94,9 +94,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, hf_config, max_position: int, attn_backend: AttentionBackend) -> None:
+    def __init__(self, hf_config, rotary_emb: RotaryEmbedding, attn_backend: AttentionBackend) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(hf_config, max_position, attn_backend)
+        self.self_attn = LlamaAttention(hf_config, rotary_emb, attn_backend)
         self.mlp = LlamaMLP(hf_config)
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
@@ -125,8 +125,10 @@ class LlamaModel(nn.Module):
         if info.is_first_stage or (tied and info.is_last_stage):
             self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
         self.stage_layers = info.stage_layers(hf_config.num_hidden_layers)
+        # One table of rotary angles, shared by every layer (they all rotate by the same position).
+        rotary_emb = RotaryEmbedding(hf_config, head_dim_of(hf_config), max_position)
         self.layers = nn.ModuleList([
-            LlamaDecoderLayer(hf_config, max_position, attn_backend) if index in self.stage_layers else MissingLayer()
+            LlamaDecoderLayer(hf_config, rotary_emb, attn_backend) if index in self.stage_layers else MissingLayer()
             for index in range(hf_config.num_hidden_layers)
         ])
         if info.is_last_stage:

@@ -11,35 +11,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pagedserve.config import DEFAULT_MODEL
 from pagedserve.layers.attention import AttentionBackend
-from pagedserve.models import gguf_convert
 from pagedserve.models.registry import resolve_model_class
 
 logger = logging.getLogger(__name__)
-
-
-def resolve_model_dir(model: str) -> Path:
-    """An HF-format directory for `model`: the default model's name, a .gguf file, or a directory."""
-    if model == DEFAULT_MODEL:
-        return gguf_convert.ensure_converted(gguf_convert.default_gguf_path())
-    path = Path(model).expanduser()
-    if path.suffix == ".gguf":
-        return gguf_convert.ensure_converted(path)
-    if not path.exists():
-        raise FileNotFoundError(f"model not found: {model!r} is neither a directory, a .gguf file, nor {DEFAULT_MODEL!r}")
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"model directory {path} has no config.json")
-    return path
-
-
-def load_hf_config(model_dir: Path):
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(str(model_dir))
-    except (ValueError, KeyError, json.JSONDecodeError, OSError) as exc:
-        raise ValueError(f"bad config.json in {model_dir}: {exc}") from exc
 
 
 def iterate_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -153,10 +128,3 @@ def validate_parallel_shape(hf_config, tensor_parallel_size: int, pipeline_paral
     if problems:
         raise ValueError("this model cannot be split so: " + "; ".join(problems))
 
-
-if __name__ == "__main__":  # set-up converts the default model ahead of the first start
-    from pagedserve import log
-    from pagedserve.config import DEFAULT_MODEL
-
-    log.configure()
-    resolve_model_dir(DEFAULT_MODEL)
