@@ -8,7 +8,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/python_env.sh
-PIP="$PY -m pip --disable-pip-version-check -q"
+# Not quiet: pip's own lines (what it collects, downloads and installs) are the install phases' progress.
+PIP="$PY -m pip --disable-pip-version-check --progress-bar on"
 say() { echo "[setup $(date +%T)] $*" >&2; }
 
 profile="${1:-serve}"
