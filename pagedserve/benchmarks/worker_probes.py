@@ -9,6 +9,11 @@ def time_forward_passes(worker, num_seqs: int, seq_len: int, passes: int, contex
     return worker.model_runner.time_forward_passes(num_seqs, seq_len, passes, context)
 
 
-def echo_step_output(worker, scheduler_output, reply):
-    """A step's messages without the model: every rank receives the step, the output rank sends back its reply."""
-    return reply if worker.is_output_rank else None
+def answer_steps_with(worker, reply) -> None:
+    """Until run_steps_on_the_model: this rank's steps skip the model, and each returns `reply` (what the output rank
+    sends back), so that a step's messages are timed alone."""
+    worker.execute_model = lambda scheduler_output: reply
+
+
+def run_steps_on_the_model(worker) -> None:
+    worker.__dict__.pop("execute_model", None)

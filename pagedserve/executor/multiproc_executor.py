@@ -3,9 +3,10 @@ process group among them (gloo on CPU, NCCL on CUDA). Workers start by fork wher
 needs no `if __name__ == "__main__":` guard; by spawn otherwise (processes.child_start_method), where a script
 without the guard gets one error that says to add it.
 
-Each step's scheduler output is pickled once and sent to every rank over a ZMQ socket of its own
-(IPC); every rank runs its share of the step, the ranks exchanging activations through
-torch.distributed, and the output rank (the last stage's first tensor-parallel rank) sends back the
+Each step's scheduler output is encoded once (rank_messages.py) and written once into a ring in shared
+memory that every rank reads (shm_ring.py; each rank's ZMQ socket is the ring's side channel, for wake-ups
+and messages too long for a slot); every rank runs its share of the step, the ranks exchanging activations
+through torch.distributed, and the output rank (the last stage's first tensor-parallel rank) sends back the
 step's ModelRunnerOutput. A worker that dies fails the engine: the next wait on the workers raises
 WorkerDiedError, and the remaining workers are stopped. Under pipeline parallelism up to
 pipeline_parallel_size steps are in flight (submit_step / wait_step), so that the stages overlap.
@@ -16,7 +17,6 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-import pickle
 import shutil
 import signal
 import tempfile
@@ -30,8 +30,10 @@ from pagedserve import log
 from pagedserve.config import EngineConfig
 from pagedserve.core.contracts import ModelRunnerOutput, SchedulerOutput
 from pagedserve.distributed.parallel_state import RankInfo
+from pagedserve.executor import rank_messages
 from pagedserve.executor.abstract import WorkerCall
 from pagedserve.executor.distributed import DistributedExecutor, WorkerDiedError, WorkerProcess, free_port
+from pagedserve.executor.shm_ring import RingReader, RingSpec, RingWriter
 from pagedserve.processes import (
     UNGUARDED_MAIN_EXIT_CODE,
     UNGUARDED_MAIN_MESSAGE,
@@ -57,10 +59,13 @@ class MultiprocExecutor(DistributedExecutor):
         addresses = [f"ipc://{self._ipc_dir}/rank{info.rank}" for info in self.infos]
         init_method = f"tcp://127.0.0.1:{free_port()}"
         context = multiprocessing.get_context(self._start_method)
+        self.processes = []
+        self._ring = RingWriter(len(self.infos), readers_alive=self.check_health)
         # The workers start before this process's ZMQ context exists (its I/O threads would not survive a fork); they
         # connect, and ZMQ holds their messages until the sockets below are bound.
         self.processes = [context.Process(target=run_worker, name=f"Worker-{info.rank}", daemon=True,
-                                          args=(config, info, init_method, address, result_address, os.getpid()))
+                                          args=(config, info, init_method, self._ring.spec, address, result_address,
+                                                os.getpid()))
                           for info, address in zip(self.infos, addresses)]
         self._context = zmq.Context()
         self._results = self._context.socket(zmq.PULL)
@@ -73,6 +78,7 @@ class MultiprocExecutor(DistributedExecutor):
                 socket_ = self._context.socket(zmq.PUSH)
                 socket_.bind(address)
                 self._inputs.append(socket_)
+            self._ring.side_channels = self._inputs
             self._collect(lambda kind: kind == "ready", len(self.infos), _STARTUP_TIMEOUT_S)
         except BaseException:
             self.shutdown()
@@ -84,7 +90,7 @@ class MultiprocExecutor(DistributedExecutor):
 
     def submit_step(self, scheduler_output: SchedulerOutput) -> None:
         """Send a step to every rank and return without waiting for it."""
-        self._broadcast(("step", scheduler_output))
+        self._broadcast(rank_messages.encode_step(scheduler_output))
         self._pending.append(time.perf_counter())
 
     def wait_step(self) -> ModelRunnerOutput:
@@ -93,7 +99,7 @@ class MultiprocExecutor(DistributedExecutor):
         return self._collect(lambda kind: kind == "step", 1)[0]
 
     def collective_rpc(self, method: WorkerCall, *args) -> list:
-        self._broadcast(("call", (method, args)))
+        self._broadcast(rank_messages.encode_call(method, args))
         return self._collect(lambda kind: kind == "call", len(self.infos))
 
     def check_health(self) -> None:
@@ -106,11 +112,8 @@ class MultiprocExecutor(DistributedExecutor):
     def shutdown(self) -> None:
         if self._context.closed:
             return
-        for socket_ in self._inputs:
-            try:
-                socket_.send(pickle.dumps(("shutdown", None)), zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
+        if self._ring.side_channels:
+            self._ring.try_send(rank_messages.SHUTDOWN)  # ranks that cannot take it (gone, or stuck) are killed below
         deadline = time.monotonic() + 5
         started = [process for process in self.processes if process.pid is not None]
         for process in started:
@@ -122,15 +125,14 @@ class MultiprocExecutor(DistributedExecutor):
         for socket_ in (*self._inputs, self._results):
             socket_.close(linger=0)
         self._context.term()
+        self._ring.close()
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
     # ---- messages ---------------------------------------------------------------------------------------
 
-    def _broadcast(self, message) -> None:
+    def _broadcast(self, frame: bytes) -> None:
         self.check_health()
-        frame = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)  # once, whatever the number of ranks
-        for socket_ in self._inputs:
-            socket_.send(frame, copy=False)
+        self._ring.send(frame)  # once, whatever the number of ranks
 
     def _collect(self, wanted, count: int, timeout_s: float | None = None) -> list:
         """count replies of the wanted kind, in rank order; raises if a worker fails or dies meanwhile."""
@@ -150,7 +152,7 @@ class MultiprocExecutor(DistributedExecutor):
                     continue
                 self.check_health()
                 continue
-            kind, rank, value = pickle.loads(self._results.recv())
+            kind, rank, value = rank_messages.decode_reply(self._results.recv())
             if kind == "error":
                 raise RuntimeError(f"worker of rank {rank} failed: {value}")
             if wanted(kind):
@@ -161,8 +163,8 @@ class MultiprocExecutor(DistributedExecutor):
 # ---- the worker process ------------------------------------------------------------------------------
 
 
-def run_worker(config: EngineConfig, info: RankInfo, init_method: str, input_address: str, result_address: str,
-               parent_pid: int) -> None:
+def run_worker(config: EngineConfig, info: RankInfo, init_method: str, ring: RingSpec, input_address: str,
+               result_address: str, parent_pid: int) -> None:
     """Process entry point of one rank."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine core decides when workers stop
     signal.signal(signal.SIGTERM, lambda *_: exit_process(0))
@@ -178,27 +180,29 @@ def run_worker(config: EngineConfig, info: RankInfo, init_method: str, input_add
     try:
         runner = WorkerProcess(config, info, init_method)
     except Exception:
-        results.send(pickle.dumps(("error", info.rank, traceback.format_exc())))
+        results.send(rank_messages.encode_reply("error", info.rank, traceback.format_exc()))
         results.close(linger=2000)
         exit_process(1)
-    results.send(pickle.dumps(("ready", info.rank, None)))
-    serve(runner, inputs, results)
+    results.send(rank_messages.encode_reply("ready", info.rank, None))
+    reader = RingReader(ring, info.rank, inputs)
+    serve(runner, reader, results)
+    reader.close()
     results.close(linger=1000)
     exit_process(0)
 
 
-def serve(rank: WorkerProcess, inputs, results) -> None:
+def serve(rank: WorkerProcess, reader: RingReader, results) -> None:
     """Run what the executor sends until it says shutdown: steps (the output rank answers) and calls (every rank)."""
     while True:
-        kind, payload = pickle.loads(inputs.recv())
+        kind, payload = rank_messages.decode(reader.recv())
         if kind == "shutdown":
             return
         try:
             if kind == "step":
                 output = rank.step(payload)
                 if rank.rank.is_output_rank:
-                    results.send(pickle.dumps(("step", rank.rank.rank, output), protocol=pickle.HIGHEST_PROTOCOL))
+                    results.send(rank_messages.encode_step_output(rank.rank.rank, output))
             else:
-                results.send(pickle.dumps(("call", rank.rank.rank, rank.call(*payload)), protocol=pickle.HIGHEST_PROTOCOL))
+                results.send(rank_messages.encode_reply("call", rank.rank.rank, rank.call(*payload)))
         except Exception:
-            results.send(pickle.dumps(("error", rank.rank.rank, traceback.format_exc())))
+            results.send(rank_messages.encode_reply("error", rank.rank.rank, traceback.format_exc()))

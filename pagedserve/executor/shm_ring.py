@@ -1,0 +1,213 @@
+"""One writer, several readers: messages written once into a ring of slots in POSIX shared memory, which every
+reader reads in order. The executor hands each step to its ranks this way (as vLLM's shared-memory message queue
+does): one copy, whatever the number of ranks, and no socket on the way.
+
+Layout (all words uint64, each reader's counter on a cache line of its own):
+  slot_seq[num_slots]          the number (1-based) of the message a slot holds; written last, after its bytes
+  reader[num_readers] * 8      [0]: messages the reader has consumed; [1]: 1 while it sleeps (see below)
+  slots[num_slots]             [length word][up to max_bytes of message]
+
+The writer puts message m into slot m % num_slots once every reader has consumed message m - num_slots (the slot's
+last); a reader takes its next message once its slot holds that number. A message longer than max_bytes goes by
+the side channel (each reader's socket), its slot saying so.
+
+Waiting: a reader spins (yielding the core) for a short while, then sleeps on its socket after raising its sleep
+flag and checking once more; the writer, having published a message, wakes the readers whose flag is up. So an
+idle engine's ranks burn no CPU, and a busy one's hand-off costs no system call. On x86 a store is seen after the
+stores before it; elsewhere _fence() orders them (a lock round trip is a full barrier).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from multiprocessing import shared_memory
+
+import numpy as np
+
+_WORD = 8
+_READER_WORDS = 8  # one 64-byte line per reader: no false sharing between their counters
+_OVERFLOW = np.uint64(2**64 - 1)  # a slot's length word when the message went by the side channel
+_WAKE = b""  # a wake-up on a reader's socket (messages that travel there are never empty)
+_fence_lock = threading.Lock()
+
+
+def _fence() -> None:
+    with _fence_lock:
+        pass
+
+
+class RingClosedError(RuntimeError):
+    pass
+
+
+class _Layout:
+    def __init__(self, buffer, num_slots: int, num_readers: int, max_bytes: int) -> None:
+        self.num_slots, self.num_readers, self.max_bytes = num_slots, num_readers, max_bytes
+        header_words = num_slots + num_readers * _READER_WORDS
+        self.slot_seq = np.ndarray((num_slots,), np.uint64, buffer, 0)
+        self.readers = np.ndarray((num_readers, _READER_WORDS), np.uint64, buffer, num_slots * _WORD)
+        self.slot_bytes = _WORD + max_bytes
+        self.slots_offset = header_words * _WORD
+        self.buffer = buffer
+
+    @staticmethod
+    def size(num_slots: int, num_readers: int, max_bytes: int) -> int:
+        return (num_slots + num_readers * _READER_WORDS) * _WORD + num_slots * (_WORD + max_bytes)
+
+    def length_word(self, slot: int) -> np.ndarray:
+        return np.ndarray((1,), np.uint64, self.buffer, self.slots_offset + slot * self.slot_bytes)
+
+    def data(self, slot: int, length: int) -> memoryview:
+        start = self.slots_offset + slot * self.slot_bytes + _WORD
+        return self.buffer[start : start + length]
+
+
+class RingSpec:
+    """What a reader needs to attach (picklable: it travels to the worker processes)."""
+
+    def __init__(self, name: str, num_slots: int, num_readers: int, max_bytes: int) -> None:
+        self.name, self.num_slots, self.num_readers, self.max_bytes = name, num_slots, num_readers, max_bytes
+
+
+class RingWriter:
+    """send(message) publishes to every reader. side_channels[r] is reader r's socket (a ZMQ PUSH socket), set
+    before the first send: the ring is made before the readers' processes start, the sockets after."""
+
+    def __init__(self, num_readers: int, num_slots: int = 4, max_bytes: int = 1 << 20,
+                 readers_alive: Callable[[], None] = lambda: None) -> None:
+        """readers_alive() raises when a reader is gone; the writer calls it while it waits for one."""
+        self.shm = shared_memory.SharedMemory(create=True, size=_Layout.size(num_slots, num_readers, max_bytes))
+        self.layout = _Layout(self.shm.buf, num_slots, num_readers, max_bytes)
+        self.layout.slot_seq[:] = 0
+        self.layout.readers[:] = 0
+        self.spec = RingSpec(self.shm.name, num_slots, num_readers, max_bytes)
+        self.side_channels: list = []
+        self.readers_alive = readers_alive
+        self.sent = 0
+
+    def send(self, message: bytes) -> None:
+        self._wait_for_slot(self.sent - self.layout.num_slots + 1)
+        self._publish(message)
+
+    def try_send(self, message: bytes) -> bool:
+        """Send only if no reader is behind by a whole ring (for shutdown, when a reader may be gone)."""
+        if int(self.layout.readers[:, 0].min()) < self.sent - self.layout.num_slots + 1:
+            return False
+        self._publish(message)
+        return True
+
+    def _publish(self, message: bytes) -> None:
+        layout = self.layout
+        slot = self.sent % layout.num_slots
+        length = layout.length_word(slot)
+        if len(message) > layout.max_bytes:
+            length[0] = _OVERFLOW
+            for socket_ in self.side_channels:
+                socket_.send(message, copy=False)
+        else:
+            length[0] = len(message)
+            layout.data(slot, len(message))[:] = message
+        _fence()
+        self.sent += 1
+        layout.slot_seq[slot] = self.sent
+        _fence()
+        for reader in np.flatnonzero(layout.readers[:, 1]):
+            layout.readers[reader, 1] = 0
+            self.side_channels[reader].send(_WAKE)
+
+    def _wait_for_slot(self, consumed_by_all: int) -> None:
+        """Until every reader has consumed that many messages (the slot's previous one)."""
+        if consumed_by_all <= 0:
+            return
+        waiter = _Backoff()
+        while int(self.layout.readers[:, 0].min()) < consumed_by_all:
+            if waiter.wait():
+                self.readers_alive()
+
+    def close(self) -> None:
+        del self.layout  # numpy views into the buffer go before it
+        self.shm.close()
+        self.shm.unlink()
+
+
+class RingReader:
+    """recv() -> the next message, in order; socket is this reader's side channel (a ZMQ PULL socket)."""
+
+    def __init__(self, spec: RingSpec, index: int, socket, spin_s: float = 0.005) -> None:
+        # Attached, not owned: the writer unlinks it. The readers are the writer's child processes and share its
+        # resource tracker, so this registration is the writer's own again, not a second claim.
+        self.shm = shared_memory.SharedMemory(name=spec.name)
+        self.layout = _Layout(self.shm.buf, spec.num_slots, spec.num_readers, spec.max_bytes)
+        self.index = index
+        self.socket = socket
+        self.spin_s = spin_s
+        self.received = int(self.layout.readers[index, 0])
+        self.side_messages: deque[bytes] = deque()  # read off the socket while sleeping, before their slot
+
+    def recv(self) -> bytes:
+        layout = self.layout
+        slot = self.received % layout.num_slots
+        self._wait_for(slot, self.received + 1)
+        length = int(layout.length_word(slot)[0])
+        message = self._side_channel() if length == int(_OVERFLOW) else bytes(layout.data(slot, length))
+        _fence()
+        self.received += 1
+        layout.readers[self.index, 0] = self.received
+        return message
+
+    def _wait_for(self, slot: int, number: int) -> None:
+        seq = self.layout.slot_seq
+        if seq[slot] == number:
+            return
+        deadline = time.monotonic() + self.spin_s
+        while time.monotonic() < deadline:
+            os.sched_yield()
+            if seq[slot] == number:
+                return
+        while seq[slot] != number:
+            self._sleep_until_woken(slot, number)
+
+    def _sleep_until_woken(self, slot: int, number: int) -> None:
+        flags = self.layout.readers
+        flags[self.index, 1] = 1
+        _fence()
+        if self.layout.slot_seq[slot] != number:  # not published meanwhile: the writer will see the flag
+            frame = self.socket.recv()
+            if frame != _WAKE:  # a long message, sent before its slot was published
+                self.side_messages.append(frame)
+        flags[self.index, 1] = 0
+
+    def _side_channel(self) -> bytes:
+        if self.side_messages:
+            return self.side_messages.popleft()
+        while (frame := self.socket.recv()) == _WAKE:  # a wake-up that crossed a message already seen
+            continue
+        return frame
+
+    def close(self) -> None:
+        del self.layout
+        self.shm.close()
+
+
+class _Backoff:
+    """Spin (yielding the core) at first, then sleep longer and longer; wait() says when a second has gone by."""
+
+    def __init__(self) -> None:
+        self.start = self.checked = time.monotonic()
+        self.pause = 0.0
+
+    def wait(self) -> bool:
+        if time.monotonic() - self.start < 0.001:
+            os.sched_yield()
+        else:
+            self.pause = min(0.001, max(1e-5, self.pause * 2))
+            time.sleep(self.pause)
+        now = time.monotonic()
+        if now - self.checked >= 1.0:
+            self.checked = now
+            return True
+        return False
