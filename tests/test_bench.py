@@ -254,3 +254,14 @@ def test_spec_compares_speculation_on_and_off(tmp_path, tiny_models):
     off, on = record["random_throughput"]
     assert (off["speculation"], on["speculation"]) == (False, True) and off["drafts"] == 0
     assert "speed-up" in stdout and "mean accepted length" in stdout and "ratio on/off" in stdout
+
+
+def test_machine_limits_are_measured_and_name_the_processor(tmp_path):
+    from pagedserve.cpu_features import cpu_features
+
+    record, stdout = bench(tmp_path, "machine", "--memory-mib", "64", "--matmul-size", "128", "--repeats", "2")
+    features = cpu_features()
+    assert record["cpu"] == features.model_name and record["isa"] == features.isa
+    assert record["read_bandwidth_gb_s"] > 0 and record["float32_gflop_s"] > 0
+    assert record["bfloat16_gflop_s"] is None or record["bfloat16_gflop_s"] > 0
+    assert "memory read, GB/s" in stdout and "float32 matmul 128^3, GFLOP/s" in stdout

@@ -339,3 +339,12 @@ def test_cpu_backend_routes_every_chunk_once(cache_dtype):
     cpu_meta = CPUAttentionBackend(built_kernels()).build_metadata(layout, torch.device("cpu"))
     assert cpu_meta.paged_prefills is not None and len(cpu_meta.torch_chunks) == 2  # both routes are exercised
     torch.testing.assert_close(outputs[0], outputs[1], atol=2e-5, rtol=1e-4)
+
+
+def test_the_processor_features_read_agree_with_what_torch_detects():
+    from pagedserve.cpu_features import cpu_features
+
+    features = cpu_features()
+    assert features.model_name and set(features.isa) <= features.flags
+    assert ("avx2" in features.isa) == (torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"))
+    assert features.model_name in features.identity

@@ -75,6 +75,12 @@ def register(sub) -> None:
     sched.add_argument("--num-blocks", type=int, default=20000)
     sched.add_argument("--steps", type=int, default=500)
 
+    machine = _workload(workloads, "machine", "the machine's limits: memory read bandwidth, float32 / bfloat16 / int8 matrix "
+                                              "rates (no model)")
+    machine.add_argument("--memory-mib", type=_positive_int, default=1024, help="size of the tensor read")
+    machine.add_argument("--matmul-size", type=_positive_int, default=1024, help="n of the n x n x n matrix products")
+    machine.add_argument("--repeats", type=_positive_int, default=5, help="each figure is the best of this many")
+
     executor = _workload(workloads, "executor", "the executor's messages per step with several ranks, no model", engine=True)
     executor.add_argument("--num-running", type=int, default=256)
     executor.add_argument("--steps", type=int, default=200)
@@ -134,7 +140,7 @@ def run_plot(args) -> int:
 
 
 def run_bench(args) -> int:
-    from pagedserve.benchmarks import executor, interference, kv_sched, prefix, serve, spec, throughput
+    from pagedserve.benchmarks import executor, interference, kv_sched, machine, prefix, serve, spec, throughput
 
     if args.workload in ("throughput", "prefix", "interference", "executor"):
         defaults = {f.name: f.default for f in EngineConfig.settings()}
@@ -144,6 +150,7 @@ def run_bench(args) -> int:
     if args.workload == "throughput" and args.num_prompts is None:
         args.num_prompts = 64 if args.dataset == "mixed" else 32
     runners = {"throughput": throughput.run, "serve": serve.run, "prefix": prefix.run, "interference": interference.run,
-               "kv": kv_sched.run_kv, "sched": kv_sched.run_sched, "executor": executor.run, "spec": spec.run}
+               "kv": kv_sched.run_kv, "sched": kv_sched.run_sched, "executor": executor.run, "spec": spec.run,
+               "machine": machine.run}
     runners[args.workload](args)
     return 0

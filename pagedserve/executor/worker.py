@@ -11,6 +11,7 @@ import torch
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.contracts import ModelRunnerOutput, SchedulerOutput
+from pagedserve.cpu_features import cpu_features
 from pagedserve.distributed.parallel_state import rank_info
 from pagedserve.executor import cpu_host
 from pagedserve.executor.model_runner import ModelRunner
@@ -70,6 +71,9 @@ class Worker:
         self.on_cpu = self.device.type == "cpu"
         if self.on_cpu:
             cpu_host.keep_freed_memory()
+            features = cpu_features()
+            logger.info("CPU %s: %s; torch's CPU kernels use %s", features.model_name, " ".join(features.isa) or "no AVX2",
+                        torch.backends.cpu.get_cpu_capability())
         self.dtype = resolve_dtype(config, self.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config, self.dtype)
         self.model_dir = resolve_model_dir(config.model)

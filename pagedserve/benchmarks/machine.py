@@ -1,0 +1,63 @@
+"""The machine's own limits, measured: memory read bandwidth, and the rate of matrix products in float32, bfloat16
+and int8 through torch (whose oneDNN kernels use AVX-512 or AMX tiles where the processor has them, and plain FMAs
+where it has not). A step's time is judged against these: a decode step reads the weights once (bandwidth), a
+prefill step multiplies (the matrix rate of its dtype)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from pagedserve.benchmarks.report import print_table, write_json
+from pagedserve.cpu_features import cpu_features
+
+
+def read_bandwidth_gb_s(num_bytes: int, repeats: int) -> float:
+    """GB/s of reading a float32 tensor of num_bytes (far larger than the caches) on every thread; best of repeats."""
+    tensor = torch.ones(num_bytes // 4, dtype=torch.float32)
+    best = min(_seconds(lambda: tensor.sum()) for _ in range(repeats))
+    return num_bytes / best / 1e9
+
+
+def matmul_gflop_s(dtype: torch.dtype, size: int, repeats: int) -> float | None:
+    """GFLOP/s of a size x size by size x size product in dtype (int8: into int32); best of repeats. None where
+    torch has no such product on this machine."""
+    if dtype == torch.int8:
+        a = torch.randint(-64, 64, (size, size), dtype=torch.int8)
+        b = torch.randint(-64, 64, (size, size), dtype=torch.int8)
+        product = torch._int_mm  # the int8 x int8 -> int32 GEMM, where torch provides one
+    else:
+        a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
+        product = torch.mm
+    try:
+        product(a, b)  # the first call sets the kernel up
+    except RuntimeError:
+        return None
+    best = min(_seconds(lambda: product(a, b)) for _ in range(repeats))
+    return 2 * size**3 / best / 1e9
+
+
+def _seconds(work) -> float:
+    start = time.perf_counter()
+    work()
+    return time.perf_counter() - start
+
+
+def run(args) -> dict:
+    features = cpu_features()
+    record = {
+        "benchmark": "machine", "cpu": features.model_name, "isa": features.isa,
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
+        "read_bandwidth_gb_s": read_bandwidth_gb_s(args.memory_mib * 2**20, args.repeats),
+        "matmul_size": args.matmul_size,
+    }
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16), ("int8", torch.int8)):
+        record[f"{name}_gflop_s"] = matmul_gflop_s(dtype, args.matmul_size, args.repeats)
+    print_table(f"machine limits ({record['cpu']}; {' '.join(record['isa']) or 'no AVX2'}; {record['threads']} threads)", [
+        ("memory read, GB/s", record["read_bandwidth_gb_s"]),
+        *((f"{name} matmul {args.matmul_size}^3, GFLOP/s", record[f"{name}_gflop_s"] or "not available")
+          for name in ("float32", "bfloat16", "int8")),
+    ])
+    write_json(args.json, record)
+    return record
