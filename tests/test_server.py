@@ -1,6 +1,7 @@
 """The OpenAI-compatible server, driven by the official openai client against a real server process."""
 
 import asyncio
+import json
 import time
 
 import openai
@@ -190,6 +191,18 @@ def test_32_concurrent_streams_complete_with_exact_token_counts(server):
     assert all(text for _, text in results)
 
 
+def _wait_until_idle(server, timeout_s: float) -> tuple[float, str]:
+    """(seconds until nothing runs and the KV cache is empty, the last metrics read)."""
+    start = time.monotonic()
+    while True:
+        metrics = server.get("/metrics").text
+        idle = (metric_value(metrics, "pagedserve:kv_cache_usage_perc") == 0
+                and metric_value(metrics, "pagedserve:num_requests_running") == 0)
+        if idle or time.monotonic() - start > timeout_s:
+            return time.monotonic() - start, metrics
+        time.sleep(0.05)
+
+
 def test_client_disconnect_aborts_and_frees_the_kv_cache(server):
     import requests
 
@@ -199,15 +212,32 @@ def test_client_disconnect_aborts_and_frees_the_kv_cache(server):
         received = [next(lines) for _ in range(10)]
         assert any(line.startswith(b"data:") for line in received)
         assert metric_value(server.get("/metrics").text, "pagedserve:kv_cache_usage_perc") > 0
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        metrics = server.get("/metrics").text
-        if metric_value(metrics, "pagedserve:kv_cache_usage_perc") == 0 and metric_value(metrics, "pagedserve:num_requests_running") == 0:
-            break
-        time.sleep(0.2)
+    _, metrics = _wait_until_idle(server, 30)
     assert metric_value(metrics, "pagedserve:kv_cache_usage_perc") == 0
     assert metric_value(metrics, "pagedserve:num_requests_running") == 0
     assert metric_value(metrics, "pagedserve:generation_tokens_total") < 2000  # it did not run to 900 tokens
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_client_that_hangs_up_on_a_plain_response_frees_its_slot_and_blocks_at_once(server, path):
+    """Not streamed: a client that closes its socket before the answer has its request aborted within a second, as a
+    streaming one does (else large requests from clients that hang up could fill the engine)."""
+    import socket
+
+    body = {"model": MODEL, "max_tokens": 900, "ignore_eos": True}
+    body |= {"prompt": PROMPT} if path == "/v1/completions" else {"messages": [{"role": "user", "content": PROMPT}]}
+    payload = json.dumps(body).encode()
+    request = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {API_KEY}\r\n"
+               f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n").encode() + payload
+    with socket.create_connection(("127.0.0.1", server.port)) as connection:
+        connection.sendall(request)
+        deadline = time.monotonic() + 30
+        while metric_value(server.get("/metrics").text, "pagedserve:num_requests_running") == 0:
+            assert time.monotonic() < deadline, "the request never ran"
+            time.sleep(0.05)
+    seconds, metrics = _wait_until_idle(server, 30)
+    assert seconds < 1.5, f"still running {seconds:.1f} s after the client hung up"
+    assert metric_value(metrics, "pagedserve:num_requests_running") == 0
 
 
 def test_greedy_text_is_the_same_alone_and_amid_24_concurrent_requests(server, client):

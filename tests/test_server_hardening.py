@@ -86,6 +86,11 @@ def test_every_route_but_health_and_metrics_needs_the_key(server):
     assert requests.get(server.url + "/health", timeout=10).status_code == 200
     assert requests.get(server.url + "/metrics", timeout=10).status_code == 200
     assert server.get("/openapi.json").status_code == 200
+    # The scheme's name is case-insensitive (RFC 9110); the key is not, and nothing but the scheme comes before it.
+    for authorization, status in ((f"bearer {API_KEY}", 200), (f"BEARER {API_KEY}", 200), (f"Bearer {API_KEY.upper()}", 401),
+                                  (f"Basic {API_KEY}", 401), (API_KEY, 401)):
+        response = requests.get(server.url + "/v1/models", timeout=10, headers={"Authorization": authorization})
+        assert response.status_code == status, authorization
 
 
 def test_bodies_over_the_limit_get_413_whether_or_not_they_say_their_length(server):

@@ -8,7 +8,7 @@ import logging
 import secrets
 import uuid
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from starlette.exceptions import HTTPException
 
 from pagedserve.entrypoints.openai.errors import error_response, internal_error_response
@@ -21,41 +21,77 @@ _OPEN_ROUTES = ("/health",)
 
 
 def install_middleware(app: FastAPI, settings: ServerSettings, is_draining) -> None:
-    """is_draining(): True once the server stops taking new requests."""
+    """is_draining(): True once the server stops taking new requests. All plain ASGI: a middleware built on
+    Starlette's BaseHTTPMiddleware would hide a client's disconnect from the routes, and a request whose client hung
+    up would run on."""
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
     if settings.api_key:
-        _install_auth(app, settings.api_key, open_routes=_OPEN_ROUTES + (() if settings.metrics_require_api_key else ("/metrics",)))
+        open_routes = _OPEN_ROUTES + (() if settings.metrics_require_api_key else ("/metrics",))
+        app.add_middleware(ApiKeyCheck, api_key=settings.api_key, open_routes=open_routes)
+    app.add_middleware(RefuseWhileDraining, is_draining=is_draining)
+    app.add_middleware(RequestId)  # added last: the outermost
 
-    @app.middleware("http")
-    async def refuse_while_draining(request: Request, call_next):
-        if is_draining() and request.url.path != "/health":
-            return error_response(503, "the server is shutting down")
-        return await call_next(request)
 
-    @app.middleware("http")
-    async def request_id(request: Request, call_next):
-        # Outermost (added last): every response carries the id the log uses, and an unexpected error is
-        # logged here once, with its traceback, and answered with a 500 that names only the id.
-        request_id = request.state.request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+class RequestId:
+    """Every response carries the id the log uses (the client's x-request-id, else a new one); an unexpected error
+    is logged here once, with its traceback, and answered with a 500 that names only the id."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = dict(scope.get("headers", ())).get(b"x-request-id")
+        request_id = given.decode("latin-1") if given else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        started = False
+
+        async def send_with_id(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", request_id.encode("latin-1"))]}
+            await send(message)
+
         try:
-            response = await call_next(request)
+            await self.app(scope, receive, send_with_id)
         except Exception as exc:
             logger.error("unhandled error in request %s", request_id, exc_info=exc)
-            response = internal_error_response(request_id)
-        response.headers["x-request-id"] = request_id
-        return response
+            if started:  # too late for a 500: the connection just ends
+                raise
+            await internal_error_response(request_id)(scope, receive, send_with_id)
 
 
-def _install_auth(app: FastAPI, api_key: str, open_routes: tuple[str, ...]) -> None:
-    expected = f"Bearer {api_key}".encode()
+class RefuseWhileDraining:
+    def __init__(self, app, is_draining) -> None:
+        self.app = app
+        self.is_draining = is_draining
 
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        if request.url.path not in open_routes:
-            given = request.headers.get("authorization", "").encode()
-            if not secrets.compare_digest(given, expected):  # constant time: no timing hint at the key
-                return error_response(401, "invalid or missing API key (send 'Authorization: Bearer <key>')")
-        return await call_next(request)
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] != "/health" and self.is_draining():
+            return await error_response(503, "the server is shutting down")(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+class ApiKeyCheck:
+    """401 unless `Authorization: Bearer <key>` (the scheme's case is free, as HTTP says), on every route but the open ones."""
+
+    def __init__(self, app, api_key: str, open_routes: tuple[str, ...]) -> None:
+        self.app = app
+        self.api_key = api_key.encode()
+        self.open_routes = open_routes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] not in self.open_routes and not self._authorized(scope):
+            return await error_response(401, "invalid or missing API key (send 'Authorization: Bearer <key>')")(scope, receive,
+                                                                                                              send)
+        await self.app(scope, receive, send)
+
+    def _authorized(self, scope) -> bool:
+        scheme, _, token = dict(scope.get("headers", ())).get(b"authorization", b"").partition(b" ")
+        # Constant time: no timing hint at the key.
+        return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.api_key)
 
 
 class BodySizeLimit:
