@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/python_env.sh
 # Not quiet: pip's own lines (what it collects, downloads and installs) are the install phases' progress.
-PIP="$PY -m pip --disable-pip-version-check --progress-bar on"
+PIP="$PY -m pip --disable-pip-version-check"
 say() { echo "[setup $(date +%T)] $*" >&2; }
 
 profile="${1:-serve}"
