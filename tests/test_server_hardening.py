@@ -57,6 +57,19 @@ BAD_BODIES = [
                                          "chat_template_kwargs": {"chat_template": "{{ 'hi' }}"}}), "chat_template"),
     ("/tokenize", json.dumps({"messages": []}), "messages"),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "n": 65}), "n"),  # over --max-num-seqs
+    # Fields this server does not know are refused by name, not ignored: unsupported, misspelled, or nested.
+    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                         "response_format": {"type": "json_object"}}), "response_format"),
+    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                         "tool_choice": "auto"}), "tool_choice"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "max_token": 3}), "max_token"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "prompt_logprobs": -3}), "prompt_logprobs"),
+    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True,
+                                         "stream_options": {"include_usage": True, "continuous_usage": True}}), "stream_options"),
+    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                         "continue_final_message": True}), "continue_final_message"),
+    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+                                         "max_completion_tokens": 3}), "max_tokens"),
 ]
 
 

@@ -73,6 +73,8 @@ def install_error_handlers(app: FastAPI) -> None:
         first = max(errors, key=lambda error: len(error.get("loc", ())), default={})
         location = [str(part) for part in first.get("loc", ()) if part != "body" and not _UNION_BRANCH.search(str(part))]
         message = first.get("msg", "invalid request")
+        if first.get("type") == "extra_forbidden":
+            message = "not a field this server accepts (misspelled, or not supported)"
         where = ".".join(location)
         return error_response(400, f"{where}: {message}" if where else message, param=location[0] if location else None)
 

@@ -31,7 +31,10 @@ class OpenAIModel(BaseModel):
 
 
 class RequestBody(OpenAIModel):
-    """A request's top level: every string in it, extra fields included, must be valid Unicode."""
+    """A request's top level: only the fields declared here (a field this server does not know, misspelled or not
+    supported, is refused by name rather than ignored), and every string in it valid Unicode."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -71,6 +74,8 @@ class ErrorResponse(BaseModel):
 
 
 class StreamOptions(OpenAIModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
     include_usage: bool = False
 
 

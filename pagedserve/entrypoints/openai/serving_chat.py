@@ -50,6 +50,8 @@ class OpenAIServingChat(ServingBase):
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+        if request.max_tokens is not None and request.max_completion_tokens is not None:
+            raise APIError(400, "give max_completion_tokens or its older name max_tokens, not both", param="max_tokens")
         prompt_ids = await asyncio.to_thread(self.prompt_token_ids, request.messages, request.add_generation_prompt,
                                              request.chat_template, request.chat_template_kwargs)
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
