@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import sys
 import threading
 import time
@@ -17,6 +18,20 @@ UNGUARDED_MAIN_MESSAGE = (
     "of them, which started another engine. Put the code that creates the engine under `if __name__ == \"__main__\":` "
     "in the script you run."
 )
+
+
+def describe_exit(process) -> str:
+    """How a child process (multiprocessing's) ended, as a message says it: "exit code 1", "killed by SIGKILL"."""
+    process.join(1.0)  # its sentinel has fired: reap it, so that its exit code is known
+    code = process.exitcode
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
 
 
 def exit_process(code: int) -> None:

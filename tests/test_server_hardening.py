@@ -42,6 +42,7 @@ BAD_BODIES = [
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "priority": BIG}), "priority"),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "top_k": 2**70}), "top_k"),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": [BIG]}), "prompt"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": [5, -1]}), "greater than or equal to 0"),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "stream": "yes"}), "stream"),
     ("/v1/completions", '{"model": "tiny", "prompt": "x", "temperature": Infinity}', "temperature"),
     ("/v1/completions", '{"model": "tiny", "prompt": "x", "top_p": NaN}', "top_p"),
@@ -81,6 +82,12 @@ def test_bad_input_gets_a_400_naming_the_field_and_the_server_keeps_serving(serv
     assert error["type"] == "invalid_request_error" and error["code"] == 400
     assert error["param"] == param or param in error["message"], error
     assert server.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}).status_code == 200
+
+
+def test_a_method_a_route_does_not_take_gets_405_naming_the_ones_it_does(server):
+    response = requests.get(server.url + "/v1/completions", headers=server.headers(), timeout=10)
+    assert response.status_code == 405 and response.headers["allow"] == "POST"
+    assert response.json()["error"]["code"] == 405
 
 
 def test_a_lone_surrogate_gets_a_message_a_user_can_act_on(server):

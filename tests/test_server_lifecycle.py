@@ -198,7 +198,7 @@ def test_engine_death_fails_requests_turns_health_503_and_exits_nonzero(tiny_mod
     assert error is not None
     assert health in (503, None)  # 503 while the front end still answers; None once it has exited
     assert server.process.returncode != 0
-    assert "engine core is dead" in server.log_text()
+    assert "engine core is dead: engine core process died (killed by SIGKILL)" in server.log_text()
 
 
 def test_startup_failure_is_reported(tmp_path):

@@ -31,7 +31,7 @@ from pagedserve.engine.wire import (
     encode_request,
 )
 from pagedserve.model_info import ModelInfo
-from pagedserve.processes import UNGUARDED_MAIN_EXIT_CODE, UNGUARDED_MAIN_MESSAGE, exit_if_reimporting_main
+from pagedserve.processes import UNGUARDED_MAIN_EXIT_CODE, UNGUARDED_MAIN_MESSAGE, describe_exit, exit_if_reimporting_main
 
 logger = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ class AsyncMPClient(EngineCoreClient):
             if self.process.exitcode == UNGUARDED_MAIN_EXIT_CODE:
                 raise RuntimeError(UNGUARDED_MAIN_MESSAGE.format(reason="the engine core always runs in a process of its own"))
             if not self.process.is_alive():
-                raise RuntimeError(f"engine core process exited during start-up (exit code {self.process.exitcode})")
+                raise RuntimeError(f"engine core process exited during start-up ({describe_exit(self.process)})")
         raise RuntimeError(f"engine core was not ready within {timeout_s:.0f} s")
 
     def is_alive(self) -> bool:
@@ -197,7 +197,7 @@ class AsyncMPClient(EngineCoreClient):
             if self.output_socket not in ready:
                 self.dead = True
                 self._fail_utilities()
-                raise EngineDeadError(f"engine core process died (exit code {self.process.exitcode})")
+                raise EngineDeadError(f"engine core process died ({describe_exit(self.process)})")
             message = decode_output(await self.output_socket.recv())
             if isinstance(message, UtilityResult):
                 self._resolve_utility(message)

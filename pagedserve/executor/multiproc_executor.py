@@ -38,6 +38,7 @@ from pagedserve.processes import (
     UNGUARDED_MAIN_EXIT_CODE,
     UNGUARDED_MAIN_MESSAGE,
     child_start_method,
+    describe_exit,
     exit_if_reimporting_main,
     exit_process,
     exit_with_parent,
@@ -107,7 +108,7 @@ class MultiprocExecutor(DistributedExecutor):
             if process.exitcode == UNGUARDED_MAIN_EXIT_CODE:
                 raise RuntimeError(UNGUARDED_MAIN_MESSAGE.format(reason=self._start_reason))
             if process.pid is not None and not process.is_alive():
-                raise WorkerDiedError(f"worker of rank {rank} (pid {process.pid}) exited with code {process.exitcode}")
+                raise WorkerDiedError(f"worker of rank {rank} (pid {process.pid}) ended: {describe_exit(process)}")
 
     def shutdown(self) -> None:
         if self._context.closed:

@@ -69,8 +69,10 @@ def install_error_handlers(app: FastAPI) -> None:
         errors = exc.errors()
         if any(error.get("type") == "json_invalid" for error in errors):
             return error_response(400, f"malformed JSON body: {errors[0].get('msg', '')}")
-        # Of a union's failed branches, the one that got furthest says most.
-        first = max(errors, key=lambda error: len(error.get("loc", ())), default={})
+        # Of a union's failed branches, the one that got furthest says most; of those alike, one that had the right
+        # type and a wrong value (-1 for a token id) says more than one that expected another type.
+        first = max(errors, key=lambda error: (len(error.get("loc", ())), not error.get("type", "").endswith("_type")),
+                    default={})
         location = [str(part) for part in first.get("loc", ()) if part != "body" and not _UNION_BRANCH.search(str(part))]
         message = first.get("msg", "invalid request")
         if first.get("type") == "extra_forbidden":
@@ -80,7 +82,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(_, exc: StarletteHTTPException):
-        return error_response(exc.status_code, str(exc.detail))
+        response = error_response(exc.status_code, str(exc.detail))
+        response.headers.update(exc.headers or {})  # a 405's Allow, say
+        return response
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception):
