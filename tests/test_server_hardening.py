@@ -253,3 +253,29 @@ def test_internal_errors_name_a_request_id_and_keep_their_text_in_the_log(caplog
     assert request_id in response.json()["error"]["message"]
     records = [r for r in caplog.records if request_id in r.getMessage()]
     assert records and records[0].exc_info and "secret internal detail" in str(records[0].exc_info[1])
+
+
+def _chat_without_max_tokens(server, **extra) -> dict:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Count."}], "ignore_eos": True, **extra}
+    response = server.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_a_request_without_max_tokens_gets_at_most_the_room_left_in_the_context(server):
+    """The server's default cap (4096) is above this model's context (1024): the room left is the limit, no error."""
+    answer = _chat_without_max_tokens(server)
+    usage = answer["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == 1024
+    assert answer["choices"][0]["finish_reason"] == "length"
+
+
+def test_the_server_default_caps_a_request_without_max_tokens_and_a_request_may_ask_for_more(tiny_models):
+    server = RemoteServer("--model", str(tiny_models["llama"]), "--served-model-name", MODEL, "--kv-cache-memory", str(16 * 1024**2),
+                          "--default-max-tokens", "7")
+    try:
+        assert _chat_without_max_tokens(server)["usage"]["completion_tokens"] == 7
+        assert _chat_without_max_tokens(server, max_tokens=12)["usage"]["completion_tokens"] == 12
+        assert _chat_without_max_tokens(server, max_completion_tokens=9)["usage"]["completion_tokens"] == 9
+    finally:
+        assert server.stop() == 0

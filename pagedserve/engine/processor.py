@@ -32,6 +32,9 @@ class Processor:
         self.max_model_len = model_info.max_model_len
         self.eos_token_ids = model_info.eos_token_ids
         self.vocab_size = model_info.vocab_size
+        # At most this many tokens for a request that gives no max_tokens (None: up to the context). A cap, not a
+        # demand: a long prompt gets what room is left, never an error for a length it did not ask for.
+        self.default_max_tokens: int | None = None
 
     def tokenize_prompt(self, prompt: PromptType) -> ProcessedPrompt:
         if isinstance(prompt, dict):
@@ -101,6 +104,8 @@ class Processor:
                 raise ValueError(
                     f"the prompt ({prompt_len} tokens) leaves no room to generate within max_model_len {self.max_model_len}"
                 )
+            if self.default_max_tokens is not None:
+                max_tokens = min(max_tokens, self.default_max_tokens)
         elif prompt_len + max_tokens > self.max_model_len:
             raise ValueError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "

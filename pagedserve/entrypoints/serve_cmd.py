@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from pagedserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
+from pagedserve.entrypoints.openai.settings import DEFAULT_MAX_TOKENS
 
 
 def register(sub) -> None:
@@ -34,10 +35,22 @@ def register(sub) -> None:
     group.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="on SIGTERM, seconds in-flight requests get to finish before they are ended with an error "
                             "(default: %(default)s)")
+    group.add_argument("--default-max-tokens", type=_tokens_or_none, default=DEFAULT_MAX_TOKENS,
+                       help="tokens a request that gives no max_tokens may generate, unless the model's generation_config "
+                            "sets max_new_tokens; 'none': up to the context (default: %(default)s)")
     group.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                        help="uvicorn log level; the access log is at info (default: %(default)s)")
     add_engine_args(serve)
     serve.set_defaults(handler=run_serve)
+
+
+def _tokens_or_none(text: str) -> int | None:
+    if text.lower() == "none":
+        return None
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 or 'none', got {value}")
+    return value
 
 
 def run_serve(args) -> int:
@@ -56,6 +69,6 @@ def run_serve(args) -> int:
         max_waiting_requests=args.max_waiting_requests, log_level=args.log_level, max_n=args.max_n,
         max_request_bytes=args.max_request_bytes, metrics_require_api_key=args.metrics_require_api_key,
         trust_request_chat_template=args.trust_request_chat_template, chat_template_timeout=args.chat_template_timeout,
-        shutdown_timeout=args.shutdown_timeout,
+        shutdown_timeout=args.shutdown_timeout, default_max_tokens=args.default_max_tokens,
     )
     return run_server(engine_config_from_args(args), settings)

@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DEFAULT_MAX_N = 128
+# Tokens a chat request without max_tokens may generate (OpenAI's models cap their output too); a request that wants
+# more says so. None: up to the context, as vLLM does.
+DEFAULT_MAX_TOKENS = 4096
 
 
 @dataclass
@@ -22,6 +25,8 @@ class ServerSettings:
     trust_request_chat_template: bool = False
     chat_template_timeout: float = 5.0  # seconds a request's own chat template may take to render
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
+    # A request's max_tokens when it gives none (the model's generation_config max_new_tokens, where it has one, wins).
+    default_max_tokens: int | None = DEFAULT_MAX_TOKENS
 
     def effective_max_n(self, max_num_seqs: int) -> int:
         limits = [self.max_n or DEFAULT_MAX_N, max_num_seqs]
