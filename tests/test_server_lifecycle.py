@@ -165,8 +165,12 @@ def test_an_abort_storm_leaves_nothing_running_waiting_or_cached(tiny_models):
         assert server.stop() == 0
 
 
-def test_engine_death_fails_requests_turns_health_503_and_exits_nonzero(tiny_models):
-    server = RemoteServer("--model", str(tiny_models["llama"]), "--kv-cache-memory", str(8 * 1024**2))
+@pytest.mark.parametrize("engine_args", [[], ["-dp", "2"]], ids=["one engine core", "two engine cores"])
+def test_engine_death_fails_requests_turns_health_503_and_exits_nonzero(tiny_models, engine_args):
+    """With data parallelism too: a core's death ends every stream with an error and the server at once (it does not
+    go on serving with the cores left: a replica that lost part of itself says so, and its supervisor restarts it)."""
+    server = RemoteServer("--model", str(tiny_models["llama"]), "--kv-cache-memory", str(8 * 1024**2), *engine_args)
+    killed_at = []
 
     async def long_request():
         async_client = server.async_openai()
@@ -182,6 +186,7 @@ def test_engine_death_fails_requests_turns_health_503_and_exits_nonzero(tiny_mod
                 count += 1
                 if count == 3:
                     os.kill(server.engine_pid(), signal.SIGKILL)
+                    killed_at.append(time.monotonic())
                 if getattr(chunk, "error", None):
                     seen_error = chunk
         except Exception as exc:  # the stream ends with an error event or a broken connection
@@ -192,8 +197,10 @@ def test_engine_death_fails_requests_turns_health_503_and_exits_nonzero(tiny_mod
         error, count = asyncio.run(main())
         health = _health_until_exit(server)
         server.process.wait(30)
+        noticed_after = time.monotonic() - killed_at[0]
     finally:
         server.stop()
+    assert noticed_after < 3, f"the server went on {noticed_after:.1f} s after its engine core died"
     assert count < 1000
     assert error is not None
     assert health in (503, None)  # 503 while the front end still answers; None once it has exited
