@@ -57,6 +57,9 @@ BAD_BODIES = [
     ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                                          "chat_template_kwargs": {"chat_template": "{{ 'hi' }}"}}), "chat_template"),
     ("/tokenize", json.dumps({"messages": []}), "messages"),
+    ("/tokenize", json.dumps({}), "prompt"),  # a text or a conversation, as the schema says
+    ("/tokenize", json.dumps({"prompt": ""}), "prompt"),
+    ("/tokenize", json.dumps({"prompt": "x", "messages": [{"role": "user", "content": "x"}]}), "messages"),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "n": 65}), "n"),  # over --max-num-seqs
     # Fields this server does not know are refused by name, not ignored: unsupported, misspelled, or nested.
     ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}],

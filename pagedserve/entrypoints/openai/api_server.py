@@ -25,6 +25,7 @@ from pagedserve.entrypoints.openai.protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    TokenizeChatRequest,
     TokenizeRequest,
     TokenizeResponse,
     VersionResponse,
@@ -89,9 +90,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(request: TokenizeRequest):
         completions.check_model(request.model)
-        if (request.prompt is None) == (request.messages is None):
-            raise APIError(400, "give exactly one of prompt or messages", param="prompt")
-        if request.messages is not None:
+        if isinstance(request, TokenizeChatRequest):
             tokens = await asyncio.to_thread(chat.prompt_token_ids, request.messages, request.add_generation_prompt,
                                              request.chat_template, request.chat_template_kwargs)
         else:

@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from pagedserve.sampling_params import SamplingParams
 
@@ -304,11 +304,29 @@ class VersionResponse(BaseModel):
     version: str
 
 
-class TokenizeRequest(ChatTemplateFields):
+class TokenizePromptRequest(RequestBody):
     model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    prompt: str = Field(min_length=1)
     add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(ChatTemplateFields):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+def _tokenize_input(body) -> str | None:
+    """The branch a /tokenize body takes (its tag, which error locations leave out), None when it gives both or neither."""
+    if not isinstance(body, dict) or ("prompt" in body) == ("messages" in body):
+        return None
+    return "prompt-branch" if "prompt" in body else "messages-branch"
+
+
+# A text or a conversation: the schema says exactly one, as the server does.
+TokenizeRequest = Annotated[
+    Annotated[TokenizePromptRequest, Tag("prompt-branch")] | Annotated[TokenizeChatRequest, Tag("messages-branch")],
+    Discriminator(_tokenize_input, custom_error_type="tokenize_input", custom_error_message="give exactly one of prompt or messages"),
+]
 
 
 class TokenizeResponse(BaseModel):
