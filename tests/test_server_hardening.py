@@ -282,3 +282,55 @@ def test_the_server_default_caps_a_request_without_max_tokens_and_a_request_may_
         assert _chat_without_max_tokens(server, max_completion_tokens=9)["usage"]["completion_tokens"] == 9
     finally:
         assert server.stop() == 0
+
+
+def _read_until_closed(connection, timeout_s: float) -> tuple[bytes, float]:
+    """What the server sends until it closes the connection, and after how many seconds."""
+    start = time.monotonic()
+    connection.settimeout(timeout_s)
+    received = b""
+    try:
+        while chunk := connection.recv(65536):
+            received += chunk
+    except OSError:
+        pass
+    return received, time.monotonic() - start
+
+
+def test_clients_too_slow_to_send_a_request_get_408_and_lose_the_connection(tiny_models):
+    """A connection that sends nothing, a head sent a byte at a time, a body trickled in: each is answered 408 and
+    closed once --request-read-timeout has passed, while a request that takes longer than that to answer is served."""
+    import socket
+
+    server = RemoteServer("--model", str(tiny_models["llama"]), "--served-model-name", MODEL, "--kv-cache-memory", str(16 * 1024**2),
+                          "--request-read-timeout", "1", api_key=API_KEY)
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 2}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+
+    def trickle(connection, data: bytes):
+        for byte in data:
+            try:
+                connection.sendall(bytes([byte]))
+            except OSError:  # closed by the server
+                return
+            time.sleep(0.2)
+
+    try:
+        cases = {"nothing": b"", "a slow head": head, "a slow body": None}
+        for name, slow in cases.items():
+            with socket.create_connection(("127.0.0.1", server.port)) as connection:
+                if slow is None:
+                    connection.sendall(head)
+                    slow = body
+                sender = threading.Thread(target=trickle, args=(connection, slow), daemon=True)
+                sender.start()
+                received, seconds = _read_until_closed(connection, 10)
+            assert received.startswith(b"HTTP/1.1 408"), (name, received[:200])
+            assert b'"code":408' in received.replace(b" ", b""), name
+            assert seconds < 3, (name, seconds)
+        # A request that takes the server longer than the timeout to answer is not cut short.
+        answer = server.post("/v1/completions", json={"model": MODEL, "prompt": [5], "max_tokens": 1000, "ignore_eos": True})
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 1000
+    finally:
+        assert server.stop() == 0

@@ -38,6 +38,11 @@ def register(sub) -> None:
     group.add_argument("--default-max-tokens", type=_tokens_or_none, default=DEFAULT_MAX_TOKENS,
                        help="tokens a request that gives no max_tokens may generate, unless the model's generation_config "
                             "sets max_new_tokens; 'none': up to the context (default: %(default)s)")
+    group.add_argument("--request-read-timeout", type=float, default=30.0,
+                       help="seconds a client may take to send a request's line and headers, and again its body; 408 "
+                            "and the connection closed beyond (default: %(default)s)")
+    group.add_argument("--keep-alive-timeout", type=float, default=5.0,
+                       help="seconds an idle connection is kept open between requests (default: %(default)s)")
     group.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                        help="uvicorn log level; the access log is at info (default: %(default)s)")
     add_engine_args(serve)
@@ -61,7 +66,7 @@ def run_serve(args) -> int:
         value = getattr(args, name)
         if value is not None and value < (0 if name == "max_waiting_requests" else 1):
             raise ValueError(f"{name} must be >= {0 if name == 'max_waiting_requests' else 1}, got {value}")
-    for name in ("chat_template_timeout", "shutdown_timeout"):
+    for name in ("chat_template_timeout", "shutdown_timeout", "request_read_timeout", "keep_alive_timeout"):
         if getattr(args, name) <= 0:
             raise ValueError(f"{name} must be > 0 seconds, got {getattr(args, name)}")
     settings = ServerSettings(
@@ -70,5 +75,6 @@ def run_serve(args) -> int:
         max_request_bytes=args.max_request_bytes, metrics_require_api_key=args.metrics_require_api_key,
         trust_request_chat_template=args.trust_request_chat_template, chat_template_timeout=args.chat_template_timeout,
         shutdown_timeout=args.shutdown_timeout, default_max_tokens=args.default_max_tokens,
+        request_read_timeout=args.request_read_timeout, keep_alive_timeout=args.keep_alive_timeout,
     )
     return run_server(engine_config_from_args(args), settings)

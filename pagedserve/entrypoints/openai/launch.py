@@ -50,13 +50,15 @@ def run_server(config: EngineConfig, settings: ServerSettings) -> int:
     import uvicorn
 
     from pagedserve.entrypoints.openai.api_server import ServerState, build_app
+    from pagedserve.entrypoints.openai.http_protocol import protocol_with_head_deadline
 
     limit_front_end_threads()
     state = ServerState()
     try:
         app = build_app(engine, settings, state)
         uv_config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                                   timeout_graceful_shutdown=_CLOSE_TIMEOUT_S)
+                                   timeout_graceful_shutdown=_CLOSE_TIMEOUT_S, timeout_keep_alive=settings.keep_alive_timeout,
+                                   http=protocol_with_head_deadline(settings.request_read_timeout))
         server = holder["server"] = _draining_server_class()(uv_config, engine, state, settings.shutdown_timeout)
         asyncio.run(_serve(server, engine))
     finally:

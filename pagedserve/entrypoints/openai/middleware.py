@@ -4,6 +4,7 @@ as it arrives, before it is read whole."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import uuid
@@ -24,7 +25,7 @@ def install_middleware(app: FastAPI, settings: ServerSettings, is_draining) -> N
     """is_draining(): True once the server stops taking new requests. All plain ASGI: a middleware built on
     Starlette's BaseHTTPMiddleware would hide a client's disconnect from the routes, and a request whose client hung
     up would run on."""
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
+    app.add_middleware(BodyLimits, max_bytes=settings.max_request_bytes, read_timeout_s=settings.request_read_timeout)
     if settings.api_key:
         open_routes = _OPEN_ROUTES + (() if settings.metrics_require_api_key else ("/metrics",))
         app.add_middleware(ApiKeyCheck, api_key=settings.api_key, open_routes=open_routes)
@@ -94,34 +95,43 @@ class ApiKeyCheck:
         return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.api_key)
 
 
-class BodySizeLimit:
-    """413 for a request body over max_bytes: by its Content-Length when it has one, else as it streams in."""
+class BodyLimits:
+    """413 for a request body over max_bytes (by its Content-Length when it has one, else as it streams in); 408 for
+    one that takes longer than read_timeout_s to arrive whole (a client trickling it in would hold its connection)."""
 
-    def __init__(self, app, max_bytes: int) -> None:
+    def __init__(self, app, max_bytes: int, read_timeout_s: float) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.read_timeout_s = read_timeout_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         length = dict(scope.get("headers", ())).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await self._refuse(scope, receive, send)
+            return await error_response(413, self._too_large())(scope, receive, send)
         received = 0
+        body_done = False
+        deadline = asyncio.get_running_loop().time() + self.read_timeout_s
 
         async def limited_receive():
-            nonlocal received
-            message = await receive()
+            nonlocal received, body_done
+            if body_done:  # the routes' disconnect checks: no deadline
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - asyncio.get_running_loop().time()))
+            except TimeoutError:
+                # The route's body parsing passes these on as they are.
+                raise HTTPException(408, f"the request body did not arrive within {self.read_timeout_s:g} s",
+                                    headers={"connection": "close"}) from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
+                body_done = not message.get("more_body", False)
                 if received > self.max_bytes:
-                    raise HTTPException(413, self._message())  # the route's body parsing passes it on as it is
+                    raise HTTPException(413, self._too_large())
             return message
 
         await self.app(scope, limited_receive, send)
 
-    def _message(self) -> str:
+    def _too_large(self) -> str:
         return f"the request body is larger than this server's limit of {self.max_bytes} bytes (--max-request-bytes)"
-
-    async def _refuse(self, scope, receive, send):
-        await error_response(413, self._message())(scope, receive, send)

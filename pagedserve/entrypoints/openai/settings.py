@@ -25,6 +25,10 @@ class ServerSettings:
     trust_request_chat_template: bool = False
     chat_template_timeout: float = 5.0  # seconds a request's own chat template may take to render
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
+    # Seconds a client may take to send a request's line and headers, and then its body (else 408, and the connection
+    # closes); and an idle connection's life between requests.
+    request_read_timeout: float = 30.0
+    keep_alive_timeout: float = 5.0
     # A request's max_tokens when it gives none (the model's generation_config max_new_tokens, where it has one, wins).
     default_max_tokens: int | None = DEFAULT_MAX_TOKENS
 
