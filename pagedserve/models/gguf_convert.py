@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import time
+from functools import lru_cache
 from pathlib import Path
 
 from pagedserve.envs import cache_root
@@ -41,11 +42,18 @@ def default_gguf_path() -> Path:
 
 def converted_dir_for(gguf_path: Path) -> Path:
     """Keyed by the file's content (not its path): every copy of a model, in any environment, shares one conversion."""
+    stat = gguf_path.stat()
+    return cache_root() / "gguf" / f"{gguf_path.stem}-{_content_digest(str(gguf_path.resolve()), stat.st_size, stat.st_mtime_ns)}"
+
+
+@lru_cache(maxsize=8)
+def _content_digest(path: str, size: int, mtime_ns: int) -> str:
+    """Once per file version in a process (a start asks more than once); size and mtime say when it changed."""
     digest = hashlib.sha256(f"layout {_LAYOUT_VERSION}:".encode())
-    with open(gguf_path, "rb") as handle:
+    with open(path, "rb") as handle:
         while chunk := handle.read(8 * 1024**2):
             digest.update(chunk)
-    return cache_root() / "gguf" / f"{gguf_path.stem}-{digest.hexdigest()[:16]}"
+    return digest.hexdigest()[:16]
 
 
 def ensure_converted(gguf_path: str | Path) -> Path:
