@@ -19,9 +19,6 @@ class CPUFeatures:
     model_name: str
     flags: frozenset[str]
 
-    def has(self, flag: str) -> bool:
-        return flag in self.flags
-
     @property
     def isa(self) -> list[str]:
         """The extensions present, of those pagedserve distinguishes."""

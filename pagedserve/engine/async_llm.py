@@ -40,14 +40,15 @@ class AsyncLLM(FrontEndAccess):
             if while_starting is not None:
                 while_starting()
 
-        tokenizer = []
+        tokenizer = None
 
         def on_model_located(model_dir: str) -> None:  # read while the engine loads the model
-            tokenizer.append(load_tokenizer(config.tokenizer or model_dir))
+            nonlocal tokenizer
+            tokenizer = load_tokenizer(config.tokenizer or model_dir)
 
         client_class = DPAsyncMPClient if config.data_parallel_size > 1 else AsyncMPClient
         self.client: EngineCoreClient = client_class(config, while_starting=front_end_start_up, on_model_located=on_model_located)
-        self.front_end = FrontEnd(config, self.client.model_info, *tokenizer)
+        self.front_end = FrontEnd(config, self.client.model_info, tokenizer)
         self.metrics = EngineMetrics(served_model_name or config.model, config.data_parallel_size)
         self.max_waiting_requests = max_waiting_requests
         self.on_engine_dead = on_engine_dead

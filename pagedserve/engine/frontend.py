@@ -32,13 +32,18 @@ class FrontEnd:
     def __init__(self, config: EngineConfig, model_info: ModelInfo, tokenizer=None) -> None:
         """tokenizer: the model's, when already loaded."""
         self.model_info = model_info
-        self.tokenizer = tokenizer or load_tokenizer(config.tokenizer or model_info.model_dir)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.tokenizer or model_info.model_dir)
         self.processor = Processor(self.tokenizer, model_info)
         self.output_processor = OutputProcessor(self.tokenizer)
 
     @property
     def max_model_len(self) -> int:
         return self.model_info.max_model_len
+
+    def cap_unrequested_tokens(self, server_default: int | None) -> None:
+        """A request that gives no max_tokens generates at most the model's max_new_tokens (its generation config), else
+        server_default (None: up to the context); never more than the room its prompt leaves."""
+        self.processor.default_max_tokens = self.model_info.generation_defaults.get("max_tokens", server_default)
 
     def default_sampling_params(self, **base) -> SamplingParams:
         """SamplingParams of the base values, overridden by the model's generation defaults (generation_config)."""

@@ -24,6 +24,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing import shared_memory
 
 import numpy as np
@@ -38,10 +39,6 @@ _fence_lock = threading.Lock()
 def _fence() -> None:
     with _fence_lock:
         pass
-
-
-class RingClosedError(RuntimeError):
-    pass
 
 
 class _Layout:
@@ -66,11 +63,14 @@ class _Layout:
         return self.buffer[start : start + length]
 
 
+@dataclass(frozen=True)
 class RingSpec:
     """What a reader needs to attach (picklable: it travels to the worker processes)."""
 
-    def __init__(self, name: str, num_slots: int, num_readers: int, max_bytes: int) -> None:
-        self.name, self.num_slots, self.num_readers, self.max_bytes = name, num_slots, num_readers, max_bytes
+    name: str
+    num_slots: int
+    num_readers: int
+    max_bytes: int
 
 
 class RingWriter:
@@ -90,15 +90,22 @@ class RingWriter:
         self.sent = 0
 
     def send(self, message: bytes) -> None:
-        self._wait_for_slot(self.sent - self.layout.num_slots + 1)
+        waiter = _Backoff()
+        while not self._next_slot_free():
+            if waiter.wait():
+                self.readers_alive()
         self._publish(message)
 
     def try_send(self, message: bytes) -> bool:
         """Send only if no reader is behind by a whole ring (for shutdown, when a reader may be gone)."""
-        if int(self.layout.readers[:, 0].min()) < self.sent - self.layout.num_slots + 1:
+        if not self._next_slot_free():
             return False
         self._publish(message)
         return True
+
+    def _next_slot_free(self) -> bool:
+        """Whether every reader has consumed the next slot's previous message."""
+        return int(self.layout.readers[:, 0].min()) >= self.sent - self.layout.num_slots + 1
 
     def _publish(self, message: bytes) -> None:
         layout = self.layout
@@ -118,15 +125,6 @@ class RingWriter:
         for reader in np.flatnonzero(layout.readers[:, 1]):
             layout.readers[reader, 1] = 0
             self.side_channels[reader].send(_WAKE)
-
-    def _wait_for_slot(self, consumed_by_all: int) -> None:
-        """Until every reader has consumed that many messages (the slot's previous one)."""
-        if consumed_by_all <= 0:
-            return
-        waiter = _Backoff()
-        while int(self.layout.readers[:, 0].min()) < consumed_by_all:
-            if waiter.wait():
-                self.readers_alive()
 
     def close(self) -> None:
         del self.layout  # numpy views into the buffer go before it

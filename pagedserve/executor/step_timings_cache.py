@@ -25,8 +25,7 @@ def timings_file(config: EngineConfig, model_info: ModelInfo) -> Path:
     settings = {field.name: repr(getattr(config, field.name)) for field in EngineConfig.settings()}
     return cached_json.cache_file(
         "step_timings", cpu_features().identity, str(len(os.sched_getaffinity(0))), torch.__version__, __version__,
-        cpu_kernels.build_key(), model_info.model_dir, json.dumps(settings, sort_keys=True),
-        json.dumps(dataclasses.asdict(model_info), sort_keys=True),
+        cpu_kernels.build_key(), json.dumps(settings, sort_keys=True), json.dumps(dataclasses.asdict(model_info), sort_keys=True),
     )
 
 

@@ -60,8 +60,9 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
     names = settings.served_model_name or [engine.config.model]
     max_n = settings.effective_max_n(engine.config.max_num_seqs)
     renderer = ChatTemplateRenderer(engine.tokenizer, settings.trust_request_chat_template, settings.chat_template_timeout)
-    completions = OpenAIServingCompletion(engine, names, max_n, settings.default_max_tokens)
-    chat = OpenAIServingChat(engine, names, max_n, settings.default_max_tokens, renderer)
+    engine.front_end.cap_unrequested_tokens(settings.default_max_tokens)
+    completions = OpenAIServingCompletion(engine, names, max_n)
+    chat = OpenAIServingChat(engine, names, max_n, renderer)
     app = FastAPI(title="pagedserve", version=__version__)
     install_error_handlers(app)
     install_middleware(app, settings, is_draining=lambda: state.draining)

@@ -6,10 +6,10 @@ the deadline (from the connection's start, or from the last response) is answere
 
 from __future__ import annotations
 
-import json
-
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from pagedserve.entrypoints.openai.errors import error_response
 
 
 def protocol_with_head_deadline(seconds: float) -> type[H11Protocol]:
@@ -43,8 +43,8 @@ def protocol_with_head_deadline(seconds: float) -> type[H11Protocol]:
 
 
 def _timeout_response(seconds: float) -> bytes:
-    body = json.dumps({"error": {"message": f"the request's line and headers did not arrive within {seconds:g} s", "type":
-                                 "invalid_request_error", "param": None, "code": 408}}).encode()
+    """The 408 as raw bytes: no request was parsed, so none of uvicorn's response machinery applies."""
+    body = error_response(408, f"the request's line and headers did not arrive within {seconds:g} s").body
     head = (f"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
             "connection: close\r\n\r\n")
     return head.encode() + body

@@ -25,16 +25,14 @@ _SERVER_ENDED = (EngineDeadError, RequestEndedError)
 
 
 class ServingBase:
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str], max_n: int, default_max_tokens: int | None) -> None:
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str], max_n: int) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
         self.tokenizer = engine.tokenizer
         self.max_n = max_n
-        # What a request leaves out: the model's generation defaults. Its max_tokens, when it gives none, is at most the
-        # model's max_new_tokens, else the server's default (None: up to the context), and never more than the room left.
-        defaults = engine.front_end.default_sampling_params(max_tokens=None)
-        engine.front_end.processor.default_max_tokens = default_max_tokens if defaults.max_tokens is None else defaults.max_tokens
-        self.default_params = dataclasses.replace(defaults, max_tokens=None)
+        # What a request leaves out: the model's generation defaults, but for max_tokens, which the front end caps
+        # (FrontEnd.cap_unrequested_tokens) rather than sets.
+        self.default_params = dataclasses.replace(engine.front_end.default_sampling_params(), max_tokens=None)
 
     @property
     def model_name(self) -> str:

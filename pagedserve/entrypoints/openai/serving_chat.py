@@ -28,9 +28,8 @@ from pagedserve.outputs import PositionLogprobs
 
 
 class OpenAIServingChat(ServingBase):
-    def __init__(self, engine, served_model_names: list[str], max_n: int, default_max_tokens: int | None,
-                 renderer: ChatTemplateRenderer) -> None:
-        super().__init__(engine, served_model_names, max_n, default_max_tokens)
+    def __init__(self, engine, served_model_names: list[str], max_n: int, renderer: ChatTemplateRenderer) -> None:
+        super().__init__(engine, served_model_names, max_n)
         self.renderer = renderer
 
     def prompt_token_ids(self, messages, add_generation_prompt: bool, chat_template: str | None, template_kwargs: dict | None
