@@ -334,3 +334,42 @@ def test_clients_too_slow_to_send_a_request_get_408_and_lose_the_connection(tiny
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 1000
     finally:
         assert server.stop() == 0
+
+
+async def _streams(url: str, count: int, max_tokens: int, hang_up_after_first: bool) -> list[int]:
+    """count concurrent streams; each one's number of content events (hanging up after the first, if asked)."""
+    import aiohttp
+
+    body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+
+    async def one(session) -> int:
+        events = 0
+        async with session.post(url + "/v1/completions", json=body, headers=headers) as response:
+            async for line in response.content:
+                if line.startswith(b"data: {"):
+                    events += 1
+                    if hang_up_after_first:
+                        break
+        return events
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        return await asyncio.gather(*(one(session) for _ in range(count)))
+
+
+@pytest.mark.slow
+def test_health_answers_promptly_while_hundreds_of_streams_run_and_hang_up(server):
+    """A load balancer's /health probe is not held up by the event loop's per-token work: 200 streams at once, then
+    200 clients that hang up after their first token (an abort storm). The bound is loose (the client, the probe,
+    the server and the engine share the machine's cores); a loop blocked per step or per request exceeds it."""
+    from pagedserve.benchmarks.health_probe import health_probe
+
+    with health_probe(server.url, interval_s=0.05) as probe:
+        finished = asyncio.run(_streams(server.url, 200, 48, hang_up_after_first=False))
+        hung_up = asyncio.run(_streams(server.url, 200, 400, hang_up_after_first=True))
+    assert finished == [48] * 200 and hung_up == [1] * 200
+    latencies = sorted(probe["latencies"])
+    assert probe["failures"] == 0 and len(latencies) > 20
+    p99 = latencies[int(0.99 * (len(latencies) - 1))]
+    assert p99 < 0.5 and latencies[-1] < 2.0, latencies[-10:]
+    assert requests.get(server.url + "/metrics", timeout=10).ok

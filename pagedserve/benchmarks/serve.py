@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 from pagedserve import envs
 from pagedserve.benchmarks.datasets import BenchRequest, chat_requests, mixed_requests, random_requests
+from pagedserve.benchmarks.health_probe import health_probe
 from pagedserve.benchmarks.report import mean, percentile, print_table, write_json
 
 
@@ -158,6 +159,14 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
     return summary
 
 
+def summarize_health(probe: dict) -> dict:
+    """The /health probe's latencies during a run: how long a load balancer's check waits on the loaded server."""
+    latencies = probe["latencies"]
+    return {"health_probes": len(latencies), "health_failures": probe["failures"],
+            **{f"health_p{q}_s": percentile(latencies, q) for q in (50, 99)},
+            "health_max_s": max(latencies, default=float("nan"))}
+
+
 def median_summary(repeats: list[dict]) -> dict:
     """One run's summary, or the median of each figure over repeated runs (failures: their sum; the
     runs themselves under "repeats")."""
@@ -166,6 +175,9 @@ def median_summary(repeats: list[dict]) -> dict:
     merged = {key: statistics.median(one[key] for one in repeats) for key, value in repeats[0].items() if isinstance(value, float)}
     merged["completed"] = sum(one["completed"] for one in repeats)
     merged["failures"] = sum(one["failures"] for one in repeats)
+    for count in ("health_probes", "health_failures"):
+        if count in repeats[0]:
+            merged[count] = sum(one[count] for one in repeats)
     merged["errors"] = sorted({error for one in repeats for error in one["errors"]})[:5]
     merged["repeats"] = repeats
     return merged
@@ -237,9 +249,10 @@ def run(args) -> dict:
             for _ in range(args.repeats):
                 # Fresh prompts for each run: a server's prefix cache must not turn later runs into cache hits.
                 requests = make_requests(args, seed=next(seeds))
-                results, duration = asyncio.run(run_load(url, model, requests, rate, concurrency, args.api_key, seed,
-                                                         args.endpoint, sampling))
-                repeats.append(summarize(results, duration))
+                with _probing(url, args.health_interval) as probe:
+                    results, duration = asyncio.run(run_load(url, model, requests, rate, concurrency, args.api_key, seed,
+                                                             args.endpoint, sampling))
+                repeats.append(summarize(results, duration) | (summarize_health(probe) if probe else {}))
             summary = {"request_rate": rate, "max_concurrency": concurrency, **sampling.fields(), "seeded": sampling.seeded,
                        **median_summary(repeats)}
             records.append(summary)
@@ -250,6 +263,10 @@ def run(args) -> dict:
                 ("TTFT p99 s", summary["ttft_p99_s"]), ("TPOT mean s", summary["tpot_mean_s"]),
                 ("ITL p50 s", summary["itl_p50_s"]), ("ITL p99 s", summary["itl_p99_s"]),
                 ("failures", summary["failures"]), ("duration s", summary["duration_s"]),
+                *([("/health p50 s", summary["health_p50_s"]), ("/health p99 s", summary["health_p99_s"]),
+                   ("/health max s", summary["health_max_s"]), ("/health probes (failed)",
+                                                                f"{summary['health_probes']} ({summary['health_failures']})")]
+                  if "health_p50_s" in summary else []),
                 *([("output tokens/s, each run", ", ".join(f"{one['output_tokens_per_s']:.1f}" for one in repeats))]
                   if len(repeats) > 1 else []),
             ])
@@ -258,6 +275,11 @@ def run(args) -> dict:
               "dataset": args.dataset, "endpoint": args.endpoint, "seed": seed, "runs": records}
     write_json(args.json, record)
     return record
+
+
+def _probing(url: str, interval_s: float):
+    """The /health probe during one run, when an interval is set."""
+    return health_probe(url, interval_s) if interval_s > 0 else contextlib.nullcontext(None)
 
 
 def first_model(url: str, api_key: str | None) -> str:

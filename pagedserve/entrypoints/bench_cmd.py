@@ -51,6 +51,8 @@ def register(sub) -> None:
     serve.add_argument("--request-rate", nargs="+", default=["inf"], help="requests/s (Poisson), or inf; several run in turn")
     serve.add_argument("--max-concurrency", type=int, nargs="+", default=None,
                        help="cap on requests in flight; several run in turn (a sweep, for `bench plot`)")
+    serve.add_argument("--health-interval", type=float, default=0.1,
+                       help="seconds between GET /health probes during each run, their latency reported (0: no probe)")
     serve.add_argument("--label", default=None, help="name of the measured server in the record and plots")
     serve.add_argument("--repeats", type=_positive_int, default=1,
                        help="run each rate/concurrency this many times (fresh prompts each) and report the medians")

@@ -118,6 +118,13 @@ def _as_api_error(exc: Exception) -> APIError:
 
 async def merge_streams(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
     """Interleave several async iterators as items arrive: yields (stream index, item)."""
+    if len(streams) == 1:  # the usual request: read it in place, without a task and a queue in between per item
+        try:
+            async for item in streams[0]:
+                yield 0, item
+        finally:
+            await streams[0].aclose()
+        return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
