@@ -13,12 +13,14 @@ from server_utils import RemoteServer, free_port
 
 API_KEY = "hardening-key"
 MODEL = "tiny"
+MAX_CONNECTIONS = 300
 
 
 @pytest.fixture(scope="module")
 def server(tiny_models):
     server = RemoteServer("--model", str(tiny_models["llama"]), "--served-model-name", MODEL, "--kv-cache-memory", str(16 * 1024**2),
-                          "--max-num-seqs", "64", "--max-request-bytes", str(2 * 1024**2), api_key=API_KEY)
+                          "--max-num-seqs", "64", "--max-request-bytes", str(2 * 1024**2), "--max-connections", str(MAX_CONNECTIONS),
+                          api_key=API_KEY)
     yield server
     assert server.stop() == 0, server.log_text()[-3000:]
 
@@ -334,6 +336,29 @@ def test_clients_too_slow_to_send_a_request_get_408_and_lose_the_connection(tiny
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 1000
     finally:
         assert server.stop() == 0
+
+
+def test_connections_beyond_the_limit_get_503_and_are_closed_and_the_server_serves_on(server):
+    """--max-connections bounds what idle or slow clients can hold: with the limit's worth of connections open, the
+    next one's request is answered 503 (an OpenAI-style body) and the connection closed; once they close, requests
+    are served again."""
+    import socket
+
+    held = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(MAX_CONNECTIONS)]
+    try:
+        with socket.create_connection(("127.0.0.1", server.port)) as extra:
+            extra.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            received, _ = _read_until_closed(extra, 10)
+        assert received.startswith(b"HTTP/1.1 503"), received[:200]
+        error = json.loads(received.split(b"\r\n\r\n", 1)[1])["error"]
+        assert error["code"] == 503 and "connections" in error["message"]
+    finally:
+        for connection in held:
+            connection.close()
+    deadline = time.monotonic() + 10
+    while requests.get(server.url + "/health", timeout=10).status_code != 200:
+        assert time.monotonic() < deadline, "the server did not serve again after the connections closed"
+        time.sleep(0.1)
 
 
 async def _streams(url: str, count: int, max_tokens: int, hang_up_after_first: bool) -> list[int]:

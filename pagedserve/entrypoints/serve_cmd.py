@@ -43,6 +43,8 @@ def register(sub) -> None:
                             "and the connection closed beyond (default: %(default)s)")
     group.add_argument("--keep-alive-timeout", type=float, default=5.0,
                        help="seconds an idle connection is kept open between requests (default: %(default)s)")
+    group.add_argument("--max-connections", type=int, default=4096,
+                       help="open client connections at most; one beyond gets 503 and is closed (default: %(default)s)")
     group.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                        help="uvicorn log level; the access log is at info (default: %(default)s)")
     add_engine_args(serve)
@@ -62,7 +64,7 @@ def run_serve(args) -> int:
     from pagedserve.entrypoints.openai.launch import run_server
     from pagedserve.entrypoints.openai.settings import ServerSettings
 
-    for name in ("max_waiting_requests", "max_n", "max_request_bytes"):
+    for name in ("max_waiting_requests", "max_n", "max_request_bytes", "max_connections"):
         value = getattr(args, name)
         if value is not None and value < (0 if name == "max_waiting_requests" else 1):
             raise ValueError(f"{name} must be >= {0 if name == 'max_waiting_requests' else 1}, got {value}")
@@ -76,5 +78,6 @@ def run_serve(args) -> int:
         trust_request_chat_template=args.trust_request_chat_template, chat_template_timeout=args.chat_template_timeout,
         shutdown_timeout=args.shutdown_timeout, default_max_tokens=args.default_max_tokens,
         request_read_timeout=args.request_read_timeout, keep_alive_timeout=args.keep_alive_timeout,
+        max_connections=args.max_connections,
     )
     return run_server(engine_config_from_args(args), settings)

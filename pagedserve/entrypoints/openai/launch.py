@@ -27,6 +27,8 @@ logger = logging.getLogger(__name__)
 _DRAIN_POLL_S = 0.05
 # After the last request ended, how long uvicorn waits for responses still being written.
 _CLOSE_TIMEOUT_S = 5
+# File descriptors the front end holds besides client connections: the engine's sockets, logs, libraries.
+_FILES_BESIDE_CONNECTIONS = 256
 
 
 def _load_web_stack() -> None:
@@ -50,15 +52,16 @@ def run_server(config: EngineConfig, settings: ServerSettings) -> int:
     import uvicorn
 
     from pagedserve.entrypoints.openai.api_server import ServerState, build_app
-    from pagedserve.entrypoints.openai.http_protocol import protocol_with_head_deadline
+    from pagedserve.entrypoints.openai.http_protocol import bounded_protocol
 
     limit_front_end_threads()
+    _allow_open_files(settings.max_connections + _FILES_BESIDE_CONNECTIONS)
     state = ServerState()
     try:
         app = build_app(engine, settings, state)
         uv_config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                                    timeout_graceful_shutdown=_CLOSE_TIMEOUT_S, timeout_keep_alive=settings.keep_alive_timeout,
-                                   http=protocol_with_head_deadline(settings.request_read_timeout))
+                                   http=bounded_protocol(settings.request_read_timeout, settings.max_connections))
         server = holder["server"] = _draining_server_class()(uv_config, engine, state, settings.shutdown_timeout)
         asyncio.run(_serve(server, engine))
     finally:
@@ -66,6 +69,20 @@ def run_server(config: EngineConfig, settings: ServerSettings) -> int:
         engine.shutdown()
         logger.info("engine core stopped")
     return 1 if engine.dead_error is not None else 0
+
+
+def _allow_open_files(wanted: int) -> None:
+    """Raise this process's soft limit on open files to wanted, as far as the hard limit allows: a common default
+    (1024) is below --max-connections, and accept() failing for want of descriptors refuses clients without an answer."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        soft = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        logger.warning("the open-file limit (%d) is below --max-connections plus the server's own files (%d): connections "
+                       "beyond it are refused without an answer; raise it (ulimit -n) or lower --max-connections", soft, wanted)
 
 
 async def _serve(server, engine: AsyncLLM) -> None:

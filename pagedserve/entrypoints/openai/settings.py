@@ -29,6 +29,8 @@ class ServerSettings:
     # closes); and an idle connection's life between requests.
     request_read_timeout: float = 30.0
     keep_alive_timeout: float = 5.0
+    # Open client connections; one beyond gets 503 and is closed.
+    max_connections: int = 4096
     # A request's max_tokens when it gives none (the model's generation_config max_new_tokens, where it has one, wins).
     default_max_tokens: int | None = DEFAULT_MAX_TOKENS
 
