@@ -33,6 +33,15 @@ class ServingBase:
         # What a request leaves out: the model's generation defaults, but for max_tokens, which the front end caps
         # (FrontEnd.cap_unrequested_tokens) rather than sets.
         self.default_params = dataclasses.replace(engine.front_end.default_sampling_params(), max_tokens=None)
+        self._token_texts: dict[int, str] = {}
+
+    def token_text(self, token_id: int) -> str:
+        """A token's text decoded alone, as logprobs show it. Cached (a vocabulary's worth at most): an echoed long
+        prompt's logprobs name tens of thousands of tokens, decoded on the event loop."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     @property
     def model_name(self) -> str:

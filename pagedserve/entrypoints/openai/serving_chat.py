@@ -103,11 +103,11 @@ class OpenAIServingChat(ServingBase):
             return None
         entries = []
         for token_id, position in zip(token_ids, positions):
-            token = self.tokenizer.decode([token_id])
+            token = self.token_text(token_id)
             top = sorted(position.items(), key=lambda item: item[1].rank)[: request.top_logprobs or 0]
             entries.append(ChatLogprobEntry(
                 token=token, logprob=position[token_id].logprob, bytes=list(token.encode()),
-                top_logprobs=[TopLogprob(token=(t := self.tokenizer.decode([tid])), logprob=lp.logprob, bytes=list(t.encode()))
+                top_logprobs=[TopLogprob(token=(t := self.token_text(tid)), logprob=lp.logprob, bytes=list(t.encode()))
                               for tid, lp in top],
             ))
         return ChatChoiceLogprobs(content=entries)

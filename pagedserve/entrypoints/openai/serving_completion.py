@@ -94,7 +94,7 @@ class OpenAIServingCompletion(ServingBase):
                          offset: int) -> None:
         offset = offset if not target.text_offset else target.text_offset[-1] + len(target.tokens[-1])
         for token_id, position in zip(token_ids, positions):
-            token = self.tokenizer.decode([token_id])
+            token = self.token_text(token_id)
             target.tokens.append(token)
             target.text_offset.append(offset)
             offset += len(token)
@@ -103,7 +103,7 @@ class OpenAIServingCompletion(ServingBase):
                 target.top_logprobs.append(None)
                 continue
             target.token_logprobs.append(position[token_id].logprob)
-            target.top_logprobs.append({self.tokenizer.decode([tid]): lp.logprob for tid, lp in position.items()})
+            target.top_logprobs.append({self.token_text(tid): lp.logprob for tid, lp in position.items()})
 
 
 def _prompt_list(prompt) -> list:
