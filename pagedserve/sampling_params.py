@@ -10,6 +10,45 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
 
 
+@dataclass(frozen=True)
+class Bounds:
+    """A number's allowed range: what SamplingParams checks, and what the server's request schema declares."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+
+    def allows(self, value) -> bool:
+        return ((self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
+                and (self.le is None or value <= self.le))
+
+    def describe(self) -> str:
+        low = f"{'[' if self.ge is not None else '('}{_number(self.ge if self.ge is not None else self.gt)}"
+        if self.le is None:
+            return f">= {_number(self.ge)}" if self.ge is not None else f"> {_number(self.gt)}"
+        return f"in {low}, {_number(self.le)}]"
+
+    def constraints(self) -> dict:
+        """As pydantic's Field arguments."""
+        return {name: value for name, value in vars(self).items() if value is not None}
+
+
+def _number(value: float) -> str:
+    return f"{value:g}"
+
+
+# The ranges of SamplingParams' numbers (OpenAI's, where OpenAI has the field).
+FIELD_BOUNDS = {
+    "temperature": Bounds(ge=0.0),
+    "top_p": Bounds(gt=0.0, le=1.0),
+    "min_p": Bounds(ge=0.0, le=1.0),
+    "presence_penalty": Bounds(ge=-2.0, le=2.0),
+    "frequency_penalty": Bounds(ge=-2.0, le=2.0),
+    "repetition_penalty": Bounds(gt=0.0, le=2.0),
+    "logprobs": Bounds(ge=0, le=MAX_LOGPROBS),
+}
+
+
 class RequestOutputKind(enum.IntEnum):
     CUMULATIVE = 0  # every output carries everything so far
     DELTA = 1  # every output carries only what is new
@@ -65,13 +104,10 @@ class SamplingParams:
 
     def validate(self) -> None:
         _check(isinstance(self.n, int) and self.n >= 1, "n", "an integer >= 1", self.n)
-        _check(self.temperature >= 0.0, "temperature", ">= 0", self.temperature)
-        _check(0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]", self.top_p)
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            bounds = FIELD_BOUNDS[name]
+            _check(bounds.allows(getattr(self, name)), name, bounds.describe(), getattr(self, name))
         _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "0 or -1 (off) or a positive integer", self.top_k)
-        _check(0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]", self.min_p)
-        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "in [-2, 2]", self.presence_penalty)
-        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "in [-2, 2]", self.frequency_penalty)
-        _check(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty", "in (0, 2]", self.repetition_penalty)
         if self.max_tokens is not None:
             _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "an integer >= 1", self.max_tokens)
         _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", "an integer >= 0", self.min_tokens)
@@ -80,7 +116,8 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
-                _check(isinstance(value, int) and 0 <= value <= MAX_LOGPROBS, name, f"an integer in [0, {MAX_LOGPROBS}]", value)
+                _check(isinstance(value, int) and FIELD_BOUNDS["logprobs"].allows(value), name,
+                       f"an integer {FIELD_BOUNDS['logprobs'].describe()}", value)
         if self.seed is not None:
             _check(isinstance(self.seed, int), "seed", "an integer", self.seed)
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings", self.stop)

@@ -1,6 +1,11 @@
 """Schemathesis against the server's own /openapi.json: requests generated from the schema (valid ones and
 not) never get a server error, and every response matches the schema (the real 200 bodies, the real 400s)."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
@@ -45,3 +50,17 @@ schema = schemathesis.pytest.from_fixture("api_schema")
 def test_server_answers_every_generated_request_as_its_schema_says(case, fuzz_server):
     case.call_and_validate(base_url=fuzz_server.url, headers=AUTH, timeout=120,
                            checks=[not_a_server_error, response_schema_conformance, status_code_conformance, content_type_conformance])
+
+
+@pytest.mark.slow
+def test_schemathesis_coverage_phase_finds_the_schema_and_the_server_agree(fuzz_server):
+    """schemathesis's coverage phase (every field at its boundaries, each kind of invalid value) with all its checks:
+    a request the schema allows is served ("schema-valid request rejected" fails it), one it forbids is refused, and
+    every response is as documented. (schemathesis_hooks.py keeps min_tokens within max_tokens' default: a rule between
+    two numbers that JSON Schema cannot state.)"""
+    cli = Path(sys.executable).with_name("st")
+    hooks = {"SCHEMATHESIS_HOOKS": "schemathesis_hooks", "PYTHONPATH": str(Path(__file__).parent)}
+    command = [str(cli), "run", fuzz_server.url + "/openapi.json", "--phases", "coverage", "--request-timeout", "120", "--no-color",
+               "-H", f"Authorization: {AUTH['Authorization']}"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, env={**os.environ, **hooks})
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]

@@ -145,7 +145,7 @@ def test_logprobs_shapes_and_values_match_transformers(client, server, default_m
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
          "top_logprobs"),
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, 400,
-         "max_tokens"),
+         "max_completion_tokens"),
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
          "messages"),
     ],

@@ -7,7 +7,6 @@ import logging
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
-from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -15,6 +14,7 @@ from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.entrypoints.openai.chat_template import ChatTemplateRenderer
 from pagedserve.entrypoints.openai.errors import APIError, install_error_handlers
 from pagedserve.entrypoints.openai.middleware import install_middleware
+from pagedserve.entrypoints.openai.openapi_schema import ServedLimits, served_schema
 from pagedserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -118,7 +118,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
     async def metrics():
         return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    app.openapi = lambda: _openapi_without_422(app)
+    limits = ServedLimits(engine.model_info.vocab_size, max_n, engine.max_model_len, settings.trust_request_chat_template)
+    app.openapi = lambda: served_schema(app, limits)
     return app
 
 
@@ -126,17 +127,3 @@ def _respond(result):
     if hasattr(result, "__aiter__"):
         return StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     return JSONResponse(result.model_dump())
-
-
-def _openapi_without_422(app: FastAPI) -> dict:
-    """FastAPI documents a 422 for every body it validates; this server answers bad bodies with the 400
-    above, so the schema says that instead."""
-    if app.openapi_schema is None:
-        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-        for path in schema["paths"].values():
-            for operation in path.values():
-                operation.get("responses", {}).pop("422", None)
-        for name in ("HTTPValidationError", "ValidationError"):
-            schema.get("components", {}).get("schemas", {}).pop(name, None)
-        app.openapi_schema = schema
-    return app.openapi_schema

@@ -1,9 +1,11 @@
 """OpenAI-compatible request and response bodies (pydantic).
 
 Requests are checked here, before anything reaches the engine: known fields are strictly typed
-("stream": "yes" is an error, not true), numbers are finite, integers fit 64 bits, strings are valid
-Unicode, roles and content parts are the API's. Unknown fields are accepted and ignored, as OpenAI
-clients send fields of newer API versions.
+("stream": "yes" is an error, not true), numbers are finite and in their ranges (sampling_params.FIELD_BOUNDS),
+integers fit 64 bits, strings are valid Unicode, roles and content parts are the API's. A top-level field the
+server does not know is refused by name. The schema says what the server accepts: fields it accepts only empty
+declare so, and rules between fields are JSON Schema conditions (the server's own limits are added where the app is
+built: openapi_schema.py).
 """
 
 from __future__ import annotations
@@ -14,11 +16,29 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import FIELD_BOUNDS, SamplingParams
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
-TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX, json_schema_extra={"x-token-id": True})]  # below the vocabulary's size
+Count = Annotated[int, Field(ge=1, le=INT64_MAX)]
+
+
+class NonEmpty:
+    """NonEmpty[T]: a string or list of at least one."""
+
+    def __class_getitem__(cls, kind):
+        return Annotated[kind, Field(min_length=1)]
+
+
+def bounded(name: str, kind=float):
+    """A number in FIELD_BOUNDS[name]'s range."""
+    return Annotated[kind, Field(**FIELD_BOUNDS[name].constraints())]
+
+
+def only_empty(schema: dict, why: str) -> dict:
+    """A field's schema when the server accepts it only empty (or null): OpenAI has it, this server does not."""
+    return {"anyOf": [schema, {"type": "null"}], "description": why}
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -82,21 +102,21 @@ class StreamOptions(OpenAIModel):
 class ExtraSamplingFields(RequestBody):
     """Sampling fields shared by both endpoints, including the engine's extras beyond OpenAI's."""
 
-    n: Int64 = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    n: Count = 1
+    temperature: bounded("temperature") | None = None
+    top_p: bounded("top_p") | None = None
+    presence_penalty: bounded("presence_penalty") = 0.0
+    frequency_penalty: bounded("frequency_penalty") = 0.0
     seed: Int64 | None = None
-    stop: str | list[str] | None = None
+    stop: NonEmpty[str] | list[NonEmpty[str]] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # engine extras
-    top_k: Int64 | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: Int64 = 0
+    top_k: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = None
+    min_p: bounded("min_p") | None = None
+    repetition_penalty: bounded("repetition_penalty") | None = None
+    min_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] = 0
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
@@ -130,16 +150,33 @@ class ExtraSamplingFields(RequestBody):
         )
 
 
+def _prompt_shape(prompt) -> str:
+    """Which form of prompt this is, told by its first item: the errors then speak of that form alone."""
+    if isinstance(prompt, list) and prompt:
+        return "texts-branch" if isinstance(prompt[0], str) else "id-lists-branch" if isinstance(prompt[0], list) else "ids-branch"
+    return "text-branch" if isinstance(prompt, str) else "ids-branch"
+
+
+# A text, texts, token ids, or lists of token ids; none of them empty.
+Prompt = Annotated[
+    Annotated[NonEmpty[str], Tag("text-branch")] | Annotated[NonEmpty[list[NonEmpty[str]]], Tag("texts-branch")]
+    | Annotated[NonEmpty[list[TokenId]], Tag("ids-branch")] | Annotated[NonEmpty[list[NonEmpty[list[TokenId]]]], Tag("id-lists-branch")],
+    Discriminator(_prompt_shape),
+]
+
+
 class CompletionRequest(ExtraSamplingFields):
     model: str | None = None
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
-    max_tokens: Int64 | None = 16
+    prompt: Prompt
+    max_tokens: Count | None = 16
     echo: bool = False
-    logprobs: Int64 | None = None
+    logprobs: bounded("logprobs", int) | None = None
     # Accepted by OpenAI but not by this server: rejected with a 400 when set.
-    suffix: str | None = None
-    best_of: Int64 | None = None
-    logit_bias: dict[str, float] | None = None
+    suffix: str | None = Field(None, json_schema_extra={"anyOf": [{"type": "null"}], "description": "not supported"})
+    best_of: Int64 | None = Field(None, json_schema_extra=only_empty({"type": "integer", "minimum": 1, "maximum": 1},
+                                                                    "not supported: when given, it must equal n"))
+    logit_bias: dict[str, float] | None = Field(None, json_schema_extra=only_empty({"type": "object", "maxProperties": 0},
+                                                                                  "not supported"))
 
 
 class TextContentPart(OpenAIModel):
@@ -180,13 +217,21 @@ class ChatTemplateFields(RequestBody):
 class ChatCompletionRequest(ExtraSamplingFields, ChatTemplateFields):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Int64 | None = None
-    max_completion_tokens: Int64 | None = None
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        {"if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
+         "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}},
+        {"if": {"required": ["max_tokens"], "properties": {"max_tokens": {"type": "integer"}}},
+         "then": {"properties": {"max_completion_tokens": {"type": "null"}}}},
+    ]})
+
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None
     logprobs: bool = False
-    top_logprobs: Int64 | None = None
+    top_logprobs: bounded("logprobs", int) | None = None  # with logprobs true
     # Not supported: rejected with a 400 when set.
-    tools: list[dict[str, Any]] | None = None
-    logit_bias: dict[str, float] | None = None
+    tools: list[dict[str, Any]] | None = Field(None, json_schema_extra=only_empty({"type": "array", "maxItems": 0}, "not supported"))
+    logit_bias: dict[str, float] | None = Field(None, json_schema_extra=only_empty({"type": "object", "maxProperties": 0},
+                                                                                  "not supported"))
 
 
 class UsageInfo(BaseModel):

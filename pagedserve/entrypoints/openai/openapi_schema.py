@@ -1,0 +1,89 @@
+"""The server's /openapi.json: FastAPI's schema of the routes, made to say what this server accepts, so that a
+client (or a schema-driven tester) that sends a schema-valid request is served:
+
+- its bad bodies get a 400 (errors.py), not FastAPI's 422;
+- integer bounds are exact: FastAPI's OpenAPI model holds them as floats, and 2**63 - 1 as a float is 2**63, which
+  the server refuses;
+- the server's own limits: token ids below the vocabulary's size, at most max_n samples, generated tokens within
+  the context, a request's own chat template only where the server trusts them (else null)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from pagedserve.entrypoints.openai.protocol import INT64_MAX, INT64_MIN
+
+
+@dataclass(frozen=True)
+class ServedLimits:
+    vocab_size: int
+    max_n: int
+    max_model_len: int
+    trust_request_chat_template: bool
+
+
+def served_schema(app: FastAPI, limits: ServedLimits) -> dict:
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        _drop_422(schema)
+        _each_schema(schema, _exact_integer_bounds)
+        _apply_limits(schema["components"]["schemas"], limits)
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def _drop_422(schema: dict) -> None:
+    for path in schema["paths"].values():
+        for operation in path.values():
+            operation.get("responses", {}).pop("422", None)
+    for name in ("HTTPValidationError", "ValidationError"):
+        schema.get("components", {}).get("schemas", {}).pop(name, None)
+
+
+def _each_schema(node, visit) -> None:
+    """visit(schema) for every object in the document, depth first."""
+    if isinstance(node, dict):
+        visit(node)
+        for value in node.values():
+            _each_schema(value, visit)
+    elif isinstance(node, list):
+        for value in node:
+            _each_schema(value, visit)
+
+
+def _exact_integer_bounds(node: dict) -> None:
+    if node.get("type") == "integer":
+        for key in ("minimum", "maximum"):
+            if isinstance(node.get(key), float):
+                node[key] = min(max(int(node[key]), INT64_MIN), INT64_MAX)
+
+
+def _apply_limits(bodies: dict, limits: ServedLimits) -> None:
+    _each_schema(bodies, _bound_token_ids(limits.vocab_size - 1))
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        bodies[name]["properties"]["n"]["maximum"] = limits.max_n
+    bodies["DetokenizeRequest"]["properties"]["tokens"]["maxItems"] = limits.max_model_len
+    # Generated tokens follow at least one prompt token in the context.
+    for name, field in (("CompletionRequest", "max_tokens"), ("ChatCompletionRequest", "max_tokens"),
+                        ("ChatCompletionRequest", "max_completion_tokens"), ("CompletionRequest", "min_tokens"),
+                        ("ChatCompletionRequest", "min_tokens")):
+        _integer_branch(bodies[name]["properties"][field])["maximum"] = limits.max_model_len - 1
+    if not limits.trust_request_chat_template:
+        for name in ("ChatCompletionRequest", "TokenizeChatRequest"):
+            bodies[name]["properties"]["chat_template"] = {
+                "type": "null", "description": "a request's own template: this server does not accept them"}
+
+
+def _integer_branch(field: dict) -> dict:
+    """The integer schema of an optional integer field."""
+    return next(branch for branch in field.get("anyOf", [field]) if branch.get("type") == "integer")
+
+
+def _bound_token_ids(largest: int):
+    def visit(node: dict) -> None:
+        if node.pop("x-token-id", False):
+            node["maximum"] = largest
+    return visit
