@@ -101,7 +101,7 @@ def test_kv_and_sched(tmp_path):
     assert 0 <= kv["waste_pct"] < 10 and kv["max_concurrent_requests"] > kv["max_concurrent_with_max_len_reservation"]
     assert kv["slots_allocated"] >= kv["tokens_stored"]
     sched, _ = bench(tmp_path, "sched", "--num-running", "64", "--steps", "50")
-    assert sched["num_running"] == 64 and sched["median_us_per_step"] > 0
+    assert sched["num_running"] == 64 and sched["median_us_per_step"] > 0 and sched["prepare_inputs_median_us"] > 0
 
 
 @pytest.mark.slow

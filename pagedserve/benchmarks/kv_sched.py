@@ -5,10 +5,12 @@ from __future__ import annotations
 import random
 import time
 
-from pagedserve.benchmarks.report import print_table, write_json
+from pagedserve.benchmarks.report import percentile, print_table, write_json
 from pagedserve.core.contracts import ModelRunnerOutput
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.scheduler import Scheduler
+from pagedserve.executor.host_costs import time_input_preparation
+from pagedserve.executor.input_batch import RunnerRequestState
 from pagedserve.request import Request
 from pagedserve.sampling_params import SamplingParams
 
@@ -54,13 +56,16 @@ def run_sched(args) -> dict:
         start = time.perf_counter()
         _step(scheduler)
         durations.append(time.perf_counter() - start)
-    durations.sort()
-    median_us = durations[len(durations) // 2] * 1e6
+    median_us, p99_us = _median_and_p99_us(durations)
+    prepare_median_us, prepare_p99_us = _median_and_p99_us(_time_input_preparation(scheduler, args.steps))
     record = {"benchmark": "sched", "num_running": len(scheduler.running), "num_waiting": len(scheduler.waiting),
-              "median_us_per_step": median_us, "p99_us_per_step": durations[int(0.99 * (len(durations) - 1))] * 1e6}
+              "median_us_per_step": median_us, "p99_us_per_step": p99_us,
+              "prepare_inputs_median_us": prepare_median_us, "prepare_inputs_p99_us": prepare_p99_us}
     print_table("scheduler + KV manager step (no model)", [
         ("running requests", record["num_running"]), ("waiting requests", record["num_waiting"]),
-        ("median us / step", median_us), ("p99 us / step", record["p99_us_per_step"]),
+        ("median us / step", median_us), ("p99 us / step", p99_us),
+        ("runner input preparation, median us / step", prepare_median_us),
+        ("runner input preparation, p99 us / step", prepare_p99_us),
     ])
     write_json(args.json, record)
     return record
@@ -71,3 +76,21 @@ def _step(scheduler: Scheduler) -> None:
     sampled = {rid: 7 for rid in output.num_scheduled_tokens
                if scheduler.requests[rid].num_computed_tokens == scheduler.requests[rid].num_tokens}
     scheduler.update_from_output(output, ModelRunnerOutput(sampled_token_ids=sampled))
+
+
+def _median_and_p99_us(durations: list[float]) -> tuple[float, float]:
+    return percentile(durations, 50) * 1e6, percentile(durations, 99) * 1e6
+
+
+def _time_input_preparation(scheduler: Scheduler, steps: int) -> list[float]:
+    """The model runner's layout of the scheduler's next step (every running request's decode), with the runner's
+    copy of each request built from the scheduler's."""
+    output = scheduler.schedule()
+    kv = scheduler.kv_cache_manager
+    states = {}
+    for request_id, num_tokens in output.num_scheduled_tokens.items():
+        request = scheduler.requests[request_id]
+        states[request_id] = RunnerRequestState(request_id, list(request.all_token_ids), request.num_prompt_tokens,
+                                                request.sampling_params, kv.block_ids(request_id),
+                                                request.num_computed_tokens - num_tokens)
+    return time_input_preparation(states, output.num_scheduled_tokens, kv.block_size, steps)

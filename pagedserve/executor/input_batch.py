@@ -49,42 +49,87 @@ class ModelInputs:
 def prepare_inputs(states: dict[str, RunnerRequestState], num_scheduled_tokens: dict[str, int], block_size: int,
                    attn_backend: AttentionBackend, device: torch.device) -> ModelInputs:
     # Decodes (one query token) first: attention takes them in one batched call.
-    order = sorted(num_scheduled_tokens, key=lambda rid: num_scheduled_tokens[rid] != 1)
-    input_ids, positions, slots, query_lens, seq_lens, tables = [], [], [], [], [], []
-    sampling_req_ids, logits_indices, prompt_slices = [], [], []
-    offset = 0
-    for request_id in order:
-        state, num_tokens = states[request_id], num_scheduled_tokens[request_id]
+    batch = _FlatBatch(block_size)
+    for request_id, num_tokens in num_scheduled_tokens.items():
+        if num_tokens == 1:
+            batch.add_decode(states[request_id])
+    for request_id, num_tokens in num_scheduled_tokens.items():
+        if num_tokens != 1:
+            batch.add_chunk(states[request_id], num_tokens)
+    return batch.inputs(attn_backend, device)
+
+
+class _FlatBatch:
+    """One step's requests laid end to end. A decode's row is a handful of integers, gathered in plain Python (array
+    operations per request cost more than the arithmetic, and a step may carry hundreds of decodes); a prompt chunk's
+    rows are arrays."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.decode_ids: list[int] = []
+        self.decode_slots: list[int] = []
+        self.chunk_ids: list[np.ndarray] = []
+        self.chunk_slots: list[np.ndarray] = []
+        self.positions: list[int] = []  # decodes' positions; chunks' follow as arrays
+        self.chunk_positions: list[np.ndarray] = []
+        self.query_lens: list[int] = []
+        self.seq_lens: list[int] = []
+        self.tables: list = []
+        self.sampling_req_ids: list[str] = []
+        self.logits_indices: list[int] = []
+        self.prompt_slices: list[PromptLogprobsSlice] = []
+        self.offset = 0
+
+    def add_decode(self, state: RunnerRequestState) -> None:
+        position, block_size = state.num_computed_tokens, self.block_size
+        block_index = position // block_size
+        self.decode_ids.append(state.token_ids[position])
+        self.positions.append(position)
+        self.decode_slots.append(state.block_ids[block_index] * block_size + position % block_size)
+        self.tables.append(state.block_ids[: block_index + 1])
+        self._account(state, position, 1)
+
+    def add_chunk(self, state: RunnerRequestState, num_tokens: int) -> None:
         start, end = state.num_computed_tokens, state.num_computed_tokens + num_tokens
         token_positions = np.arange(start, end)
         block_ids = np.asarray(state.block_ids, dtype=np.int64)
-        input_ids.append(np.asarray(state.token_ids[start:end], dtype=np.int64))
-        positions.append(token_positions)
-        slots.append(block_ids[token_positions // block_size] * block_size + token_positions % block_size)
-        query_lens.append(num_tokens)
-        seq_lens.append(end)
-        tables.append(block_ids[: -(-end // block_size)])
+        self.chunk_ids.append(np.asarray(state.token_ids[start:end], dtype=np.int64))
+        self.chunk_positions.append(token_positions)
+        self.chunk_slots.append(block_ids[token_positions // self.block_size] * self.block_size + token_positions % self.block_size)
+        self.tables.append(block_ids[: -(-end // self.block_size)])
+        self._account(state, start, num_tokens)
+
+    def _account(self, state: RunnerRequestState, start: int, num_tokens: int) -> None:
+        """The sequence's lengths, whether it samples (and which logits rows), and its prompt logprobs."""
+        end, offset = start + num_tokens, self.offset
+        self.query_lens.append(num_tokens)
+        self.seq_lens.append(end)
         if end == len(state.token_ids):
-            sampling_req_ids.append(request_id)
+            self.sampling_req_ids.append(state.request_id)
             if state.num_drafts:  # the target's logits after the last known token and after each draft
-                logits_indices.extend(range(offset + num_tokens - 1 - state.num_drafts, offset + num_tokens))
+                self.logits_indices.extend(range(offset + num_tokens - 1 - state.num_drafts, offset + num_tokens))
             else:
-                logits_indices.append(offset + num_tokens - 1)
+                self.logits_indices.append(offset + num_tokens - 1)
         if state.sampling_params.prompt_logprobs is not None:
             prompt_slice = _prompt_logprobs_slice(state, start, end, offset)
             if prompt_slice is not None:
-                prompt_slices.append(prompt_slice)
-        offset += num_tokens
-    num_decodes = sum(1 for n in query_lens if n == 1)
-    layout = BatchLayout(np.concatenate(slots), num_decodes, query_lens, seq_lens, tables)
-    return ModelInputs(
-        input_ids=torch.from_numpy(np.concatenate(input_ids)).to(device),
-        positions=torch.from_numpy(np.concatenate(positions)).to(device),
-        attn_metadata=attn_backend.build_metadata(layout, device),
-        sampling_req_ids=sampling_req_ids,
-        logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
-        prompt_logprobs=prompt_slices,
-    )
+                self.prompt_slices.append(prompt_slice)
+        self.offset = end - start + offset
+
+    def inputs(self, attn_backend: AttentionBackend, device: torch.device) -> ModelInputs:
+        def flat(decode_values: list[int], chunk_values: list[np.ndarray]) -> np.ndarray:
+            return np.concatenate([np.asarray(decode_values, dtype=np.int64), *chunk_values])
+
+        layout = BatchLayout(flat(self.decode_slots, self.chunk_slots), len(self.decode_ids), self.query_lens, self.seq_lens,
+                             self.tables)
+        return ModelInputs(
+            input_ids=torch.from_numpy(flat(self.decode_ids, self.chunk_ids)).to(device),
+            positions=torch.from_numpy(flat(self.positions, self.chunk_positions)).to(device),
+            attn_metadata=attn_backend.build_metadata(layout, device),
+            sampling_req_ids=self.sampling_req_ids,
+            logits_indices=torch.tensor(self.logits_indices, dtype=torch.long, device=device),
+            prompt_logprobs=self.prompt_slices,
+        )
 
 
 def dummy_layout(num_seqs: int, seq_len: int, context: int, block_size: int) -> BatchLayout:

@@ -9,6 +9,7 @@ reads each sequence's keys and values through its block table.
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
@@ -25,7 +26,7 @@ class BatchLayout:
     num_decodes: int  # the first num_decodes sequences have one query token each
     query_lens: list[int]  # per sequence, in batch order
     seq_lens: list[int]  # per sequence: its context + this step's tokens
-    block_tables: list[np.ndarray]  # per sequence: the block ids its seq_len uses
+    block_tables: list  # per sequence: the block ids its seq_len uses (a list, or an array)
 
 
 @dataclass
@@ -60,17 +61,20 @@ class AttentionMetadata:
         prefills, start = [], num_decodes
         for index in range(num_decodes, len(layout.query_lens)):
             query_len = layout.query_lens[index]
-            prefills.append(PrefillChunk(start, query_len, layout.seq_lens[index], torch.from_numpy(layout.block_tables[index]).to(device)))
+            table = torch.as_tensor(layout.block_tables[index], dtype=torch.long).to(device)
+            prefills.append(PrefillChunk(start, query_len, layout.seq_lens[index], table))
             start += query_len
         slot_mapping = torch.from_numpy(layout.slot_mapping).to(device)
         return cls(slot_mapping, num_decodes, decode_tables, decode_lens, prefills, **extra)
 
 
 def pad_block_tables(tables: list) -> np.ndarray:
-    """Block tables (each already cut to the blocks its sequence uses) as one zero-padded int64 array."""
-    padded = np.zeros((len(tables), max(len(table) for table in tables)), dtype=np.int64)
-    for row, table in enumerate(tables):
-        padded[row, : len(table)] = table
+    """Block tables (each already cut to the blocks its sequence uses; lists or arrays) as one zero-padded int64
+    array. Filled in one assignment: a step may carry hundreds of tables."""
+    lengths = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+    padded = np.zeros((len(tables), int(lengths.max())), dtype=np.int64)
+    used = np.arange(padded.shape[1]) < lengths[:, None]  # row-major: the tables' ids in order
+    padded[used] = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int64, count=int(lengths.sum()))
     return padded
 
 
