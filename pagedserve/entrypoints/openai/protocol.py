@@ -39,6 +39,8 @@ def bounded(name: str, kind=float):
 def only_empty(schema: dict, why: str) -> dict:
     """A field's schema when the server accepts it only empty (or null): OpenAI has it, this server does not."""
     return {"anyOf": [schema, {"type": "null"}], "description": why}
+
+
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -215,8 +217,8 @@ class ChatTemplateFields(RequestBody):
 
 
 class ChatCompletionRequest(ExtraSamplingFields, ChatTemplateFields):
-    model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
+    # Rules between fields, as the server applies them: top_logprobs needs logprobs; max_tokens or its newer name,
+    # not both.
     model_config = ConfigDict(json_schema_extra={"allOf": [
         {"if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
          "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}},
@@ -224,6 +226,8 @@ class ChatCompletionRequest(ExtraSamplingFields, ChatTemplateFields):
          "then": {"properties": {"max_completion_tokens": {"type": "null"}}}},
     ]})
 
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Count | None = None
     max_completion_tokens: Count | None = None
     logprobs: bool = False
