@@ -70,7 +70,7 @@ class _FlatBatch:
         self.decode_slots: list[int] = []
         self.chunk_ids: list[np.ndarray] = []
         self.chunk_slots: list[np.ndarray] = []
-        self.positions: list[int] = []  # decodes' positions; chunks' follow as arrays
+        self.decode_positions: list[int] = []
         self.chunk_positions: list[np.ndarray] = []
         self.query_lens: list[int] = []
         self.seq_lens: list[int] = []
@@ -84,7 +84,7 @@ class _FlatBatch:
         position, block_size = state.num_computed_tokens, self.block_size
         block_index = position // block_size
         self.decode_ids.append(state.token_ids[position])
-        self.positions.append(position)
+        self.decode_positions.append(position)
         self.decode_slots.append(state.block_ids[block_index] * block_size + position % block_size)
         self.tables.append(state.block_ids[: block_index + 1])
         self._account(state, position, 1)
@@ -114,7 +114,7 @@ class _FlatBatch:
             prompt_slice = _prompt_logprobs_slice(state, start, end, offset)
             if prompt_slice is not None:
                 self.prompt_slices.append(prompt_slice)
-        self.offset = end - start + offset
+        self.offset = offset + num_tokens
 
     def inputs(self, attn_backend: AttentionBackend, device: torch.device) -> ModelInputs:
         def flat(decode_values: list[int], chunk_values: list[np.ndarray]) -> np.ndarray:
@@ -124,7 +124,7 @@ class _FlatBatch:
                              self.tables)
         return ModelInputs(
             input_ids=torch.from_numpy(flat(self.decode_ids, self.chunk_ids)).to(device),
-            positions=torch.from_numpy(flat(self.positions, self.chunk_positions)).to(device),
+            positions=torch.from_numpy(flat(self.decode_positions, self.chunk_positions)).to(device),
             attn_metadata=attn_backend.build_metadata(layout, device),
             sampling_req_ids=self.sampling_req_ids,
             logits_indices=torch.tensor(self.logits_indices, dtype=torch.long, device=device),
