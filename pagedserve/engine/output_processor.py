@@ -83,7 +83,7 @@ class OutputProcessor:
         for sample in state.samples.values():
             if sample.finish_reason is None:
                 sample.finish_reason = "abort"
-        output = self._make_output(state)
+        output = self._make_output(state, finished=True)
         self._forget(state)
         return output
 
@@ -103,10 +103,11 @@ class OutputProcessor:
             touched[request_id] = state
         request_outputs = []
         for state in touched.values():
-            result = self._make_output(state)
+            finished = state.finished
+            result = self._make_output(state, finished)
             if result is not None:
                 request_outputs.append(result)
-            if state.finished:
+            if finished:
                 self._forget(state)
         return ProcessedOutputs(request_outputs, reqs_to_abort)
 
@@ -144,9 +145,8 @@ class OutputProcessor:
             positions.append(entry)
         return positions
 
-    def _make_output(self, state: RequestState) -> RequestOutput | None:
+    def _make_output(self, state: RequestState, finished: bool) -> RequestOutput | None:
         kind = state.params.output_kind
-        finished = state.finished
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
         delta = kind == RequestOutputKind.DELTA
@@ -159,7 +159,7 @@ class OutputProcessor:
             request_id=state.request_id,
             prompt=state.prompt,
             prompt_token_ids=state.prompt_token_ids,
-            outputs=sorted(completions, key=lambda c: c.index),
+            outputs=completions,  # samples are kept in index order
             finished=finished,
             prompt_logprobs=prompt_logprobs,
             num_cached_tokens=state.num_cached_tokens,
@@ -169,18 +169,21 @@ class OutputProcessor:
         finished = sample.finish_reason is not None
         detok = sample.detokenizer
         text = detok.next_text(finished, delta)
-        token_ids, logprobs = detok.token_ids, sample.logprobs
-        if delta:
-            token_ids = token_ids[sample.sent_tokens:]
+        logprobs = sample.logprobs
+        if delta:  # slices: copies already
+            token_ids = detok.token_ids[sample.sent_tokens:]
             sample.sent_tokens = len(detok.token_ids)
             if logprobs is not None:
                 logprobs = logprobs[sample.sent_logprobs:]
                 sample.sent_logprobs = len(sample.logprobs)
+        else:
+            token_ids = list(detok.token_ids)
+            logprobs = list(logprobs) if logprobs is not None else None
         return CompletionOutput(
             index=sample.index,
             text=text,
-            token_ids=list(token_ids),
-            logprobs=list(logprobs) if logprobs is not None else None,
+            token_ids=token_ids,
+            logprobs=logprobs,
             cumulative_logprob=sample.cumulative_logprob,
             finish_reason=sample.finish_reason,
             stop_reason=sample.stop_reason,
