@@ -23,18 +23,15 @@ class Bounds:
                 and (self.le is None or value <= self.le))
 
     def describe(self) -> str:
-        low = f"{'[' if self.ge is not None else '('}{_number(self.ge if self.ge is not None else self.gt)}"
+        closed = self.ge is not None
+        low = self.ge if closed else self.gt
         if self.le is None:
-            return f">= {_number(self.ge)}" if self.ge is not None else f"> {_number(self.gt)}"
-        return f"in {low}, {_number(self.le)}]"
+            return f"{'>=' if closed else '>'} {low:g}"
+        return f"in {'[' if closed else '('}{low:g}, {self.le:g}]"
 
     def constraints(self) -> dict:
         """As pydantic's Field arguments."""
         return {name: value for name, value in vars(self).items() if value is not None}
-
-
-def _number(value: float) -> str:
-    return f"{value:g}"
 
 
 # The ranges of SamplingParams' numbers (OpenAI's, where OpenAI has the field).
