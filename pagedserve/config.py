@@ -20,7 +20,9 @@ class EngineConfig:
 
     model: str = field(default=DEFAULT_MODEL, metadata={"help": "HF-format directory, .gguf file, or the default model's name"})
     tokenizer: str | None = field(default=None, metadata={"help": "tokenizer directory (defaults to the model's)"})
-    dtype: str = field(default="auto", metadata={"help": "float32, bfloat16, float16, or auto (float32 on CPU)"})
+    dtype: str = field(default="auto", metadata={
+        "help": "float32, bfloat16, float16, or auto (bfloat16 on accelerators and on CPUs with bfloat16 matrix instructions, "
+                "else float32). On CPU, bfloat16 runs the GEMMs in bfloat16 between float32 activations; float32 is exact"})
     device: str = field(default="auto", metadata={"help": "cpu, cuda, or auto"})
     seed: int = field(default=0, metadata={"help": "seed of the sampler for requests without their own seed"})
     max_model_len: int | None = field(default=None, metadata={"help": "context length (default: the model's, capped by the KV cache)"})
@@ -92,8 +94,8 @@ class EngineConfig:
     )
     gemm_backend: str = field(
         default="auto",
-        metadata={"help": "float32 GEMMs on CPU: onednn (weights packed at load), torch (torch's default BLAS), or auto (onednn "
-                  "where torch has it)"},
+        metadata={"help": "dense GEMMs on CPU (float32 or bfloat16 weights): onednn (weights packed at load), torch (torch's "
+                  "default BLAS), or auto (onednn where torch has it)"},
     )
 
     # Parsed from the fields above, once, by validate(): what the engine reads.

@@ -25,6 +25,12 @@ class CPUFeatures:
         return [flag for flag in _ISA_FLAGS if flag in self.flags]
 
     @property
+    def has_bfloat16_matrix(self) -> bool:
+        """Whether the processor multiplies bfloat16 in hardware (AVX-512 BF16 dot products or AMX tiles), where
+        bfloat16 GEMMs run several times the float32 rate rather than converting to float32 first."""
+        return "avx512_bf16" in self.flags or "amx_bf16" in self.flags
+
+    @property
     def identity(self) -> str:
         """Model and every flag: what code compiled with -march=native, or a measurement of this machine, depends on."""
         return f"{self.model_name}|{' '.join(sorted(self.flags))}"

@@ -6,6 +6,9 @@ import os
 import shutil
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# dtype auto is float32 here on every processor: the transformers references are float32. The bfloat16 mode has
+# tests of its own that ask for it.
+os.environ.setdefault("PAGEDSERVE_CPU_AUTO_DTYPE", "float32")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -65,11 +68,11 @@ def tiny_models(tmp_path_factory, default_model_dir):
     return dirs
 
 
-def hf_greedy(model_dir, prompt_ids_list, max_new_tokens):
-    """Reference: transformers greedy generation, one prompt at a time (no padding effects)."""
+def hf_greedy(model_dir, prompt_ids_list, max_new_tokens, dtype=torch.float32):
+    """Reference: transformers greedy generation in dtype, one prompt at a time (no padding effects)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     results = []
     with torch.inference_mode():
         for prompt_ids in prompt_ids_list:
@@ -80,11 +83,11 @@ def hf_greedy(model_dir, prompt_ids_list, max_new_tokens):
     return results
 
 
-def hf_token_logprobs(model_dir, prompt_ids, output_ids):
-    """Reference log-probabilities of output_ids after prompt_ids, from one transformers forward pass."""
+def hf_token_logprobs(model_dir, prompt_ids, output_ids, dtype=torch.float32):
+    """Reference log-probabilities of output_ids after prompt_ids, from one transformers forward pass in dtype."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     with torch.inference_mode():
         ids = torch.tensor([prompt_ids + output_ids])
         logprobs = torch.log_softmax(model(ids).logits[0].float(), dim=-1)

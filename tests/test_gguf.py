@@ -106,6 +106,8 @@ def test_quantized_gguf_runs_on_its_blocks_with_the_same_values(type_name, tiny_
         assert module.quantized.interleaved is not None  # steps of 3+ rows take the broadcast GEMM
     on_floats = LLM(str(path), kv_cache_memory=4 * 1024**2, gguf_quantized_weights=False)
     assert all(m.quantized is None for m in worker_of(on_floats).model.modules() if isinstance(m, Linear))
+    for blocks in [m.quantized for m in linears] + [model.quantized_lm_head]:  # both block kernels (1-2 rows, 3+) run below,
+        blocks.max_rows = QUANTIZED_MAX_ROWS  # whatever this machine measured
     # A prompt longer than QUANTIZED_MAX_ROWS runs its prefill on the float32 weights, its decodes on the blocks.
     prompts = ["hello world", "or", "hello world or hello " * (QUANTIZED_MAX_ROWS // 4)]
     params = greedy(10)

@@ -89,9 +89,9 @@ def test_impossible_kernel_settings_name_the_field(tiny_models):
     with pytest.raises(ValueError, match="attention_backend 'cpu' needs the C\\+\\+ CPU kernels"):
         LLM(str(tiny_models["llama"]), attention_backend="cpu", cpu_kernels=False, kv_cache_memory=2**24)
     with pytest.raises(ValueError, match="attention_backend 'cpu' needs .* float32"):
-        LLM(str(tiny_models["llama"]), attention_backend="cpu", dtype="bfloat16", kv_cache_memory=2**24)
+        LLM(str(tiny_models["llama"]), attention_backend="cpu", dtype="float16", kv_cache_memory=2**24)
     with pytest.raises(ValueError, match="gemm_backend 'onednn' needs a CPU device, float32"):
-        LLM(str(tiny_models["llama"]), gemm_backend="onednn", dtype="bfloat16", kv_cache_memory=2**24)
+        LLM(str(tiny_models["llama"]), gemm_backend="onednn", dtype="float16", kv_cache_memory=2**24)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

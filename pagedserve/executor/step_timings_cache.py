@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from pagedserve import cached_json
+from pagedserve import cached_json, envs
 from pagedserve.config import EngineConfig
 from pagedserve.cpu_features import cpu_features
 from pagedserve.layers import cpu_kernels
@@ -24,7 +24,8 @@ StepTimings = list[tuple[int, int, int, float]]  # (sequences, new tokens each, 
 def timings_file(config: EngineConfig, model_info: ModelInfo) -> Path:
     settings = {field.name: repr(getattr(config, field.name)) for field in EngineConfig.settings()}
     return cached_json.cache_file(
-        "step_timings", cpu_features().identity, str(len(os.sched_getaffinity(0))), torch.__version__, __version__,
+        "step_timings", cpu_features().identity, str(len(os.sched_getaffinity(0))), str(envs.cpu_auto_dtype()), torch.__version__,
+        __version__,
         cpu_kernels.build_key(), json.dumps(settings, sort_keys=True), json.dumps(dataclasses.asdict(model_info), sort_keys=True),
     )
 

@@ -9,11 +9,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pagedserve import envs
 from pagedserve.config import EngineConfig
 from pagedserve.core.contracts import ModelRunnerOutput, SchedulerOutput
 from pagedserve.cpu_features import cpu_features
 from pagedserve.distributed.parallel_state import rank_info
-from pagedserve.executor import cpu_host
+from pagedserve.executor import cpu_host, gemm_choice
 from pagedserve.executor.model_runner import ModelRunner
 from pagedserve.layers import cpu_kernels
 from pagedserve.layers.attention import select_attention_backend
@@ -49,9 +50,27 @@ def resolve_device(config: EngineConfig) -> torch.device:
 
 
 def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
-    if config.dtype == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
-    return _DTYPES[config.dtype]
+    """What config.dtype names; auto is bfloat16 on accelerators and on processors that multiply bfloat16 in
+    hardware, float32 on other CPUs (the environment can fix it: envs.cpu_auto_dtype)."""
+    if config.dtype != "auto":
+        return _DTYPES[config.dtype]
+    if device.type != "cpu":
+        return torch.bfloat16
+    return _DTYPES[envs.cpu_auto_dtype() or ("bfloat16" if cpu_features().has_bfloat16_matrix else "float32")]
+
+
+def activation_and_gemm_dtypes(dtype: torch.dtype, device: torch.device) -> tuple[torch.dtype, torch.dtype]:
+    """(what activations are kept in, what GEMM weights are multiplied in). On CPU, bfloat16 means bfloat16 GEMMs
+    between float32 activations: the weights and each GEMM's input are rounded to bfloat16 and products accumulate
+    in float32, where the matrix units are; norms, attention, the residual stream and sampling keep float32 and
+    run on the float32 kernels."""
+    if device.type == "cpu" and dtype == torch.bfloat16:
+        return torch.float32, torch.bfloat16
+    return dtype, dtype
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def resolve_kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
@@ -74,8 +93,8 @@ class Worker:
             features = cpu_features()
             logger.info("CPU %s: %s; torch's CPU kernels use %s", features.model_name, " ".join(features.isa) or "no AVX2",
                         torch.backends.cpu.get_cpu_capability())
-        self.dtype = resolve_dtype(config, self.device)
-        self.kv_cache_dtype = resolve_kv_cache_dtype(config, self.dtype)
+        self.dtype, self.gemm_dtype = activation_and_gemm_dtypes(resolve_dtype(config, self.device), self.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config, self.gemm_dtype)
         self.model_dir = resolve_model_dir(config.model)
         self.hf_config = load_hf_config(self.model_dir)
         self.model_max_len = max_position_of(self.hf_config)
@@ -90,8 +109,9 @@ class Worker:
         cpu_kernels.attach(self.model, self.cpu_kernels)
         if config.gguf_quantized_weights and self.cpu_kernels is not None and self.dtype == torch.float32:
             self._use_gguf_blocks()
-        if self._packs_for_onednn():
-            self.model.pack_for_onednn()
+        self._pack_gemm_weights(self.model)
+        if self.model.blocks_and_dense_gemms():
+            self._choose_gemm_paths()
         self.draft_model, self.draft_config = self._load_draft_model() if config.speculative else (None, None)
         self.num_blocks = 0
         self.max_model_len = 0
@@ -99,14 +119,24 @@ class Worker:
         self.draft_kv_caches: list[torch.Tensor] = []
         self.model_runner: ModelRunner | None = None
         self.kv_prefault: cpu_host.KVCachePrefault | None = None  # maps the KV cache's pages while the engine is idle
-        logger.info("model %s on %s (%s), attention backend %s", self.model_dir.name, self.device, str(self.dtype).removeprefix("torch."),
-                    self.attn_backend.name)
+        dtypes = _name(self.dtype) if self.gemm_dtype == self.dtype else f"{_name(self.dtype)} activations, {_name(self.gemm_dtype)} GEMMs"
+        logger.info("model %s on %s (%s), attention backend %s", self.model_dir.name, self.device, dtypes, self.attn_backend.name)
+
+    def _pack_gemm_weights(self, model: torch.nn.Module) -> None:
+        onednn = self._packs_for_onednn()
+        if onednn or self.gemm_dtype != self.dtype:
+            model.pack_gemm_weights(self.gemm_dtype, onednn)
+
+    def _choose_gemm_paths(self) -> None:
+        rows = gemm_choice.choose(self.model, self.gemm_dtype)
+        logger.info("GEMMs on the GGUF blocks up to these row counts, on %s weights beyond (measured on this machine): %s",
+                    _name(self.gemm_dtype), ", ".join(f"{shape} {count}" for shape, count in rows.items()))
 
     def _packs_for_onednn(self) -> bool:
         available = onednn_available(self.device, self.dtype)
         if self.config.gemm_backend == "onednn" and not available:
             raise ValueError(f"gemm_backend 'onednn' needs a CPU device, float32 and a torch built with oneDNN; got device "
-                             f"{self.device.type}, dtype {str(self.dtype).removeprefix('torch.')}")
+                             f"{self.device.type}, dtype {_name(self.dtype)}")
         return available and self.config.gemm_backend != "torch"
 
     def _load_draft_model(self) -> tuple[torch.nn.Module | None, object]:
@@ -124,8 +154,7 @@ class Worker:
         max_position = max(max_position_of(draft_config), self.model_max_len) + spec.num_speculative_tokens
         draft = load_model(draft_config, draft_dir, self.dtype, self.device, max_position, self.attn_backend)
         cpu_kernels.attach(draft, self.cpu_kernels)
-        if self._packs_for_onednn():
-            draft.pack_for_onednn()
+        self._pack_gemm_weights(draft)
         logger.info("draft model %s (%d layers) for speculative decoding", draft_dir.name, draft_config.num_hidden_layers)
         return draft, draft_config
 
@@ -141,7 +170,7 @@ class Worker:
     def _use_gguf_blocks(self) -> None:
         blocks = load_quantized_blocks(self.model_dir)
         if blocks:
-            switched = self.model.use_quantized_weights(blocks, self.cpu_kernels)
+            switched = self.model.use_quantized_weights(blocks, self.cpu_kernels, self.gemm_dtype)
             logger.info("%d linear layers run on their GGUF blocks (%.0f MB)", switched,
                         sum(b.numel() for b, _ in blocks.values()) / 1e6)
 
@@ -192,7 +221,7 @@ class Worker:
             self.kv_prefault = cpu_host.KVCachePrefault(self.kv_caches + self.draft_kv_caches)
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %s); max concurrency at max_model_len=%d: %.2fx",
-            num_blocks, config.block_size, num_blocks * config.block_size, str(self.kv_cache_dtype).removeprefix("torch."),
+            num_blocks, config.block_size, num_blocks * config.block_size, _name(self.kv_cache_dtype),
             self.max_model_len, num_blocks * config.block_size / self.max_model_len,
         )
 

@@ -1,13 +1,17 @@
-"""Linear layers: float32 weights pre-packed for oneDNN on CPU, or GGUF blocks read by our kernel; and
-their tensor-parallel forms (column-parallel, the head-aware qkv, row-parallel).
+"""Linear layers: weights pre-packed for oneDNN on CPU (float32, or bfloat16 where the engine runs its GEMMs in
+bfloat16), or GGUF blocks read by our kernel; and their tensor-parallel forms (column-parallel, the head-aware
+qkv, row-parallel).
 
-MKL's fp32 GEMM is slow for the small-M shapes of decode steps on this class of CPU; oneDNN with a
-weight reordered once at load time is faster for M >= 8 and for the wide lm_head. A GGUF model's
-Q4_0/Q4_1/Q8_0 weights run on their blocks (csrc/quantized_linear.cpp): the same values, a fraction
-of the bytes to read per step.
+MKL's fp32 GEMM is slow for the small-M shapes of decode steps; oneDNN with a weight reordered once at load time
+is faster for M >= 8 and for the wide lm_head. A GGUF model's Q4_0/Q4_1/Q8_0 weights run on their blocks
+(csrc/quantized_linear.cpp): the same values, a fraction of the bytes to read per step. Which of the two a step
+of M rows takes is measured per weight shape on the machine at hand (executor/gemm_choice.py).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -23,50 +27,88 @@ def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACKING_BATCH_HINT)
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN multiplies weights of dtype here: float32 always, bfloat16 where the processor has the
+    instructions its bfloat16 kernels need (elsewhere such weights run through torch's own GEMM)."""
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def pack_weight(weight: torch.Tensor, dtype: torch.dtype = torch.float32, onednn: bool = True) -> torch.Tensor:
+    """weight in dtype, reordered for oneDNN where it multiplies that dtype (and onednn is asked for), else as a
+    plain tensor for torch's own GEMM."""
+    weight = weight.detach().to(dtype)
+    return torch.ops.mkldnn._reorder_linear_weight(weight, _PACKING_BATCH_HINT) if onednn and onednn_packs(dtype) else weight.contiguous()
 
 
 def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+    """x @ packed_weight.T (+ bias) in x's dtype. A weight in a narrower dtype (bfloat16) multiplies x rounded to it,
+    with float32 accumulation inside the GEMM; its output is widened back and the bias added in x's dtype."""
+    low = x if packed_weight.dtype == x.dtype else x.to(packed_weight.dtype)
+    fused_bias = bias if low is x else None
+    if packed_weight.is_mkldnn:
+        out = torch.ops.mkldnn._linear_pointwise(low, packed_weight, fused_bias, "none", [], "")
+    else:
+        out = F.linear(low, packed_weight, fused_bias)
+    if low is x:
+        return out
+    out = out.to(x.dtype)
+    return out if bias is None else out + bias
 
 
-# Rows up to which the GGUF-block kernel beats oneDNN on float32 weights (measured, docs/cpu.md). Small
-# steps are bound by reading the weights (7x the bytes in float32); from 3 rows on the kernel runs a
-# broadcast GEMM on an interleaved copy of the blocks, level with or ahead of oneDNN up to 64 rows.
+# Rows up to which a GEMM runs on the GGUF blocks until measured on the machine (executor/gemm_choice.py): few-row
+# steps are bound by reading the weights, 7x the bytes in float32; from 3 rows the kernel runs a broadcast GEMM on an
+# interleaved copy of the blocks, which on some processors stays level with oneDNN up to 64 rows and on others falls
+# behind from 3.
 QUANTIZED_MAX_ROWS = 64
 
 
 class QuantizedWeight:
-    """A weight in GGUF blocks ([out_features, bytes per row] uint8) and its gguf type id; it runs
-    steps of up to QUANTIZED_MAX_ROWS rows (larger ones take the float32 weight). Steps of 3+ rows
-    read an interleaved copy of the blocks (8 rows side by side, made here once) that the kernel's
-    broadcast GEMM needs."""
+    """A weight in GGUF blocks ([out_features, bytes per row] uint8) and its gguf type id; it runs steps of up to
+    max_rows rows (larger ones take the dense weight). Steps of 3+ rows read an interleaved copy of the blocks
+    (8 rows side by side, made here once) that the kernel's broadcast GEMM needs. With dtype bfloat16 it computes
+    what a bfloat16 GEMM on the same weight does: the values and the input rounded to bfloat16, products summed in
+    float32, the output rounded to bfloat16; so a step's rows get the same products whichever path their step takes."""
 
-    def __init__(self, blocks: torch.Tensor, qtype: int, kernels) -> None:
+    def __init__(self, blocks: torch.Tensor, qtype: int, kernels, dtype: torch.dtype = torch.float32) -> None:
         self.blocks = blocks.contiguous()
         self.qtype = qtype
         self.interleaved = kernels.interleave_gguf_rows(self.blocks, qtype) if blocks.shape[0] % 8 == 0 else None
         self._kernel = kernels.quantized_linear  # looked up once, not per call
+        self.max_rows = QUANTIZED_MAX_ROWS
+        self.bfloat16 = dtype == torch.bfloat16
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return self._kernel(x.contiguous(), self.blocks, self.qtype, bias, self.interleaved)
+        if not self.bfloat16:
+            return self._kernel(x.contiguous(), self.blocks, self.qtype, bias, self.interleaved)
+        rounded = x.to(torch.bfloat16).to(x.dtype)
+        out = self._kernel(rounded, self.blocks, self.qtype, None, self.interleaved, True).to(torch.bfloat16).to(x.dtype)
+        return out if bias is None else out + bias
 
     def takes(self, x: torch.Tensor) -> bool:
-        return x.shape[0] <= QUANTIZED_MAX_ROWS
+        return x.shape[0] <= self.max_rows
+
+
+class BlocksOrDense(NamedTuple):
+    """A GEMM that can run either on its GGUF blocks or on its dense weight: the name of its shape (GEMMs of one
+    shape share a choice), its input width, its blocks and its dense product."""
+
+    shape: str
+    in_features: int
+    blocks: QuantizedWeight
+    dense: Callable[[torch.Tensor], torch.Tensor]
 
 
 class Linear(nn.Linear):
     """nn.Linear that runs small batches on GGUF blocks once given them, and the rest on a oneDNN-packed
-    copy of its float32 weight once pack() was called. Replicated: every tensor-parallel rank holds all of
+    copy of its weight (float32 or bfloat16) once pack() was called. Replicated: every tensor-parallel rank holds all of
     it. A fused layer (qkv, gate-up) lists its parts' output sizes in shard_sizes."""
 
     packed_weight: torch.Tensor | None = None
     quantized: QuantizedWeight | None = None
     shard_sizes: tuple[int, ...] | None = None
 
-    def pack(self) -> None:
-        self.packed_weight = pack_weight(self.weight)
+    def pack(self, dtype: torch.dtype = torch.float32, onednn: bool = True) -> None:
+        self.packed_weight = pack_weight(self.weight, dtype, onednn)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -74,6 +116,10 @@ class Linear(nn.Linear):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quantized is not None and self.quantized.takes(x):
             return self.quantized.linear(x, bias)
+        return self.dense_matmul(x, bias)
+
+    def dense_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The product on the dense weight (packed where pack() ran), whatever the blocks would take."""
         if self.packed_weight is not None:
             return packed_linear(x, self.packed_weight, bias)
         return F.linear(x, self.weight, bias)

@@ -9,6 +9,7 @@ rank builds its stage's decoder layers, the first stage the embedding, the last 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,7 @@ from pagedserve.layers.activation import SiluAndMul
 from pagedserve.layers.attention import Attention, AttentionBackend, AttentionMetadata
 from pagedserve.layers.layernorm import RMSNorm
 from pagedserve.layers.linear import (
+    BlocksOrDense,
     ColumnParallelLinear,
     Linear,
     QKVParallelLinear,
@@ -29,6 +31,10 @@ from pagedserve.layers.linear import (
 )
 from pagedserve.layers.rotary import RotaryEmbedding
 from pagedserve.layers.vocab_embedding import VocabParallelEmbedding, gather_logits
+
+# What the lm_head multiplies in, whatever the other GEMMs do: the logits are what sampling and logprobs read, and
+# bfloat16 would round them to steps of 1/8 at their usual size, tying tokens that are not tied.
+LOGITS_DTYPE = torch.float32
 
 # checkpoint name piece -> (our fused parameter, shard index)
 STACKED_PARAMS = {
@@ -171,24 +177,39 @@ class LlamaForCausalLM(nn.Module):
         """Logits over the whole vocabulary (each tensor-parallel rank computes its share, then they are gathered)."""
         if self.quantized_lm_head is not None and self.quantized_lm_head.takes(hidden_states):
             local = self.quantized_lm_head.linear(hidden_states)
-        elif self.packed_lm_head is not None:
-            local = packed_linear(hidden_states, self.packed_lm_head, None)
         else:
-            local = F.linear(hidden_states, self.lm_head.weight)
+            local = self.dense_logits(hidden_states)
         return gather_logits(local)
 
-    def pack_for_onednn(self) -> None:
-        """Run every GEMM on oneDNN-packed weights (CPU, float32); the originals stay for reading."""
+    def dense_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """This rank's logits on the dense lm_head (packed where pack_for_onednn ran), whatever the blocks would take."""
+        if self.packed_lm_head is not None:
+            return packed_linear(hidden_states, self.packed_lm_head, None)
+        return F.linear(hidden_states, self.lm_head.weight)
+
+    def pack_gemm_weights(self, dtype: torch.dtype, onednn: bool) -> None:
+        """Run every dense GEMM but the lm_head's on a copy of its weight in dtype (float32, or bfloat16 multiplying
+        float32 activations rounded to it), reordered for oneDNN where onednn; the originals stay for reading."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.pack()
-        if self.lm_head is not None:
-            self.packed_lm_head = pack_weight(self.lm_head.weight)
+                module.pack(dtype, onednn)
+        if self.lm_head is not None and onednn:
+            self.packed_lm_head = pack_weight(self.lm_head.weight, LOGITS_DTYPE)
 
-    def use_quantized_weights(self, blocks: dict[str, tuple[torch.Tensor, int]], kernels) -> int:
+    def blocks_and_dense_gemms(self) -> list[BlocksOrDense]:
+        """Every GEMM that can run either on its GGUF blocks or on its dense weight, in the order a forward pass runs them."""
+        gemms = [BlocksOrDense(f"{type(m).__name__} {m.in_features}x{m.out_features}", m.in_features, m.quantized,
+                               partial(m.dense_matmul, bias=None))
+                 for m in self.modules() if isinstance(m, Linear) and m.quantized is not None]
+        if self.quantized_lm_head is not None:
+            hidden, vocab = self.config.hidden_size, self.lm_head.weight.shape[0]
+            gemms.append(BlocksOrDense(f"lm_head {hidden}x{vocab}", hidden, self.quantized_lm_head, self.dense_logits))
+        return gemms
+
+    def use_quantized_weights(self, blocks: dict[str, tuple[torch.Tensor, int]], kernels, dtype: torch.dtype) -> int:
         """Run the GEMMs whose checkpoint tensors come as GGUF blocks on them (the C++ kernels, float32
-        activations), this rank's share of them. A fused layer needs all its shards in one type. Returns how
-        many layers switched."""
+        activations; with dtype bfloat16 computing what a bfloat16 GEMM does), this rank's share of them. A fused
+        layer needs all its shards in one type. Returns how many layers switched."""
         shards: dict[str, dict[int | None, tuple[torch.Tensor, int]]] = {}
         for name, entry in blocks.items():
             target, shard = _fused_target(name)
@@ -199,7 +220,8 @@ class LlamaForCausalLM(nn.Module):
             if target == lm_head_source:
                 if self.lm_head is not None:
                     qblocks, qtype = parts[None]
-                    self.quantized_lm_head = QuantizedWeight(self.lm_head.rank_slice(qblocks, None, False).contiguous(), qtype, kernels)
+                    local_blocks = self.lm_head.rank_slice(qblocks, None, False).contiguous()
+                    self.quantized_lm_head = QuantizedWeight(local_blocks, qtype, kernels, LOGITS_DTYPE)
                     switched += 1
                 continue
             module = self._module_of(target)
@@ -212,7 +234,7 @@ class LlamaForCausalLM(nn.Module):
             local = [module.rank_blocks(parts[s][0], s, kernels.quantized_block_bytes(qtype)) for s in expected]
             if any(part is None for part in local):
                 continue
-            module.quantized = QuantizedWeight(torch.cat(local).contiguous(), qtype, kernels)
+            module.quantized = QuantizedWeight(torch.cat(local).contiguous(), qtype, kernels, dtype)
             switched += 1
         return switched
 

@@ -1,0 +1,144 @@
+"""dtype bfloat16 on CPU: the GEMMs multiply in bfloat16 (where the processor has matrix units for it) between
+float32 activations; dtype auto picks it on such processors."""
+
+import pytest
+import torch
+from conftest import greedy, hf_greedy, hf_token_logprobs, token_ids_of, worker_of
+
+from pagedserve import LLM
+from pagedserve.config import EngineConfig
+from pagedserve.cpu_features import CPUFeatures
+from pagedserve.executor import worker as worker_module
+from pagedserve.layers.linear import Linear
+
+PROMPTS = [[1, 400, 500, 600, 700], list(range(100, 170)), [5] * 3, list(range(3000, 3040, 3))]
+
+
+@pytest.fixture(scope="module")
+def bfloat16_llm(tiny_models):
+    return LLM(str(tiny_models["llama"]), dtype="bfloat16", kv_cache_memory=16 * 1024**2)
+
+
+def test_bfloat16_gemms_run_between_float32_activations_on_the_float32_kernels(bfloat16_llm):
+    worker = worker_of(bfloat16_llm)
+    assert (worker.dtype, worker.gemm_dtype, worker.kv_cache_dtype) == (torch.float32, torch.bfloat16, torch.bfloat16)
+    assert worker.attn_backend.name == "cpu" and worker.cpu_kernels is not None
+    linears = [m for m in worker.model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed_weight.dtype == torch.bfloat16 for m in linears)
+    assert worker.model.packed_lm_head.dtype == torch.float32  # the logits stay float32
+    assert all(p.dtype == torch.float32 for p in worker.model.parameters())  # norms and embeddings stay float32
+
+
+def test_bfloat16_greedy_follows_transformers_bfloat16_except_after_near_ties(bfloat16_llm, tiny_models):
+    """Up to where it parts from transformers' own bfloat16 forward, if it does, the output is the same; there the two
+    tokens were nearly tied under float32 (our activations are float32, transformers' are bfloat16)."""
+    model_dir = tiny_models["llama"]
+    ours = token_ids_of(bfloat16_llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy(16), use_tqdm=False))
+    theirs = hf_greedy(model_dir, PROMPTS, 16, dtype=torch.bfloat16)
+    for prompt, mine, reference in zip(PROMPTS, ours, theirs):
+        parted = next((i for i, (a, b) in enumerate(zip(mine, reference)) if a != b), None)
+        if parted is not None:
+            _, full = hf_token_logprobs(model_dir, prompt, list(mine[:parted]))
+            last = full[len(prompt) + parted - 1]
+            assert abs(last[mine[parted]] - last[reference[parted]]) < 0.25, (prompt, parted)
+    # And it stays on float32's path at least as long as transformers' bfloat16 does (random weights have many ties).
+    exact = hf_greedy(model_dir, PROMPTS, 16)
+    assert sum(map(common_prefix, ours, exact)) >= sum(map(common_prefix, theirs, exact))
+
+
+def common_prefix(a, b) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def test_bfloat16_logprobs_stay_as_close_to_float32_as_transformers_bfloat16(bfloat16_llm, tiny_models):
+    """Scored on the tokens float32 picks, over several prompts: our bfloat16 mode's logprobs are off from float32
+    transformers' by no more, on the whole, than transformers' own bfloat16 forward's."""
+    model_dir = tiny_models["llama"]
+    ours_off, theirs_off = [], []
+    for seed in range(6):
+        prompt = torch.randint(100, 40000, (40,), generator=torch.Generator().manual_seed(seed)).tolist()
+        tokens = hf_greedy(model_dir, [prompt], 12)[0]
+        exact, _ = hf_token_logprobs(model_dir, prompt, tokens)
+        theirs, _ = hf_token_logprobs(model_dir, prompt, tokens, dtype=torch.bfloat16)
+        scored = bfloat16_llm.generate({"prompt_token_ids": prompt + tokens}, greedy(1, prompt_logprobs=0), use_tqdm=False)[0]
+        ours = [scored.prompt_logprobs[len(prompt) + i][token].logprob for i, token in enumerate(tokens)]
+        ours_off += [abs(a - b) for a, b in zip(ours, exact)]
+        theirs_off += [abs(a - b) for a, b in zip(theirs, exact)]
+    assert sum(ours_off) <= 1.25 * sum(theirs_off), (max(ours_off), max(theirs_off))
+
+
+def test_bfloat16_greedy_output_does_not_depend_on_the_batch(bfloat16_llm):
+    alone = [token_ids_of(bfloat16_llm.generate({"prompt_token_ids": p}, greedy(16), use_tqdm=False))[0] for p in PROMPTS]
+    together = token_ids_of(bfloat16_llm.generate([{"prompt_token_ids": p} for p in PROMPTS * 4], greedy(16), use_tqdm=False))
+    assert together == alone * 4
+
+
+@pytest.mark.parametrize("flags,expected", [
+    ({"avx2", "fma", "avx512f", "avx512_bf16"}, torch.bfloat16),  # AVX-512 BF16 dot products (Zen 4/5, Cooper Lake on)
+    ({"avx2", "fma", "avx512f", "amx_tile", "amx_bf16"}, torch.bfloat16),  # AMX tiles
+    ({"avx2", "fma", "avx512f"}, torch.float32),  # AVX-512 without bfloat16
+    ({"avx2", "fma"}, torch.float32),
+])
+def test_auto_picks_bfloat16_on_processors_that_multiply_it_in_hardware(flags, expected, monkeypatch):
+    monkeypatch.delenv("PAGEDSERVE_CPU_AUTO_DTYPE")
+    monkeypatch.setattr(worker_module, "cpu_features", lambda: CPUFeatures("test CPU", frozenset(flags)))
+    cpu = torch.device("cpu")
+    assert worker_module.resolve_dtype(EngineConfig(), cpu) == expected
+    assert worker_module.resolve_dtype(EngineConfig(dtype="float32"), cpu) == torch.float32  # the exact mode, asked for
+    monkeypatch.setenv("PAGEDSERVE_CPU_AUTO_DTYPE", "float32")
+    assert worker_module.resolve_dtype(EngineConfig(), cpu) == torch.float32
+    monkeypatch.setenv("PAGEDSERVE_CPU_AUTO_DTYPE", "half")
+    with pytest.raises(ValueError, match="PAGEDSERVE_CPU_AUTO_DTYPE must be float32 or bfloat16, got 'half'"):
+        worker_module.resolve_dtype(EngineConfig(), cpu)
+
+
+def test_bfloat16_products_are_the_same_through_onednn_and_through_torch():
+    """gemm_backend torch (and processors oneDNN has no bfloat16 kernels for) multiply the same bfloat16 values."""
+    from pagedserve.layers.linear import onednn_packs, pack_weight, packed_linear
+
+    torch.manual_seed(0)
+    weight, bias, x = torch.randn(48, 64), torch.randn(48), torch.randn(5, 64)
+    expected = (x.bfloat16().float() @ weight.bfloat16().float().T).bfloat16().float() + bias
+    plain = pack_weight(weight, torch.bfloat16, onednn=False)
+    assert not plain.is_mkldnn and plain.dtype == torch.bfloat16
+    torch.testing.assert_close(packed_linear(x, plain, bias), expected, rtol=1e-2, atol=1e-2)
+    if onednn_packs(torch.bfloat16):
+        packed = pack_weight(weight, torch.bfloat16)
+        assert packed.is_mkldnn
+        torch.testing.assert_close(packed_linear(x, packed, bias), expected, rtol=1e-2, atol=1e-2)
+
+
+def test_bfloat16_is_honoured_with_torch_gemms_too(tiny_models):
+    llm = LLM(str(tiny_models["qwen2"]), dtype="bfloat16", gemm_backend="torch", kv_cache_memory=8 * 1024**2)
+    linears = [m for m in worker_of(llm).model.modules() if isinstance(m, Linear)]
+    assert all(not m.packed_weight.is_mkldnn and m.packed_weight.dtype == torch.bfloat16 for m in linears)
+    assert len(llm.generate({"prompt_token_ids": PROMPTS[0]}, greedy(4), use_tqdm=False)[0].outputs[0].token_ids) == 4
+
+
+def test_default_model_in_bfloat16_gives_a_request_the_same_output_alone_and_in_a_batch():
+    """Alone, a request decodes in one-row steps, on the GGUF blocks; in a batch, on the packed bfloat16 weights
+    (on every processor with bfloat16 matrix units: elsewhere both run on the blocks). The blocks compute what a
+    bfloat16 GEMM does, so the two differ only where the order of float32 sums tips a bfloat16 rounding: logprobs
+    stay close, and greedy picks part, if at all, only where two tokens were nearly tied."""
+    from conftest import PROMPTS
+
+    from pagedserve.cpu_features import cpu_features
+
+    llm = LLM(dtype="bfloat16", max_model_len=512, kv_cache_memory=64 * 1024**2)
+    model = worker_of(llm).model
+    gemms = model.blocks_and_dense_gemms()
+    assert gemms and all(g.blocks.bfloat16 for g in gemms if g.blocks is not model.quantized_lm_head)
+    assert not model.quantized_lm_head.bfloat16  # the logits stay float32
+    if cpu_features().has_bfloat16_matrix:
+        for gemm in gemms:
+            gemm.blocks.max_rows = 1
+    params = greedy(24, logprobs=2)
+    alone = [llm.generate(prompt, params, use_tqdm=False)[0].outputs[0] for prompt in PROMPTS]
+    together = [o.outputs[0] for o in llm.generate(PROMPTS * 2, params, use_tqdm=False)]
+    for single, batched in zip(alone * 2, together):
+        for step, (token, a, b) in enumerate(zip(single.token_ids, single.logprobs, batched.logprobs)):
+            if batched.token_ids[step] != token:  # parted: the two picks were nearly tied in both runs
+                other = batched.token_ids[step]
+                assert abs(a[token].logprob - a[other].logprob) < 0.1 and abs(b[token].logprob - b[other].logprob) < 0.1
+                break
+            assert a[token].logprob == pytest.approx(b[token].logprob, abs=0.05)
