@@ -116,21 +116,19 @@ def test_bfloat16_is_honoured_with_torch_gemms_too(tiny_models):
 
 
 def test_default_model_in_bfloat16_gives_a_request_the_same_output_alone_and_in_a_batch():
-    """Alone, a request decodes in one-row steps, on the GGUF blocks; in a batch, on the packed bfloat16 weights
-    (on every processor with bfloat16 matrix units: elsewhere both run on the blocks). The blocks compute what a
-    bfloat16 GEMM does, so the two differ only where the order of float32 sums tips a bfloat16 rounding: logprobs
-    stay close, and greedy picks part, if at all, only where two tokens were nearly tied."""
+    """Alone, a request decodes in one-row steps, on the GGUF blocks' float32 values; in a batch, on the packed
+    bfloat16 weights (on every processor with bfloat16 matrix units: elsewhere both run on the blocks). The two
+    differ by bfloat16 roundings only: logprobs stay close, and greedy picks part, if at all, only where two tokens
+    were nearly tied."""
     from conftest import PROMPTS
 
     from pagedserve.cpu_features import cpu_features
 
     llm = LLM(dtype="bfloat16", max_model_len=512, kv_cache_memory=64 * 1024**2)
     model = worker_of(llm).model
-    gemms = model.blocks_and_dense_gemms()
-    assert gemms and all(g.blocks.bfloat16 for g in gemms if g.blocks is not model.quantized_lm_head)
-    assert not model.quantized_lm_head.bfloat16  # the logits stay float32
+    assert model.packed_lm_head.dtype == torch.float32  # the logits stay float32
     if cpu_features().has_bfloat16_matrix:
-        for gemm in gemms:
+        for gemm in model.blocks_and_dense_gemms():
             gemm.blocks.max_rows = 1
     params = greedy(24, logprobs=2)
     alone = [llm.generate(prompt, params, use_tqdm=False)[0].outputs[0] for prompt in PROMPTS]
@@ -139,6 +137,6 @@ def test_default_model_in_bfloat16_gives_a_request_the_same_output_alone_and_in_
         for step, (token, a, b) in enumerate(zip(single.token_ids, single.logprobs, batched.logprobs)):
             if batched.token_ids[step] != token:  # parted: the two picks were nearly tied in both runs
                 other = batched.token_ids[step]
-                assert abs(a[token].logprob - a[other].logprob) < 0.1 and abs(b[token].logprob - b[other].logprob) < 0.1
+                assert abs(a[token].logprob - a[other].logprob) < 0.15 and abs(b[token].logprob - b[other].logprob) < 0.15
                 break
-            assert a[token].logprob == pytest.approx(b[token].logprob, abs=0.05)
+            assert a[token].logprob == pytest.approx(b[token].logprob, abs=0.1)

@@ -205,27 +205,6 @@ def test_interleaved_quantized_linear_matches_gguf_dequantization(type_name, row
                        kernels.quantized_linear(x, blocks, int(qtype), None, interleaved)[-3:])
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
-@pytest.mark.parametrize("rows,interleave", [(1, False), (2, False), (5, True), (70, True), (9, False)])
-def test_quantized_linear_rounded_to_bfloat16_multiplies_the_bfloat16_weight(type_name, rows, interleave):
-    """round_to_bfloat16: every path (1-2 rows, the interleaved broadcast GEMM, the generic one) multiplies the
-    dequantized values rounded to bfloat16 as torch rounds them, which is the weight a bfloat16 GEMM multiplies."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize, quantize
-
-    kernels = built_kernels()
-    qtype = GGMLQuantizationType[type_name]
-    rng = np.random.default_rng(rows)
-    blocks = quantize(rng.standard_normal((48, 96)).astype(np.float32), qtype)
-    weight = torch.from_numpy(dequantize(blocks, qtype))
-    blocks = torch.from_numpy(blocks.copy())
-    interleaved = kernels.interleave_gguf_rows(blocks, int(qtype)) if interleave else None
-    x = torch.randn(rows, 96).bfloat16().float()
-    rounded = kernels.quantized_linear(x, blocks, int(qtype), None, interleaved, True).double()
-    torch.testing.assert_close(rounded, x.double() @ weight.bfloat16().double().T, rtol=1e-5, atol=1e-4)
-    assert not torch.allclose(rounded, x.double() @ weight.double().T, rtol=1e-5, atol=1e-4)  # the rounding is there
-
-
 def test_quantized_linear_names_bad_input():
     kernels = built_kernels()
     blocks = torch.zeros(4, 20, dtype=torch.uint8)  # one Q4_1 block per row: 32 values

@@ -17,10 +17,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("apply_penalties_", &apply_penalties_,
         "repetition (prompt and output), frequency and presence (output) penalties, in place, over each row's tokens");
   m.def("rotary_embedding", &rotary_embedding, "neox rotary embedding of query and key, in place");
-  m.def("quantized_linear", &quantized_linear,
-        "x @ W.T (+ bias) with W in GGUF Q4_0/Q4_1/Q8_0 blocks, its values rounded to bfloat16 where round_to_bfloat16",
-        py::arg("x"), py::arg("weight"), py::arg("qtype"), py::arg("bias") = py::none(), py::arg("interleaved") = py::none(),
-        py::arg("round_to_bfloat16") = false);
+  m.def("quantized_linear", &quantized_linear, "x @ W.T (+ bias) with W in GGUF Q4_0/Q4_1/Q8_0 blocks",
+        py::arg("x"), py::arg("weight"), py::arg("qtype"), py::arg("bias") = py::none(), py::arg("interleaved") = py::none());
   m.def("interleave_gguf_rows", &interleave_gguf_rows, "the copy of GGUF blocks (8 rows interleaved) read for steps of 3+ rows");
   m.def("dequantize_gguf", &dequantize_gguf, "float32 values of GGUF Q4_0/Q4_1/Q8_0 blocks");
   m.def("quantized_block_bytes", &quantized_block_bytes, "bytes per 32-value block of a GGUF type (0: unsupported)");

@@ -22,7 +22,7 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor query, at::Tensor 
                       const at::Tensor& sin_cache);
 int64_t quantized_block_bytes(int64_t qtype);
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& weight, int64_t qtype, const c10::optional<at::Tensor>& bias,
-                            const c10::optional<at::Tensor>& interleaved, bool round_to_bfloat16);
+                            const c10::optional<at::Tensor>& interleaved);
 at::Tensor interleave_gguf_rows(const at::Tensor& weight, int64_t qtype);
 at::Tensor dequantize_gguf(const at::Tensor& weight, int64_t qtype);
 void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache, at::Tensor value_cache,

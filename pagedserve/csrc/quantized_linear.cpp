@@ -13,13 +13,8 @@
 // A task dequantizes 16 rows into an L1/L2 panel laid out [k][16] and runs a 6 x 16 broadcast
 // microkernel over it for all input rows: 12 FMAs per 8 loads, no horizontal sums, and each output
 // is one accumulator over k in order, so its value does not depend on the batch it came in.
-//
-// With round_to_bfloat16 every dequantized value is rounded to the nearest bfloat16 (kept as float32):
-// the weights a bfloat16 GEMM on the same model multiplies, so an engine that runs its larger steps in
-// bfloat16 computes the same products on the blocks for its small ones.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
@@ -65,68 +60,52 @@ inline float block_min(const uint8_t* block, int64_t qtype, float d) {
 // Where a Q4 block's 16 bytes of nibbles start.
 inline const uint8_t* nibbles_of(const uint8_t* block, int64_t qtype) { return block + (qtype == kQ4_1 ? 4 : 2); }
 
-inline float round_to_bfloat16(float v) { return static_cast<float>(c10::BFloat16(v)); }
-
 #if defined(__AVX2__) && defined(__FMA__)
-// Each value rounded to the nearest bfloat16, ties to even, as c10::BFloat16 and torch's .to(bfloat16) round
-// finite values.
-inline __m256 round_to_bfloat16(__m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
-  return _mm256_castsi256_ps(_mm256_and_si256(rounded, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
-}
-
-// The 32 values of one block in four registers (rounded to bfloat16 where bf16). Q4: nibble i of byte i
-// is value i (low) or i + 16 (high), value = d * q + m (Q4_0: m = -8d; d*q and -8d are exact, so this
-// is d * (q - 8)).
-inline void block_values(const uint8_t* block, int64_t qtype, __m256 v[4], bool bf16) {
+// The 32 values of one block in four registers. Q4: nibble i of byte i is value i (low) or i + 16
+// (high), value = d * q + m (Q4_0: m = -8d; d*q and -8d are exact, so this is d * (q - 8)).
+inline void block_values(const uint8_t* block, int64_t qtype, __m256 v[4]) {
   const __m256 vd = _mm256_set1_ps(half_at(block));
   if (qtype == kQ8_0) {
     const int8_t* q = reinterpret_cast<const int8_t*>(block + 2);
     for (int i = 0; i < 4; ++i)
       v[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * i)))), vd);
-  } else {
-    const __m256 vm = _mm256_set1_ps(block_min(block, qtype, half_at(block)));
-    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(nibbles_of(block, qtype)));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i low = _mm_and_si128(packed, mask), high = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
-    v[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(low)), vd, vm);
-    v[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(low, 8))), vd, vm);
-    v[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(high)), vd, vm);
-    v[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(high, 8))), vd, vm);
+    return;
   }
-  if (bf16)
-    for (int i = 0; i < 4; ++i) v[i] = round_to_bfloat16(v[i]);
+  const __m256 vm = _mm256_set1_ps(block_min(block, qtype, half_at(block)));
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(nibbles_of(block, qtype)));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i low = _mm_and_si128(packed, mask), high = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
+  v[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(low)), vd, vm);
+  v[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(low, 8))), vd, vm);
+  v[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(high)), vd, vm);
+  v[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(high, 8))), vd, vm);
 }
 #endif
 
-void dequantize_block(const uint8_t* block, int64_t qtype, float* out, bool bf16) {
+void dequantize_block(const uint8_t* block, int64_t qtype, float* out) {
 #if defined(__AVX2__) && defined(__FMA__)
   __m256 v[4];
-  block_values(block, qtype, v, bf16);
+  block_values(block, qtype, v);
   for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + 8 * i, v[i]);
 #else
   const float d = half_at(block);
   if (qtype == kQ8_0) {
     const int8_t* q = reinterpret_cast<const int8_t*>(block + 2);
     for (int i = 0; i < 32; ++i) out[i] = static_cast<float>(q[i]) * d;
-  } else {
-    const float m = block_min(block, qtype, d);
-    const uint8_t* q = nibbles_of(block, qtype);
-    for (int i = 0; i < 16; ++i) {
-      out[i] = std::fma(static_cast<float>(q[i] & 0x0F), d, m);
-      out[i + 16] = std::fma(static_cast<float>(q[i] >> 4), d, m);
-    }
+    return;
   }
-  if (bf16)
-    for (int i = 0; i < kBlockValues; ++i) out[i] = round_to_bfloat16(out[i]);
+  const float m = block_min(block, qtype, d);
+  const uint8_t* q = nibbles_of(block, qtype);
+  for (int i = 0; i < 16; ++i) {
+    out[i] = std::fma(static_cast<float>(q[i] & 0x0F), d, m);
+    out[i + 16] = std::fma(static_cast<float>(q[i] >> 4), d, m);
+  }
 #endif
 }
 
-void dequantize_row(const uint8_t* row, int64_t qtype, int64_t num_blocks, float* out, bool bf16) {
+void dequantize_row(const uint8_t* row, int64_t qtype, int64_t num_blocks, float* out) {
   const int64_t stride = quantized_block_bytes(qtype);
-  for (int64_t b = 0; b < num_blocks; ++b) dequantize_block(row + b * stride, qtype, out + b * kBlockValues, bf16);
+  for (int64_t b = 0; b < num_blocks; ++b) dequantize_block(row + b * stride, qtype, out + b * kBlockValues);
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -189,7 +168,7 @@ void rows_times_group(const float* x, int64_t rows, int64_t k, const float* w, i
 // One or two input rows (batch-1/2 decodes): each block is dequantized in registers and multiplied in
 // at once, with four accumulators per input row so the FMAs do not wait on each other.
 template <int MR>
-void few_rows_times_weight_rows(const float* x, int64_t k, const uint8_t* w, int64_t row_bytes, int64_t qtype, bool bf16,
+void few_rows_times_weight_rows(const float* x, int64_t k, const uint8_t* w, int64_t row_bytes, int64_t qtype,
                                 int64_t first, int64_t last, const float* bias, float* out, int64_t n) {
   const int64_t stride = quantized_block_bytes(qtype), num_blocks = k / kBlockValues;
   for (int64_t r = first; r < last; ++r) {
@@ -200,7 +179,7 @@ void few_rows_times_weight_rows(const float* x, int64_t k, const uint8_t* w, int
       for (int j = 0; j < 4; ++j) acc[i][j] = _mm256_setzero_ps();
     for (int64_t b = 0; b < num_blocks; ++b) {
       __m256 v[4];
-      block_values(row + b * stride, qtype, v, bf16);
+      block_values(row + b * stride, qtype, v);
       for (int i = 0; i < MR; ++i)
         for (int j = 0; j < 4; ++j) acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * k + b * kBlockValues + 8 * j), v[j], acc[i][j]);
     }
@@ -212,7 +191,7 @@ void few_rows_times_weight_rows(const float* x, int64_t k, const uint8_t* w, int
     float values[kBlockValues];
     float sums[MR] = {};
     for (int64_t b = 0; b < num_blocks; ++b) {
-      dequantize_block(row + b * stride, qtype, values, bf16);
+      dequantize_block(row + b * stride, qtype, values);
       for (int i = 0; i < MR; ++i)
         for (int p = 0; p < kBlockValues; ++p) sums[i] += x[i * k + b * kBlockValues + p] * values[p];
     }
@@ -271,7 +250,7 @@ inline __m256 interleaved_values(const uint8_t* values, int64_t v) {
 // panel[k][8g + j] = weight row 8g + j at k, for the `count` (1 or 2) groups whose records start at groups[g];
 // a missing second group is zeros.
 template <bool Q8>
-void dequantize_panel(const uint8_t* const* groups, int64_t count, int64_t k, int64_t record_bytes, bool bf16, float* panel) {
+void dequantize_panel(const uint8_t* const* groups, int64_t count, int64_t k, int64_t record_bytes, float* panel) {
   for (int64_t b = 0; b < k / kBlockValues; ++b)
     for (int64_t g = 0; g < 2; ++g) {
       float* out = panel + b * kBlockValues * kPanelCols + g * kPanelRows;
@@ -282,10 +261,8 @@ void dequantize_panel(const uint8_t* const* groups, int64_t count, int64_t k, in
       const uint8_t* record = groups[g] + b * record_bytes;
       const __m256 d = _mm256_loadu_ps(reinterpret_cast<const float*>(record));
       const __m256 m = _mm256_loadu_ps(reinterpret_cast<const float*>(record) + kPanelRows);
-      for (int64_t v = 0; v < kBlockValues; ++v) {
-        const __m256 value = _mm256_fmadd_ps(interleaved_values<Q8>(record + kScaleBytes, v), d, m);
-        _mm256_storeu_ps(out + v * kPanelCols, bf16 ? round_to_bfloat16(value) : value);
-      }
+      for (int64_t v = 0; v < kBlockValues; ++v)
+        _mm256_storeu_ps(out + v * kPanelCols, _mm256_fmadd_ps(interleaved_values<Q8>(record + kScaleBytes, v), d, m));
     }
 }
 
@@ -330,8 +307,8 @@ void rows_times_panel(const float* x, int64_t rows, int64_t k, const float* pane
 }
 
 template <bool Q8>
-void interleaved_linear(const float* x, int64_t m, int64_t k, const uint8_t* packed, int64_t n, int64_t qtype, bool bf16,
-                        const float* bias, float* out) {
+void interleaved_linear(const float* x, int64_t m, int64_t k, const uint8_t* packed, int64_t n, int64_t qtype, const float* bias,
+                        float* out) {
   const int64_t record_bytes = interleaved_record_bytes(qtype), group_bytes = k / kBlockValues * record_bytes;
   const int64_t num_groups = n / kPanelRows;
   at::parallel_for(0, (num_groups + 1) / 2, 1, [&](int64_t begin, int64_t end) {
@@ -342,7 +319,7 @@ void interleaved_linear(const float* x, int64_t m, int64_t k, const uint8_t* pac
       for (int64_t t = begin; t < end; ++t) {
         const int64_t g0 = 2 * t, count = std::min<int64_t>(2, num_groups - g0);
         const uint8_t* groups[2] = {packed + g0 * group_bytes, packed + (g0 + 1) * group_bytes};
-        dequantize_panel<Q8>(groups, count, k, record_bytes, bf16, panel.data());
+        dequantize_panel<Q8>(groups, count, k, record_bytes, panel.data());
         rows_times_panel(x + chunk * k, rows, k, panel.data(), count * kPanelRows, bias ? bias + g0 * kPanelRows : nullptr,
                          out + chunk * n + g0 * kPanelRows, n);
       }
@@ -365,8 +342,7 @@ int64_t quantized_block_bytes(int64_t qtype) {
 // x [M, K] float32; weight [N, K / 32 * block_bytes] uint8 (GGUF blocks, one output row per row);
 // bias [N] float32 or undefined. Returns x @ dequantized(weight).T + bias, [M, N].
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& weight, int64_t qtype, const c10::optional<at::Tensor>& bias,
-                            const c10::optional<at::Tensor>& interleaved, bool round_to_bfloat16) {
-  const bool bf16 = round_to_bfloat16;
+                            const c10::optional<at::Tensor>& interleaved) {
   const int64_t bytes = quantized_block_bytes(qtype);
   TORCH_CHECK(bytes > 0, "unsupported GGUF quantization type id ", qtype, " (supported: Q4_0=2, Q4_1=3, Q8_0=8)");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be a contiguous float32 [M, K] tensor");
@@ -386,8 +362,8 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& weight, int64
   const int64_t row_bytes = weight.size(1), num_blocks = k / kBlockValues;
   if (m <= 2) {
     at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-      if (m == 1) few_rows_times_weight_rows<1>(x_ptr, k, w_ptr, row_bytes, qtype, bf16, begin, end, bias_ptr, out_ptr, n);
-      else few_rows_times_weight_rows<2>(x_ptr, k, w_ptr, row_bytes, qtype, bf16, begin, end, bias_ptr, out_ptr, n);
+      if (m == 1) few_rows_times_weight_rows<1>(x_ptr, k, w_ptr, row_bytes, qtype, begin, end, bias_ptr, out_ptr, n);
+      else few_rows_times_weight_rows<2>(x_ptr, k, w_ptr, row_bytes, qtype, begin, end, bias_ptr, out_ptr, n);
     });
     return out;
   }
@@ -396,8 +372,8 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& weight, int64
     TORCH_CHECK(n % kPanelRows == 0 && interleaved->scalar_type() == at::kByte && interleaved->is_contiguous() &&
                     interleaved->numel() == n / kPanelRows * num_blocks * interleaved_record_bytes(qtype),
                 "interleaved weight does not match the blocks (make it with interleave_gguf_rows)");
-    if (qtype == kQ8_0) interleaved_linear<true>(x_ptr, m, k, interleaved->data_ptr<uint8_t>(), n, qtype, bf16, bias_ptr, out_ptr);
-    else interleaved_linear<false>(x_ptr, m, k, interleaved->data_ptr<uint8_t>(), n, qtype, bf16, bias_ptr, out_ptr);
+    if (qtype == kQ8_0) interleaved_linear<true>(x_ptr, m, k, interleaved->data_ptr<uint8_t>(), n, qtype, bias_ptr, out_ptr);
+    else interleaved_linear<false>(x_ptr, m, k, interleaved->data_ptr<uint8_t>(), n, qtype, bias_ptr, out_ptr);
     return out;
   }
 #endif
@@ -409,7 +385,7 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& weight, int64
       const int64_t rows = std::min(kChunkRows, m - chunk);
       for (int64_t g = begin; g < end; ++g) {
         const int64_t first = g * kRowsPerGroup, count = std::min(kRowsPerGroup, n - first);
-        for (int64_t r = 0; r < count; ++r) dequantize_row(w_ptr + (first + r) * row_bytes, qtype, num_blocks, w.data() + r * k, bf16);
+        for (int64_t r = 0; r < count; ++r) dequantize_row(w_ptr + (first + r) * row_bytes, qtype, num_blocks, w.data() + r * k);
         const float* x_rows = x_ptr + chunk * k;
         const float* b = bias_ptr ? bias_ptr + first : nullptr;
         float* o = out_ptr + chunk * n + first;
@@ -431,7 +407,7 @@ at::Tensor dequantize_gguf(const at::Tensor& weight, int64_t qtype) {
   const uint8_t* w_ptr = weight.data_ptr<uint8_t>();
   float* out_ptr = out.data_ptr<float>();
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) dequantize_row(w_ptr + r * weight.size(1), qtype, num_blocks, out_ptr + r * k, false);
+    for (int64_t r = begin; r < end; ++r) dequantize_row(w_ptr + r * weight.size(1), qtype, num_blocks, out_ptr + r * k);
   });
   return out;
 }

@@ -5,8 +5,8 @@ more rows make a GEMM bound by arithmetic, where oneDNN's kernels (and bfloat16 
 processor has them) pull ahead. Where that happens depends on the processor: on some the blocks keep up to 64
 rows, on others they fall behind from 3. So each weight shape is timed both ways at growing row counts, every
 GEMM of the model in the order a forward pass runs them (the whole model's weights do not fit in the caches, as
-in a real step), and keeps its blocks up to the last count they were not slower at. The result is kept for the
-next start on the same machine, software and model.
+in a real step), and keeps its blocks up to the last count at which the dense weight was not clearly faster. The
+result is kept for the next start on the same machine, software and model.
 """
 
 from __future__ import annotations
@@ -27,7 +27,12 @@ from pagedserve.version import __version__
 # Row counts measured, in order: a decode step's batch sizes up to where the blocks stop being an option.
 CANDIDATE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 # Passes over the model per path and row count; the fastest counts, as the others carry the machine's slow moments.
-PASSES = 3
+PASSES = 5
+# How much faster the dense weight must be to take a row count from the blocks: more than the timings of one shape
+# move between starts where the two are close (a few-row GEMM on both reads at a similar pace), so a noisy moment does
+# not give away the blocks' smaller reads, which other work running beside a step is spared too.
+DENSE_MARGIN = 1.25
+
 
 def choose(model, dense_dtype: torch.dtype) -> dict[str, int]:
     """Set each GEMM's blocks to take steps of up to the measured row count (stored, or measured now); returns
@@ -45,36 +50,38 @@ def choose(model, dense_dtype: torch.dtype) -> dict[str, int]:
 
 
 def measure(gemms: Sequence[BlocksOrDense], clock: Callable[[], float] = time.perf_counter) -> dict[str, int]:
-    """Per shape, the largest candidate row count up to which its blocks were never slower than its dense weight
-    (0: the dense weight always)."""
+    """Per shape, the largest candidate row count up to which its dense weight was never clearly faster than its
+    blocks (0: the dense weight always)."""
     max_rows = dict.fromkeys((gemm.shape for gemm in gemms), 0)
     still_winning = set(max_rows)
     for rows in CANDIDATE_ROWS:
         inputs = {gemm.shape: torch.randn(rows, gemm.in_features) for gemm in gemms}
-        on_blocks = _fastest_pass(gemms, inputs, lambda gemm, x: gemm.blocks.linear(x), clock)
-        on_dense = _fastest_pass(gemms, inputs, lambda gemm, x: gemm.dense(x), clock)
+        on_blocks, on_dense = _fastest_passes(gemms, inputs, clock)
         for name in list(still_winning):
-            if on_blocks[name] <= on_dense[name]:
-                max_rows[name] = rows
-            else:
+            if on_dense[name] * DENSE_MARGIN < on_blocks[name]:
                 still_winning.discard(name)
+            else:
+                max_rows[name] = rows
         if not still_winning:
             break
     return max_rows
 
 
-def _fastest_pass(gemms: Sequence[BlocksOrDense], inputs: dict[str, torch.Tensor], run, clock) -> dict[str, float]:
-    """Per shape, the least time over PASSES passes of running each GEMM of the model once, in order."""
-    fastest = dict.fromkeys(inputs, math.inf)
+def _fastest_passes(gemms: Sequence[BlocksOrDense], inputs: dict[str, torch.Tensor], clock) -> tuple[dict[str, float], dict[str, float]]:
+    """Per shape, the least time over PASSES passes of running each GEMM of the model once, in order, on its blocks
+    and on its dense weight. The two kinds of pass alternate, so a moment when the machine is busy (another process
+    starting beside this one) slows both alike."""
+    fastest_blocks, fastest_dense = dict.fromkeys(inputs, math.inf), dict.fromkeys(inputs, math.inf)
     for _ in range(PASSES):
-        spent = dict.fromkeys(inputs, 0.0)
-        for gemm in gemms:
-            start = clock()
-            run(gemm, inputs[gemm.shape])
-            spent[gemm.shape] += clock() - start
-        for name, seconds in spent.items():
-            fastest[name] = min(fastest[name], seconds)
-    return fastest
+        for fastest, run in ((fastest_blocks, lambda gemm, x: gemm.blocks.linear(x)), (fastest_dense, lambda gemm, x: gemm.dense(x))):
+            spent = dict.fromkeys(inputs, 0.0)
+            for gemm in gemms:
+                start = clock()
+                run(gemm, inputs[gemm.shape])
+                spent[gemm.shape] += clock() - start
+            for name, seconds in spent.items():
+                fastest[name] = min(fastest[name], seconds)
+    return fastest_blocks, fastest_dense
 
 
 def _key(gemms: Sequence[BlocksOrDense], dense_dtype: torch.dtype) -> list[str]:

@@ -65,24 +65,17 @@ QUANTIZED_MAX_ROWS = 64
 class QuantizedWeight:
     """A weight in GGUF blocks ([out_features, bytes per row] uint8) and its gguf type id; it runs steps of up to
     max_rows rows (larger ones take the dense weight). Steps of 3+ rows read an interleaved copy of the blocks
-    (8 rows side by side, made here once) that the kernel's broadcast GEMM needs. With dtype bfloat16 it computes
-    what a bfloat16 GEMM on the same weight does: the values and the input rounded to bfloat16, products summed in
-    float32, the output rounded to bfloat16; so a step's rows get the same products whichever path their step takes."""
+    (8 rows side by side, made here once) that the kernel's broadcast GEMM needs."""
 
-    def __init__(self, blocks: torch.Tensor, qtype: int, kernels, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, blocks: torch.Tensor, qtype: int, kernels) -> None:
         self.blocks = blocks.contiguous()
         self.qtype = qtype
         self.interleaved = kernels.interleave_gguf_rows(self.blocks, qtype) if blocks.shape[0] % 8 == 0 else None
         self._kernel = kernels.quantized_linear  # looked up once, not per call
         self.max_rows = QUANTIZED_MAX_ROWS
-        self.bfloat16 = dtype == torch.bfloat16
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if not self.bfloat16:
-            return self._kernel(x.contiguous(), self.blocks, self.qtype, bias, self.interleaved)
-        rounded = x.to(torch.bfloat16).to(x.dtype)
-        out = self._kernel(rounded, self.blocks, self.qtype, None, self.interleaved, True).to(torch.bfloat16).to(x.dtype)
-        return out if bias is None else out + bias
+        return self._kernel(x.contiguous(), self.blocks, self.qtype, bias, self.interleaved)
 
     def takes(self, x: torch.Tensor) -> bool:
         return x.shape[0] <= self.max_rows

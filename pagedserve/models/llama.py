@@ -206,10 +206,10 @@ class LlamaForCausalLM(nn.Module):
             gemms.append(BlocksOrDense(f"lm_head {hidden}x{vocab}", hidden, self.quantized_lm_head, self.dense_logits))
         return gemms
 
-    def use_quantized_weights(self, blocks: dict[str, tuple[torch.Tensor, int]], kernels, dtype: torch.dtype) -> int:
+    def use_quantized_weights(self, blocks: dict[str, tuple[torch.Tensor, int]], kernels) -> int:
         """Run the GEMMs whose checkpoint tensors come as GGUF blocks on them (the C++ kernels, float32
-        activations; with dtype bfloat16 computing what a bfloat16 GEMM does), this rank's share of them. A fused
-        layer needs all its shards in one type. Returns how many layers switched."""
+        activations), this rank's share of them. A fused layer needs all its shards in one type. Returns how
+        many layers switched."""
         shards: dict[str, dict[int | None, tuple[torch.Tensor, int]]] = {}
         for name, entry in blocks.items():
             target, shard = _fused_target(name)
@@ -221,7 +221,7 @@ class LlamaForCausalLM(nn.Module):
                 if self.lm_head is not None:
                     qblocks, qtype = parts[None]
                     local_blocks = self.lm_head.rank_slice(qblocks, None, False).contiguous()
-                    self.quantized_lm_head = QuantizedWeight(local_blocks, qtype, kernels, LOGITS_DTYPE)
+                    self.quantized_lm_head = QuantizedWeight(local_blocks, qtype, kernels)
                     switched += 1
                 continue
             module = self._module_of(target)
@@ -234,7 +234,7 @@ class LlamaForCausalLM(nn.Module):
             local = [module.rank_blocks(parts[s][0], s, kernels.quantized_block_bytes(qtype)) for s in expected]
             if any(part is None for part in local):
                 continue
-            module.quantized = QuantizedWeight(torch.cat(local).contiguous(), qtype, kernels, dtype)
+            module.quantized = QuantizedWeight(torch.cat(local).contiguous(), qtype, kernels)
             switched += 1
         return switched
 
