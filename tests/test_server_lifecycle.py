@@ -64,6 +64,19 @@ def test_sigterm_and_sigint_shut_down_cleanly_without_orphans(tiny_models):
         assert not _alive(engine_pid), "the engine core process outlived the server"
 
 
+def _wait_until_engine_holds(server, count: int, timeout_s: float = 120) -> None:
+    """Poll /metrics until the engine has count requests running or waiting."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        metrics = requests.get(server.url + "/metrics", timeout=10).text
+        held = sum(metric_value(metrics, f'pagedserve:num_requests_{state}{{engine="0",model_name="tiny"}}')
+                   for state in ("running", "waiting"))
+        if held >= count:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"the engine never held {count} requests")
+
+
 def _stream_until_done(server, body: dict) -> dict:
     """Read one completion stream to its end: its text, finish reason, error event and whether [DONE] came."""
     result = {"text": "", "finish_reason": None, "error": None, "done": False, "status": None}
@@ -96,13 +109,15 @@ def test_sigterm_drains_in_flight_requests(tiny_models, shutdown_timeout, finish
 
     server = RemoteServer("--model", str(tiny_models["llama"]), "--served-model-name", "tiny", "--kv-cache-memory", str(16 * 1024**2),
                           "--max-num-seqs", "8", "--shutdown-timeout", str(shutdown_timeout))
-    length = 300 if finish else 1000  # the tiny model decodes 1000 tokens in seconds: past a 1 s timeout
+    # SIGTERM comes once the engine holds all 14 requests, with hundreds of steps to go: in flight on any machine.
+    # Two waves of 600 tokens outlast the checks below; 1000 tokens take the tiny model past a 1 s timeout.
+    length = 600 if finish else 1000
     stream_body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": length, "ignore_eos": True}
     pool = concurrent.futures.ThreadPoolExecutor(16)
     try:
         streams = [pool.submit(_stream_until_done, server, stream_body) for _ in range(10)]
         plain = [pool.submit(server.post, "/v1/completions", json=stream_body) for _ in range(4)]
-        time.sleep(1.5)
+        _wait_until_engine_holds(server, 14)
         server.process.send_signal(signal.SIGTERM)
         time.sleep(0.3)
         refused = server.post("/v1/completions", json={"model": "tiny", "prompt": [5], "max_tokens": 2})
