@@ -82,6 +82,24 @@ inline void block_values(const uint8_t* block, int64_t qtype, __m256 v[4]) {
 }
 #endif
 
+#if defined(__AVX512F__)
+// The 32 values of one block in two 512-bit registers (values 0-15, then 16-31), as block_values computes them.
+inline void block_values_512(const uint8_t* block, int64_t qtype, __m512 v[2]) {
+  const __m512 vd = _mm512_set1_ps(half_at(block));
+  if (qtype == kQ8_0) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(block + 2);
+    for (int i = 0; i < 2; ++i)
+      v[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * i)))), vd);
+    return;
+  }
+  const __m512 vm = _mm512_set1_ps(block_min(block, qtype, half_at(block)));
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(nibbles_of(block, qtype)));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  v[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(packed, mask))), vd, vm);
+  v[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(packed, 4), mask))), vd, vm);
+}
+#endif
+
 void dequantize_block(const uint8_t* block, int64_t qtype, float* out) {
 #if defined(__AVX2__) && defined(__FMA__)
   __m256 v[4];
@@ -164,6 +182,41 @@ void rows_times_group(const float* x, int64_t rows, int64_t k, const float* w, i
     default: break;
   }
 }
+
+#if defined(__AVX512F__)
+// few_rows_times_weight_rows on a processor with AVX-512: a block in two registers, two blocks per step so
+// four accumulators per input row still keep the FMAs from waiting on each other; half the instructions per
+// value, which is what bounds this loop rather than reading the blocks.
+template <int MR>
+void few_rows_times_weight_rows_512(const float* x, int64_t k, const uint8_t* w, int64_t row_bytes, int64_t qtype,
+                                    int64_t first, int64_t last, const float* bias, float* out, int64_t n) {
+  const int64_t stride = quantized_block_bytes(qtype), num_blocks = k / kBlockValues;
+  for (int64_t r = first; r < last; ++r) {
+    const uint8_t* row = w + r * row_bytes;
+    __m512 acc[MR][4];
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= num_blocks; b += 2) {
+      __m512 v[4];
+      block_values_512(row + b * stride, qtype, v);
+      block_values_512(row + (b + 1) * stride, qtype, v + 2);
+      for (int i = 0; i < MR; ++i)
+        for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_fmadd_ps(_mm512_loadu_ps(x + i * k + b * kBlockValues + 16 * j), v[j], acc[i][j]);
+    }
+    if (b < num_blocks) {
+      __m512 v[2];
+      block_values_512(row + b * stride, qtype, v);
+      for (int i = 0; i < MR; ++i)
+        for (int j = 0; j < 2; ++j) acc[i][j] = _mm512_fmadd_ps(_mm512_loadu_ps(x + i * k + b * kBlockValues + 16 * j), v[j], acc[i][j]);
+    }
+    for (int i = 0; i < MR; ++i) {
+      const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]), _mm512_add_ps(acc[i][2], acc[i][3]));
+      out[i * n + r] = _mm512_reduce_add_ps(sum) + (bias ? bias[r] : 0.f);
+    }
+  }
+}
+#endif
 
 // One or two input rows (batch-1/2 decodes): each block is dequantized in registers and multiplied in
 // at once, with four accumulators per input row so the FMAs do not wait on each other.
@@ -362,8 +415,13 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& weight, int64
   const int64_t row_bytes = weight.size(1), num_blocks = k / kBlockValues;
   if (m <= 2) {
     at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+#if defined(__AVX512F__)
+      if (m == 1) few_rows_times_weight_rows_512<1>(x_ptr, k, w_ptr, row_bytes, qtype, begin, end, bias_ptr, out_ptr, n);
+      else few_rows_times_weight_rows_512<2>(x_ptr, k, w_ptr, row_bytes, qtype, begin, end, bias_ptr, out_ptr, n);
+#else
       if (m == 1) few_rows_times_weight_rows<1>(x_ptr, k, w_ptr, row_bytes, qtype, begin, end, bias_ptr, out_ptr, n);
       else few_rows_times_weight_rows<2>(x_ptr, k, w_ptr, row_bytes, qtype, begin, end, bias_ptr, out_ptr, n);
+#endif
     });
     return out;
   }
