@@ -27,6 +27,13 @@ def test_bfloat16_gemms_run_between_float32_activations_on_the_float32_kernels(b
     assert linears and all(m.packed_weight.dtype == torch.bfloat16 for m in linears)
     assert worker.model.packed_lm_head.dtype == torch.float32  # the logits stay float32
     assert all(p.dtype == torch.float32 for p in worker.model.parameters())  # norms and embeddings stay float32
+    # Inside the MLP the gate-up output stays bfloat16 for SiLU-and-mul and the down projection; the MLP returns float32.
+    mlp = worker.model.model.layers[0].mlp
+    x = torch.randn(5, mlp.gate_up_proj.in_features)
+    assert mlp.gate_up_proj(x).dtype == torch.bfloat16 and mlp(x).dtype == torch.float32
+    for name, module in worker.model.named_modules():
+        if isinstance(module, Linear):
+            assert module.output_dtype == (torch.bfloat16 if name.endswith("gate_up_proj") else torch.float32), name
 
 
 def test_bfloat16_greedy_follows_transformers_bfloat16_except_after_near_ties(bfloat16_llm, tiny_models):

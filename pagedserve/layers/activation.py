@@ -1,4 +1,5 @@
-"""SiLU-and-mul, the gated activation of Llama-family MLPs; fused C++ kernel on CPU float32."""
+"""SiLU-and-mul, the gated activation of Llama-family MLPs; fused C++ kernel on CPU float32, torch's ops on other
+dtypes (a bfloat16 gate-up output stays bfloat16 for the down projection)."""
 
 from __future__ import annotations
 

@@ -40,18 +40,21 @@ def pack_weight(weight: torch.Tensor, dtype: torch.dtype = torch.float32, onednn
     return torch.ops.mkldnn._reorder_linear_weight(weight, _PACKING_BATCH_HINT) if onednn and onednn_packs(dtype) else weight.contiguous()
 
 
-def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ packed_weight.T (+ bias) in x's dtype. A weight in a narrower dtype (bfloat16) multiplies x rounded to it,
-    with float32 accumulation inside the GEMM; its output is widened back and the bias added in x's dtype."""
+def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x @ packed_weight.T (+ bias) in out_dtype (default: x's). A weight in a narrower dtype (bfloat16) multiplies x
+    rounded to it, with float32 accumulation inside the GEMM; its output is widened to out_dtype and the bias added
+    in it."""
+    out_dtype = out_dtype or x.dtype
     low = x if packed_weight.dtype == x.dtype else x.to(packed_weight.dtype)
-    fused_bias = bias if low is x else None
+    fused_bias = bias if out_dtype == packed_weight.dtype else None
     if packed_weight.is_mkldnn:
         out = torch.ops.mkldnn._linear_pointwise(low, packed_weight, fused_bias, "none", [], "")
     else:
         out = F.linear(low, packed_weight, fused_bias)
-    if low is x:
+    if out.dtype == out_dtype:
         return out
-    out = out.to(x.dtype)
+    out = out.to(out_dtype)
     return out if bias is None else out + bias
 
 
@@ -97,24 +100,28 @@ class Linear(nn.Linear):
     it. A fused layer (qkv, gate-up) lists its parts' output sizes in shard_sizes."""
 
     packed_weight: torch.Tensor | None = None
+    # What the dense product returns: None for its input's dtype. A GEMM whose consumers take bfloat16 (the MLP's
+    # gate-up, read by SiLU-and-mul and the down projection) keeps its bfloat16 output rather than widening it.
+    output_dtype: torch.dtype | None = None
     quantized: QuantizedWeight | None = None
     shard_sizes: tuple[int, ...] | None = None
 
-    def pack(self, dtype: torch.dtype = torch.float32, onednn: bool = True) -> None:
+    def pack(self, dtype: torch.dtype = torch.float32, onednn: bool = True, output_dtype: torch.dtype | None = None) -> None:
         self.packed_weight = pack_weight(self.weight, dtype, onednn)
+        self.output_dtype = output_dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quantized is not None and self.quantized.takes(x):
-            return self.quantized.linear(x, bias)
+            return self.quantized.linear(x.float(), bias)  # the blocks multiply float32 (x may come bfloat16)
         return self.dense_matmul(x, bias)
 
     def dense_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The product on the dense weight (packed where pack() ran), whatever the blocks would take."""
         if self.packed_weight is not None:
-            return packed_linear(x, self.packed_weight, bias)
+            return packed_linear(x, self.packed_weight, bias, self.output_dtype)
         return F.linear(x, self.weight, bias)
 
     def rank_slice(self, tensor: torch.Tensor, shard: int | None, is_bias: bool) -> torch.Tensor:

@@ -187,12 +187,16 @@ class LlamaForCausalLM(nn.Module):
             return packed_linear(hidden_states, self.packed_lm_head, None)
         return F.linear(hidden_states, self.lm_head.weight)
 
-    def pack_gemm_weights(self, dtype: torch.dtype, onednn: bool) -> None:
+    def pack_gemm_weights(self, dtype: torch.dtype, onednn: bool, activation_dtype: torch.dtype) -> None:
         """Run every dense GEMM but the lm_head's on a copy of its weight in dtype (float32, or bfloat16 multiplying
-        float32 activations rounded to it), reordered for oneDNN where onednn; the originals stay for reading."""
+        activations rounded to it), reordered for oneDNN where onednn; the originals stay for reading. GEMMs return
+        activation_dtype, but the MLP's gate-up, whose output SiLU-and-mul and the down projection read, keeps dtype."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.pack(dtype, onednn)
+                module.pack(dtype, onednn, activation_dtype)
+        for module in self.modules():
+            if isinstance(module, LlamaMLP):
+                module.gate_up_proj.output_dtype = dtype
         if self.lm_head is not None and onednn:
             self.packed_lm_head = pack_weight(self.lm_head.weight, LOGITS_DTYPE)
 
