@@ -38,6 +38,27 @@ def test_throughput_with_baseline_and_ceiling(tmp_path, tiny_models):
     assert "fraction of the replayed ceiling" in stdout
     # The runs start once the idle engine has mapped its KV cache (a thread that is then finished).
     assert record["kv_cache_mapping_s"] >= 0 and "KV cache mapping before the runs, s" in stdout
+    # Each step kind beside the machine's own limit, in the dtype the GEMMs multiply in (float32 in the suite).
+    assert record["gemm_dtype"] == "float32" and record["ceiling"]["machine_read_gb_s"] > 0
+    assert 0 < record["prefill_fraction_of_machine_limit"] and 0 < record["decode_fraction_of_machine_limit"]
+    assert "bare prefill, fraction of the machine's limit" in stdout and "matrix GFLOP/s (float32)" in stdout
+
+
+def test_gemm_work_counts_the_weights_a_decode_step_reads(default_llm):
+    """Steps the GGUF blocks take read the blocks; larger ones read the dense weights (float32 here)."""
+    from conftest import worker_of
+
+    from pagedserve.benchmarks import worker_probes
+
+    worker = worker_of(default_llm)
+    model = worker.model
+    small, large = worker_probes.gemm_work(worker, 1), worker_probes.gemm_work(worker, 1000)
+    linears = [m for m in model.modules() if hasattr(m, "quantized") and hasattr(m, "packed_weight")]
+    blocks = sum(m.quantized.blocks.numel() for m in linears) + model.quantized_lm_head.blocks.numel()
+    dense = 4 * (sum(m.weight.numel() for m in linears) + model.lm_head.weight.numel())
+    assert (small["decode_weight_bytes"], large["decode_weight_bytes"]) == (blocks, dense)
+    assert small["flops_per_token"] == 2 * sum(m.in_features * m.out_features for m in linears)
+    assert small["lm_head_flops_per_row"] == 2 * model.lm_head.weight.numel() and small["gemm_dtype"] == "float32"
 
 
 def test_repeats_must_be_positive(tmp_path):

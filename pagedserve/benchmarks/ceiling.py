@@ -1,11 +1,14 @@
 """The physical limit of a workload on this machine: the model's bare forward pass (no scheduler, no
-sampling, no host work), at full batch, timed right where the engine runs, on its own cache."""
+sampling, no host work), at full batch, timed right where the engine runs, on its own cache; and how near that pass
+comes to the machine's own limits (machine_limits)."""
 
 from __future__ import annotations
 
 import statistics
 
-from pagedserve.benchmarks import worker_probes
+import torch
+
+from pagedserve.benchmarks import machine, worker_probes
 from pagedserve.benchmarks.datasets import BenchRequest
 
 # The bare prefill pass: a few prompts of the default workload's length.
@@ -54,7 +57,26 @@ def workload_ceiling(llm, requests: list[BenchRequest]) -> dict:
     rates = {"prefill_tokens_per_s": prefill_rate, "decode_tokens_per_s": measure_ceiling(llm, num_seqs=batch, seq_len=1, repeats=10),
              "decode_context": context,
              "decode_tokens_per_s_in_context": measure_ceiling(llm, num_seqs=batch, seq_len=1, repeats=10, context=context)}
-    return rates | replay_seconds(llm, requests)
+    return rates | replay_seconds(llm, requests) | machine_limits(llm, batch)
+
+
+# Bytes read and products timed for the machine's limits: more than its caches hold, a product of prefill size.
+_READ_MIB, _MATMUL_SIZE, _LIMIT_REPEATS = 512, 1024, 3
+
+
+def machine_limits(llm, decode_rows: int) -> dict:
+    """The machine's own limits for each kind of step, from its memory read rate and its matrix rate in the dtype the
+    GEMMs multiply in (both measured now): a prefill token needs its GEMMs' products (a sequence's last token the
+    lm_head's too); a decode step of decode_rows rows reads the weights its GEMMs take at that size, and multiplies,
+    whichever takes longer. Attention and the rest are left out: these are limits no engine beats."""
+    work = llm.llm_engine.call_utility("collective_rpc", worker_probes.gemm_work, decode_rows)[0]
+    read_gb_s = machine.read_bandwidth_gb_s(_READ_MIB * 2**20, _LIMIT_REPEATS)
+    matrix_gflop_s = machine.matmul_gflop_s(getattr(torch, work["gemm_dtype"]), _MATMUL_SIZE, _LIMIT_REPEATS)
+    prefill_flops = work["flops_per_token"] + work["lm_head_flops_per_row"] / PREFILL_LEN
+    decode_step_s = max(work["decode_weight_bytes"] / (read_gb_s * 1e9),
+                        decode_rows * (work["flops_per_token"] + work["lm_head_flops_per_row"]) / (matrix_gflop_s * 1e9))
+    return {"gemm_dtype": work["gemm_dtype"], "machine_read_gb_s": read_gb_s, "machine_matrix_gflop_s": matrix_gflop_s,
+            "prefill_limit_tokens_per_s": matrix_gflop_s * 1e9 / prefill_flops, "decode_limit_tokens_per_s": decode_rows / decode_step_s}
 
 
 def decode_batch(llm, requests: list[BenchRequest]) -> int:

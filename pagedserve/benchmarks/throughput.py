@@ -131,9 +131,11 @@ def _add_run_figures(one: dict, num_prompts: int) -> None:
 
 
 def _ceiling_figures(record: dict, runs: list[dict]) -> list:
-    rates = {key: statistics.median(one["ceiling"][key] for one in runs) for key in runs[0]["ceiling"]}
+    first = runs[0]["ceiling"]
+    rates = {key: statistics.median(one["ceiling"][key] for one in runs) for key, value in first.items() if not isinstance(value, str)}
     # The same in every run of uniform lengths; with --dataset mixed the first run's (each run keeps its own).
-    rates["decode_context"] = runs[0]["ceiling"]["decode_context"]
+    rates["decode_context"] = first["decode_context"]
+    record["gemm_dtype"] = first["gemm_dtype"]
     tokens = record["prompt_tokens"] + record["output_tokens"]
     record["ceiling"] = rates
     record["ceiling_tokens_per_s"] = tokens / ceiling_seconds(rates, record["prompt_tokens"], record["output_tokens"])
@@ -141,8 +143,15 @@ def _ceiling_figures(record: dict, runs: list[dict]) -> list:
     record["ceiling_in_context_tokens_per_s"] = tokens / ceiling_seconds(rates, record["prompt_tokens"], record["output_tokens"], True)
     record["fraction_of_ceiling_in_context"] = _median(runs, "fraction_of_ceiling_in_context")
     record["fraction_of_replayed_ceiling"] = _median(runs, "fraction_of_replayed_ceiling")
+    record["prefill_fraction_of_machine_limit"] = rates["prefill_tokens_per_s"] / rates["prefill_limit_tokens_per_s"]
+    record["decode_fraction_of_machine_limit"] = rates["decode_tokens_per_s"] / rates["decode_limit_tokens_per_s"]
     return [("bare forward, prefill tokens/s", rates["prefill_tokens_per_s"]),
             ("bare forward, decode tokens/s (full batch)", rates["decode_tokens_per_s"]),
+            (f"machine limits: memory read GB/s, matrix GFLOP/s ({record['gemm_dtype']})",
+             f"{rates['machine_read_gb_s']:.1f}, {rates['machine_matrix_gflop_s']:.0f}"),
+            ("bare prefill, fraction of the machine's limit (its GEMMs at the matrix rate)", record["prefill_fraction_of_machine_limit"]),
+            ("bare decode, fraction of the machine's limit (its weights at the read rate, or its GEMMs)",
+             record["decode_fraction_of_machine_limit"]),
             ("ceiling total tokens/s for this workload", record["ceiling_tokens_per_s"]),
             ("fraction of ceiling", record["fraction_of_ceiling"]),
             (f"bare decode tokens/s after {rates['decode_context']} tokens of context", rates["decode_tokens_per_s_in_context"]),

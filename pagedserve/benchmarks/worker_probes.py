@@ -17,3 +17,25 @@ def answer_steps_with(worker, reply) -> None:
 
 def run_steps_on_the_model(worker) -> None:
     worker.__dict__.pop("execute_model", None)
+
+
+def gemm_work(worker, decode_rows: int) -> dict:
+    """What this rank's GEMMs ask of the machine: the dtype they multiply in, the multiply-adds (as FLOPs) of one token
+    through every GEMM but the lm_head and of one row through the lm_head, and the bytes of weights a decode step of
+    decode_rows rows reads (each GEMM's GGUF blocks where it takes them for that many rows, else its dense weight)."""
+    model = worker.model
+    gemms = [(module.in_features * module.out_features, module.quantized, module.packed_weight, module.weight)
+             for module in model.modules() if hasattr(module, "quantized") and hasattr(module, "packed_weight")]
+    decode_bytes = sum(_bytes_read(decode_rows, blocks, packed, weight) for _, blocks, packed, weight in gemms)
+    lm_head_flops = 0
+    if model.lm_head is not None:
+        lm_head_flops = 2 * model.lm_head.weight.numel()
+        decode_bytes += _bytes_read(decode_rows, model.quantized_lm_head, model.packed_lm_head, model.lm_head.weight)
+    return {"gemm_dtype": str(worker.gemm_dtype).removeprefix("torch."), "flops_per_token": 2 * sum(size for size, *_ in gemms),
+            "lm_head_flops_per_row": lm_head_flops, "decode_weight_bytes": decode_bytes}
+
+
+def _bytes_read(rows: int, blocks, packed, weight) -> int:
+    if blocks is not None and blocks.takes_rows(rows):
+        return blocks.blocks.numel()
+    return weight.numel() * (packed.dtype.itemsize if packed is not None else weight.element_size())

@@ -81,7 +81,10 @@ class QuantizedWeight:
         return self._kernel(x.contiguous(), self.blocks, self.qtype, bias, self.interleaved)
 
     def takes(self, x: torch.Tensor) -> bool:
-        return x.shape[0] <= self.max_rows
+        return self.takes_rows(x.shape[0])
+
+    def takes_rows(self, rows: int) -> bool:
+        return rows <= self.max_rows
 
 
 class BlocksOrDense(NamedTuple):
