@@ -19,7 +19,6 @@ from collections.abc import Callable, Sequence
 import torch
 
 from pagedserve import cached_json
-from pagedserve.cpu_features import cpu_features
 from pagedserve.layers import cpu_kernels
 from pagedserve.layers.linear import BlocksOrDense
 from pagedserve.version import __version__
@@ -38,6 +37,8 @@ def choose(model, dense_dtype: torch.dtype) -> dict[str, int]:
     """Set each GEMM's blocks to take steps of up to the measured row count (stored, or measured now); returns
     shape name -> that count."""
     gemms = model.blocks_and_dense_gemms()
+    if not gemms:
+        return {}
     path = cached_json.cache_file("gemm_choice", *_key(gemms, dense_dtype))
     rows = cached_json.read(path)
     if not isinstance(rows, dict) or set(rows) != {gemm.shape for gemm in gemms}:
@@ -85,7 +86,8 @@ def _fastest_passes(gemms: Sequence[BlocksOrDense], inputs: dict[str, torch.Tens
 
 
 def _key(gemms: Sequence[BlocksOrDense], dense_dtype: torch.dtype) -> list[str]:
-    """Everything the measurement depends on: the machine and threads, the software, the shapes and block types."""
+    """Everything the measurement depends on: the kernels' build (which covers the processor, Python and torch), the
+    threads, pagedserve's version, the dense dtype, the shapes and block types."""
     shapes = sorted({f"{gemm.shape}:{gemm.blocks.qtype}" for gemm in gemms})
-    return [cpu_features().identity, str(len(os.sched_getaffinity(0))), str(torch.get_num_threads()), torch.__version__,
-            __version__, cpu_kernels.build_key(), str(dense_dtype), *shapes]
+    return [cpu_kernels.build_key(), str(len(os.sched_getaffinity(0))), str(torch.get_num_threads()), __version__,
+            str(dense_dtype), *shapes]

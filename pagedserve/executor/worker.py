@@ -110,8 +110,7 @@ class Worker:
         if config.gguf_quantized_weights and self.cpu_kernels is not None and self.dtype == torch.float32:
             self._use_gguf_blocks()
         self._pack_gemm_weights(self.model)
-        if self.model.blocks_and_dense_gemms():
-            self._choose_gemm_paths()
+        self._choose_gemm_paths()
         self.draft_model, self.draft_config = self._load_draft_model() if config.speculative else (None, None)
         self.num_blocks = 0
         self.max_model_len = 0
@@ -129,8 +128,9 @@ class Worker:
 
     def _choose_gemm_paths(self) -> None:
         rows = gemm_choice.choose(self.model, self.gemm_dtype)
-        logger.info("GEMMs on the GGUF blocks up to these row counts, on %s weights beyond (measured on this machine): %s",
-                    _name(self.gemm_dtype), ", ".join(f"{shape} {count}" for shape, count in rows.items()))
+        if rows:
+            logger.info("GEMMs on the GGUF blocks up to these row counts, on %s weights beyond (measured on this machine): %s",
+                        _name(self.gemm_dtype), ", ".join(f"{shape} {count}" for shape, count in rows.items()))
 
     def _packs_for_onednn(self) -> bool:
         available = onednn_available(self.device, self.dtype)

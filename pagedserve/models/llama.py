@@ -182,7 +182,7 @@ class LlamaForCausalLM(nn.Module):
         return gather_logits(local)
 
     def dense_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """This rank's logits on the dense lm_head (packed where pack_for_onednn ran), whatever the blocks would take."""
+        """This rank's logits on the dense lm_head (packed where pack_gemm_weights ran), whatever the blocks would take."""
         if self.packed_lm_head is not None:
             return packed_linear(hidden_states, self.packed_lm_head, None)
         return F.linear(hidden_states, self.lm_head.weight)
