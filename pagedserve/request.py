@@ -25,6 +25,8 @@ class RequestStatus(enum.IntEnum):
         return _FINISH_REASONS.get(self)
 
 
+_UNBOUNDED = float("inf")
+
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
@@ -58,6 +60,9 @@ class Request:
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self._stop_ids = sampling_params.all_stop_token_ids()
+        # The token count at which max_tokens ends the request (max_model_len is the scheduler's to apply).
+        max_tokens = sampling_params.max_tokens
+        self._max_num_tokens_by_params = len(self.prompt_token_ids) + max_tokens if max_tokens is not None else _UNBOUNDED
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -85,18 +90,19 @@ class Request:
         return self.sampling_params.prompt_logprobs is not None
 
     def append_output_token(self, token_id: int, max_model_len: int) -> bool:
-        """Append a new token, then set a finished status if the request must stop with it. Returns True if it did."""
-        self.all_token_ids.append(token_id)
-        params = self.sampling_params
-        num_tokens = len(self.all_token_ids)
-        num_output_tokens = num_tokens - len(self.prompt_token_ids)
-        last_token = self.all_token_ids[-1]
-        if last_token in self._stop_ids and num_output_tokens >= params.min_tokens:
-            self.status = RequestStatus.FINISHED_STOPPED
-            if last_token not in params.eos_token_ids or params.ignore_eos:
-                self.stop_reason = last_token
-            return True
-        if num_tokens >= max_model_len or (params.max_tokens is not None and num_output_tokens >= params.max_tokens):
+        """Append a new token, then set a finished status if the request must stop with it. Returns True if it did.
+        Runs for every running request every step: what the limits need is computed once, at construction."""
+        all_token_ids = self.all_token_ids
+        all_token_ids.append(token_id)
+        num_tokens = len(all_token_ids)
+        if token_id in self._stop_ids:
+            params = self.sampling_params
+            if num_tokens - len(self.prompt_token_ids) >= params.min_tokens:
+                self.status = RequestStatus.FINISHED_STOPPED
+                if token_id not in params.eos_token_ids or params.ignore_eos:
+                    self.stop_reason = token_id
+                return True
+        if num_tokens >= max_model_len or num_tokens >= self._max_num_tokens_by_params:
             self.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         return False

@@ -62,3 +62,5 @@ def check_block_accounting(scheduler: Scheduler) -> None:
     assert all(pool.blocks[i].ref_cnt == n for i, n in refs.items()), "ref counts disagree with the owners"
     assert sum(refs.values()) == sum(b.ref_cnt for b in pool.blocks)
     assert set(kv.req_to_blocks) <= set(scheduler.requests)
+    assert kv.slot_capacity == {request_id: len(blocks) * kv.block_size for request_id, blocks in kv.req_to_blocks.items()}, \
+        "the decode path's capacities disagree with the blocks held"

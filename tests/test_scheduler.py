@@ -114,6 +114,29 @@ def test_prefix_hit_computes_only_the_new_tokens():
     assert stats.hits == 20
 
 
+def test_blocks_filled_by_decodes_are_cached_when_the_request_ends():
+    """A follow-up turn (the prompt, the answer, then more) reuses the blocks the answer filled, as the first request's
+    blocks were freed; a block a running request fills while it decodes is not offered to others until then."""
+    sched = make_scheduler(block_size=4, num_blocks=64, budget=64)
+    prompt = list(range(200, 206))  # one full block and two tokens
+    sched.add_request(make_request("first", prompt=prompt, max_tokens=7))
+    step(sched)
+    for _ in range(3):
+        step(sched)  # the answer's first tokens fill the second block
+    first = sched.requests["first"]
+    assert first.num_computed_tokens >= 8
+    assert sched.kv_cache_manager.num_cached_blocks.get("first", 0) == 1
+    while sched.has_unfinished_requests():
+        step(sched)
+    conversation = first.all_token_ids
+    assert len(conversation) == 13
+    sched.add_request(make_request("second", prompt=conversation + [9, 9, 9], max_tokens=1))
+    output, _ = step(sched)
+    # Known tokens with K/V: all but the last answer token, so three full blocks are reused.
+    assert output.scheduled_new_reqs[0].num_computed_tokens == 12
+    assert output.num_scheduled_tokens["second"] == 4
+
+
 def test_full_prompt_hit_still_recomputes_the_last_token():
     sched = make_scheduler(block_size=4, budget=64)
     prompt = list(range(300, 316))  # exactly 4 blocks

@@ -55,9 +55,11 @@ class BlockPool:
         if num_blocks > self.num_free_blocks:
             raise ValueError(f"cannot get {num_blocks} blocks: only {self.num_free_blocks} free")
         new_blocks = []
+        pop_oldest = self.free_queue.popitem
         for _ in range(num_blocks):
-            _, block = self.free_queue.popitem(last=False)
-            self._evict(block)
+            _, block = pop_oldest(last=False)
+            if block.block_hash is not None:
+                self._evict(block)
             block.ref_cnt = 1
             new_blocks.append(block)
         return new_blocks
@@ -95,7 +97,7 @@ class BlockPool:
         return True
 
     def _evict(self, block: KVCacheBlock) -> None:
-        if block.block_hash is not None:
-            if self.cached_blocks.get(block.block_hash) is block:
-                del self.cached_blocks[block.block_hash]
-            block.block_hash = None
+        """Forget a cached block's hash (the block is about to hold other tokens)."""
+        if self.cached_blocks.get(block.block_hash) is block:
+            del self.cached_blocks[block.block_hash]
+        block.block_hash = None

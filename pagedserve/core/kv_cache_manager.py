@@ -30,6 +30,9 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_to_block_hashes: dict[str, list[BlockHash]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # per request: how many leading blocks are hashed
+        # Per request: the tokens its blocks hold. An allocation within them is a no-op, which the scheduler's decode
+        # path reads here instead of calling.
+        self.slot_capacity: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
 
     @property
@@ -67,33 +70,36 @@ class KVCacheManager:
     ) -> list[KVCacheBlock] | None:
         """Make room for num_new_tokens more tokens after the computed ones, and num_lookahead_tokens more slots
         beyond them (a draft model's proposals write there). None if the pool can't."""
-        block_size = self.block_size
-        req_blocks = self.req_to_blocks.get(request.request_id)
-        if req_blocks is None:
-            req_blocks = self.req_to_blocks[request.request_id] = []
+        request_id, block_size, block_pool = request.request_id, self.block_size, self.block_pool
         if not new_computed_blocks:
-            # The per-step decode path: most steps need no new block and fill no block.
-            num_tokens_after = request.num_computed_tokens + num_new_tokens + num_lookahead_tokens
-            if num_tokens_after <= len(req_blocks) * block_size and (
-                not self.enable_caching or num_tokens_after // block_size <= self.num_cached_blocks.get(request.request_id, 0)
-            ):
+            if request.num_computed_tokens + num_new_tokens + num_lookahead_tokens <= self.slot_capacity.get(request_id, -1):
                 return []
             new_computed_blocks = []
+        req_blocks = self.req_to_blocks.get(request_id)
+        if req_blocks is None:
+            req_blocks = self.req_to_blocks[request_id] = []
         num_computed_tokens = request.num_computed_tokens + len(new_computed_blocks) * block_size
         num_required_blocks = cdiv(num_computed_tokens + num_new_tokens + num_lookahead_tokens, block_size)
         num_new_blocks = num_required_blocks - len(req_blocks) - len(new_computed_blocks)
         # Cached blocks sitting in the free queue stop being free once touched.
-        num_evictable_computed = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
-        if num_new_blocks > self.block_pool.num_free_blocks - num_evictable_computed:
+        num_evictable_computed = sum(1 for block in new_computed_blocks if block.ref_cnt == 0) if new_computed_blocks else 0
+        if num_new_blocks > block_pool.num_free_blocks - num_evictable_computed:
             if not req_blocks:
-                del self.req_to_blocks[request.request_id]
+                del self.req_to_blocks[request_id]
             return None
-        self.block_pool.touch(new_computed_blocks)
-        req_blocks.extend(new_computed_blocks)
-        new_blocks = self.block_pool.get_new_blocks(max(num_new_blocks, 0))
-        req_blocks.extend(new_blocks)
-        if self.enable_caching and not request.skips_prefix_cache:
+        if new_computed_blocks:
+            block_pool.touch(new_computed_blocks)
+            req_blocks.extend(new_computed_blocks)
+        if num_new_blocks > 0:
+            new_blocks = block_pool.get_new_blocks(num_new_blocks)
+            req_blocks.extend(new_blocks)
+        else:
+            new_blocks = []
+        # Blocks of the prompt are cached as they are computed: other requests may share them at once (a system
+        # prompt, the other samples of the request). Blocks of generated tokens are cached when the request is freed.
+        if num_computed_tokens < request.num_prompt_tokens and self.enable_caching and not request.skips_prefix_cache:
             self._cache_full_blocks(request, num_computed_tokens + num_new_tokens)
+        self.slot_capacity[request_id] = len(req_blocks) * block_size
         return new_blocks
 
     def trim(self, request: Request) -> None:
@@ -103,11 +109,17 @@ class KVCacheManager:
         if blocks is not None and len(blocks) > keep:
             self.block_pool.free_blocks(reversed(blocks[keep:]))
             del blocks[keep:]
+            self.slot_capacity[request.request_id] = keep * self.block_size
 
     def free(self, request: Request) -> None:
+        """Give back the request's blocks, those full of its computed tokens cached first (those its decodes filled are
+        cached only now)."""
+        if request.request_id in self.req_to_blocks and self.enable_caching and not request.skips_prefix_cache:
+            self._cache_full_blocks(request, request.num_computed_tokens)
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.block_pool.free_blocks(reversed(blocks))
         self.num_cached_blocks.pop(request.request_id, None)
+        self.slot_capacity.pop(request.request_id, None)
         if request.is_finished:
             self.req_to_block_hashes.pop(request.request_id, None)
 

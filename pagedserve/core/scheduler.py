@@ -20,6 +20,7 @@ from pagedserve.core.step_time import StepShape
 from pagedserve.request import Request, RequestStatus
 
 _NO_DRAFTS: list[int] = []  # shared, never changed: a decode without drafts
+_RUNNING = RequestStatus.RUNNING
 
 
 class Scheduler:
@@ -125,24 +126,30 @@ class Scheduler:
     def _schedule_running(self, plan: StepPlan) -> bool:
         """Running requests in order, each its next token or chunk, preempting the least important when the cache
         is full. Returns whether any request was preempted. Runs for every running request each step: lookups are
-        hoisted and a decode that fits costs no call beyond its allocation and the plan's."""
-        allocate_slots, req_to_blocks = self.kv_cache_manager.allocate_slots, self.kv_cache_manager.req_to_blocks
-        drafts_policy = self.drafts
+        hoisted, and a decode whose blocks hold its token costs one call, the plan's."""
+        kv = self.kv_cache_manager
+        allocate_slots, req_to_blocks, slot_capacity = kv.allocate_slots, kv.req_to_blocks, kv.slot_capacity.get
+        add_plain_decode, drafts_policy = plan.add_plain_decode, self.drafts
+        plain_decodes = drafts_policy is None
         preempted_any = False
-        index = 0
-        while index < len(self.running) and plan.token_budget > 0:
-            request = self.running[index]
-            num_new_tokens = len(request.all_token_ids) - request.num_computed_tokens
+        # Preemption removes only requests at or after the current one, which a list iterator tolerates.
+        for index, request in enumerate(self.running):
+            if plan.token_budget <= 0:
+                break
+            num_computed_tokens = request.num_computed_tokens
+            num_new_tokens = len(request.all_token_ids) - num_computed_tokens
+            if num_new_tokens == 1 and plain_decodes and num_computed_tokens < slot_capacity(request.request_id, 0):
+                add_plain_decode(request)  # allocate_slots would have nothing to do
+                continue
             drafts = _NO_DRAFTS
             if num_new_tokens > 1:  # an unfinished prompt: chunk it (0: no time left in this step for it)
-                num_new_tokens = plan.chunk_size(num_new_tokens, request.num_computed_tokens)
+                num_new_tokens = plan.chunk_size(num_new_tokens, num_computed_tokens)
             elif num_new_tokens == 1 and drafts_policy is not None:
                 drafts = drafts_policy.take_drafts(request, plan.token_budget)
                 num_new_tokens += len(drafts)
             if num_new_tokens == 0:  # no time for its chunk, or its last step is still in the pipeline
-                index += 1
                 continue
-            lookahead = drafts_policy.lookahead_slots(request, request.num_computed_tokens + num_new_tokens) if drafts_policy else 0
+            lookahead = drafts_policy.lookahead_slots(request, num_computed_tokens + num_new_tokens) if drafts_policy else 0
             new_blocks = allocate_slots(request, num_new_tokens, None, lookahead)
             if new_blocks is None:
                 preempted_any = True
@@ -154,7 +161,6 @@ class Scheduler:
                 plan.add_decode(request, drafts, new_blocks, num_blocks)
             else:
                 plan.add_chunk(request, num_new_tokens, new_blocks, num_blocks)
-            index += 1
         return preempted_any
 
     def _preempt_until_it_fits(self, request: Request, num_new_tokens: int, lookahead: int, index: int) -> list | None:
@@ -234,32 +240,33 @@ class Scheduler:
     # ---- after the model ran ---------------------------------------------------------------
 
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        # Runs for every scheduled request each step: lookups are hoisted, and the logprob maps are read only
-        # when the step produced any.
+        # Runs for every scheduled request each step: lookups are hoisted, and the logprob and draft maps are read
+        # only when the step produced any.
         outputs: list[EngineCoreOutput] = []
         stopped: list[Request] = []
         get_request, get_sampled = self.requests.get, runner_output.sampled_token_ids.get
         logprobs, prompt_logprobs_of = runner_output.logprobs, runner_output.prompt_logprobs
-        verified = scheduler_output.drafts_to_verify
+        verified, proposed_drafts = scheduler_output.drafts_to_verify, runner_output.proposed_drafts
         max_model_len = self.max_model_len
         for request_id in scheduler_output.num_scheduled_tokens:
             request = get_request(request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
+            if request is None or request.status is not _RUNNING:
                 continue  # aborted (or, with steps in flight, preempted) while the step ran
             token_id = get_sampled(request_id)
-            new_token_ids = []
             finish_reason = None
-            if token_id is not None:
-                if verified and request_id in verified:
-                    finish_reason = self._append_verified(request, verified[request_id], runner_output, new_token_ids)
-                else:
-                    new_token_ids.append(token_id)
-                    if request.append_output_token(token_id, max_model_len):
-                        finish_reason = request.status.finish_reason
-                if finish_reason is not None:
-                    stopped.append(request)
-                elif runner_output.proposed_drafts:
-                    self.drafts.proposed(request, runner_output.proposed_drafts.get(request_id))
+            if token_id is None:  # a prompt chunk that does not reach the prompt's end
+                new_token_ids = []
+            elif verified and request_id in verified:
+                new_token_ids = []
+                finish_reason = self._append_verified(request, verified[request_id], runner_output, new_token_ids)
+            else:
+                new_token_ids = [token_id]
+                if request.append_output_token(token_id, max_model_len):
+                    finish_reason = request.status.finish_reason
+            if finish_reason is not None:
+                stopped.append(request)
+            elif proposed_drafts and token_id is not None:
+                self.drafts.proposed(request, proposed_drafts.get(request_id))
             prompt_logprobs = prompt_logprobs_of.get(request_id) if prompt_logprobs_of else None
             if prompt_logprobs is not None:
                 self.num_prompt_logprobs_sent[request_id] = self.num_prompt_logprobs_sent.get(request_id, 0) + len(prompt_logprobs.ranks)
@@ -268,9 +275,8 @@ class Scheduler:
             token_logprobs = logprobs.get(request_id) if logprobs else None
             if token_logprobs is not None and len(token_logprobs.ranks) > len(new_token_ids):  # a stop inside verified drafts
                 token_logprobs = token_logprobs.head(len(new_token_ids))
-            num_cached_tokens = request.num_cached_tokens if request.num_cached_tokens > 0 else 0
             outputs.append(EngineCoreOutput(request_id, new_token_ids, token_logprobs, prompt_logprobs, finish_reason, request.stop_reason,
-                                            num_cached_tokens))
+                                            request.num_cached_tokens))
         for request in stopped:
             self.running.remove(request)
             self._free_request(request)

@@ -4,8 +4,6 @@ step before the streams it carries wait longer than the limit allows."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 from pagedserve.config import DecodeStallLimit
 from pagedserve.core.step_time import ShapeTally, StepShape, StepTimeModel
 from pagedserve.request import Request
@@ -55,20 +53,26 @@ class DecodeStallBound:
         if shape.decode_tokens and not shape.prefill_tokens:
             self.decode_step_time.observe(shape, seconds)
 
-    def allowance(self, running: Iterable[Request], num_waiting: int, max_num_seqs: int) -> PrefillAllowance | None:
+    def allowance(self, running: list[Request], num_waiting: int, max_num_seqs: int) -> PrefillAllowance | None:
         """What bounds the next step's prompt work in time: None when nothing does (no limit set, the model not yet
         fit, no request decoding, so that no stream waits for the prompts, or no prompt to bound)."""
         if self.limit is None or not self.step_time.ready:
             return None
-        decoding, num_running, prompt_work = ShapeTally(), 0, num_waiting > 0
-        for request in running:
-            num_running += 1
-            if request.num_tokens - request.num_computed_tokens == 1:
-                decoding.add_decode(1, request.num_computed_tokens)
-            else:
-                prompt_work = True
-        if not decoding.decode_tokens or not prompt_work:
+        # Prompt work: a waiting request that may join, or a running one with prompt tokens left. Most steps of a
+        # busy engine have none, and they pay only for this look.
+        num_running = len(running)
+        if not (num_waiting > 0 and num_running < max_num_seqs) and not _any_prompt_left(running):
             return None
+        num_decoding, sum_of_context_lens = 0, 0
+        for request in running:
+            num_computed_tokens = request.num_computed_tokens
+            if len(request.all_token_ids) - num_computed_tokens == 1:
+                num_decoding += 1
+                sum_of_context_lens += num_computed_tokens
+        if not num_decoding:
+            return None
+        decoding = ShapeTally()
+        decoding.add_decodes(num_decoding, sum_of_context_lens)
         decode_only = self._decode_only_seconds(decoding.shape())
         # The decode-only step of the batch these prompts are joining, not of the few streams that may be
         # decoding when they arrive: the waiting requests decode too, as soon as their prompts are in.
@@ -80,3 +84,10 @@ class DecodeStallBound:
     def _decode_only_seconds(self, shape: StepShape) -> float:
         enough = self.decode_step_time.num_observations >= _MIN_DECODE_ONLY_STEPS
         return (self.decode_step_time if enough else self.step_time).predict(shape)
+
+
+def _any_prompt_left(running: list[Request]) -> bool:
+    for request in running:
+        if len(request.all_token_ids) - request.num_computed_tokens > 1:
+            return True
+    return False

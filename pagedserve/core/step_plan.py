@@ -23,6 +23,9 @@ class StepPlan:
         # Pipeline parallelism: every decode carries its last token to the stages that did not sample it.
         self.send_last_tokens = send_last_tokens
         self.tally = ShapeTally()
+        # Plain decodes are tallied once, when the step is built.
+        self.num_plain_decodes = 0
+        self.plain_decode_context_lens = 0
         self.num_scheduled_tokens: dict[str, int] = {}
         self.new_reqs: list[NewRequestData] = []
         self.running_reqs: list[RunningRequestData] = []
@@ -53,6 +56,18 @@ class StepPlan:
         self.num_scheduled_tokens[request_id] = num_tokens
         request.num_computed_tokens += num_tokens
         self.token_budget -= num_tokens
+
+    def add_plain_decode(self, request: Request) -> None:
+        """A running request's next token, without drafts and without new blocks: what nearly every request does in
+        nearly every step, so it costs no more than this."""
+        request_id, context_len = request.request_id, request.num_computed_tokens
+        if self.send_last_tokens:
+            self.last_token_ids[request_id] = (context_len, request.all_token_ids[-1])
+        self.num_plain_decodes += 1
+        self.plain_decode_context_lens += context_len
+        self.num_scheduled_tokens[request_id] = 1
+        request.num_computed_tokens = context_len + 1
+        self.token_budget -= 1
 
     def add_chunk(self, request: Request, num_tokens: int, new_blocks: list[KVCacheBlock], num_blocks: int) -> None:
         """The next chunk of a running request's prompt."""
@@ -87,6 +102,7 @@ class StepPlan:
         self.token_budget -= num_tokens
 
     def build(self, finished_req_ids: set[str], preempted_req_ids: set[str], propose_for: set[str]) -> SchedulerOutput:
+        self.tally.add_decodes(self.num_plain_decodes, self.plain_decode_context_lens)
         return SchedulerOutput(
             scheduled_new_reqs=self.new_reqs,
             scheduled_running_reqs=self.running_reqs,

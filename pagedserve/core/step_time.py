@@ -47,6 +47,12 @@ class ShapeTally:
         self.decode_tokens += num_tokens
         self.attention_pairs += num_tokens * (context_len + 1)
 
+    def add_decodes(self, num_requests: int, sum_of_context_lens: int) -> None:
+        """num_requests decodes of one token each, after contexts that add up to sum_of_context_lens: as many
+        add_decode(1, context_len) calls."""
+        self.decode_tokens += num_requests
+        self.attention_pairs += sum_of_context_lens + num_requests
+
     def add_chunk(self, num_tokens: int, context_len: int) -> None:
         """A chunk of a prompt after context_len tokens with K/V."""
         self.prefill_tokens += num_tokens
