@@ -5,7 +5,7 @@ import random
 
 import torch
 
-from pagedserve.executor.input_batch import RunnerRequestState, prepare_inputs
+from pagedserve.executor.input_batch import RunnerRequests, RunnerRequestState, prepare_inputs
 from pagedserve.layers.attention.backend import AttentionBackend
 from pagedserve.sampling_params import SamplingParams
 
@@ -40,7 +40,10 @@ def _requests(rng: random.Random) -> tuple[dict[str, RunnerRequestState], dict[s
 def test_decodes_and_chunks_lay_out_token_by_token_as_their_requests_say():
     for seed in range(20):
         states, scheduled = _requests(random.Random(seed))
-        inputs = prepare_inputs(states, scheduled, BLOCK_SIZE, _LayoutOnly(), torch.device("cpu"))
+        requests = RunnerRequests()
+        for state in states.values():
+            requests.add(state)
+        inputs = prepare_inputs(requests, scheduled, BLOCK_SIZE, _LayoutOnly(), torch.device("cpu"))
         order = [rid for rid in scheduled if scheduled[rid] == 1] + [rid for rid in scheduled if scheduled[rid] != 1]
         ids, positions, slots, logits_rows, samplers, offset = [], [], [], [], [], 0
         for request_id in order:
@@ -69,3 +72,35 @@ def test_decodes_and_chunks_lay_out_token_by_token_as_their_requests_say():
             assert chunk.block_table.tolist() == state.block_ids[: -(-chunk.seq_len // BLOCK_SIZE)]
         with_prompt_logprobs = {piece.request_id for piece in inputs.prompt_logprobs}
         assert with_prompt_logprobs <= {rid for rid in order if states[rid].sampling_params.prompt_logprobs is not None}
+
+
+def test_block_table_rows_follow_each_request_as_blocks_come_and_go():
+    """Requests arrive, gain blocks, give back trailing blocks and leave, past the table's first size in both
+    dimensions; each live request's row always starts with exactly its block ids, and no two share a row."""
+    rng = random.Random(0)
+    requests, live, next_id = RunnerRequests(), {}, 0
+    params = SamplingParams(temperature=0.0)
+    for _ in range(2000):
+        action = rng.random()
+        if action < 0.3 or not live:
+            request_id, next_id = f"r{next_id}", next_id + 1
+            blocks = rng.sample(range(10_000), rng.randint(0, 8))
+            requests.add(RunnerRequestState(request_id, [1], 1, params, list(blocks), 0))
+            live[request_id] = blocks
+        elif action < 0.8:
+            request_id = rng.choice(list(live))
+            kept = -1 if rng.random() < 0.8 else rng.randint(0, len(live[request_id]))
+            new_blocks = rng.sample(range(10_000), rng.randint(0, 12))
+            requests.add_blocks(request_id, new_blocks, kept)
+            live[request_id] = (live[request_id] if kept < 0 else live[request_id][:kept]) + new_blocks
+        else:
+            request_id = rng.choice(list(live))
+            requests.remove(request_id)
+            del live[request_id]
+        rows = [requests[request_id].row for request_id in live]
+        assert len(set(rows)) == len(rows)
+        for request_id, blocks in live.items():
+            state = requests[request_id]
+            assert state.block_ids == blocks
+            assert requests.block_tables.ids[state.row, : len(blocks)].tolist() == blocks
+    assert requests.block_tables.ids.shape[0] > 16 and requests.block_tables.ids.shape[1] > 64

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 
@@ -11,8 +12,8 @@ from pagedserve.core.contracts import ModelRunnerOutput, SchedulerOutput
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.core.step_time import uniform_step_shape
-from pagedserve.executor.host_costs import time_input_preparation
-from pagedserve.executor.input_batch import RunnerRequestState
+from pagedserve.executor.host_costs import time_input_preparation, time_sampling_metadata
+from pagedserve.executor.input_batch import RunnerRequests, RunnerRequestState
 from pagedserve.request import Request
 from pagedserve.sampling_params import SamplingParams
 
@@ -70,15 +71,22 @@ def run_sched(args) -> dict:
         scheduler.update_from_output(output, runner_output)
         durations.append(scheduled - start + time.perf_counter() - updating)
     median_us, p99_us = _median_and_p99_us(durations)
-    prepare_median_us, prepare_p99_us = _median_and_p99_us(_time_input_preparation(scheduler, args.steps))
     record = {"benchmark": "sched", "num_running": len(scheduler.running), "num_waiting": len(scheduler.waiting),
-              "median_us_per_step": median_us, "p99_us_per_step": p99_us,
-              "prepare_inputs_median_us": prepare_median_us, "prepare_inputs_p99_us": prepare_p99_us}
+              "median_us_per_step": median_us, "p99_us_per_step": p99_us}
+    requests, output = _runner_requests(scheduler)
+    sampling_ids, sampled = list(output.num_scheduled_tokens), _sampled(requests, list(output.num_scheduled_tokens))
+    for name, durations in (("prepare_inputs", time_input_preparation(requests, output.num_scheduled_tokens, kv.block_size, args.steps)),
+                            ("sampling_metadata_greedy", time_sampling_metadata(requests, sampling_ids, args.steps)),
+                            ("sampling_metadata_sampled", time_sampling_metadata(sampled, sampling_ids, args.steps))):
+        record[f"{name}_median_us"], record[f"{name}_p99_us"] = _median_and_p99_us(durations)
     print_table("scheduler + KV manager step (no model)", [
         ("running requests", record["num_running"]), ("waiting requests", record["num_waiting"]),
         ("median us / step", median_us), ("p99 us / step", p99_us),
-        ("runner input preparation, median us / step", prepare_median_us),
-        ("runner input preparation, p99 us / step", prepare_p99_us),
+        ("runner input preparation, median / p99 us", f"{record['prepare_inputs_median_us']:.0f} / {record['prepare_inputs_p99_us']:.0f}"),
+        ("runner sampling metadata, greedy, median / p99 us",
+         f"{record['sampling_metadata_greedy_median_us']:.0f} / {record['sampling_metadata_greedy_p99_us']:.0f}"),
+        ("runner sampling metadata, temperature 1, median / p99 us",
+         f"{record['sampling_metadata_sampled_median_us']:.0f} / {record['sampling_metadata_sampled_p99_us']:.0f}"),
     ])
     write_json(args.json, record)
     return record
@@ -100,15 +108,21 @@ def _median_and_p99_us(durations: list[float]) -> tuple[float, float]:
     return percentile(durations, 50) * 1e6, percentile(durations, 99) * 1e6
 
 
-def _time_input_preparation(scheduler: Scheduler, steps: int) -> list[float]:
-    """The model runner's layout of the scheduler's next step (every running request's decode), with the runner's
-    copy of each request built from the scheduler's."""
+def _runner_requests(scheduler: Scheduler) -> tuple[RunnerRequests, SchedulerOutput]:
+    """The scheduler's next step (every running request's decode), and the runner's copy of each request in it."""
     output = scheduler.schedule()
     kv = scheduler.kv_cache_manager
-    states = {}
+    requests = RunnerRequests()
     for request_id, num_tokens in output.num_scheduled_tokens.items():
         request = scheduler.requests[request_id]
-        states[request_id] = RunnerRequestState(request_id, list(request.all_token_ids), request.num_prompt_tokens,
-                                                request.sampling_params, kv.block_ids(request_id),
-                                                request.num_computed_tokens - num_tokens)
-    return time_input_preparation(states, output.num_scheduled_tokens, kv.block_size, steps)
+        requests.add(RunnerRequestState(request_id, list(request.all_token_ids), request.num_prompt_tokens, request.sampling_params,
+                                        kv.block_ids(request_id), request.num_computed_tokens - num_tokens))
+    return requests, output
+
+
+def _sampled(requests: RunnerRequests, request_ids: list[str]) -> RunnerRequests:
+    """The same requests, drawing at temperature 1."""
+    sampled = RunnerRequests()
+    for state in requests.of(request_ids):
+        sampled.add(dataclasses.replace(state, sampling_params=dataclasses.replace(state.sampling_params, temperature=1.0)))
+    return sampled

@@ -6,11 +6,13 @@ import time
 
 import torch
 
-from pagedserve.executor.input_batch import RunnerRequestState, prepare_inputs
+from pagedserve.executor.input_batch import RunnerRequests, prepare_inputs
+from pagedserve.executor.sampling_inputs import SamplingInputs
 from pagedserve.layers.attention.cpu_backend import CPUAttentionBackend
+from pagedserve.layers.sampling_rule import DrawKeys
 
 
-def time_input_preparation(states: dict[str, RunnerRequestState], num_scheduled_tokens: dict[str, int], block_size: int,
+def time_input_preparation(requests: RunnerRequests, num_scheduled_tokens: dict[str, int], block_size: int,
                            repeats: int) -> list[float]:
     """Seconds the model runner takes, each of repeats times, to lay out one step as its flat batch, the CPU
     backend's attention metadata included."""
@@ -18,6 +20,19 @@ def time_input_preparation(states: dict[str, RunnerRequestState], num_scheduled_
     durations = []
     for _ in range(repeats):
         start = time.perf_counter()
-        prepare_inputs(states, num_scheduled_tokens, block_size, backend, device)
+        prepare_inputs(requests, num_scheduled_tokens, block_size, backend, device)
+        durations.append(time.perf_counter() - start)
+    return durations
+
+
+def time_sampling_metadata(requests: RunnerRequests, request_ids: list[str], repeats: int) -> list[float]:
+    """Seconds the model runner takes, each of repeats times, to describe the rows of a step that samples for
+    request_ids, the same requests as the step before (as in a run of decode steps)."""
+    sampling_inputs = SamplingInputs(torch.device("cpu"), DrawKeys(0))
+    states, batch_key = requests.of(request_ids), (requests.version, tuple(request_ids))
+    durations = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        sampling_inputs.metadata(states, batch_key=batch_key)
         durations.append(time.perf_counter() - start)
     return durations

@@ -23,6 +23,7 @@ class RunnerRequestState:
     num_computed_tokens: int
     prompt_logprobs_start: int = 0
     num_drafts: int = 0  # draft tokens at the end of token_ids, verified in this step
+    row: int = -1  # its row of RunnerRequests.block_tables, once added
 
     @property
     def num_output_tokens(self) -> int:
@@ -36,6 +37,85 @@ class PromptLogprobsSlice:
     target_token_ids: list[int]
 
 
+class BlockTables:
+    """Block ids as rows of one array, a row per request (rows are reused as requests come and go; both dimensions
+    grow as needed). A step's decode block tables are then one gather, not hundreds of lists padded each step.
+    What lies beyond a request's blocks in its row is left as it was: readers cut each row to the blocks they use."""
+
+    def __init__(self, num_rows: int = 16, num_columns: int = 64) -> None:
+        self.ids = np.zeros((num_rows, num_columns), dtype=np.int64)
+        self._free_rows = list(range(num_rows - 1, -1, -1))  # popped from the end: the lowest row first
+
+    def add(self, block_ids: list[int]) -> int:
+        if not self._free_rows:
+            num_rows = self.ids.shape[0]
+            self._resize(2 * num_rows, self.ids.shape[1])
+            self._free_rows = list(range(2 * num_rows - 1, num_rows - 1, -1))
+        row = self._free_rows.pop()
+        self.write(row, 0, block_ids)
+        return row
+
+    def write(self, row: int, start: int, block_ids: list[int]) -> None:
+        """block_ids as the row's blocks from index start on."""
+        end = start + len(block_ids)
+        if end > self.ids.shape[1]:
+            self._resize(self.ids.shape[0], max(end, 2 * self.ids.shape[1]))
+        self.ids[row, start:end] = block_ids
+
+    def remove(self, row: int) -> None:
+        self._free_rows.append(row)
+
+    def _resize(self, num_rows: int, num_columns: int) -> None:
+        ids = np.zeros((num_rows, num_columns), dtype=np.int64)
+        ids[: self.ids.shape[0], : self.ids.shape[1]] = self.ids
+        self.ids = ids
+
+
+class RunnerRequests:
+    """The runner's requests by id, each one's block ids kept in its state and, the same, in its row of block_tables:
+    every change to a request's blocks goes through here, so the two never differ."""
+
+    def __init__(self) -> None:
+        self._states: dict[str, RunnerRequestState] = {}
+        self.block_tables = BlockTables()
+        # Changes whenever a request is added or removed: with the ids of a batch, it names the same requests.
+        self.version = 0
+
+    def __getitem__(self, request_id: str) -> RunnerRequestState:
+        return self._states[request_id]
+
+    def of(self, request_ids: list[str]) -> list[RunnerRequestState]:
+        states = self._states
+        return [states[request_id] for request_id in request_ids]
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._states
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def add(self, state: RunnerRequestState) -> None:
+        self.remove(state.request_id)
+        state.row = self.block_tables.add(state.block_ids)
+        self._states[state.request_id] = state
+        self.version += 1
+
+    def remove(self, request_id: str) -> None:
+        state = self._states.pop(request_id, None)
+        if state is not None:
+            self.block_tables.remove(state.row)
+            self.version += 1
+
+    def add_blocks(self, request_id: str, new_block_ids: list[int], num_kept_blocks: int = -1) -> None:
+        """Append new blocks to the request's, after keeping only its first num_kept_blocks (-1: all of them)."""
+        state = self._states[request_id]
+        block_ids = state.block_ids
+        if 0 <= num_kept_blocks < len(block_ids):
+            del block_ids[num_kept_blocks:]
+        self.block_tables.write(state.row, len(block_ids), new_block_ids)
+        block_ids.extend(new_block_ids)
+
+
 @dataclass
 class ModelInputs:
     input_ids: torch.Tensor
@@ -46,48 +126,73 @@ class ModelInputs:
     prompt_logprobs: list[PromptLogprobsSlice] = field(default_factory=list)
 
 
-def prepare_inputs(states: dict[str, RunnerRequestState], num_scheduled_tokens: dict[str, int], block_size: int,
+def prepare_inputs(requests: RunnerRequests, num_scheduled_tokens: dict[str, int], block_size: int,
                    attn_backend: AttentionBackend, device: torch.device) -> ModelInputs:
     # Decodes (one query token) first: attention takes them in one batched call.
     batch = _FlatBatch(block_size)
-    for request_id, num_tokens in num_scheduled_tokens.items():
-        if num_tokens == 1:
-            batch.add_decode(states[request_id])
+    decode_ids = [request_id for request_id, num_tokens in num_scheduled_tokens.items() if num_tokens == 1]
+    batch.add_decodes(decode_ids, requests.of(decode_ids), requests.block_tables)
     for request_id, num_tokens in num_scheduled_tokens.items():
         if num_tokens != 1:
-            batch.add_chunk(states[request_id], num_tokens)
+            batch.add_chunk(requests[request_id], num_tokens)
     return batch.inputs(attn_backend, device)
 
 
 class _FlatBatch:
-    """One step's requests laid end to end. A decode's row is a handful of integers, gathered in plain Python (array
-    operations per request cost more than the arithmetic, and a step may carry hundreds of decodes); a prompt chunk's
-    rows are arrays."""
+    """One step's requests laid end to end. The decodes are gathered in one pass that reads a few integers of each
+    (a step may carry hundreds of them), then laid out with array operations over all of them at once; a prompt
+    chunk's rows are arrays of its own."""
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self.decode_ids: list[int] = []
-        self.decode_slots: list[int] = []
+        self.decode_ids = np.zeros(0, dtype=np.int64)
+        self.decode_positions = np.zeros(0, dtype=np.int64)
+        self.decode_slots = np.zeros(0, dtype=np.int64)
+        self.decode_tables = np.zeros((0, 1), dtype=np.int64)
         self.chunk_ids: list[np.ndarray] = []
         self.chunk_slots: list[np.ndarray] = []
-        self.decode_positions: list[int] = []
         self.chunk_positions: list[np.ndarray] = []
-        self.query_lens: list[int] = []
-        self.seq_lens: list[int] = []
-        self.tables: list = []
+        self.chunk_query_lens: list[int] = []
+        self.chunk_seq_lens: list[int] = []
+        self.chunk_tables: list[np.ndarray] = []
         self.sampling_req_ids: list[str] = []
         self.logits_indices: list[int] = []
         self.prompt_slices: list[PromptLogprobsSlice] = []
         self.offset = 0
 
-    def add_decode(self, state: RunnerRequestState) -> None:
-        position, block_size = state.num_computed_tokens, self.block_size
-        block_index = position // block_size
-        self.decode_ids.append(state.token_ids[position])
-        self.decode_positions.append(position)
-        self.decode_slots.append(state.block_ids[block_index] * block_size + position % block_size)
-        self.tables.append(state.block_ids[: block_index + 1])
-        self._account(state, position, 1)
+    def add_decodes(self, request_ids: list[str], states: list[RunnerRequestState], block_tables: BlockTables) -> None:
+        """Every decode of the step (one token each), in this order; called first and once."""
+        rows, positions, ids, unusual = [], [], [], False
+        for state in states:
+            position, token_ids = state.num_computed_tokens, state.token_ids
+            rows.append(state.row)
+            positions.append(position)
+            ids.append(token_ids[position])
+            # Unusual: a prompt's token that is not its last (it samples nothing), or prompt logprobs to gather.
+            if position + 1 != len(token_ids) or state.sampling_params.prompt_logprobs is not None:
+                unusual = True
+        if not unusual:
+            self.sampling_req_ids.extend(request_ids)
+            self.logits_indices.extend(range(len(states)))
+        else:
+            for offset, (state, position) in enumerate(zip(states, positions)):
+                if position + 1 == len(state.token_ids):
+                    self.sampling_req_ids.append(state.request_id)
+                    self.logits_indices.append(offset)
+                if state.sampling_params.prompt_logprobs is not None:
+                    self._add_prompt_slice(state, position, position + 1, offset)
+        self.offset = len(states)
+        if not states:
+            return
+        block_size = self.block_size
+        self.decode_ids = np.array(ids, dtype=np.int64)
+        self.decode_positions = np.array(positions, dtype=np.int64)
+        rows = np.array(rows, dtype=np.int64)
+        last_block = self.decode_positions // block_size
+        self.decode_slots = block_tables.ids[rows, last_block] * block_size + self.decode_positions % block_size
+        tables = block_tables.ids[rows, : int(last_block.max()) + 1]  # a copy: the gather's own array
+        tables[np.arange(tables.shape[1]) > last_block[:, None]] = 0  # each cut to the blocks its sequence uses
+        self.decode_tables = tables
 
     def add_chunk(self, state: RunnerRequestState, num_tokens: int) -> None:
         start, end = state.num_computed_tokens, state.num_computed_tokens + num_tokens
@@ -96,14 +201,10 @@ class _FlatBatch:
         self.chunk_ids.append(np.asarray(state.token_ids[start:end], dtype=np.int64))
         self.chunk_positions.append(token_positions)
         self.chunk_slots.append(block_ids[token_positions // self.block_size] * self.block_size + token_positions % self.block_size)
-        self.tables.append(block_ids[: -(-end // self.block_size)])
-        self._account(state, start, num_tokens)
-
-    def _account(self, state: RunnerRequestState, start: int, num_tokens: int) -> None:
-        """The sequence's lengths, whether it samples (and which logits rows), and its prompt logprobs."""
-        end, offset = start + num_tokens, self.offset
-        self.query_lens.append(num_tokens)
-        self.seq_lens.append(end)
+        self.chunk_tables.append(block_ids[: -(-end // self.block_size)])
+        self.chunk_query_lens.append(num_tokens)
+        self.chunk_seq_lens.append(end)
+        offset = self.offset
         if end == len(state.token_ids):
             self.sampling_req_ids.append(state.request_id)
             if state.num_drafts:  # the target's logits after the last known token and after each draft
@@ -111,23 +212,26 @@ class _FlatBatch:
             else:
                 self.logits_indices.append(offset + num_tokens - 1)
         if state.sampling_params.prompt_logprobs is not None:
-            prompt_slice = _prompt_logprobs_slice(state, start, end, offset)
-            if prompt_slice is not None:
-                self.prompt_slices.append(prompt_slice)
+            self._add_prompt_slice(state, start, end, offset)
         self.offset = offset + num_tokens
 
-    def inputs(self, attn_backend: AttentionBackend, device: torch.device) -> ModelInputs:
-        def flat(decode_values: list[int], chunk_values: list[np.ndarray]) -> np.ndarray:
-            return np.concatenate([np.asarray(decode_values, dtype=np.int64), *chunk_values])
+    def _add_prompt_slice(self, state: RunnerRequestState, start: int, end: int, offset: int) -> None:
+        prompt_slice = _prompt_logprobs_slice(state, start, end, offset)
+        if prompt_slice is not None:
+            self.prompt_slices.append(prompt_slice)
 
-        layout = BatchLayout(flat(self.decode_slots, self.chunk_slots), len(self.decode_ids), self.query_lens, self.seq_lens,
-                             self.tables)
+    def inputs(self, attn_backend: AttentionBackend, device: torch.device) -> ModelInputs:
+        def flat(decode_values: np.ndarray, chunk_values: list[np.ndarray]) -> np.ndarray:
+            return np.concatenate([decode_values, *chunk_values]) if chunk_values else decode_values
+
+        layout = BatchLayout(flat(self.decode_slots, self.chunk_slots), self.decode_positions + 1, self.decode_tables,
+                             self.chunk_query_lens, self.chunk_seq_lens, self.chunk_tables)
         return ModelInputs(
             input_ids=torch.from_numpy(flat(self.decode_ids, self.chunk_ids)).to(device),
             positions=torch.from_numpy(flat(self.decode_positions, self.chunk_positions)).to(device),
             attn_metadata=attn_backend.build_metadata(layout, device),
             sampling_req_ids=self.sampling_req_ids,
-            logits_indices=torch.tensor(self.logits_indices, dtype=torch.long, device=device),
+            logits_indices=torch.from_numpy(np.array(self.logits_indices, dtype=np.int64)).to(device),
             prompt_logprobs=self.prompt_slices,
         )
 
@@ -137,9 +241,12 @@ def dummy_layout(num_seqs: int, seq_len: int, context: int, block_size: int) -> 
     (for timing the bare forward pass; whatever the blocks hold stands in for the context's K/V)."""
     total = context + seq_len
     blocks_per_seq = -(-total // block_size)
-    tables = [np.arange(seq * blocks_per_seq, (seq + 1) * blocks_per_seq, dtype=np.int64) for seq in range(num_seqs)]
+    tables = np.arange(num_seqs * blocks_per_seq, dtype=np.int64).reshape(num_seqs, blocks_per_seq)
     slots = np.concatenate([np.arange(context, total) + table[0] * block_size for table in tables])
-    return BatchLayout(slots, num_seqs if seq_len == 1 else 0, [seq_len] * num_seqs, [total] * num_seqs, tables)
+    if seq_len == 1:
+        return BatchLayout(slots, np.full(num_seqs, total, dtype=np.int64), tables, [], [], [])
+    return BatchLayout(slots, np.zeros(0, dtype=np.int64), np.zeros((0, 1), dtype=np.int64), [seq_len] * num_seqs,
+                       [total] * num_seqs, list(tables))
 
 
 def _prompt_logprobs_slice(state: RunnerRequestState, start: int, end: int, offset: int) -> PromptLogprobsSlice | None:

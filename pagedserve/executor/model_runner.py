@@ -9,10 +9,11 @@ import torch
 
 from pagedserve.core.contracts import ModelRunnerOutput, SchedulerOutput
 from pagedserve.distributed.parallel_state import rank_info, receive_from_previous_stage, send_to_next_stage
-from pagedserve.executor.input_batch import ModelInputs, RunnerRequestState, dummy_layout, prepare_inputs
+from pagedserve.executor.input_batch import ModelInputs, RunnerRequests, RunnerRequestState, dummy_layout, prepare_inputs
+from pagedserve.executor.sampling_inputs import SamplingInputs
 from pagedserve.layers.attention import AttentionBackend
-from pagedserve.layers.sampler import Sampler, SamplingMetadata, gather_logprobs
-from pagedserve.layers.sampling_rule import DrawKeys, FilterColumns
+from pagedserve.layers.sampler import Sampler, gather_logprobs
+from pagedserve.layers.sampling_rule import DrawKeys
 from pagedserve.outputs import LogprobsLists
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.spec_decode.draft_model import DraftModelProposer
@@ -33,7 +34,8 @@ class ModelRunner:
         self.model_dtype = next(model.parameters()).dtype
         self.sampler = Sampler(cpu_kernels if device.type == "cpu" else None)
         self.draw_keys = DrawKeys(seed)
-        self.requests: dict[str, RunnerRequestState] = {}
+        self.sampling_inputs = SamplingInputs(device, self.draw_keys)
+        self.requests = RunnerRequests()
         self.proposer = proposer  # speculative decoding: drafts tokens after each step
         # A draft model's distributions behind each request's pending drafts (sampled requests only).
         self._draft_probabilities: dict[str, torch.Tensor] = {}
@@ -77,10 +79,10 @@ class ModelRunner:
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for request_id in (*scheduler_output.finished_req_ids, *scheduler_output.preempted_req_ids):
-            self.requests.pop(request_id, None)
+            self.requests.remove(request_id)
             self._draft_probabilities.pop(request_id, None)
         for new in scheduler_output.scheduled_new_reqs:
-            self.requests[new.request_id] = RunnerRequestState(
+            self.requests.add(RunnerRequestState(
                 request_id=new.request_id,
                 token_ids=list(new.token_ids),
                 num_prompt_tokens=new.num_prompt_tokens,
@@ -88,12 +90,10 @@ class ModelRunner:
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 prompt_logprobs_start=new.prompt_logprobs_start,
-            )
+            ))
         for running in scheduler_output.scheduled_running_reqs:
-            block_ids = self.requests[running.request_id].block_ids
-            if 0 <= running.num_kept_blocks < len(block_ids):  # the scheduler took back blocks rejected drafts used
-                del block_ids[running.num_kept_blocks :]
-            block_ids.extend(running.new_block_ids)
+            # Fewer kept blocks than held: the scheduler took back blocks that only rejected drafts used.
+            self.requests.add_blocks(running.request_id, running.new_block_ids, running.num_kept_blocks)
         for request_id, drafts in scheduler_output.drafts_to_verify.items():
             state = self.requests[request_id]
             state.token_ids.extend(drafts)
@@ -128,7 +128,7 @@ class ModelRunner:
         if hidden is not None:
             params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=0)]
             states = [RunnerRequestState(f"warm-up-{i}", [1], 1, p, [0], 0) for i, p in enumerate(params)]
-            self.sampler(self.model.compute_logits(hidden), self._sampling_metadata(states))
+            self.sampler(self.model.compute_logits(hidden), self.sampling_inputs.metadata(states))
         return timings if timed else []
 
     def _dummy_inputs(self, num_seqs: int, seq_len: int, context: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,10 +156,10 @@ class ModelRunner:
         return seconds
 
     def _sample(self, inputs: ModelInputs, hidden_states: torch.Tensor, output: ModelRunnerOutput) -> None:
-        states = [self.requests[rid] for rid in inputs.sampling_req_ids]
+        states = self.requests.of(inputs.sampling_req_ids)
         logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
         if not any(state.num_drafts for state in states):
-            self._sample_rows(states, logits, output)
+            self._sample_rows(states, logits, output, batch_key=(self.requests.version, tuple(inputs.sampling_req_ids)))
             return
         plain_states, plain_rows, row = [], [], 0
         for state in states:
@@ -185,7 +185,7 @@ class ModelRunner:
             # Row i is scored as if drafts[:i] had been sampled: penalties and min_tokens see them.
             rows = [RunnerRequestState(state.request_id, state.token_ids + drafts[:i], state.num_prompt_tokens, params, [], 0)
                     for i in range(num_drafts + 1)]
-            processed = self.sampler.process_logits(processed, self._sampling_metadata(rows, for_draws=False))
+            processed = self.sampler.process_logits(processed, self.sampling_inputs.metadata(rows, for_draws=False))
         draft_probabilities = self._draft_probabilities.pop(state.request_id, None)
         if draft_probabilities is not None:
             draft_probabilities = draft_probabilities[:num_drafts]
@@ -214,13 +214,16 @@ class ModelRunner:
                 if proposal.probabilities is not None:
                     self._draft_probabilities[state.request_id] = proposal.probabilities
 
-    def _sample_rows(self, states: list[RunnerRequestState], logits: torch.Tensor, output: ModelRunnerOutput) -> None:
-        metadata = self._sampling_metadata(states)
+    def _sample_rows(self, states: list[RunnerRequestState], logits: torch.Tensor, output: ModelRunnerOutput,
+                     batch_key: object = None) -> None:
+        """batch_key: as SamplingInputs.metadata takes it."""
+        metadata = self.sampling_inputs.metadata(states, batch_key=batch_key)
         sampled, raw_logprobs = self.sampler(logits, metadata)
         sampled_list = sampled.tolist()
+        sampled_token_ids = output.sampled_token_ids
         for state, token_id in zip(states, sampled_list):
             state.token_ids.append(token_id)
-            output.sampled_token_ids[state.request_id] = token_id
+            sampled_token_ids[state.request_id] = token_id
         if raw_logprobs is not None:
             rows = [i for i, s in enumerate(states) if s.sampling_params.logprobs is not None]
             row_index = torch.tensor(rows, dtype=torch.long, device=self.device)
@@ -238,36 +241,3 @@ class ModelRunner:
             targets = torch.tensor(prompt_slice.target_token_ids, dtype=torch.long, device=self.device)
             rows = gather_logprobs(logprobs, targets, [state.sampling_params.prompt_logprobs] * len(targets))
             output.prompt_logprobs[state.request_id] = LogprobsLists.concat(rows)
-
-    def _sampling_metadata(self, states: list[RunnerRequestState], for_draws: bool = True) -> SamplingMetadata:
-        params = [s.sampling_params for s in states]
-        device = self.device
-        all_greedy = all(p.is_greedy for p in params)
-        any_penalty = any(p.has_penalties for p in params)
-
-        def column(values, dtype=torch.float32):
-            return torch.tensor(values, dtype=dtype, device=device)
-
-        min_tokens_bans = []
-        for row, (p, s) in enumerate(zip(params, states)):
-            if s.num_output_tokens < p.min_tokens:  # cheap test first: this runs for every row, every step
-                banned = p.all_stop_token_ids()
-                if banned:
-                    min_tokens_bans.append((row, sorted(banned)))
-        return SamplingMetadata(
-            filters=FilterColumns.of(params, device),
-            all_greedy=all_greedy,
-            presence_penalty=column([p.presence_penalty for p in params]) if any_penalty else None,
-            frequency_penalty=column([p.frequency_penalty for p in params]) if any_penalty else None,
-            repetition_penalty=column([p.repetition_penalty for p in params]) if any_penalty else None,
-            token_ids=[s.token_ids for s in states] if any_penalty else [],
-            num_prompt_tokens=[s.num_prompt_tokens for s in states] if any_penalty else [],
-            min_tokens_bans=min_tokens_bans,
-            max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
-            draw_keys=self._row_draw_keys(states) if for_draws and not all_greedy else None,
-        )
-
-    def _row_draw_keys(self, states: list[RunnerRequestState]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(key, counter) of each row's draw at its next output position (sampling_rule.DrawKeys)."""
-        keys, counters = zip(*(self.draw_keys.at(s.sampling_params.seed, s.num_output_tokens) for s in states))
-        return torch.tensor(keys, dtype=torch.long), torch.tensor(counters, dtype=torch.long)

@@ -254,9 +254,17 @@ class DrawKeys:
     def at(self, seed: int | None, position: int) -> tuple[int, int]:
         """The key of one draw at an output position."""
         if seed is None:
-            self._next_counter += 1
-            return self.engine_key, self._next_counter - 1
+            return self.engine_key, self.take_counters(1).start
         return as_int64(seed), position
+
+    def key_of(self, seed: int | None) -> int:
+        """The key of every draw of a request with this seed (its counter is at() 's)."""
+        return self.engine_key if seed is None else as_int64(seed)
+
+    def take_counters(self, count: int) -> range:
+        """The counters of the next count draws of requests without a seed, in order."""
+        self._next_counter += count
+        return range(self._next_counter - count, self._next_counter)
 
     def of(self, seed: int | None, position: int, count: int) -> list[tuple[int, int]]:
         """The keys of `count` draws at output positions position, position + 1, ..."""

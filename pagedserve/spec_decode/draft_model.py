@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from pagedserve.layers.attention import AttentionBackend, AttentionMetadata, BatchLayout
+from pagedserve.layers.attention.backend import pad_block_tables
 from pagedserve.layers.sampler import argmax
 from pagedserve.layers.sampling_rule import DRAFT_STREAM, draw, philox_uniform
 from pagedserve.spec_decode.proposer import DraftInput, Proposal
@@ -39,9 +40,9 @@ class DraftModelProposer:
         probabilities: list[list[torch.Tensor]] = [[] for _ in requests]
         for position in range(self.k):
             slots = np.asarray([table[p // block_size] * block_size + p % block_size for table, p in zip(tables, positions)])
-            seq_lens = (positions + 1).tolist()
-            layout = BatchLayout(slots, len(requests), [1] * len(requests), seq_lens,
-                                 [table[: -(-n // block_size)] for table, n in zip(tables, seq_lens)])
+            seq_lens = positions + 1
+            layout = BatchLayout(slots, seq_lens, pad_block_tables([table[: -(-n // block_size)] for table, n in zip(tables, seq_lens)]),
+                                 [], [], [])
             hidden = self.model(torch.tensor(tokens, device=self.device), torch.from_numpy(positions).to(self.device), self.kv_caches,
                                 self.attn_backend.build_metadata(layout, self.device))
             tokens = self._pick(self.model.compute_logits(hidden).float(), requests, position, probabilities)

@@ -20,13 +20,19 @@ import torch
 
 @dataclass
 class BatchLayout:
-    """What attention needs to know of one step's flat batch, independent of any kernel."""
+    """What attention needs to know of one step's flat batch, independent of any kernel: the decodes (one query token
+    each) as arrays over all of them, then the prefill chunks one by one."""
 
     slot_mapping: np.ndarray  # [num_tokens]: flat cache slot of each new token
-    num_decodes: int  # the first num_decodes sequences have one query token each
-    query_lens: list[int]  # per sequence, in batch order
-    seq_lens: list[int]  # per sequence: its context + this step's tokens
-    block_tables: list  # per sequence: the block ids its seq_len uses (a list, or an array)
+    decode_seq_lens: np.ndarray  # [num_decodes] int64: each decode's context + its token
+    decode_block_tables: np.ndarray  # [num_decodes, max_blocks] int64: the blocks each decode's seq_len uses, zero padded
+    chunk_query_lens: list[int]  # per chunk, in batch order
+    chunk_seq_lens: list[int]  # per chunk: its context + this step's tokens
+    chunk_block_tables: list  # per chunk: the block ids its seq_len uses (a list, or an array)
+
+    @property
+    def num_decodes(self) -> int:
+        return len(self.decode_seq_lens)
 
 
 @dataclass
@@ -56,13 +62,12 @@ class AttentionMetadata:
         num_decodes = layout.num_decodes
         decode_tables = decode_lens = None
         if num_decodes:
-            decode_tables = torch.from_numpy(pad_block_tables(layout.block_tables[:num_decodes])).to(device)
-            decode_lens = torch.from_numpy(np.asarray(layout.seq_lens[:num_decodes], dtype=np.int64)).to(device)
+            decode_tables = torch.from_numpy(layout.decode_block_tables).to(device)
+            decode_lens = torch.from_numpy(layout.decode_seq_lens).to(device)
         prefills, start = [], num_decodes
-        for index in range(num_decodes, len(layout.query_lens)):
-            query_len = layout.query_lens[index]
-            table = torch.as_tensor(layout.block_tables[index], dtype=torch.long).to(device)
-            prefills.append(PrefillChunk(start, query_len, layout.seq_lens[index], table))
+        for query_len, seq_len, block_table in zip(layout.chunk_query_lens, layout.chunk_seq_lens, layout.chunk_block_tables):
+            table = torch.as_tensor(block_table, dtype=torch.long).to(device)
+            prefills.append(PrefillChunk(start, query_len, seq_len, table))
             start += query_len
         slot_mapping = torch.from_numpy(layout.slot_mapping).to(device)
         return cls(slot_mapping, num_decodes, decode_tables, decode_lens, prefills, **extra)
