@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -84,7 +85,7 @@ class RunnerRequests:
     def __getitem__(self, request_id: str) -> RunnerRequestState:
         return self._states[request_id]
 
-    def of(self, request_ids: list[str]) -> list[RunnerRequestState]:
+    def of(self, request_ids: Iterable[str]) -> list[RunnerRequestState]:
         states = self._states
         return [states[request_id] for request_id in request_ids]
 

@@ -54,8 +54,9 @@ class ModelRunner:
             self._sample(inputs, hidden_states, output)
         if hidden_states is not None and inputs.prompt_logprobs:
             self._prompt_logprobs(inputs, hidden_states, output)
-        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
-            self.requests[request_id].num_computed_tokens += num_tokens
+        scheduled = scheduler_output.num_scheduled_tokens
+        for state, num_tokens in zip(self.requests.of(scheduled), scheduled.values()):
+            state.num_computed_tokens += num_tokens
         for request_id in scheduler_output.drafts_to_verify:  # K/V stands for the verified tokens only
             state = self.requests[request_id]
             state.num_computed_tokens = len(state.token_ids) - 1
