@@ -109,6 +109,31 @@ def test_three_way_tensor_parallel_default_model(default_model_dir, tokenizer):
     assert_matches(outputs, reference)
 
 
+def _fail_steps(worker) -> None:
+    def fail(scheduler_output):
+        raise ValueError("a step that cannot run")
+    worker.execute_model = fail
+
+
+def test_a_rank_that_fails_a_step_is_reported_with_its_error(tiny_models):
+    """The step's output comes back through its own ring; a rank's error comes back on the results socket, which the
+    executor reads while it waits, so a failed step raises at once with the rank's traceback instead of hanging."""
+    llm = LLM(str(tiny_models["llama"]), tensor_parallel_size=2, max_model_len=64, distributed_executor_backend="mp")
+    engine = llm.llm_engine
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        assert len(llm.generate([{"prompt_token_ids": [1, 2, 3]}], params)[0].outputs[0].token_ids) == 3
+        engine.call_utility("collective_rpc", _fail_steps)
+        engine.add_request("doomed", {"prompt_token_ids": [1, 2, 3]}, params)
+        start = time.monotonic()
+        with pytest.raises(Exception, match="a step that cannot run"):
+            while engine.has_unfinished_requests():
+                engine.step()
+        assert time.monotonic() - start < 10
+    finally:
+        engine.shutdown()
+
+
 def test_impossible_splits_fail_at_start_naming_the_numbers(tiny_models):
     with pytest.raises(ValueError, match=r"num_attention_heads \(9\) is not divisible by tensor_parallel_size \(2\)"):
         LLM(tensor_parallel_size=2, kv_cache_memory=2**27)

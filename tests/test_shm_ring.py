@@ -177,7 +177,7 @@ def test_a_step_and_its_output_reach_the_ranks_and_come_back_unchanged():
     output = ModelRunnerOutput({"old": 5}, logprobs={"old": LogprobsLists([[5, 6]], [[-0.25, -1.5]], [1])},
                                prompt_logprobs={"new": LogprobsLists([[2], [3]], [[-2.0], [-0.125]], [4, 1])},
                                accepted_token_ids={"old": [3]}, proposed_drafts={"old": [8, 9]})
-    assert rank_messages.decode_reply(rank_messages.encode_step_output(2, output)) == ("step", 2, output)
+    assert rank_messages.decode_step_output(rank_messages.encode_step_output(output)) == output
     assert rank_messages.decode_reply(rank_messages.encode_reply("call", 1, {"any": object.__name__})) == (
         "call", 1, {"any": "object"})
     assert rank_messages.decode(rank_messages.SHUTDOWN) == ("shutdown", None)

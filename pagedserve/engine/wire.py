@@ -76,6 +76,8 @@ class UtilityResult:
 _OUTPUT_TYPES = {cls.__name__: cls for cls in (ModelLocated, EngineReady, EngineFailed, EngineCoreOutputs, UtilityResult)}
 
 _encoder = msgspec.msgpack.Encoder()
+_output_envelope = msgspec.msgpack.Decoder(tuple[str, msgspec.Raw])
+_output_decoders = {name: msgspec.msgpack.Decoder(cls) for name, cls in _OUTPUT_TYPES.items()}
 
 
 def encode_request(kind: RequestType, payload) -> bytes:
@@ -95,5 +97,7 @@ def encode_output(message) -> bytes:
 
 
 def decode_output(frame: bytes):
-    name, payload = msgspec.msgpack.decode(frame)
-    return msgspec.convert(payload, _OUTPUT_TYPES[name])
+    # The name first, the payload left as raw bytes, then decoded straight into its type: one pass over the step's
+    # outputs, not a decode into plain objects and a conversion of those.
+    name, payload = _output_envelope.decode(frame)
+    return _output_decoders[name].decode(payload)

@@ -6,14 +6,17 @@ without the guard gets one error that says to add it.
 Each step's scheduler output is encoded once (rank_messages.py) and written once into a ring in shared
 memory that every rank reads (shm_ring.py; each rank's ZMQ socket is the ring's side channel, for wake-ups
 and messages too long for a slot); every rank runs its share of the step, the ranks exchanging activations
-through torch.distributed, and the output rank (the last stage's first tensor-parallel rank) sends back the
-step's ModelRunnerOutput. A worker that dies fails the engine: the next wait on the workers raises
+through torch.distributed, and the output rank (the last stage's first tensor-parallel rank) writes the step's
+ModelRunnerOutput into a second ring, which the executor reads (its side channel a socket of its own). Everything
+else a rank says (ready, a call's result, an error) comes back on the results socket, which the executor checks
+while it waits for a step. A worker that dies fails the engine: the next wait on the workers raises
 WorkerDiedError, and the remaining workers are stopped. Under pipeline parallelism up to
 pipeline_parallel_size steps are in flight (submit_step / wait_step), so that the stages overlap.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -23,6 +26,7 @@ import tempfile
 import time
 import traceback
 from collections import deque
+from dataclasses import dataclass
 
 import zmq
 
@@ -33,7 +37,7 @@ from pagedserve.distributed.parallel_state import RankInfo
 from pagedserve.executor import rank_messages
 from pagedserve.executor.abstract import WorkerCall
 from pagedserve.executor.distributed import DistributedExecutor, WorkerDiedError, WorkerProcess, free_port
-from pagedserve.executor.shm_ring import RingReader, RingSpec, RingWriter
+from pagedserve.executor.shm_ring import RingReader, RingSpec, RingWriter, close_ring, create_ring
 from pagedserve.processes import (
     UNGUARDED_MAIN_EXIT_CODE,
     UNGUARDED_MAIN_MESSAGE,
@@ -47,6 +51,11 @@ from pagedserve.processes import (
 logger = logging.getLogger(__name__)
 
 _STARTUP_TIMEOUT_S = 900.0
+# How long the executor spins for a step's output before it sleeps on the output ring's socket: a step that takes
+# longer gains nothing from a spin, and a spin takes a core from the ranks.
+_OUTPUT_SPIN_S = 0.0005
+# How often a wait for a step's output looks for a worker's error or death.
+_HEALTH_CHECK_S = 0.1
 
 
 class MultiprocExecutor(DistributedExecutor):
@@ -56,25 +65,31 @@ class MultiprocExecutor(DistributedExecutor):
         self._pending: deque[float] = deque()  # submit times of the steps in flight
         self._ipc_dir = tempfile.mkdtemp(prefix="pagedserve-workers-")
         self._start_method, self._start_reason = child_start_method()
-        result_address = f"ipc://{self._ipc_dir}/results"
+        result_address, output_address = f"ipc://{self._ipc_dir}/results", f"ipc://{self._ipc_dir}/outputs"
         addresses = [f"ipc://{self._ipc_dir}/rank{info.rank}" for info in self.infos]
         init_method = f"tcp://127.0.0.1:{free_port()}"
         context = multiprocessing.get_context(self._start_method)
         self.processes = []
         self._ring = RingWriter(len(self.infos), readers_alive=self.check_health)
+        # Steps in flight each have an output the executor may not have read yet.
+        self._output_ring, output_ring_spec = create_ring(1, num_slots=max(4, 2 * config.pipeline_parallel_size))
+        sockets = SocketAddresses(address=None, results=result_address, outputs=output_address)
         # The workers start before this process's ZMQ context exists (its I/O threads would not survive a fork); they
         # connect, and ZMQ holds their messages until the sockets below are bound.
         self.processes = [context.Process(target=run_worker, name=f"Worker-{info.rank}", daemon=True,
-                                          args=(config, info, init_method, self._ring.spec, address, result_address,
-                                                os.getpid()))
+                                          args=(config, info, init_method, self._ring.spec, output_ring_spec,
+                                                dataclasses.replace(sockets, address=address), os.getpid()))
                           for info, address in zip(self.infos, addresses)]
         self._context = zmq.Context()
         self._results = self._context.socket(zmq.PULL)
+        self._output_socket = self._context.socket(zmq.PULL)
         self._inputs = []
         try:
             for process in self.processes:
                 process.start()
             self._results.bind(result_address)
+            self._output_socket.bind(output_address)
+            self._outputs = RingReader(output_ring_spec, 0, self._output_socket, spin_s=_OUTPUT_SPIN_S)
             for address in addresses:
                 socket_ = self._context.socket(zmq.PUSH)
                 socket_.bind(address)
@@ -97,7 +112,9 @@ class MultiprocExecutor(DistributedExecutor):
     def wait_step(self) -> ModelRunnerOutput:
         """The output of the oldest step in flight."""
         self._pending.popleft()
-        return self._collect(lambda kind: kind == "step", 1)[0]
+        while (frame := self._outputs.recv(timeout_s=_HEALTH_CHECK_S)) is None:
+            self._raise_if_a_worker_failed()
+        return rank_messages.decode_step_output(frame)
 
     def collective_rpc(self, method: WorkerCall, *args) -> list:
         self._broadcast(rank_messages.encode_call(method, args))
@@ -123,10 +140,13 @@ class MultiprocExecutor(DistributedExecutor):
             if process.is_alive():
                 process.kill()
                 process.join()
-        for socket_ in (*self._inputs, self._results):
+        for socket_ in (*self._inputs, self._results, self._output_socket):
             socket_.close(linger=0)
         self._context.term()
         self._ring.close()
+        if hasattr(self, "_outputs"):
+            self._outputs.close()
+        close_ring(self._output_ring)
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
     # ---- messages ---------------------------------------------------------------------------------------
@@ -134,6 +154,14 @@ class MultiprocExecutor(DistributedExecutor):
     def _broadcast(self, frame: bytes) -> None:
         self.check_health()
         self._ring.send(frame)  # once, whatever the number of ranks
+
+    def _raise_if_a_worker_failed(self) -> None:
+        """While a step runs, a worker speaks on the results socket only to report an error."""
+        if self._results.poll(0):
+            kind, rank, value = rank_messages.decode_reply(self._results.recv())
+            raise RuntimeError(f"worker of rank {rank} failed: {value}" if kind == "error" else
+                               f"worker of rank {rank} answered {kind!r} while a step ran")
+        self.check_health()
 
     def _collect(self, wanted, count: int, timeout_s: float | None = None) -> list:
         """count replies of the wanted kind, in rank order; raises if a worker fails or dies meanwhile."""
@@ -164,8 +192,18 @@ class MultiprocExecutor(DistributedExecutor):
 # ---- the worker process ------------------------------------------------------------------------------
 
 
-def run_worker(config: EngineConfig, info: RankInfo, init_method: str, ring: RingSpec, input_address: str,
-               result_address: str, parent_pid: int) -> None:
+@dataclass(frozen=True)
+class SocketAddresses:
+    """Where a rank's sockets connect: its input (the step ring's side channel), the results (replies to calls,
+    errors), and the output ring's side channel (used by the output rank)."""
+
+    address: str | None
+    results: str
+    outputs: str
+
+
+def run_worker(config: EngineConfig, info: RankInfo, init_method: str, ring: RingSpec, output_ring: RingSpec,
+               sockets: SocketAddresses, parent_pid: int) -> None:
     """Process entry point of one rank."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine core decides when workers stop
     signal.signal(signal.SIGTERM, lambda *_: exit_process(0))
@@ -175,25 +213,34 @@ def run_worker(config: EngineConfig, info: RankInfo, init_method: str, ring: Rin
         logging.getLogger().setLevel(logging.WARNING)
     context = zmq.Context()
     inputs = context.socket(zmq.PULL)
-    inputs.connect(input_address)
+    inputs.connect(sockets.address)
     results = context.socket(zmq.PUSH)
-    results.connect(result_address)
+    results.connect(sockets.results)
     try:
         runner = WorkerProcess(config, info, init_method)
     except Exception:
         results.send(rank_messages.encode_reply("error", info.rank, traceback.format_exc()))
         results.close(linger=2000)
         exit_process(1)
+    outputs = None
+    if runner.rank.is_output_rank:
+        output_socket = context.socket(zmq.PUSH)
+        output_socket.connect(sockets.outputs)
+        outputs = RingWriter(1, spec=output_ring)
+        outputs.side_channels = [output_socket]
     results.send(rank_messages.encode_reply("ready", info.rank, None))
     reader = RingReader(ring, info.rank, inputs)
-    serve(runner, reader, results)
+    serve(runner, reader, results, outputs)
     reader.close()
-    results.close(linger=1000)
+    if outputs is not None:
+        outputs.close()
+    context.destroy(linger=1000)
     exit_process(0)
 
 
-def serve(rank: WorkerProcess, reader: RingReader, results) -> None:
-    """Run what the executor sends until it says shutdown: steps (the output rank answers) and calls (every rank)."""
+def serve(rank: WorkerProcess, reader: RingReader, results, outputs: RingWriter | None) -> None:
+    """Run what the executor sends until it says shutdown: steps (the output rank writes their outputs) and calls
+    (every rank answers)."""
     while True:
         kind, payload = rank_messages.decode(reader.recv())
         if kind == "shutdown":
@@ -201,8 +248,8 @@ def serve(rank: WorkerProcess, reader: RingReader, results) -> None:
         try:
             if kind == "step":
                 output = rank.step(payload)
-                if rank.rank.is_output_rank:
-                    results.send(rank_messages.encode_step_output(rank.rank.rank, output))
+                if outputs is not None:
+                    outputs.send(rank_messages.encode_step_output(output))
             else:
                 results.send(rank_messages.encode_reply("call", rank.rank.rank, rank.call(*payload)))
         except Exception:

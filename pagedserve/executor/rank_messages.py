@@ -2,7 +2,8 @@
 step is its SchedulerOutput as typed msgpack (msgspec: compact, and decoded straight into the contract's classes,
 no pickle of Python objects on the path every step takes); a call (a worker method or a module-level function, and
 its arguments: start-up, utilities) is pickled, since it may carry any object; shutdown is one byte. Back: a step's
-ModelRunnerOutput as typed msgpack too; anything else ((kind, rank, value): ready, a call's result, an error) pickled."""
+ModelRunnerOutput as typed msgpack too (alone on its ring); anything else ((kind, rank, value): ready, a call's
+result, an error) pickled."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pagedserve.core.contracts import ModelRunnerOutput, SchedulerOutput
 
 _STEP, _CALL, _SHUTDOWN = b"S", b"C", b"X"
 SHUTDOWN = _SHUTDOWN
-_STEP_OUTPUT, _OTHER_REPLY = b"O", b"P"
+_REPLY = b"P"
 
 _encoder = msgspec.msgpack.Encoder()
 _step_decoder = msgspec.msgpack.Decoder(SchedulerOutput)
@@ -41,19 +42,21 @@ def decode(frame: bytes) -> tuple[str, object]:
     raise ValueError(f"unknown message kind {bytes(kind)!r}")
 
 
-def encode_step_output(rank: int, output: ModelRunnerOutput) -> bytes:
-    return _STEP_OUTPUT + rank.to_bytes(4, "little") + _encoder.encode(output)
+def encode_step_output(output: ModelRunnerOutput) -> bytes:
+    return _encoder.encode(output)
+
+
+def decode_step_output(frame: bytes) -> ModelRunnerOutput:
+    return _step_output_decoder.decode(frame)
 
 
 def encode_reply(kind: str, rank: int, value) -> bytes:
-    return _OTHER_REPLY + pickle.dumps((kind, rank, value), protocol=pickle.HIGHEST_PROTOCOL)
+    return _REPLY + pickle.dumps((kind, rank, value), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def decode_reply(frame: bytes) -> tuple[str, int, object]:
-    """(kind, rank, value): ("step", rank, ModelRunnerOutput), or what encode_reply sent."""
+    """(kind, rank, value), as encode_reply sent them."""
     kind, body = frame[:1], memoryview(frame)[1:]
-    if kind == _STEP_OUTPUT:
-        return "step", int.from_bytes(body[:4], "little"), _step_output_decoder.decode(body[4:])
-    if kind == _OTHER_REPLY:
+    if kind == _REPLY:
         return pickle.loads(body)
     raise ValueError(f"unknown reply kind {bytes(kind)!r}")

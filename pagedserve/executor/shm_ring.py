@@ -1,6 +1,7 @@
 """One writer, several readers: messages written once into a ring of slots in POSIX shared memory, which every
 reader reads in order. The executor hands each step to its ranks this way (as vLLM's shared-memory message queue
-does): one copy, whatever the number of ranks, and no socket on the way.
+does): one copy, whatever the number of ranks, and no socket on the way; and the output rank hands each step's
+output back the same way, through a ring of one reader.
 
 Layout (all words uint64, each reader's counter on a cache line of its own):
   slot_seq[num_slots]          the number (1-based) of the message a slot holds; written last, after its bytes
@@ -73,21 +74,36 @@ class RingSpec:
     max_bytes: int
 
 
+def create_ring(num_readers: int, num_slots: int = 4, max_bytes: int = 1 << 20) -> tuple[shared_memory.SharedMemory, RingSpec]:
+    """A new, empty ring: its memory (the creator unlinks it when done, close_ring) and what attaches to it."""
+    shm = shared_memory.SharedMemory(create=True, size=_Layout.size(num_slots, num_readers, max_bytes))
+    layout = _Layout(shm.buf, num_slots, num_readers, max_bytes)
+    layout.slot_seq[:] = 0
+    layout.readers[:] = 0
+    del layout  # numpy views into the buffer go before it can close
+    return shm, RingSpec(shm.name, num_slots, num_readers, max_bytes)
+
+
+def close_ring(shm: shared_memory.SharedMemory) -> None:
+    shm.close()
+    shm.unlink()
+
+
 class RingWriter:
     """send(message) publishes to every reader. side_channels[r] is reader r's socket (a ZMQ PUSH socket), set
     before the first send: the ring is made before the readers' processes start, the sockets after."""
 
     def __init__(self, num_readers: int, num_slots: int = 4, max_bytes: int = 1 << 20,
-                 readers_alive: Callable[[], None] = lambda: None) -> None:
-        """readers_alive() raises when a reader is gone; the writer calls it while it waits for one."""
-        self.shm = shared_memory.SharedMemory(create=True, size=_Layout.size(num_slots, num_readers, max_bytes))
-        self.layout = _Layout(self.shm.buf, num_slots, num_readers, max_bytes)
-        self.layout.slot_seq[:] = 0
-        self.layout.readers[:] = 0
-        self.spec = RingSpec(self.shm.name, num_slots, num_readers, max_bytes)
+                 readers_alive: Callable[[], None] = lambda: None, spec: RingSpec | None = None) -> None:
+        """A new ring, which this writer owns; or, given spec, the writer of a ring another process made (and unlinks).
+        readers_alive() raises when a reader is gone; the writer calls it while it waits for one."""
+        self.owned = spec is None
+        self.shm, self.spec = create_ring(num_readers, num_slots, max_bytes) if spec is None else (
+            shared_memory.SharedMemory(name=spec.name), spec)
+        self.layout = _Layout(self.shm.buf, self.spec.num_slots, self.spec.num_readers, self.spec.max_bytes)
         self.side_channels: list = []
         self.readers_alive = readers_alive
-        self.sent = 0
+        self.sent = 0  # a ring has one writer, from its first message on
 
     def send(self, message: bytes) -> None:
         waiter = _Backoff()
@@ -128,16 +144,18 @@ class RingWriter:
 
     def close(self) -> None:
         del self.layout  # numpy views into the buffer go before it
-        self.shm.close()
-        self.shm.unlink()
+        if self.owned:
+            close_ring(self.shm)
+        else:
+            self.shm.close()
 
 
 class RingReader:
     """recv() -> the next message, in order; socket is this reader's side channel (a ZMQ PULL socket)."""
 
     def __init__(self, spec: RingSpec, index: int, socket, spin_s: float = 0.005) -> None:
-        # Attached, not owned: the writer unlinks it. The readers are the writer's child processes and share its
-        # resource tracker, so this registration is the writer's own again, not a second claim.
+        # Attached, not owned: its creator unlinks it. The engine's processes share one resource tracker, so this
+        # registration is the creator's own again, not a second claim.
         self.shm = shared_memory.SharedMemory(name=spec.name)
         self.layout = _Layout(self.shm.buf, spec.num_slots, spec.num_readers, spec.max_bytes)
         self.index = index
@@ -146,10 +164,12 @@ class RingReader:
         self.received = int(self.layout.readers[index, 0])
         self.side_messages: deque[bytes] = deque()  # read off the socket while sleeping, before their slot
 
-    def recv(self) -> bytes:
+    def recv(self, timeout_s: float | None = None) -> bytes | None:
+        """The next message; None if none came within timeout_s (None: wait as long as it takes)."""
         layout = self.layout
         slot = self.received % layout.num_slots
-        self._wait_for(slot, self.received + 1)
+        if not self._wait_for(slot, self.received + 1, timeout_s):
+            return None
         length = int(layout.length_word(slot)[0])
         message = self._side_channel() if length == int(_OVERFLOW) else bytes(layout.data(slot, length))
         _fence()
@@ -157,26 +177,33 @@ class RingReader:
         layout.readers[self.index, 0] = self.received
         return message
 
-    def _wait_for(self, slot: int, number: int) -> None:
+    def _wait_for(self, slot: int, number: int, timeout_s: float | None) -> bool:
         seq = self.layout.slot_seq
         if seq[slot] == number:
-            return
-        deadline = time.monotonic() + self.spin_s
-        while time.monotonic() < deadline:
+            return True
+        start = time.monotonic()
+        spin_until = start + (self.spin_s if timeout_s is None else min(self.spin_s, timeout_s))
+        while time.monotonic() < spin_until:
             os.sched_yield()
             if seq[slot] == number:
-                return
+                return True
+        deadline = None if timeout_s is None else start + timeout_s
         while seq[slot] != number:
-            self._sleep_until_woken(slot, number)
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            self._sleep_until_woken(slot, number, deadline)
+        return True
 
-    def _sleep_until_woken(self, slot: int, number: int) -> None:
+    def _sleep_until_woken(self, slot: int, number: int, deadline: float | None) -> None:
         flags = self.layout.readers
         flags[self.index, 1] = 1
         _fence()
         if self.layout.slot_seq[slot] != number:  # not published meanwhile: the writer will see the flag
-            frame = self.socket.recv()
-            if frame != _WAKE:  # a long message, sent before its slot was published
-                self.side_messages.append(frame)
+            wait_ms = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
+            if self.socket.poll(wait_ms):
+                frame = self.socket.recv()
+                if frame != _WAKE:  # a long message, sent before its slot was published
+                    self.side_messages.append(frame)
         flags[self.index, 1] = 0
 
     def _side_channel(self) -> bytes:
