@@ -7,6 +7,7 @@ import torch
 from pagedserve.layers import cpu_kernels
 from pagedserve.layers.activation import SiluAndMul
 from pagedserve.layers.attention import Attention, AttentionMetadata, BatchLayout, PrefillChunk
+from pagedserve.layers.attention.backend import pad_block_tables
 from pagedserve.layers.attention.cpu_backend import CPUAttentionBackend, PagedPrefills, prefill_attention
 from pagedserve.layers.attention.torch_backend import (
     TorchAttentionBackend,
@@ -32,7 +33,7 @@ def with_kernels(module, fn):
 
 
 def decode_metadata(tables, seq_lens) -> AttentionMetadata:
-    layout = BatchLayout(np.zeros(0, dtype=np.int64), len(seq_lens), [1] * len(seq_lens), list(seq_lens), list(tables))
+    layout = BatchLayout(np.zeros(0, dtype=np.int64), np.asarray(seq_lens, dtype=np.int64), pad_block_tables(list(tables)), [], [], [])
     return AttentionMetadata.from_layout(layout, torch.device("cpu"))
 
 
@@ -325,7 +326,9 @@ def test_cpu_backend_routes_every_chunk_once(cache_dtype):
         positions = np.arange(context, context + query_len)
         slots.extend(table[positions // block_size] * block_size + positions % block_size)
         tables.append(table)
-    layout = BatchLayout(np.array(slots), 2, [q for _, q in seqs], [c + q for c, q in seqs], tables)
+    decodes, chunks = seqs[:2], seqs[2:]
+    layout = BatchLayout(np.array(slots), np.array([c + q for c, q in decodes]), pad_block_tables(tables[:2]),
+                         [q for _, q in chunks], [c + q for c, q in chunks], tables[2:])
     num_tokens = len(slots)
     query = torch.randn(num_tokens, num_heads, head_dim)
     # K/V the cache dtype holds exactly: the kernels read a fresh chunk's K/V back from the cache, torch takes them as given
