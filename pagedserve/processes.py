@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import signal
@@ -32,6 +33,14 @@ def describe_exit(process) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exit code {code}"
+
+
+def freeze_start_up_objects() -> None:
+    """Take what the process made to start (modules, a model, the KV cache's blocks, a web app) out of the garbage
+    collector's sight. It lives as long as the process, and a full collection that walks all of it stalls whatever
+    runs then (an engine step, a stream's next token) for a long while; objects made later are collected as usual."""
+    gc.collect()
+    gc.freeze()
 
 
 def exit_process(code: int) -> None:

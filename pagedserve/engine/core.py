@@ -16,6 +16,7 @@ from pagedserve.executor import step_timings_cache
 from pagedserve.executor.abstract import Executor, WorkerCall
 from pagedserve.executor.selector import executor_class as select_executor_class
 from pagedserve.model_info import ModelInfo
+from pagedserve.processes import freeze_start_up_objects
 from pagedserve.request import Request
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class EngineCore:
         )
         for num_seqs, seq_len, context, seconds in warm_up_timings:  # a first fit of the step-time model
             self.scheduler.observe_step(uniform_step_shape(num_seqs, seq_len, context), seconds)
+        freeze_start_up_objects()
         logger.info("engine core ready in %.1f s", time.monotonic() - start)
 
     def _warm_up(self) -> step_timings_cache.StepTimings:

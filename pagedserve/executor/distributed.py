@@ -10,6 +10,7 @@ from pagedserve.core.contracts import ModelRunnerOutput, SchedulerOutput
 from pagedserve.distributed.parallel_state import RankInfo
 from pagedserve.executor.abstract import Executor, WorkerCall, run_on_worker
 from pagedserve.model_info import ModelInfo
+from pagedserve.processes import freeze_start_up_objects
 
 
 class WorkerDiedError(RuntimeError):
@@ -69,6 +70,7 @@ class WorkerProcess:
         init_distributed(info, init_method, backend="nccl" if resolve_device(config).type == "cuda" else "gloo")
         self.rank = info
         self.worker = Worker(config)
+        freeze_start_up_objects()
 
     def call(self, method: WorkerCall, args: tuple) -> object:
         return run_on_worker(self.worker, method, args)

@@ -21,6 +21,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.entrypoints.openai.settings import ServerSettings
 from pagedserve.executor.cpu_host import limit_front_end_threads
+from pagedserve.processes import freeze_start_up_objects
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ def run_server(config: EngineConfig, settings: ServerSettings) -> int:
                                    timeout_graceful_shutdown=_CLOSE_TIMEOUT_S, timeout_keep_alive=settings.keep_alive_timeout,
                                    http=bounded_protocol(settings.request_read_timeout, settings.max_connections))
         server = holder["server"] = _draining_server_class()(uv_config, engine, state, settings.shutdown_timeout)
+        freeze_start_up_objects()
         asyncio.run(_serve(server, engine))
     finally:
         logger.info("shutting down the engine core")
