@@ -82,19 +82,15 @@ class KVCacheManager:
         num_required_blocks = cdiv(num_computed_tokens + num_new_tokens + num_lookahead_tokens, block_size)
         num_new_blocks = num_required_blocks - len(req_blocks) - len(new_computed_blocks)
         # Cached blocks sitting in the free queue stop being free once touched.
-        num_evictable_computed = sum(1 for block in new_computed_blocks if block.ref_cnt == 0) if new_computed_blocks else 0
+        num_evictable_computed = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
         if num_new_blocks > block_pool.num_free_blocks - num_evictable_computed:
             if not req_blocks:
                 del self.req_to_blocks[request_id]
             return None
-        if new_computed_blocks:
-            block_pool.touch(new_computed_blocks)
-            req_blocks.extend(new_computed_blocks)
-        if num_new_blocks > 0:
-            new_blocks = block_pool.get_new_blocks(num_new_blocks)
-            req_blocks.extend(new_blocks)
-        else:
-            new_blocks = []
+        block_pool.touch(new_computed_blocks)
+        req_blocks.extend(new_computed_blocks)
+        new_blocks = block_pool.get_new_blocks(max(num_new_blocks, 0))
+        req_blocks.extend(new_blocks)
         # Blocks of the prompt are cached as they are computed: other requests may share them at once (a system
         # prompt, the other samples of the request). Blocks of generated tokens are cached when the request is freed.
         if num_computed_tokens < request.num_prompt_tokens and self.enable_caching and not request.skips_prefix_cache:

@@ -89,12 +89,6 @@ class RunnerRequests:
         states = self._states
         return [states[request_id] for request_id in request_ids]
 
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self._states
-
-    def __len__(self) -> int:
-        return len(self._states)
-
     def add(self, state: RunnerRequestState) -> None:
         self.remove(state.request_id)
         state.row = self.block_tables.add(state.block_ids)

@@ -16,7 +16,6 @@ pipeline_parallel_size steps are in flight (submit_step / wait_step), so that th
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import multiprocessing
 import os
@@ -26,7 +25,6 @@ import tempfile
 import time
 import traceback
 from collections import deque
-from dataclasses import dataclass
 
 import zmq
 
@@ -73,23 +71,22 @@ class MultiprocExecutor(DistributedExecutor):
         self._ring = RingWriter(len(self.infos), readers_alive=self.check_health)
         # Steps in flight each have an output the executor may not have read yet.
         self._output_ring, output_ring_spec = create_ring(1, num_slots=max(4, 2 * config.pipeline_parallel_size))
-        sockets = SocketAddresses(address=None, results=result_address, outputs=output_address)
         # The workers start before this process's ZMQ context exists (its I/O threads would not survive a fork); they
         # connect, and ZMQ holds their messages until the sockets below are bound.
         self.processes = [context.Process(target=run_worker, name=f"Worker-{info.rank}", daemon=True,
-                                          args=(config, info, init_method, self._ring.spec, output_ring_spec,
-                                                dataclasses.replace(sockets, address=address), os.getpid()))
+                                          args=(config, info, init_method, self._ring.spec, output_ring_spec, address,
+                                                result_address, output_address, os.getpid()))
                           for info, address in zip(self.infos, addresses)]
         self._context = zmq.Context()
         self._results = self._context.socket(zmq.PULL)
         self._output_socket = self._context.socket(zmq.PULL)
+        self._outputs = RingReader(output_ring_spec, 0, self._output_socket, spin_s=_OUTPUT_SPIN_S)
         self._inputs = []
         try:
             for process in self.processes:
                 process.start()
             self._results.bind(result_address)
             self._output_socket.bind(output_address)
-            self._outputs = RingReader(output_ring_spec, 0, self._output_socket, spin_s=_OUTPUT_SPIN_S)
             for address in addresses:
                 socket_ = self._context.socket(zmq.PUSH)
                 socket_.bind(address)
@@ -144,8 +141,7 @@ class MultiprocExecutor(DistributedExecutor):
             socket_.close(linger=0)
         self._context.term()
         self._ring.close()
-        if hasattr(self, "_outputs"):
-            self._outputs.close()
+        self._outputs.close()
         close_ring(self._output_ring)
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
@@ -192,19 +188,10 @@ class MultiprocExecutor(DistributedExecutor):
 # ---- the worker process ------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class SocketAddresses:
-    """Where a rank's sockets connect: its input (the step ring's side channel), the results (replies to calls,
-    errors), and the output ring's side channel (used by the output rank)."""
-
-    address: str | None
-    results: str
-    outputs: str
-
-
 def run_worker(config: EngineConfig, info: RankInfo, init_method: str, ring: RingSpec, output_ring: RingSpec,
-               sockets: SocketAddresses, parent_pid: int) -> None:
-    """Process entry point of one rank."""
+               input_address: str, result_address: str, output_address: str, parent_pid: int) -> None:
+    """Process entry point of one rank: its input is the step ring's side channel, the results carry replies to
+    calls and errors, and the output ring's side channel is used by the output rank."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine core decides when workers stop
     signal.signal(signal.SIGTERM, lambda *_: exit_process(0))
     exit_with_parent(parent_pid)
@@ -213,9 +200,9 @@ def run_worker(config: EngineConfig, info: RankInfo, init_method: str, ring: Rin
         logging.getLogger().setLevel(logging.WARNING)
     context = zmq.Context()
     inputs = context.socket(zmq.PULL)
-    inputs.connect(sockets.address)
+    inputs.connect(input_address)
     results = context.socket(zmq.PUSH)
-    results.connect(sockets.results)
+    results.connect(result_address)
     try:
         runner = WorkerProcess(config, info, init_method)
     except Exception:
@@ -225,7 +212,7 @@ def run_worker(config: EngineConfig, info: RankInfo, init_method: str, ring: Rin
     outputs = None
     if runner.rank.is_output_rank:
         output_socket = context.socket(zmq.PUSH)
-        output_socket.connect(sockets.outputs)
+        output_socket.connect(output_address)
         outputs = RingWriter(1, spec=output_ring)
         outputs.side_channels = [output_socket]
     results.send(rank_messages.encode_reply("ready", info.rank, None))
