@@ -7,10 +7,10 @@ from pagedserve.openmp import set_openmp_defaults
 set_openmp_defaults()
 
 from pagedserve.outputs import CompletionOutput, RequestOutput  # noqa: E402
-from pagedserve.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
+from pagedserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams  # noqa: E402
 from pagedserve.version import __version__  # noqa: E402
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestOutputKind", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "RequestOutputKind", "__version__"]
 
 
 def __getattr__(name: str):

@@ -77,6 +77,11 @@ class EngineConfig:
                   "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4} or {\"method\": \"draft_model\", \"model\": DIR, "
                   "\"num_speculative_tokens\": 4}; also disable_by_batch_size, min_acceptance_rate (default: off)"},
     )
+    structured_outputs_compile_timeout: float = field(
+        default=10.0,
+        metadata={"help": "seconds a request's structure (JSON schema, regex, choice, grammar) may take to compile before the "
+                  "request is refused; compiled structures are cached, so a repeat costs nothing"},
+    )
     distributed_executor_backend: str | None = field(
         default=None,
         metadata={"help": "how ranks run: mp (a process each, the default with more than one rank), ray (Ray actors, on the cluster "
@@ -119,6 +124,8 @@ class EngineConfig:
         _require(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device", "auto, cpu, cuda", self.device)
         _require(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", ", ".join(ATTENTION_BACKENDS),
                  self.attention_backend)
+        _require(self.structured_outputs_compile_timeout > 0, "structured_outputs_compile_timeout", "> 0 seconds",
+                 self.structured_outputs_compile_timeout)
         _require(self.gemm_backend in GEMM_BACKENDS, "gemm_backend", ", ".join(GEMM_BACKENDS), self.gemm_backend)
         self.decode_stall = DecodeStallLimit.parse(self.max_decode_stall)
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):

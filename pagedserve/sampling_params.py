@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass, field
 
 # Below this a temperature means greedy: dividing logits by ~0 only amplifies noise.
@@ -46,6 +47,51 @@ FIELD_BOUNDS = {
 }
 
 
+STRUCTURE_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """The one structure a request's output must follow (vLLM's StructuredOutputsParams): a JSON schema (json, a dict
+    or its text), any JSON object (json_object), a regular expression, a choice among strings, or an EBNF grammar
+    (GBNF's notation). Exactly one is set. disable_any_whitespace: JSON without whitespace between its tokens (else
+    any whitespace is allowed, as JSON allows)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except ValueError as exc:
+                raise ValueError(f"structured_outputs.json must be a JSON schema, got text that is not JSON ({exc})") from None
+        if self.json is not None:
+            _check(isinstance(self.json, dict), "structured_outputs.json", "a JSON schema (an object)", self.json)
+            # One text per schema: compiled grammars are cached by it.
+            self.json = json.dumps(self.json, sort_keys=True, ensure_ascii=False)
+        if self.json_object is False:
+            self.json_object = None
+        given = [name for name in STRUCTURE_KINDS if getattr(self, name) is not None]
+        _check(len(given) == 1, "structured_outputs", f"exactly one of {', '.join(STRUCTURE_KINDS)}",
+               ", ".join(given) or "none")
+        if self.choice is not None:
+            _check(isinstance(self.choice, list) and self.choice and all(isinstance(c, str) and c for c in self.choice),
+                   "structured_outputs.choice", "a non-empty list of non-empty strings", self.choice)
+        for name in ("json", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None:
+                _check(isinstance(value, str) and value.strip(), f"structured_outputs.{name}", "a non-empty string", value)
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in STRUCTURE_KINDS if getattr(self, name) is not None)
+
+
 class RequestOutputKind(enum.IntEnum):
     CUMULATIVE = 0  # every output carries everything so far
     DELTA = 1  # every output carries only what is new
@@ -73,6 +119,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine: the model's EOS ids, checked unless ignore_eos.
     eos_token_ids: list[int] = field(default_factory=list, repr=False)
 
@@ -120,6 +167,11 @@ class SamplingParams:
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings", self.stop)
         valid_ids = all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids)
         _check(valid_ids, "stop_token_ids", "non-negative token ids", self.stop_token_ids)
+        if self.structured_outputs is not None:
+            # The grammar decides where the output ends (it allows only EOS there): nothing may overrule that.
+            _check(self.min_tokens == 0, "min_tokens", "0 with structured_outputs (the structure decides where the output ends)",
+                   self.min_tokens)
+            _check(not self.ignore_eos, "ignore_eos", "false with structured_outputs (the structure ends with EOS)", self.ignore_eos)
 
 
 def _check(ok: bool, name: str, allowed: str, value) -> None:

@@ -8,17 +8,21 @@ from pathlib import Path
 import pytest
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent / "pagedserve"
-SUBPACKAGES = ("core", "engine", "executor", "models", "layers", "entrypoints", "benchmarks", "distributed", "spec_decode")
+SUBPACKAGES = ("core", "engine", "executor", "models", "layers", "entrypoints", "benchmarks", "distributed", "spec_decode",
+               "structured_output")
 
 # package -> the packages it must not import (and whether torch is forbidden too)
 FORBIDDEN = {
-    "core": {"models", "layers", "executor", "engine", "entrypoints", "benchmarks", "distributed", "spec_decode", "torch"},
-    "distributed": {"core", "models", "layers", "executor", "engine", "entrypoints", "benchmarks", "spec_decode"},
-    "layers": {"core", "engine", "executor", "entrypoints", "models", "benchmarks", "spec_decode"},
-    "models": {"core", "engine", "executor", "entrypoints", "benchmarks", "spec_decode"},
+    "core": {"models", "layers", "executor", "engine", "entrypoints", "benchmarks", "distributed", "spec_decode", "structured_output",
+             "torch"},
+    "distributed": {"core", "models", "layers", "executor", "engine", "entrypoints", "benchmarks", "spec_decode", "structured_output"},
+    "layers": {"core", "engine", "executor", "entrypoints", "models", "benchmarks", "spec_decode", "structured_output"},
+    "models": {"core", "engine", "executor", "entrypoints", "benchmarks", "spec_decode", "structured_output"},
     # Proposers and the rejection sampler see token lists and tensors, never requests or steps.
     "spec_decode": {"core", "engine", "executor", "entrypoints", "benchmarks", "distributed"},
-    "executor": {"engine", "entrypoints", "benchmarks"},
+    "executor": {"engine", "entrypoints", "benchmarks", "structured_output"},
+    # Grammars and their states know requests and the step's contract, never the model or the devices.
+    "structured_output": {"models", "layers", "executor", "engine", "entrypoints", "benchmarks", "distributed", "spec_decode"},
     "engine": {"models", "layers", "entrypoints", "benchmarks", "spec_decode"},
     "benchmarks": {"layers", "models", "entrypoints", "distributed", "spec_decode"},
     # The modules at the top of the package (config, envs, request, outputs, sampling_params) are shared by all.

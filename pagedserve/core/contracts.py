@@ -46,6 +46,17 @@ class RunningRequestData:
 
 
 @dataclass
+class GrammarBitmask:
+    """Structured outputs: which tokens each constrained request may take at each position it samples in this step. A
+    request has 1 + (its drafts to verify) rows, one after each known token; rows are bitmasks over the vocabulary (bit
+    j of 32-bit word j // 32 set: token j allowed), int32 in native byte order, in request_ids' order."""
+
+    request_ids: list[str]
+    rows: bytes
+    words_per_row: int
+
+
+@dataclass
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData]
     scheduled_running_reqs: list[RunningRequestData]  # only running requests that got new blocks
@@ -63,6 +74,7 @@ class SchedulerOutput:
     # last token and these), and the requests to propose new drafts for once this step has run.
     drafts_to_verify: dict[str, list[int]] = field(default_factory=dict)
     propose_for: set[str] = field(default_factory=set)
+    grammar_bitmask: GrammarBitmask | None = None
 
     @property
     def is_empty(self) -> bool:

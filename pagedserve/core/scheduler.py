@@ -4,10 +4,15 @@ Each step hands out at most max_num_batched_tokens tokens: running requests firs
 takes one token, an unfinished prompt its next chunk), then waiting requests in policy order.
 The step being built is a StepPlan; what else bounds it plugs in beside this loop: the time bound on
 prompt work while streams decode (core/stall_bound.py) and speculative decoding's drafts
-(core/draft_policy.py).
+(core/draft_policy.py). Structured outputs plug in as the engine's grammar states
+(structured_output/manager.py): a constrained request waits until its grammar has compiled, its drafts are cut to
+what its grammar allows, each step carries the masks of the tokens it may sample, and its grammar follows the tokens
+it gains.
 """
 
 from __future__ import annotations
+
+import logging
 
 from pagedserve.config import DecodeStallLimit, SpeculativeConfig
 from pagedserve.core.contracts import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
@@ -18,6 +23,8 @@ from pagedserve.core.stall_bound import DecodeStallBound
 from pagedserve.core.step_plan import StepPlan
 from pagedserve.core.step_time import StepShape
 from pagedserve.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
 
 _NO_DRAFTS: list[int] = []  # shared, never changed: a decode without drafts
 _RUNNING = RequestStatus.RUNNING
@@ -35,7 +42,9 @@ class Scheduler:
         max_decode_stall: DecodeStallLimit | None = None,
         speculative: SpeculativeConfig | None = None,
         send_last_tokens: bool = False,
+        structured_output=None,
     ) -> None:
+        """structured_output: the engine's grammar states (a StructuredOutputManager), None without structured outputs."""
         self.kv_cache_manager = kv_cache_manager
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -56,6 +65,10 @@ class Scheduler:
         self.send_last_tokens = send_last_tokens
         self.speculative = speculative
         self.drafts = DraftPolicy(speculative, max_model_len) if speculative else None
+        self.structured_output = structured_output
+        # Requests ended by the engine itself before they ran (a grammar that failed to compile), told with the next
+        # step's outputs.
+        self._ended_unscheduled: list[EngineCoreOutput] = []
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -64,6 +77,8 @@ class Scheduler:
             raise ValueError(f"request_id {request.request_id!r} is already in use by a running request")
         self.requests[request.request_id] = request
         self.waiting.add(request)
+        if self.structured_output is not None:
+            self.structured_output.add_request(request)
 
     def finish_requests(self, request_ids, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> list[Request]:
         """Abort (or otherwise end) requests wherever they are; unknown ids are ignored."""
@@ -121,6 +136,8 @@ class Scheduler:
             propose_for = self.drafts.requests_to_draft_for(scheduled, len(self.running))
         output = plan.build(self.finished_req_ids, self.preempted_req_ids, propose_for)
         self.finished_req_ids, self.preempted_req_ids = set(), set()
+        if self.structured_output is not None and self.structured_output.has_constrained:
+            output.grammar_bitmask = self.structured_output.bitmask(output, self.requests)
         return output
 
     def _schedule_running(self, plan: StepPlan) -> bool:
@@ -146,6 +163,8 @@ class Scheduler:
                 num_new_tokens = plan.chunk_size(num_new_tokens, num_computed_tokens)
             elif num_new_tokens == 1 and drafts_policy is not None:
                 drafts = drafts_policy.take_drafts(request, plan.token_budget)
+                if drafts and self.structured_output is not None and self.structured_output.is_constrained(request.request_id):
+                    drafts = self.structured_output.allowed_drafts(request.request_id, drafts)
                 num_new_tokens += len(drafts)
             if num_new_tokens == 0:  # no time for its chunk, or its last step is still in the pipeline
                 continue
@@ -178,8 +197,12 @@ class Scheduler:
         skipped = []
         while len(self.waiting) > 0 and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
-            if self._sibling_is_prefilling(request):
-                # Wait for the sibling's prompt blocks, then reuse them from the prefix cache.
+            must_wait = self._sibling_is_prefilling(request) or not self._grammar_ready(request)
+            if request.is_finished:  # its grammar failed to compile
+                self.waiting.pop()
+                continue
+            if must_wait:
+                # Wait for the sibling's prompt blocks (then reuse them from the prefix cache), or for the grammar.
                 skipped.append(self.waiting.pop())
                 continue
             if not self._admit(plan, request):
@@ -206,6 +229,21 @@ class Scheduler:
         plan.add_new_request(request, num_new_tokens, self.kv_cache_manager.block_ids(request.request_id),
                              self.num_prompt_logprobs_sent.get(request.request_id, 0))
         return True
+
+    def _grammar_ready(self, request: Request) -> bool:
+        """Whether the request's structure (if any) has compiled. One that failed to compile ends the request (the
+        front end compiled it before, so only a fault of the engine's own gets here), its end told with the next
+        outputs."""
+        if self.structured_output is None:
+            return True
+        try:
+            return self.structured_output.is_ready(request)
+        except ValueError as exc:
+            logger.error("request %s ended: its structure did not compile in the engine: %s", request.request_id, exc)
+            request.status = RequestStatus.FINISHED_ABORTED
+            self._free_request(request)
+            self._ended_unscheduled.append(EngineCoreOutput(request.request_id, [], finish_reason=request.status.finish_reason))
+            return False
 
     def _sibling_is_prefilling(self, request: Request) -> bool:
         """True while another sample of the same request has prompt tokens left after this step
@@ -242,8 +280,10 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         # Runs for every scheduled request each step: lookups are hoisted, and the logprob and draft maps are read
         # only when the step produced any.
-        outputs: list[EngineCoreOutput] = []
+        outputs: list[EngineCoreOutput] = self._ended_unscheduled
+        self._ended_unscheduled = []
         stopped: list[Request] = []
+        structured = self.structured_output if self.structured_output is not None and self.structured_output.has_constrained else None
         get_request, get_sampled = self.requests.get, runner_output.sampled_token_ids.get
         logprobs, prompt_logprobs_of = runner_output.logprobs, runner_output.prompt_logprobs
         verified, proposed_drafts = scheduler_output.drafts_to_verify, runner_output.proposed_drafts
@@ -263,6 +303,8 @@ class Scheduler:
                 new_token_ids = [token_id]
                 if request.append_output_token(token_id, max_model_len):
                     finish_reason = request.status.finish_reason
+            if structured is not None and new_token_ids and not structured.accept(request_id, new_token_ids):
+                finish_reason = self._end_off_grammar(request, new_token_ids)
             if finish_reason is not None:
                 stopped.append(request)
             elif proposed_drafts and token_id is not None:
@@ -298,7 +340,15 @@ class Scheduler:
         self.kv_cache_manager.trim(request)
         return None
 
+    def _end_off_grammar(self, request: Request, new_token_ids: list[int]) -> str:
+        """A token its grammar refused (the masks allow none such): the request cannot go on under its structure."""
+        logger.error("request %s ended: its grammar refused a token of %s", request.request_id, new_token_ids)
+        request.status = RequestStatus.FINISHED_ABORTED
+        return request.status.finish_reason
+
     def _free_request(self, request: Request) -> None:
+        if self.structured_output is not None:
+            self.structured_output.remove(request.request_id)
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         self.num_prompt_logprobs_sent.pop(request.request_id, None)

@@ -16,6 +16,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "from Philox(seed, counter)");
   m.def("apply_penalties_", &apply_penalties_,
         "repetition (prompt and output), frequency and presence (output) penalties, in place, over each row's tokens");
+  m.def("apply_token_bitmask_", &apply_token_bitmask_,
+        "-inf in place where a row's token bitmask (int32 words, bit j % 32 of word j / 32) forbids the token, in the rows given");
   m.def("rotary_embedding", &rotary_embedding, "neox rotary embedding of query and key, in place");
   m.def("quantized_linear", &quantized_linear, "x @ W.T (+ bias) with W in GGUF Q4_0/Q4_1/Q8_0 blocks",
         py::arg("x"), py::arg("weight"), py::arg("qtype"), py::arg("bias") = py::none(), py::arg("interleaved") = py::none());

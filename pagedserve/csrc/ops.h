@@ -18,6 +18,7 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature, 
                        const at::Tensor& min_p, const at::Tensor& seeds, const at::Tensor& counters);
 void apply_penalties_(at::Tensor logits, const at::Tensor& token_ids, const at::Tensor& offsets, const at::Tensor& prompt_lens,
                       const at::Tensor& presence, const at::Tensor& frequency, const at::Tensor& repetition);
+void apply_token_bitmask_(at::Tensor logits, const at::Tensor& bitmask, const at::Tensor& rows);
 void rotary_embedding(const at::Tensor& positions, at::Tensor query, at::Tensor key, const at::Tensor& cos_cache,
                       const at::Tensor& sin_cache);
 int64_t quantized_block_bytes(int64_t qtype);

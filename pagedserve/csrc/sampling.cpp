@@ -7,7 +7,8 @@
 // inverting the running sum of the kept weights in vocabulary order. The numbers are counter-based
 // (Philox-4x32-10 keyed by the row's seed, counted by the token's position), so a seeded request draws
 // the same numbers whatever else is in the batch, with no generator to keep. The penalties touch only
-// the tokens a row has seen, not its vocabulary.
+// the tokens a row has seen, not its vocabulary. Structured outputs' token bitmasks are applied to the
+// rows they constrain in place.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -256,6 +257,41 @@ void apply_penalties_(at::Tensor logits, const at::Tensor& token_ids, const at::
         row[id] = v;
       }
       for (int64_t j = start[r]; j < start[r + 1]; ++j) output_count[ids[j]] = seen[ids[j]] = 0;
+    }
+  });
+}
+
+// -inf at every token a row's bitmask forbids (bit j % 32 of word j / 32 clear), in the logits rows given: the
+// rows of constrained requests. A word of all ones (32 allowed tokens) is skipped, and one of all zeros filled.
+void apply_token_bitmask_(at::Tensor logits, const at::Tensor& bitmask, const at::Tensor& rows) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.is_contiguous(),
+              "logits must be a contiguous float32 CPU tensor [rows, n]");
+  TORCH_CHECK(bitmask.scalar_type() == at::kInt && bitmask.dim() == 2 && bitmask.is_contiguous(),
+              "bitmask must be a contiguous int32 tensor [masked rows, words]");
+  const int64_t num_masked = bitmask.size(0), words = bitmask.size(1), n = logits.size(1);
+  check_column(rows, at::kLong, num_masked, "rows");
+  TORCH_CHECK(words * 32 >= n, "bitmask must cover the logits' ", n, " columns");
+  const int64_t* row_index = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < num_masked; ++i)
+    TORCH_CHECK(row_index[i] >= 0 && row_index[i] < logits.size(0), "row ", row_index[i], " is out of the logits' rows");
+  float* x = logits.data_ptr<float>();
+  const uint32_t* masks = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, num_masked, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      float* row = x + row_index[i] * n;
+      const uint32_t* mask = masks + i * words;
+      for (int64_t word = 0; word * 32 < n; ++word) {
+        const uint32_t bits = mask[word];
+        if (bits == 0xFFFFFFFFu) continue;
+        const int64_t base = word * 32, count = std::min<int64_t>(32, n - base);
+        if (bits == 0u) {
+          std::fill(row + base, row + base + count, kMinusInf);
+          continue;
+        }
+        for (int64_t b = 0; b < count; ++b)
+          if (!((bits >> b) & 1u)) row[base + b] = kMinusInf;
+      }
     }
   });
 }

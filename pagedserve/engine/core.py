@@ -11,6 +11,7 @@ from pagedserve.core.contracts import EngineCoreOutput, SchedulerOutput, Schedul
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.core.step_time import uniform_step_shape
+from pagedserve.engine.tokenizer import grammar_compiler
 from pagedserve.engine.wire import EngineCoreRequest
 from pagedserve.executor import step_timings_cache
 from pagedserve.executor.abstract import Executor, WorkerCall
@@ -18,6 +19,7 @@ from pagedserve.executor.selector import executor_class as select_executor_class
 from pagedserve.model_info import ModelInfo
 from pagedserve.processes import freeze_start_up_objects
 from pagedserve.request import Request
+from pagedserve.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +40,9 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         # Pipeline parallelism: up to max_concurrent_batches steps in flight; a request's next step waits for its last.
         self.batch_queue: deque[SchedulerOutput] | None = deque() if self.executor.max_concurrent_batches > 1 else None
+        info = self.model_info
+        self.structured_output = StructuredOutputManager(
+            grammar_compiler(config.tokenizer or info.model_dir, info.vocab_size, tuple(info.eos_token_ids)))
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             max_model_len=self.model_info.max_model_len,
@@ -48,6 +53,7 @@ class EngineCore:
             max_decode_stall=config.decode_stall,
             speculative=config.speculative,
             send_last_tokens=self.batch_queue is not None,
+            structured_output=self.structured_output,
         )
         for num_seqs, seq_len, context, seconds in warm_up_timings:  # a first fit of the step-time model
             self.scheduler.observe_step(uniform_step_shape(num_seqs, seq_len, context), seconds)
@@ -118,6 +124,7 @@ class EngineCore:
         return self.scheduler.get_stats()
 
     def shutdown(self) -> None:
+        self.structured_output.shutdown()
         self.executor.shutdown()
 
     # ---- utility calls (by name, from either client) -------------------------------------------

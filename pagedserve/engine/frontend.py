@@ -10,7 +10,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.contracts import EngineCoreOutput
 from pagedserve.engine.output_processor import OutputProcessor, ProcessedOutputs
 from pagedserve.engine.processor import ProcessedPrompt, Processor, PromptType
-from pagedserve.engine.tokenizer import load_tokenizer
+from pagedserve.engine.tokenizer import grammar_compiler, load_tokenizer
 from pagedserve.engine.wire import EngineCoreRequest
 from pagedserve.model_info import ModelInfo
 from pagedserve.sampling_params import SamplingParams
@@ -32,7 +32,12 @@ class FrontEnd:
     def __init__(self, config: EngineConfig, model_info: ModelInfo, tokenizer=None) -> None:
         """tokenizer: the model's, when already loaded."""
         self.model_info = model_info
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.tokenizer or model_info.model_dir)
+        tokenizer_dir = config.tokenizer or model_info.model_dir
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(tokenizer_dir)
+        # A request's structure is compiled here first, within a time limit, so that a bad one is refused before it
+        # reaches the engine core (which compiles it again, from its own cache or this one's).
+        self.grammars = grammar_compiler(tokenizer_dir, model_info.vocab_size, tuple(model_info.eos_token_ids))
+        self.structure_time_limit_s = config.structured_outputs_compile_timeout
         self.processor = Processor(self.tokenizer, model_info)
         self.output_processor = OutputProcessor(self.tokenizer)
 
@@ -58,6 +63,8 @@ class FrontEnd:
         """Tokenize and validate; touches no state, so it may run in a worker thread."""
         processed = self.processor.tokenize_prompt(prompt)
         params, engine_requests = self.processor.process(request_id, processed, params, priority)
+        if params.structured_outputs is not None:
+            self.grammars.compile_within(params.structured_outputs, self.structure_time_limit_s)
         return PreparedRequest(request_id, processed, params, engine_requests)
 
     def track(self, prepared: PreparedRequest) -> list[EngineCoreRequest]:

@@ -7,12 +7,12 @@ import time
 
 import torch
 
-from pagedserve.core.contracts import ModelRunnerOutput, SchedulerOutput
+from pagedserve.core.contracts import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from pagedserve.distributed.parallel_state import rank_info, receive_from_previous_stage, send_to_next_stage
 from pagedserve.executor.input_batch import ModelInputs, RunnerRequests, RunnerRequestState, dummy_layout, prepare_inputs
 from pagedserve.executor.sampling_inputs import SamplingInputs
 from pagedserve.layers.attention import AttentionBackend
-from pagedserve.layers.sampler import Sampler, gather_logprobs
+from pagedserve.layers.sampler import Sampler, apply_token_bitmask_, gather_logprobs
 from pagedserve.layers.sampling_rule import DrawKeys
 from pagedserve.outputs import LogprobsLists
 from pagedserve.sampling_params import SamplingParams
@@ -51,7 +51,7 @@ class ModelRunner:
             self.proposer.follow(inputs.input_ids, inputs.positions, inputs.attn_metadata)
         output = ModelRunnerOutput(sampled_token_ids={})
         if hidden_states is not None and inputs.sampling_req_ids:
-            self._sample(inputs, hidden_states, output)
+            self._sample(inputs, hidden_states, output, scheduler_output.grammar_bitmask)
         if hidden_states is not None and inputs.prompt_logprobs:
             self._prompt_logprobs(inputs, hidden_states, output)
         scheduled = scheduler_output.num_scheduled_tokens
@@ -156,9 +156,12 @@ class ModelRunner:
             seconds.append(time.perf_counter() - start)
         return seconds
 
-    def _sample(self, inputs: ModelInputs, hidden_states: torch.Tensor, output: ModelRunnerOutput) -> None:
+    def _sample(self, inputs: ModelInputs, hidden_states: torch.Tensor, output: ModelRunnerOutput,
+                grammar_bitmask: GrammarBitmask | None = None) -> None:
         states = self.requests.of(inputs.sampling_req_ids)
         logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
+        if grammar_bitmask is not None:
+            self._apply_grammar_bitmask(states, logits, grammar_bitmask)
         if not any(state.num_drafts for state in states):
             self._sample_rows(states, logits, output, batch_key=(self.requests.version, tuple(inputs.sampling_req_ids)))
             return
@@ -173,6 +176,18 @@ class ModelRunner:
             row += num_rows
         if plain_states:
             self._sample_rows(plain_states, logits[plain_rows], output)
+
+    def _apply_grammar_bitmask(self, states: list[RunnerRequestState], logits: torch.Tensor, grammar_bitmask: GrammarBitmask) -> None:
+        """Structured outputs: the tokens its grammar forbids at each position a constrained request samples (its last
+        known token's and each draft's) get -inf, before penalties, verification and sampling see the logits."""
+        first_row, row = {}, 0
+        for state in states:  # a request's logits rows: one, or one per draft and one after them
+            first_row[state.request_id] = row
+            row += state.num_drafts + 1
+        rows = [first_row[request_id] + offset for request_id in grammar_bitmask.request_ids
+                for offset in range(self.requests[request_id].num_drafts + 1)]
+        bitmask = torch.frombuffer(bytearray(grammar_bitmask.rows), dtype=torch.int32).view(len(rows), grammar_bitmask.words_per_row)
+        apply_token_bitmask_(logits, bitmask, torch.tensor(rows, dtype=torch.long), self.sampler.cpu_kernels)
 
     def _verify(self, state: RunnerRequestState, logits: torch.Tensor, output: ModelRunnerOutput) -> None:
         """Accept a prefix of the request's drafts and draw the token after it, from the target's logits after

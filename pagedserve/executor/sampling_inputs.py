@@ -78,8 +78,11 @@ def _batch_columns(params: list, draw_keys: DrawKeys, device: torch.device) -> _
     any_penalty = any(p.has_penalties for p in params)
     penalties = None
     if any_penalty:
+        # A repetition penalty too small for float32 would become 0, and a forbidden token's -inf times 0 is NaN:
+        # it is raised to float32's smallest normal number, which keeps -inf where it is.
+        smallest = float(np.finfo(np.float32).tiny)
         penalties = (column([p.presence_penalty for p in params]), column([p.frequency_penalty for p in params]),
-                     column([p.repetition_penalty for p in params]))
+                     column([max(p.repetition_penalty, smallest) for p in params]))
     min_tokens_rows = []
     for row, p in enumerate(params):
         if p.min_tokens > 0:

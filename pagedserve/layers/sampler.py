@@ -56,6 +56,18 @@ class Sampler:
         return logits
 
 
+def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor, cpu_kernels=None) -> None:
+    """Structured outputs: -inf, in place, at every token a row's bitmask forbids. logits [R, V] float32; bitmask
+    [M, ceil(V / 32)] int32 (bit j % 32 of word j // 32 set: token j allowed); rows [M] int64, the logits row of each
+    bitmask row. On CPU through the C++ kernel when given (the same result)."""
+    if cpu_kernels is not None and logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
+        cpu_kernels.apply_token_bitmask_(logits, bitmask, rows)
+        return
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bitmask.to(logits.device).unsqueeze(-1) >> shifts) & 1).view(bitmask.shape[0], -1)[:, : logits.shape[1]].bool()
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
+
 def argmax(rows: torch.Tensor, cpu_kernels=None) -> torch.Tensor:
     """torch.argmax over the last dimension of [R, V]; on CPU in float32 through the C++ kernel when given
     (the same result, NaN and ties included, several times faster on a row of a large vocabulary)."""
