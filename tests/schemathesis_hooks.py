@@ -1,13 +1,28 @@
-"""Schemathesis hooks for the coverage-phase test. One rule between fields cannot be stated in JSON Schema: min_tokens
-<= max_tokens. The coverage phase takes each field to its bounds with the others at their defaults, so in the tester's
-copy of the schema the completions endpoint's min_tokens stops at max_tokens' default."""
+"""Schemathesis hooks for the coverage-phase test: rules between fields and values that JSON Schema cannot state.
+
+- min_tokens <= max_tokens: the coverage phase takes each field to its bounds with the others at their defaults, so
+  in the tester's copy of the schema the completions endpoint's min_tokens stops at max_tokens' default.
+- A structure must compile: in the tester's copy, the grammars and the schemas given as text that it may send are
+  ones that do."""
 
 import schemathesis
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+# What JSON Schema cannot say of a structure, that it compiles, said of the strings that are not compiled by any
+# rule of their own: a grammar and a schema given as text, each as a pattern of ones that do (a string outside it is
+# refused, as the schema then says).
+GRAMMAR = {"type": "string", "pattern": '^root ::= "[a-z]"$'}
+SCHEMA_TEXT = {"type": "string", "pattern": "^[{][}]$"}
 
 
 @schemathesis.hook
 def before_load_schema(ctx, raw_schema: dict) -> None:
-    min_tokens = raw_schema["components"]["schemas"]["CompletionRequest"]["properties"]["min_tokens"]
-    min_tokens["maximum"] = COMPLETIONS_DEFAULT_MAX_TOKENS
+    bodies = raw_schema["components"]["schemas"]
+    bodies["CompletionRequest"]["properties"]["min_tokens"]["maximum"] = COMPLETIONS_DEFAULT_MAX_TOKENS
+    for body in ("CompletionRequest", "ChatCompletionRequest"):
+        fields = bodies[body]["properties"]
+        fields["guided_grammar"] = {"anyOf": [GRAMMAR, {"type": "null"}]}
+        fields["guided_json"] = {"anyOf": [{"type": "object"}, SCHEMA_TEXT, {"type": "null"}]}
+    structured = bodies["StructuredOutputsFields"]["properties"]
+    structured["grammar"] = {"anyOf": [GRAMMAR, {"type": "null"}]}
+    structured["json"] = {"anyOf": [{"type": "object"}, SCHEMA_TEXT, {"type": "null"}]}

@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import re
 import time
 
 import openai
@@ -264,3 +265,61 @@ def test_metrics_expose_the_engine_state(server):
         assert name in text, name
     assert metric_value(text, "pagedserve:prompt_tokens_total") > 0
     assert metric_value(text, "pagedserve:prefix_cache_hits_total") > 0  # the tests above repeat prompts
+
+
+# ---- structured outputs -------------------------------------------------------------------------------------
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                           "languages": {"type": "array", "items": {"type": "string", "enum": ["en", "fr", "de"]}}},
+          "required": ["name", "age", "languages"]}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_json_schema_response_format_parses_and_validates_streamed_or_not(client, temperature):
+    import jsonschema
+
+    messages = [{"role": "user", "content": "Describe a person as JSON."}]
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    reply = client.chat.completions.create(model=MODEL, messages=messages, response_format=response_format, max_tokens=100,
+                                           temperature=temperature, seed=5)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop", choice
+    jsonschema.validate(json.loads(choice.message.content), PERSON)
+    chunks = client.chat.completions.create(model=MODEL, messages=messages, response_format=response_format, max_tokens=100,
+                                            temperature=temperature, seed=5, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == choice.message.content
+
+
+def test_regex_choice_and_json_object_on_both_endpoints(client):
+    phone = client.completions.create(model=MODEL, prompt="Call me at", max_tokens=20,
+                                      extra_body={"structured_outputs": {"regex": r"\d{3}-\d{4}"}}).choices[0]
+    assert re.fullmatch(r"\d{3}-\d{4}", phone.text) and phone.finish_reason == "stop"
+    older_name = client.completions.create(model=MODEL, prompt="Is water wet?", max_tokens=5, extra_body={"guided_choice": ["yes", "no"]})
+    assert older_name.choices[0].text in ("yes", "no")
+    answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Pick a side."}], max_tokens=5,
+                                            extra_body={"structured_outputs": {"choice": ["left", "right"]}})
+    assert answer.choices[0].message.content in ("left", "right")
+    anything = client.completions.create(model=MODEL, prompt='{"a": 1}\n{"b": 2}\n{"c": 3}\n', max_tokens=60,
+                                         extra_body={"response_format": {"type": "json_object"}}, **GREEDY).choices[0]
+    assert anything.finish_reason == "stop" and isinstance(json.loads(anything.text), dict)
+
+
+@pytest.mark.parametrize("fields,param,message", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objec"}}}}, "response_format",
+     "Unsupported type"),
+    ({"extra_body": {"structured_outputs": {"regex": "(a"}}}, "structured_outputs", "parenthesis"),
+    ({"extra_body": {"guided_grammar": "root ::= "}}, "guided_grammar", "EBNF"),
+    ({"extra_body": {"structured_outputs": {"regex": "a", "choice": ["b"]}}}, "structured_outputs", "exactly one"),
+    ({"response_format": {"type": "json_object"}, "extra_body": {"guided_regex": "a"}}, "guided_regex", "given once"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema"),
+    ({"extra_body": {"structured_outputs": {"regex": "a+"}, "min_tokens": 2}}, "min_tokens", "structured_outputs"),
+    ({"extra_body": {"structured_outputs": {"regexp": "a+"}}}, "structured_outputs", "not a field"),
+])
+def test_unusable_structures_are_400s_naming_the_field_and_the_server_goes_on(client, fields, param, message):
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5, **fields)
+    error = raised.value.body
+    assert error["param"] == param and message in error["message"], error
+    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+                                           extra_body={"guided_choice": ["fine"]})
+    assert reply.choices[0].message.content == "fine"

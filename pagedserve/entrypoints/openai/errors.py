@@ -25,7 +25,7 @@ _TYPES = {
     503: "service_unavailable_error",
 }
 # Engine validation messages start with the field they are about: "top_p must be in (0, 1], got 2".
-_FIELD_MESSAGE = re.compile(r"^([a-z_]+) must be")
+_FIELD_MESSAGE = re.compile(r"^([a-z_]+(?:\.[a-z_]+)*) must be")
 # Parts of a pydantic error location that name a branch of a union, not a field.
 _UNION_BRANCH = re.compile(r"^(str|int|float|bool|dict|list|none|constrained-\w+|[\w-]+-branch)$|[\[\]]")
 

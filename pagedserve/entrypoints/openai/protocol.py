@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
-from pagedserve.sampling_params import FIELD_BOUNDS, SamplingParams
+from pagedserve.sampling_params import FIELD_BOUNDS, SamplingParams, StructuredOutputsParams
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
@@ -101,8 +101,90 @@ class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
 
+class StrictModel(OpenAIModel):
+    """A nested object of the request whose every field the server knows: anything else is refused by name."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, populate_by_name=True)
+
+
+class JSONSchemaFormat(StrictModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = None  # what the format is for; not shown to the model
+    # The schema the output follows; none: any JSON object. "schema" is BaseModel's own name, hence the alias.
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # the output always follows the schema, strict or not
+
+
+class TextFormat(StrictModel):
+    type: Literal["text"]
+
+
+class JSONObjectFormat(StrictModel):
+    type: Literal["json_object"]
+
+
+class JSONSchemaResponseFormat(StrictModel):
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaFormat
+
+
+def _format_branch(value) -> str | None:
+    """The branch of a response_format, told by its type (its tag, which error locations leave out)."""
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return f"{kind}-branch" if kind in ("text", "json_object", "json_schema") else None
+
+
+ResponseFormat = Annotated[
+    Annotated[TextFormat, Tag("text-branch")] | Annotated[JSONObjectFormat, Tag("json_object-branch")]
+    | Annotated[JSONSchemaResponseFormat, Tag("json_schema-branch")],
+    Discriminator(_format_branch, custom_error_type="response_format_type",
+                  custom_error_message="type must be text, json_object or json_schema"),
+]
+
+
+class StructuredOutputsFields(StrictModel):
+    """vLLM's structured_outputs: exactly one structure (sampling_params.StructuredOutputsParams)."""
+
+    json_schema: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: NonEmpty[str] | None = None
+    choice: NonEmpty[list[NonEmpty[str]]] | None = None
+    grammar: NonEmpty[str] | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def params(self) -> StructuredOutputsParams:
+        return StructuredOutputsParams(json=self.json_schema, regex=self.regex, choice=self.choice, grammar=self.grammar,
+                                       json_object=self.json_object, disable_any_whitespace=self.disable_any_whitespace)
+
+
+# vLLM's older names of structured_outputs' parts, each a field of its own.
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+STRUCTURE_FIELDS = ("response_format", "structured_outputs", *GUIDED_FIELDS)
+
+
+def _structure_rules() -> list[dict]:
+    """The rules between fields that a structure brings, as JSON Schema conditions: at most one field gives it (a
+    text response_format gives none), and nothing then overrules where it ends (min_tokens, ignore_eos). Stated as a
+    chain (a field that gives it leaves out those after it), the fewest conditions schema-driven generators can
+    follow beside the chat endpoint's own: so the last field, the rarely used guided_grammar, has none, and its
+    refusal of min_tokens and ignore_eos is the server's alone."""
+    given_as = {"response_format": {"type": "object", "properties": {"type": {"enum": ["json_object", "json_schema"]}}},
+                "structured_outputs": {"type": "object"}, "guided_json": {"type": ["object", "string"]},
+                "guided_regex": {"type": "string"}, "guided_choice": {"type": "array"}, "guided_grammar": {"type": "string"}}
+    absent = {name: {"type": "null"} for name in STRUCTURE_FIELDS}
+    return [{"if": {"required": [name], "properties": {name: given_as[name]}},
+             "then": {"properties": {**{later: absent[later] for later in STRUCTURE_FIELDS[index + 1:]},
+                                     "min_tokens": {"maximum": 0}, "ignore_eos": {"const": False}}}}
+            for index, name in enumerate(STRUCTURE_FIELDS[:-1])]
+
+
+STRUCTURE_RULES = _structure_rules()
+
+
 class ExtraSamplingFields(RequestBody):
     """Sampling fields shared by both endpoints, including the engine's extras beyond OpenAI's."""
+
+    model_config = ConfigDict(json_schema_extra={"allOf": STRUCTURE_RULES})
 
     n: Count = 1
     temperature: bounded("temperature") | None = None
@@ -124,6 +206,36 @@ class ExtraSamplingFields(RequestBody):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: Int64 = 0
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, or one of its older guided_* names.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsFields | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: NonEmpty[str] | None = None
+    guided_choice: NonEmpty[list[NonEmpty[str]]] | None = None
+    guided_grammar: NonEmpty[str] | None = None
+
+    def structure_field(self) -> str | None:
+        """The request field that gives the output's structure, if any; more than one is a ValueError."""
+        given = [name for name in STRUCTURE_FIELDS if getattr(self, name) is not None]
+        if isinstance(self.response_format, TextFormat):
+            given.remove("response_format")
+        if len(given) > 1:
+            raise ValueError(f"{given[1]} must be left out: the output's structure is given once, and {given[0]} gives it")
+        return given[0] if given else None
+
+    def structure(self) -> StructuredOutputsParams | None:
+        """The output's structure, from whichever field gives it."""
+        field = self.structure_field()
+        if field is None:
+            return None
+        if field == "structured_outputs":
+            return self.structured_outputs.params()
+        if field == "response_format":
+            schema = getattr(self.response_format, "json_schema", None)
+            if schema is None or schema.json_schema is None:
+                return StructuredOutputsParams(json_object=True)
+            return StructuredOutputsParams(json=schema.json_schema)
+        return StructuredOutputsParams(**{GUIDED_FIELDS[field]: getattr(self, field)})
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: SamplingParams) -> SamplingParams:
         """The request's sampling parameters; what it leaves out comes from defaults (the model's generation config)."""
@@ -149,6 +261,7 @@ class ExtraSamplingFields(RequestBody):
             min_tokens=self.min_tokens,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=self.structure(),
         )
 
 
@@ -220,6 +333,7 @@ class ChatCompletionRequest(ExtraSamplingFields, ChatTemplateFields):
     # Rules between fields, as the server applies them: top_logprobs needs logprobs; max_tokens or its newer name,
     # not both.
     model_config = ConfigDict(json_schema_extra={"allOf": [
+        *STRUCTURE_RULES,
         {"if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
          "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}},
         {"if": {"required": ["max_tokens"], "properties": {"max_tokens": {"type": "integer"}}},

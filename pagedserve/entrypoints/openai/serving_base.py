@@ -16,6 +16,7 @@ from pagedserve.entrypoints.openai.errors import APIError, request_id_of
 from pagedserve.entrypoints.openai.protocol import UsageInfo
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
+from pagedserve.structured_output.grammar_compiler import StructureError
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +56,10 @@ class ServingBase:
         if n > self.max_n:
             raise APIError(400, f"n must be <= {self.max_n} (this server's limit of samples per request), got {n}", param="n")
 
-    async def add_requests(self, request_id: str, prompts: list, params: SamplingParams, stream: bool, priority: int):
-        """Admit every prompt or none: -> [(sub-request id, queue)]."""
+    async def add_requests(self, request_id: str, prompts: list, params: SamplingParams, stream: bool, priority: int,
+                           structure_field: str | None = None):
+        """Admit every prompt or none: -> [(sub-request id, queue)]. structure_field: the request field that gave the
+        output's structure (the one a structure that does not compile is blamed on)."""
         self.check_n(params.n)
         params.output_kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         added = []
@@ -67,7 +70,7 @@ class ServingBase:
         except Exception as exc:
             for sub_id, _ in added:
                 await self.engine.abort(sub_id)
-            raise _as_api_error(exc) from exc
+            raise _as_api_error(exc, structure_field) from exc
         return added
 
     async def sse_stream(self, added, events: AsyncIterator[str], raw_request: Request) -> AsyncIterator[str]:
@@ -113,9 +116,11 @@ class ServingBase:
             raise APIError(503, str(exc)) from exc
 
 
-def _as_api_error(exc: Exception) -> APIError:
+def _as_api_error(exc: Exception, structure_field: str | None = None) -> APIError:
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, StructureError):
+        return APIError(400, str(exc), param=structure_field or exc.field)
     if isinstance(exc, QueueFullError):
         return APIError(503, str(exc))
     if isinstance(exc, _SERVER_ENDED):

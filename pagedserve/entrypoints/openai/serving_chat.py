@@ -61,7 +61,8 @@ class OpenAIServingChat(ServingBase):
         except ValueError as exc:
             raise APIError.bad_request(exc, param="top_logprobs" if "logprobs" in str(exc) else None) from exc
         request_id = random_id("chatcmpl")
-        added = await self.add_requests(request_id, [{"prompt_token_ids": prompt_ids}], params, request.stream, request.priority)
+        added = await self.add_requests(request_id, [{"prompt_token_ids": prompt_ids}], params, request.stream, request.priority,
+                                        request.structure_field())
         if request.stream:
             return self.sse_stream(added, self._stream_events(request, request_id, added), raw_request)
         output = (await self.collect_final(added, raw_request))[0]

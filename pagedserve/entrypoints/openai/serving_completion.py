@@ -33,7 +33,7 @@ class OpenAIServingCompletion(ServingBase):
         except ValueError as exc:
             raise APIError.bad_request(exc) from exc
         request_id = random_id("cmpl")
-        added = await self.add_requests(request_id, prompts, params, request.stream, request.priority)
+        added = await self.add_requests(request_id, prompts, params, request.stream, request.priority, request.structure_field())
         if request.stream:
             return self.sse_stream(added, self._stream_events(request, request_id, added), raw_request)
         outputs = await self.collect_final(added, raw_request)
