@@ -164,13 +164,15 @@ def test_serve_against_our_own_server_and_plots(tmp_path, tiny_models):
 
 @pytest.mark.slow
 def test_serve_samples_and_chats(tmp_path, tiny_models):
-    """Sampled runs beside greedy ones, and the chat endpoint on the multi-turn chat dataset: TTFT counts
-    from the first content token, not the role delta."""
+    """Sampled runs beside greedy ones, unconstrained and under a JSON schema of each request's own, and the chat
+    endpoint on the multi-turn chat dataset: TTFT counts from the first content token, not the role delta."""
     record, stdout = bench(tmp_path, "serve", "--model", str(tiny_models["llama"]), "--num-prompts", "6", "--dataset", "chat",
                            "--endpoint", "chat", "--temperature", "0", "1", "--top-p", "0.9", "--top-k", "20",
+                           "--structure", "none", "json-schema-distinct",
                            "--server-args", "--kv-cache-memory", str(2**24), "--max-model-len", "1024")
     assert record["dataset"] == "chat" and record["endpoint"] == "chat"
-    assert [(run["temperature"], run["top_p"], run["top_k"]) for run in record["runs"]] == [(0.0, 0.9, 20), (1.0, 0.9, 20)]
+    assert [(run["structure"], run["temperature"], run["top_p"], run["top_k"]) for run in record["runs"]] == [
+        ("none", 0.0, 0.9, 20), ("none", 1.0, 0.9, 20), ("json-schema-distinct", 0.0, 0.9, 20), ("json-schema-distinct", 1.0, 0.9, 20)]
     for run in record["runs"]:
         assert run["failures"] == 0 and run["completed"] == 6 and run["ttft_p50_s"] > 0 and run["output_tokens_per_s"] > 0
     assert "temperature 1" in stdout

@@ -65,7 +65,9 @@ BAD_BODIES = [
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "n": 65}), "n"),  # over --max-num-seqs
     # Fields this server does not know are refused by name, not ignored: unsupported, misspelled, or nested.
     ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                                         "response_format": {"type": "json_object"}}), "response_format"),
+                                         "response_format": {"type": "json_object", "schema": {}}}), "response_format"),
+    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                         "response_format": {"type": "xml"}}), "response_format"),
     ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                                          "tool_choice": "auto"}), "tool_choice"),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "max_token": 3}), "max_token"),

@@ -50,9 +50,25 @@ class Sampling:
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     seeded: bool = False  # each request its own seed
+    structure: str = "none"  # a STRUCTURES name: the JSON schema every output follows, if any
 
     def fields(self) -> dict:
-        return {name: value for name, value in vars(self).items() if value is not None and name != "seeded"}
+        return {name: value for name, value in vars(self).items() if value is not None and name not in ("seeded", "structure")}
+
+
+# What an agent asks for: an answer with a confidence and its sources.
+ANSWER_SCHEMA = {"type": "object", "properties": {
+    "answer": {"type": "string"}, "confidence": {"type": "number", "minimum": 0, "maximum": 1},
+    "sources": {"type": "array", "items": {"type": "string"}, "maxItems": 3}}, "required": ["answer", "confidence", "sources"]}
+def response_format(structure: str, rng: random.Random) -> dict | None:
+    """none: unconstrained; json-schema: ANSWER_SCHEMA (compiled once, then cached); json-schema-distinct: a schema that
+    differs by an optional field of its own, so that every request's compiles cold."""
+    if structure == "none":
+        return None
+    schema = ANSWER_SCHEMA
+    if structure == "json-schema-distinct":
+        schema = {**schema, "properties": {**schema["properties"], f"note_{rng.randrange(2**62)}": {"type": "string"}}}
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
 
 
 def request_body(endpoint: str, model: str, request: BenchRequest, sampling: Sampling, rng: random.Random) -> dict:
@@ -60,6 +76,9 @@ def request_body(endpoint: str, model: str, request: BenchRequest, sampling: Sam
             "stream_options": {"include_usage": True}, **sampling.fields()}
     if sampling.seeded:
         body["seed"] = rng.randrange(2**31)
+    structure = response_format(sampling.structure, rng)
+    if structure is not None:  # a structure ends where it is complete, whatever the dataset asks
+        body.update(response_format=structure, ignore_eos=False)
     if endpoint == "chat":
         return body | {"messages": request.as_messages(rng)}
     return body | {"prompt": request.as_prompt()}
@@ -237,14 +256,15 @@ def run(args) -> dict:
     rates = [float(rate) for rate in args.request_rate]
     concurrencies = args.max_concurrency or [None]
     temperatures = args.temperature
+    structures = getattr(args, "structure", ["none"])
     records = []
     seed = prompt_seed(args.seed)
     seeds = itertools.count(seed)
     with (contextlib.nullcontext(args.base_url) if args.base_url else own_server(args.model, args.server_args)) as url:
         model = args.served_model or first_model(url, args.api_key)
-        for temperature, rate, concurrency in itertools.product(temperatures, rates, concurrencies):
+        for structure, temperature, rate, concurrency in itertools.product(structures, temperatures, rates, concurrencies):
             sampling = Sampling(temperature, args.top_p, args.top_k, args.min_p, args.repetition_penalty, args.frequency_penalty,
-                                args.presence_penalty, args.seeded)
+                                args.presence_penalty, args.seeded, structure)
             repeats = []
             for _ in range(args.repeats):
                 # Fresh prompts for each run: a server's prefix cache must not turn later runs into cache hits.
@@ -254,9 +274,10 @@ def run(args) -> dict:
                                                              args.endpoint, sampling))
                 repeats.append(summarize(results, duration) | (summarize_health(probe) if probe else {}))
             summary = {"request_rate": rate, "max_concurrency": concurrency, **sampling.fields(), "seeded": sampling.seeded,
-                       **median_summary(repeats)}
+                       "structure": structure, **median_summary(repeats)}
             records.append(summary)
             title = f"serve ({workload_name(args)}, temperature {temperature:g}, rate {rate}"
+            title += f", structure {structure}" if structure != "none" else ""
             title += f", max concurrency {concurrency}" if concurrency else ""
             print_table(title + (f", median of {len(repeats)} runs)" if len(repeats) > 1 else ")"), [
                 ("output tokens/s", summary["output_tokens_per_s"]), ("TTFT p50 s", summary["ttft_p50_s"]),

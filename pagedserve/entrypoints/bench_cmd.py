@@ -48,6 +48,9 @@ def register(sub) -> None:
     for penalty in ("repetition", "frequency", "presence"):
         serve.add_argument(f"--{penalty}-penalty", type=float, default=None, help=f"{penalty}_penalty of every request (default: none)")
     serve.add_argument("--seeded", action="store_true", help="give every request a seed of its own")
+    serve.add_argument("--structure", nargs="+", choices=["none", "json-schema", "json-schema-distinct"], default=["none"],
+                       help="the output's structure: none; json-schema (one JSON schema for every request, compiled once); "
+                            "json-schema-distinct (a schema of its own for each request, each compiled cold); several run in turn")
     serve.add_argument("--request-rate", nargs="+", default=["inf"], help="requests/s (Poisson), or inf; several run in turn")
     serve.add_argument("--max-concurrency", type=int, nargs="+", default=None,
                        help="cap on requests in flight; several run in turn (a sweep, for `bench plot`)")
