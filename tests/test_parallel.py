@@ -1,7 +1,8 @@
 """Tensor, pipeline and data parallelism give the single-process engine's outputs: token for token, or
 diverging only where the reference's top two tokens are a near-tie (an all-reduce sums in another order);
 logprobs within 1e-3. Each mode also runs the features that touch the step contract: prefix caching,
-chunked prefill, preemption, n > 1 and aborts. Ranks are processes, so these tests are slow."""
+chunked prefill, preemption, n > 1, aborts and a structured output (its token masks travel with the
+step). Ranks are processes, so these tests are slow."""
 
 import asyncio
 import os
@@ -13,7 +14,7 @@ import time
 import pytest
 from server_utils import RemoteServer, metric_value
 
-from pagedserve import LLM, SamplingParams
+from pagedserve import LLM, SamplingParams, StructuredOutputsParams
 
 pytestmark = pytest.mark.slow
 
@@ -22,12 +23,16 @@ PROMPTS = [[1, 400, 500, 600, 700], SHARED + [11, 12], SHARED + [13, 14, 15], li
 
 
 def run_workload(llm: LLM) -> list:
-    """Greedy requests with logprobs (one with n=2), one aborted midway; returns the finished outputs."""
+    """Greedy requests with logprobs (one with n=2, one under a regular expression), one aborted midway; returns the
+    finished outputs."""
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
     for index, prompt in enumerate(PROMPTS):
         engine.add_request(str(index), {"prompt_token_ids": prompt}, params)
     engine.add_request("pair", {"prompt_token_ids": PROMPTS[0]}, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, n=2))
+    lowercase = StructuredOutputsParams(regex="[a-z ]+")
+    engine.add_request("structured", {"prompt_token_ids": PROMPTS[1]},
+                       SamplingParams(temperature=0.0, max_tokens=24, logprobs=2, structured_outputs=lowercase))
     engine.add_request("aborted", {"prompt_token_ids": PROMPTS[3]}, SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))
     finished = {}
     for step in range(10_000):
@@ -40,7 +45,7 @@ def run_workload(llm: LLM) -> list:
                 finished[output.request_id] = output
     assert "aborted" not in finished
     assert engine.get_stats().kv_cache_usage == 0.0  # every block back, the aborted request's too
-    return [finished[str(index)] for index in range(len(PROMPTS))] + [finished["pair"]]
+    return [finished[str(index)] for index in range(len(PROMPTS))] + [finished["pair"], finished["structured"]]
 
 
 def assert_matches(outputs: list, reference: list) -> None:
@@ -254,7 +259,7 @@ def test_data_parallel_server_routes_by_load_and_prefix_and_labels_its_metrics(t
     assert not [pid for pid in everyone if _alive(pid)]
 
 
-PLAIN_SCRIPT = """from pagedserve import LLM, SamplingParams
+PLAIN_SCRIPT = """from pagedserve import LLM, SamplingParams, StructuredOutputsParams
 llm = LLM({model!r}, tensor_parallel_size=2, kv_cache_memory=2**24)
 params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 print("TOKENS", llm.generate([{{"prompt_token_ids": [1, 400, 500]}}], params, use_tqdm=False)[0].outputs[0].token_ids)
