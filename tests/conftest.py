@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # dtype auto is float32 here on every processor: the transformers references are float32. The bfloat16 mode has
@@ -150,3 +151,11 @@ def chi_square_p_value(counts: torch.Tensor, probabilities: torch.Tensor) -> flo
     degrees = len(observed) - 1
     # The chi-square distribution's survival function: the regularized upper incomplete gamma function.
     return torch.special.gammaincc(torch.tensor(degrees / 2, dtype=torch.float64), torch.tensor(statistic / 2, dtype=torch.float64)).item()
+
+
+def pytest_unconfigure(config):
+    """After the summary: triton (which torch._dynamo loads where it is installed, and xgrammar's dependencies install
+    it) reports its bindings as leaked when the interpreter exits, lines that would follow the summary. Nothing is
+    said on stderr after this point but those."""
+    sys.stderr.flush()
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)

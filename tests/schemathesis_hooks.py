@@ -3,7 +3,9 @@
 - min_tokens <= max_tokens: the coverage phase takes each field to its bounds with the others at their defaults, so
   in the tester's copy of the schema the completions endpoint's min_tokens stops at max_tokens' default.
 - A structure must compile: in the tester's copy, the grammars and the schemas given as text that it may send are
-  ones that do."""
+  ones that do.
+- A named tool_choice must name one of the request's tools, and "required" and a named function compile the tools'
+  parameters: in the tester's copy, tool_choice is "none" or "auto" (the server runs with --enable-auto-tool-choice)."""
 
 import schemathesis
 
@@ -23,6 +25,7 @@ def before_load_schema(ctx, raw_schema: dict) -> None:
         fields = bodies[body]["properties"]
         fields["guided_grammar"] = {"anyOf": [GRAMMAR, {"type": "null"}]}
         fields["guided_json"] = {"anyOf": [{"type": "object"}, SCHEMA_TEXT, {"type": "null"}]}
+    bodies["ChatCompletionRequest"]["properties"]["tool_choice"] = {"anyOf": [{"enum": ["none", "auto"]}, {"type": "null"}]}
     structured = bodies["StructuredOutputsFields"]["properties"]
     structured["grammar"] = {"anyOf": [GRAMMAR, {"type": "null"}]}
     structured["json"] = {"anyOf": [{"type": "object"}, SCHEMA_TEXT, {"type": "null"}]}

@@ -26,7 +26,8 @@ EXAMPLES_PER_ROUTE = 25
 @pytest.fixture(scope="module")
 def fuzz_server(tiny_models):
     server = RemoteServer("--model", str(tiny_models["llama"]), "--served-model-name", "tiny", "--kv-cache-memory", str(16 * 1024**2),
-                          "--max-model-len", "256", "--max-num-seqs", "8", "--max-request-bytes", str(256 * 1024), api_key=API_KEY)
+                          "--max-model-len", "256", "--max-num-seqs", "8", "--max-request-bytes", str(256 * 1024),
+                          "--enable-auto-tool-choice", "--tool-call-parser", "hermes", api_key=API_KEY)
     yield server
     assert server.stop() == 0, server.log_text()[-3000:]
 

@@ -309,6 +309,7 @@ def test_regex_choice_and_json_object_on_both_endpoints(client):
      "Unsupported type"),
     ({"extra_body": {"structured_outputs": {"regex": "(a"}}}, "structured_outputs", "parenthesis"),
     ({"extra_body": {"guided_grammar": "root ::= "}}, "guided_grammar", "EBNF"),
+    ({"extra_body": {"guided_json": "{not json"}}, "guided_json", "not JSON"),
     ({"extra_body": {"structured_outputs": {"regex": "a", "choice": ["b"]}}}, "structured_outputs", "exactly one"),
     ({"response_format": {"type": "json_object"}, "extra_body": {"guided_regex": "a"}}, "guided_regex", "given once"),
     ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema"),

@@ -265,3 +265,13 @@ def test_a_repetition_penalty_below_float32s_range_keeps_forbidden_tokens_forbid
                             structured_outputs=StructuredOutputsParams(regex="[a-z]+"))
     output = default_llm.generate(["0 0 0"], params, use_tqdm=False)[0].outputs[0]
     assert re.fullmatch("[a-z]+", output.text) and output.finish_reason in ("stop", "length"), output
+
+
+def test_a_structure_that_compiles_too_slowly_is_refused_and_still_lands_in_the_cache(default_llm):
+    """The time limit refuses without waiting for the compile, which goes on and is cached for the next request."""
+    compiler = default_llm.llm_engine.front_end.grammars
+    schema = {"type": "object", "properties": {f"field_{i}": {"type": "string", "pattern": f"^[a-z]{{{i}}}$"} for i in range(1, 40)}}
+    spec = StructuredOutputsParams(json=schema)
+    with pytest.raises(StructureError, match="did not compile within"):
+        compiler.compile_within(spec, time_limit_s=1e-6)
+    assert compiler.compile_within(spec, time_limit_s=30) is not None

@@ -6,6 +6,7 @@ import argparse
 
 from pagedserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
 from pagedserve.entrypoints.openai.settings import DEFAULT_MAX_TOKENS
+from pagedserve.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
 
 
 def register(sub) -> None:
@@ -45,6 +46,12 @@ def register(sub) -> None:
                        help="seconds an idle connection is kept open between requests (default: %(default)s)")
     group.add_argument("--max-connections", type=int, default=4096,
                        help="open client connections at most; one beyond gets 503 and is closed (default: %(default)s)")
+    group.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=False,
+                       help='tool_choice "auto" (the default when a chat request gives tools): the model\'s tool calls are read '
+                            "from its text in the --tool-call-parser format (default: off, such requests are refused)")
+    group.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_PARSERS),
+                       help="the format the model writes tool calls in, for tool_choice auto: hermes (<tool_call> JSON), "
+                            "llama3_json, mistral ([TOOL_CALLS] JSON) or pythonic ([f(x=1)])")
     group.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                        help="uvicorn log level; the access log is at info (default: %(default)s)")
     add_engine_args(serve)
@@ -78,6 +85,7 @@ def run_serve(args) -> int:
         trust_request_chat_template=args.trust_request_chat_template, chat_template_timeout=args.chat_template_timeout,
         shutdown_timeout=args.shutdown_timeout, default_max_tokens=args.default_max_tokens,
         request_read_timeout=args.request_read_timeout, keep_alive_timeout=args.keep_alive_timeout,
-        max_connections=args.max_connections,
+        max_connections=args.max_connections, enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
     )
     return run_server(engine_config_from_args(args), settings)

@@ -62,7 +62,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
     renderer = ChatTemplateRenderer(engine.tokenizer, settings.trust_request_chat_template, settings.chat_template_timeout)
     engine.front_end.cap_unrequested_tokens(settings.default_max_tokens)
     completions = OpenAIServingCompletion(engine, names, max_n)
-    chat = OpenAIServingChat(engine, names, max_n, renderer)
+    chat = OpenAIServingChat(engine, names, max_n, renderer, settings.auto_tool_call_parser)
     app = FastAPI(title="pagedserve", version=__version__)
     install_error_handlers(app)
     install_middleware(app, settings, is_draining=lambda: state.draining)

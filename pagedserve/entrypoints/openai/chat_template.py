@@ -4,6 +4,7 @@ and memory limit. Failures of either are the request's fault: 400s naming the pr
 
 from __future__ import annotations
 
+import json
 import logging
 import multiprocessing
 import threading
@@ -30,15 +31,18 @@ class ChatTemplateRenderer:
         self.sandbox = TemplateSandbox(timeout_s) if trust_request_templates else None
 
     def render(self, messages: list[ChatMessage], add_generation_prompt: bool, request_template: str | None,
-               template_kwargs: dict | None) -> str:
-        """The conversation as prompt text. Blocking (it may take a while): call it from a worker thread."""
+               template_kwargs: dict | None, tools: list[dict] | None = None) -> str:
+        """The conversation as prompt text, the tools the model may call (OpenAI's tool objects) given to the template.
+        Blocking (it may take a while): call it from a worker thread."""
         kwargs = dict(template_kwargs or {})
         template = request_template if request_template is not None else kwargs.pop("chat_template", None)
         reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
         if reserved:
             raise APIError(400, f"chat_template_kwargs must not set {', '.join(reserved)}: the server sets them",
                            param="chat_template_kwargs")
-        conversation = [{"role": m.role, "content": m.text()} | ({"name": m.name} if m.name else {}) for m in messages]
+        conversation = [_template_message(m) for m in messages]
+        if tools:
+            kwargs["tools"] = tools
         if template is not None:
             if not self.trust_request_templates:
                 raise APIError(400, "this server does not accept chat templates from requests (it must be started with "
@@ -54,6 +58,28 @@ class ChatTemplateRenderer:
                                                       **kwargs)
         except TemplateError as exc:  # the model's template refused the conversation (roles out of order, say)
             raise APIError(400, f"the chat template refused the conversation: {exc}", param="messages") from exc
+
+
+def _template_message(message: ChatMessage) -> dict:
+    """A message as chat templates read it: an assistant's calls with their arguments as objects, not JSON text (the
+    form transformers documents for templates)."""
+    entry = {"role": message.role, "content": message.text()}
+    if message.name:
+        entry["name"] = message.name
+    if message.tool_call_id is not None:
+        entry["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        entry["tool_calls"] = [{"id": call.id, "type": call.type,
+                                "function": {"name": call.function.name, "arguments": _arguments_object(call.function.arguments)}}
+                               for call in message.tool_calls]
+    return entry
+
+
+def _arguments_object(arguments: str):
+    try:
+        return json.loads(arguments)
+    except ValueError:  # not JSON: the template gets the text as it came
+        return arguments
 
 
 class TemplateSandbox:

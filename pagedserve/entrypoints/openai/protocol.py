@@ -235,7 +235,11 @@ class ExtraSamplingFields(RequestBody):
             if schema is None or schema.json_schema is None:
                 return StructuredOutputsParams(json_object=True)
             return StructuredOutputsParams(json=schema.json_schema)
-        return StructuredOutputsParams(**{GUIDED_FIELDS[field]: getattr(self, field)})
+        part = GUIDED_FIELDS[field]
+        try:
+            return StructuredOutputsParams(**{part: getattr(self, field)})
+        except ValueError as exc:  # it names structured_outputs' part: the request gave it under its older name
+            raise ValueError(str(exc).replace(f"structured_outputs.{part}", field, 1)) from None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: SamplingParams) -> SamplingParams:
         """The request's sampling parameters; what it leaves out comes from defaults (the model's generation config)."""
@@ -294,6 +298,17 @@ class CompletionRequest(ExtraSamplingFields):
                                                                                   "not supported"))
 
 
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str  # a JSON object's text
+
+
+class ToolCall(OpenAIModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class TextContentPart(OpenAIModel):
     type: Literal["text"]
     text: str
@@ -303,6 +318,8 @@ class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool's answer: to which call
 
     @field_validator("content", mode="before")
     @classmethod
@@ -318,6 +335,27 @@ class ChatMessage(OpenAIModel):
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         return "".join(part.text for part in self.content)
+
+
+class FunctionDefinition(StrictModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments; none: any object
+    strict: bool | None = None  # a forced call always follows its parameters, strict or not
+
+
+class ChatTool(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictModel):
+    name: str = Field(min_length=1)
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatTemplateFields(RequestBody):
@@ -346,8 +384,11 @@ class ChatCompletionRequest(ExtraSamplingFields, ChatTemplateFields):
     max_completion_tokens: Count | None = None
     logprobs: bool = False
     top_logprobs: bounded("logprobs", int) | None = None  # with logprobs true
+    tools: list[ChatTool] | None = None
+    # Default with tools: auto (which needs a server started with --enable-auto-tool-choice).
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     # Not supported: rejected with a 400 when set.
-    tools: list[dict[str, Any]] | None = Field(None, json_schema_extra=only_empty({"type": "array", "maxItems": 0}, "not supported"))
     logit_bias: dict[str, float] | None = Field(None, json_schema_extra=only_empty({"type": "object", "maxProperties": 0},
                                                                                   "not supported"))
 
@@ -399,6 +440,21 @@ class ChatChoiceLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed call: its first delta has id, type and the function's name; the next ones add to its arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
 
 
 class ChatCompletionChoice(BaseModel):
@@ -421,6 +477,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 
@@ -24,18 +25,22 @@ from pagedserve.entrypoints.openai.protocol import (
     random_id,
 )
 from pagedserve.entrypoints.openai.serving_base import ServingBase, make_usage, merge_streams, sse, usage_of
+from pagedserve.entrypoints.openai.tool_calls import ToolPlan
 from pagedserve.outputs import PositionLogprobs
 
 
 class OpenAIServingChat(ServingBase):
-    def __init__(self, engine, served_model_names: list[str], max_n: int, renderer: ChatTemplateRenderer) -> None:
+    def __init__(self, engine, served_model_names: list[str], max_n: int, renderer: ChatTemplateRenderer,
+                 tool_call_parser: str | None = None) -> None:
+        """tool_call_parser: the format tool_choice "auto" reads calls in (None: "auto" is refused)."""
         super().__init__(engine, served_model_names, max_n)
         self.renderer = renderer
+        self.tool_call_parser = tool_call_parser
 
-    def prompt_token_ids(self, messages, add_generation_prompt: bool, chat_template: str | None, template_kwargs: dict | None
-                         ) -> list[int]:
+    def prompt_token_ids(self, messages, add_generation_prompt: bool, chat_template: str | None, template_kwargs: dict | None,
+                         tools: list[dict] | None = None) -> list[int]:
         """The conversation as prompt token ids. Blocking: run it in a worker thread."""
-        text = self.renderer.render(messages, add_generation_prompt, chat_template, template_kwargs)
+        text = self.renderer.render(messages, add_generation_prompt, chat_template, template_kwargs, tools)
         try:  # the template writes any special tokens itself
             return self.engine.front_end.processor.tokenize_text(text, add_special_tokens=False)
         except ValueError as exc:
@@ -44,37 +49,39 @@ class OpenAIServingChat(ServingBase):
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request):
         self.check_model(request.model)
         self.check_n(request.n)
-        if request.tools:
-            raise APIError(400, "tools are not supported", param="tools")
         if request.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
         if request.max_tokens is not None and request.max_completion_tokens is not None:
             raise APIError(400, "give max_completion_tokens or its older name max_tokens, not both", param="max_tokens")
+        tools = ToolPlan.of(request, self.tool_call_parser)
         prompt_ids = await asyncio.to_thread(self.prompt_token_ids, request.messages, request.add_generation_prompt,
-                                             request.chat_template, request.chat_template_kwargs)
+                                             request.chat_template, request.chat_template_kwargs,
+                                             [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None)
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         try:
             params = request.sampling_params(max_tokens, (request.top_logprobs or 0) if request.logprobs else None,
                                              self.default_params)
+            if tools.structure is not None:
+                params = dataclasses.replace(params, structured_outputs=tools.structure)
         except ValueError as exc:
             raise APIError.bad_request(exc, param="top_logprobs" if "logprobs" in str(exc) else None) from exc
         request_id = random_id("chatcmpl")
         added = await self.add_requests(request_id, [{"prompt_token_ids": prompt_ids}], params, request.stream, request.priority,
-                                        request.structure_field())
+                                        "tools" if tools.structure is not None else request.structure_field())
         if request.stream:
-            return self.sse_stream(added, self._stream_events(request, request_id, added), raw_request)
+            return self.sse_stream(added, self._stream_events(request, request_id, added, tools), raw_request)
         output = (await self.collect_final(added, raw_request))[0]
-        choices = [
-            ChatCompletionChoice(index=c.index, message=AssistantMessage(content=c.text),
-                                 logprobs=self._logprobs(c.token_ids, c.logprobs, request), finish_reason=c.finish_reason,
-                                 stop_reason=c.stop_reason)
-            for c in output.outputs
-        ]
+        choices = []
+        for c in output.outputs:
+            reply = tools.reply(c.text, c.finish_reason)
+            choices.append(ChatCompletionChoice(index=c.index, message=AssistantMessage(content=reply.content, tool_calls=reply.tool_calls),
+                                                logprobs=self._logprobs(c.token_ids, c.logprobs, request),
+                                                finish_reason=reply.finish_reason, stop_reason=c.stop_reason))
         return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage_of([output]))
 
-    async def _stream_events(self, request: ChatCompletionRequest, request_id: str, added) -> AsyncIterator[str]:
+    async def _stream_events(self, request: ChatCompletionRequest, request_id: str, added, tools: ToolPlan) -> AsyncIterator[str]:
         created = int(time.time())
 
         def chunk(choices, usage=None):
@@ -82,6 +89,7 @@ class OpenAIServingChat(ServingBase):
                                            usage=usage).model_dump(exclude_none=True))
 
         completion_tokens, final = 0, None
+        streams = [tools.stream() for _ in range(request.n)]
         yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(request.n)])
         async for _, output in merge_streams(self.streams(added)):
             choices = []
@@ -89,9 +97,18 @@ class OpenAIServingChat(ServingBase):
                 if not (c.text or c.token_ids or c.finish_reason):
                     continue
                 completion_tokens += len(c.token_ids)
-                choices.append(ChatStreamChoice(index=c.index, delta=DeltaMessage(content=c.text),
-                                                logprobs=self._logprobs(c.token_ids, c.logprobs, request),
-                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                stream = streams[c.index]
+                delta = stream.feed(c.text)
+                logprobs = self._logprobs(c.token_ids, c.logprobs, request)
+                if c.finish_reason is None:
+                    if delta is not None or logprobs is not None:
+                        choices.append(ChatStreamChoice(index=c.index, delta=delta or DeltaMessage(), logprobs=logprobs))
+                    continue
+                last_deltas, finish_reason = stream.finish(c.finish_reason)
+                deltas = [d for d in (delta, *last_deltas) if d is not None] or [DeltaMessage()]
+                choices.extend(ChatStreamChoice(index=c.index, delta=d) for d in deltas[:-1])
+                choices.append(ChatStreamChoice(index=c.index, delta=deltas[-1], logprobs=logprobs, finish_reason=finish_reason,
+                                                stop_reason=c.stop_reason))
             if output.finished:
                 final = output
             if choices:

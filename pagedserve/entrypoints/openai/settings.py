@@ -33,6 +33,18 @@ class ServerSettings:
     max_connections: int = 4096
     # A request's max_tokens when it gives none (the model's generation_config max_new_tokens, where it has one, wins).
     default_max_tokens: int | None = DEFAULT_MAX_TOKENS
+    # tool_choice "auto": the model's calls read in the format of tool_call_parser (tool_parsers.py); off: refused.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser: the format the model writes its calls in")
+
+    @property
+    def auto_tool_call_parser(self) -> str | None:
+        """The format tool_choice "auto" reads calls in; None where "auto" is off."""
+        return self.tool_call_parser if self.enable_auto_tool_choice else None
 
     def effective_max_n(self, max_num_seqs: int) -> int:
         limits = [self.max_n or DEFAULT_MAX_N, max_num_seqs]
