@@ -12,6 +12,8 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
 ATTENTION_BACKENDS = ("auto", "cpu", "torch")
 GEMM_BACKENDS = ("auto", "onednn", "torch")
+# 32- and 16-bit caches, and the 8-bit formats of layers/attention/kv_quant.py (fp8 is fp8_e4m3).
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass
@@ -31,7 +33,9 @@ class EngineConfig:
     kv_cache_dtype: str = field(
         default="auto",
         metadata={"help": "what the KV cache stores: auto (the model's dtype), float32, bfloat16 or float16; a 16-bit cache "
-                  "holds twice the tokens and halves the bytes attention reads, at the cost of rounding K/V"},
+                  "holds twice the tokens and halves the bytes attention reads, at the cost of rounding K/V; or 8 bits with a "
+                  "scale per token and head, int8, fp8_e4m3 (or fp8) or fp8_e5m2: 3.8x float32's tokens at head size 64, "
+                  "lossy (docs/benchmarks.md), read by the torch attention backend"},
     )
     prefault_kv_cache: bool = field(
         default=True,
@@ -119,8 +123,7 @@ class EngineConfig:
         _require(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold", ">= 0", self.long_prefill_token_threshold)
         _require(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy", "'fcfs' or 'priority'", self.scheduling_policy)
         _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", "auto, float32, bfloat16, float16", self.dtype)
-        _require(self.kv_cache_dtype in ("auto", "float32", "bfloat16", "float16"), "kv_cache_dtype", "auto, float32, bfloat16, float16",
-                 self.kv_cache_dtype)
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", ", ".join(KV_CACHE_DTYPES), self.kv_cache_dtype)
         _require(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device", "auto, cpu, cuda", self.device)
         _require(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", ", ".join(ATTENTION_BACKENDS),
                  self.attention_backend)

@@ -18,6 +18,7 @@ from pagedserve.executor import cpu_host, gemm_choice
 from pagedserve.executor.model_runner import ModelRunner
 from pagedserve.layers import cpu_kernels
 from pagedserve.layers.attention import select_attention_backend
+from pagedserve.layers.attention.kv_quant import kv_format
 from pagedserve.layers.linear import kv_heads_of_rank, onednn_available
 from pagedserve.model_info import ModelInfo
 from pagedserve.models.gguf_blocks import load_quantized_blocks
@@ -38,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # numpy has no bfloat16: its zeros come as uint16 (same bytes) and are viewed as bfloat16.
-_NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.uint16}
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.uint16, torch.uint8: np.uint8}
 
 
 def resolve_device(config: EngineConfig) -> torch.device:
@@ -74,6 +75,9 @@ def _name(dtype: torch.dtype) -> str:
 
 
 def resolve_kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
+    """The cache tensors' element type: the model's, the one named, or bytes for an 8-bit format (kv_quant.py)."""
+    if kv_format(config.kv_cache_dtype) is not None:
+        return torch.uint8
     return model_dtype if config.kv_cache_dtype == "auto" else _DTYPES[config.kv_cache_dtype]
 
 
@@ -95,6 +99,7 @@ class Worker:
                         torch.backends.cpu.get_cpu_capability())
         self.dtype, self.gemm_dtype = activation_and_gemm_dtypes(resolve_dtype(config, self.device), self.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config, self.gemm_dtype)
+        self.kv_format = kv_format(config.kv_cache_dtype)
         self.model_dir = resolve_model_dir(config.model)
         self.hf_config = load_hf_config(self.model_dir)
         self.model_max_len = max_position_of(self.hf_config)
@@ -104,7 +109,7 @@ class Worker:
         self.generation_defaults = generation_defaults_of(config, self.model_dir)
         # Compiled now (the first time on a machine), not during the first request.
         self.cpu_kernels = cpu_kernels.load() if config.cpu_kernels and self.device.type == "cpu" else None
-        self.attn_backend = select_attention_backend(config.attention_backend, self.device, self.dtype, self.cpu_kernels)
+        self.attn_backend = select_attention_backend(config.attention_backend, self.device, self.dtype, self.cpu_kernels, self.kv_format)
         self.model = load_model(self.hf_config, self.model_dir, self.dtype, self.device, self.model_max_len, self.attn_backend)
         cpu_kernels.attach(self.model, self.cpu_kernels)
         if config.gguf_quantized_weights and self.cpu_kernels is not None and self.dtype == torch.float32:
@@ -187,10 +192,16 @@ class Worker:
 
     def kv_bytes_per_block(self) -> int:
         """Bytes of one block in every cache this rank keeps (the target's, and a draft model's in the same layout)."""
-        per_token = 2 * self.num_local_layers * self.num_local_kv_heads * head_dim_of(self.hf_config)
+        per_token = 2 * self.num_local_layers * self.num_local_kv_heads * self._row_width(self.hf_config)
         if self.draft_config is not None:
-            per_token += 2 * self.draft_config.num_hidden_layers * self.draft_config.num_key_value_heads * head_dim_of(self.draft_config)
+            draft = self.draft_config
+            per_token += 2 * draft.num_hidden_layers * draft.num_key_value_heads * self._row_width(draft)
         return per_token * self.kv_cache_dtype.itemsize * self.config.block_size
+
+    def _row_width(self, hf_config) -> int:
+        """Elements of one (token, KV head) row of the cache: the head's values, and an 8-bit format's scale."""
+        head_dim = head_dim_of(hf_config)
+        return self.kv_format.row_bytes(head_dim) if self.kv_format is not None else head_dim
 
     def determine_num_blocks(self) -> int:
         if self.config.num_gpu_blocks_override is not None:
@@ -209,10 +220,10 @@ class Worker:
         config = self.config
         self.num_blocks = num_blocks
         self.max_model_len = self._max_model_len(num_blocks)
-        shape = (2, num_blocks, config.block_size, self.num_local_kv_heads, head_dim_of(self.hf_config))
+        shape = (2, num_blocks, config.block_size, self.num_local_kv_heads, self._row_width(self.hf_config))
         self.kv_caches = [zeroed(shape, self.kv_cache_dtype, self.device) for _ in range(self.num_local_layers)]
         if self.draft_config is not None:
-            draft_shape = (2, num_blocks, config.block_size, self.draft_config.num_key_value_heads, head_dim_of(self.draft_config))
+            draft_shape = (2, num_blocks, config.block_size, self.draft_config.num_key_value_heads, self._row_width(self.draft_config))
             num_draft_layers = self.draft_config.num_hidden_layers
             self.draft_kv_caches = [zeroed(draft_shape, self.kv_cache_dtype, self.device) for _ in range(num_draft_layers)]
         self.model_runner = ModelRunner(self.model, self.kv_caches, config.block_size, self.device, config.seed, self.attn_backend,
@@ -221,7 +232,8 @@ class Worker:
             self.kv_prefault = cpu_host.KVCachePrefault(self.kv_caches + self.draft_kv_caches)
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %s); max concurrency at max_model_len=%d: %.2fx",
-            num_blocks, config.block_size, num_blocks * config.block_size, _name(self.kv_cache_dtype),
+            num_blocks, config.block_size, num_blocks * config.block_size,
+            self.kv_format.name if self.kv_format is not None else _name(self.kv_cache_dtype),
             self.max_model_len, num_blocks * config.block_size / self.max_model_len,
         )
 

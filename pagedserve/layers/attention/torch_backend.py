@@ -1,5 +1,6 @@
 """The plain-torch reference backend: device-agnostic, and the oracle every other backend is tested
-against. It gathers each sequence's blocks and runs torch's scaled_dot_product_attention."""
+against. It gathers each sequence's blocks and runs torch's scaled_dot_product_attention. It reads and writes every
+cache layout: 32- and 16-bit, and the 8-bit formats of kv_quant.py."""
 
 from __future__ import annotations
 
@@ -7,41 +8,54 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.layers.attention.backend import AttentionBackend, AttentionMetadata, PrefillChunk
+from pagedserve.layers.attention.kv_quant import KVFormat, dequantize_rows, quantize_rows
 
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
+    def __init__(self, kv_format: KVFormat | None = None) -> None:
+        """kv_format: the 8-bit format the caches hold; None for a 16- or 32-bit cache."""
+        self.kv_format = kv_format
+
     def forward(self, query, key, value, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        reference_write_kv_cache(kv_cache, key, value, meta.slot_mapping)
+        fmt = self.kv_format
+        reference_write_kv_cache(kv_cache, key, value, meta.slot_mapping, fmt)
         out = torch.empty_like(query)
         num_decodes = meta.num_decode_tokens
         if num_decodes:
-            out[:num_decodes] = reference_decode_attention(query[:num_decodes], kv_cache, meta, scale)
+            out[:num_decodes] = reference_decode_attention(query[:num_decodes], kv_cache, meta, scale, fmt)
         for chunk in meta.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-            out[rows] = reference_prefill_attention(query[rows], key[rows], value[rows], kv_cache, chunk, scale)
+            out[rows] = reference_prefill_attention(query[rows], key[rows], value[rows], kv_cache, chunk, scale, fmt)
         return out
 
 
-def reference_write_kv_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    num_kv_heads, head_dim = key.shape[1], key.shape[2]
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+def reference_write_kv_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
+                             kv_format: KVFormat | None = None) -> None:
+    num_kv_heads, row_width = kv_cache.shape[-2], kv_cache.shape[-1]
+    for which, rows in ((0, key), (1, value)):
+        stored = quantize_rows(rows, kv_format) if kv_format is not None else rows.to(kv_cache.dtype)
+        kv_cache[which].view(-1, num_kv_heads, row_width).index_copy_(0, slot_mapping, stored)
+
+
+def read_kv(stored: torch.Tensor, kv_format: KVFormat | None, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows as values of dtype: widened, or dequantized from an 8-bit format."""
+    return dequantize_rows(stored, kv_format, dtype) if kv_format is not None else stored.to(dtype)
 
 
 def gather_sequence_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int):
-    """One sequence's K and V as [seq_len, KV, D], read through its block table."""
-    blocks = kv_cache[:, block_table]  # [2, nb, bs, KV, D]
+    """One sequence's stored K and V rows as [seq_len, KV, row], read through its block table."""
+    blocks = kv_cache[:, block_table]  # [2, nb, bs, KV, row]
     flat = blocks.flatten(1, 2)[:, :seq_len]
     return flat[0], flat[1]
 
 
 def reference_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                               scale: float | None = None) -> torch.Tensor:
+                               scale: float | None = None, kv_format: KVFormat | None = None) -> torch.Tensor:
     """Gather each sequence's blocks, then one batched, masked SDPA."""
     num_decodes = query.shape[0]
-    blocks = kv_cache[:, meta.decode_block_tables].to(query.dtype)  # [2, B, max_blocks, bs, KV, D]
+    blocks = read_kv(kv_cache[:, meta.decode_block_tables], kv_format, query.dtype)  # [2, B, max_blocks, bs, KV, D]
     keys = blocks[0].flatten(1, 2).transpose(1, 2)  # [B, KV, L, D]
     values = blocks[1].flatten(1, 2).transpose(1, 2)
     q = query.unsqueeze(2)  # [B, H, 1, D]
@@ -52,13 +66,15 @@ def reference_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta
 
 
 def reference_prefill_attention(query, key, value, kv_cache: torch.Tensor, chunk: PrefillChunk,
-                                scale: float | None = None) -> torch.Tensor:
-    """Causal SDPA over a fresh chunk's own K/V, or over the gathered context and chunk with a mask."""
+                                scale: float | None = None, kv_format: KVFormat | None = None) -> torch.Tensor:
+    """Causal SDPA over a fresh chunk's own K/V, or over the gathered context and chunk with a mask. Over an 8-bit cache
+    a fresh chunk too reads its K/V back from the cache, so that attention sees what the cache holds however a prompt
+    was chunked, cached or recomputed."""
     context_len = chunk.context_len
-    if context_len == 0:
+    if context_len == 0 and kv_format is None:
         keys, values, mask, causal = key, value, None, True
     else:
-        keys, values = (kv.to(query.dtype) for kv in gather_sequence_kv(kv_cache, chunk.block_table, chunk.seq_len))
+        keys, values = (read_kv(kv, kv_format, query.dtype) for kv in gather_sequence_kv(kv_cache, chunk.block_table, chunk.seq_len))
         query_positions = torch.arange(context_len, chunk.seq_len, device=query.device)
         key_positions = torch.arange(chunk.seq_len, device=query.device)
         mask, causal = key_positions[None, :] <= query_positions[:, None], False
