@@ -289,3 +289,19 @@ def test_machine_limits_are_measured_and_name_the_processor(tmp_path):
     assert record["read_bandwidth_gb_s"] > 0 and record["float32_gflop_s"] > 0
     assert record["bfloat16_gflop_s"] is None or record["bfloat16_gflop_s"] > 0
     assert "memory read, GB/s" in stdout and "float32 matmul 128^3, GFLOP/s" in stdout
+
+
+def test_kv_capacity_per_dtype_and_kv_accuracy_against_float32(tmp_path, tiny_models):
+    """bench kv: the default model's 8-bit caches (head size 64: 68 bytes a row against float32's 256) hold 3.5x
+    float32's blocks or more in the same memory. bench kv-accuracy: float32 measured against itself is exact, and each
+    other cache has its figures."""
+    kv, stdout = bench(tmp_path, "kv", "--num-blocks", "256", "--kv-cache-memory", str(2**26))
+    capacity = kv["capacity_by_dtype"]
+    for dtype in ("int8", "fp8_e4m3", "fp8_e5m2"):
+        assert capacity[dtype]["blocks"] >= 3.5 * capacity["float32"]["blocks"]
+    assert capacity["bfloat16"]["blocks"] == 2 * capacity["float32"]["blocks"]
+    record, _ = bench(tmp_path, "kv-accuracy", "--model", str(tiny_models["llama"]), "--kv-cache-dtype", "int8", "--window", "64",
+                      "--chunk", "16", "--num-prompts", "2", "--output-len", "8")
+    exact, int8 = record["results"]["float32"], record["results"]["int8"]
+    assert exact["max_logprob_diff"] == 0 and exact["identical_answers"] == 2 and exact["perplexity_change_pct"] == 0
+    assert int8["perplexity"] > 1 and int8["max_logprob_diff"] >= 0 and len(int8["tokens_before_divergence"]) == 2

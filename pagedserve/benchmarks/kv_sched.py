@@ -19,7 +19,8 @@ from pagedserve.sampling_params import SamplingParams
 
 
 def run_kv(args) -> dict:
-    """Fill the cache with requests of mixed lengths: slots allocated vs tokens stored."""
+    """Fill the cache with requests of mixed lengths: slots allocated vs tokens stored; and what the model's cache holds
+    in kv_cache_memory for each kv_cache_dtype."""
     rng = random.Random(args.seed)
     block_size, num_blocks, max_model_len = args.block_size, args.num_blocks, args.max_model_len
     kv = KVCacheManager(num_blocks, block_size, enable_caching=False)
@@ -41,8 +42,27 @@ def run_kv(args) -> dict:
         ("waste %", record["waste_pct"]), ("concurrent requests (paged)", admitted),
         (f"concurrent requests (reserve max_model_len={max_model_len})", reservation),
     ])
+    record["capacity_by_dtype"] = capacity_by_dtype(args.model, args.kv_cache_memory, block_size, max_model_len)
+    print_table(f"kv cache capacity ({args.model}, {args.kv_cache_memory / 2**30:g} GiB, max_model_len {max_model_len})", [
+        (f"{dtype}: blocks, tokens, concurrency", f"{c['blocks']}, {c['tokens']}, {c['concurrency']:.2f}x")
+        for dtype, c in record["capacity_by_dtype"].items()])
     write_json(args.json, record)
     return record
+
+
+KV_DTYPES = ("float32", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2")
+
+
+def capacity_by_dtype(model: str, kv_cache_memory: int, block_size: int, max_model_len: int) -> dict:
+    """Blocks, tokens and requests of max_model_len a model's KV cache holds in kv_cache_memory bytes, per cache dtype
+    (the engine's own layout: executor/worker.py)."""
+    from pagedserve.executor.worker import kv_cache_blocks
+
+    capacity = {}
+    for dtype in KV_DTYPES:
+        blocks = kv_cache_blocks(model, dtype, kv_cache_memory, block_size)
+        capacity[dtype] = {"blocks": blocks, "tokens": blocks * block_size, "concurrency": blocks * block_size / max_model_len}
+    return capacity
 
 
 def run_sched(args) -> dict:

@@ -74,6 +74,19 @@ def register(sub) -> None:
     kv.add_argument("--num-blocks", type=int, default=2048)
     kv.add_argument("--mean-len", type=int, default=320)
     kv.add_argument("--max-model-len", type=int, default=8192)
+    kv.add_argument("--model", default=EngineConfig.model, help="the model whose cache capacity is reported per dtype")
+    kv.add_argument("--kv-cache-memory", type=int, default=EngineConfig.kv_cache_memory, help="bytes of KV cache")
+
+    kv_accuracy = _workload(workloads, "kv-accuracy", "KV cache dtypes against a float32 cache: perplexity over the shipped "
+                                                      "English text, logprob differences, greedy agreement on chat prompts")
+    kv_accuracy.add_argument("--model", default=EngineConfig.model)
+    kv_accuracy.add_argument("--kv-cache-dtype", nargs="+", default=["int8", "fp8_e4m3", "fp8_e5m2", "bfloat16"],
+                             help="the caches measured against float32 (each on the torch attention backend, as float32 is)")
+    kv_accuracy.add_argument("--window", type=_positive_int, default=1024, help="tokens of text per prompt (perplexity)")
+    kv_accuracy.add_argument("--chunk", type=_positive_int, default=128,
+                             help="prompt tokens per step: later chunks attend to context read back from the cache")
+    kv_accuracy.add_argument("--num-prompts", type=_positive_int, default=16, help="chat prompts (greedy agreement)")
+    kv_accuracy.add_argument("--output-len", type=_positive_int, default=64, help="greedy tokens per chat prompt")
 
     sched = _workload(workloads, "sched", "scheduler + KV manager step time (no model)")
     sched.add_argument("--num-running", type=int, default=256)
@@ -145,7 +158,7 @@ def run_plot(args) -> int:
 
 
 def run_bench(args) -> int:
-    from pagedserve.benchmarks import executor, interference, kv_sched, machine, prefix, serve, spec, throughput
+    from pagedserve.benchmarks import executor, interference, kv_accuracy, kv_sched, machine, prefix, serve, spec, throughput
 
     if args.workload in ("throughput", "prefix", "interference", "executor"):
         defaults = {f.name: f.default for f in EngineConfig.settings()}
@@ -156,6 +169,6 @@ def run_bench(args) -> int:
         args.num_prompts = 64 if args.dataset == "mixed" else 32
     runners = {"throughput": throughput.run, "serve": serve.run, "prefix": prefix.run, "interference": interference.run,
                "kv": kv_sched.run_kv, "sched": kv_sched.run_sched, "executor": executor.run, "spec": spec.run,
-               "machine": machine.run}
+               "machine": machine.run, "kv-accuracy": kv_accuracy.run}
     runners[args.workload](args)
     return 0

@@ -75,10 +75,29 @@ def _name(dtype: torch.dtype) -> str:
 
 
 def resolve_kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
-    """The cache tensors' element type: the model's, the one named, or bytes for an 8-bit format (kv_quant.py)."""
-    if kv_format(config.kv_cache_dtype) is not None:
+    return kv_cache_element(config.kv_cache_dtype, model_dtype)
+
+
+def kv_cache_element(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The cache tensors' element type for a kv_cache_dtype setting: the model's, the one named, or bytes for an 8-bit
+    format (kv_quant.py)."""
+    if kv_format(kv_cache_dtype) is not None:
         return torch.uint8
-    return model_dtype if config.kv_cache_dtype == "auto" else _DTYPES[config.kv_cache_dtype]
+    return model_dtype if kv_cache_dtype == "auto" else _DTYPES[kv_cache_dtype]
+
+
+def kv_cache_row_width(hf_config, kv_cache_dtype: str) -> int:
+    """Elements of one (token, KV head) row of a model's cache: the head's values, and an 8-bit format's scale."""
+    fmt = kv_format(kv_cache_dtype)
+    return fmt.row_bytes(head_dim_of(hf_config)) if fmt is not None else head_dim_of(hf_config)
+
+
+def kv_cache_blocks(model: str, kv_cache_dtype: str, kv_cache_memory: int, block_size: int) -> int:
+    """Blocks a model's cache (every layer and KV head, on one rank) of this dtype holds in kv_cache_memory bytes. auto
+    is not a size: name the dtype."""
+    hf_config = load_hf_config(resolve_model_dir(model))
+    row_bytes = kv_cache_row_width(hf_config, kv_cache_dtype) * kv_cache_element(kv_cache_dtype, None).itemsize
+    return kv_cache_memory // (2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * row_bytes * block_size)
 
 
 class Worker:
@@ -199,9 +218,7 @@ class Worker:
         return per_token * self.kv_cache_dtype.itemsize * self.config.block_size
 
     def _row_width(self, hf_config) -> int:
-        """Elements of one (token, KV head) row of the cache: the head's values, and an 8-bit format's scale."""
-        head_dim = head_dim_of(hf_config)
-        return self.kv_format.row_bytes(head_dim) if self.kv_format is not None else head_dim
+        return kv_cache_row_width(hf_config, self.config.kv_cache_dtype)
 
     def determine_num_blocks(self) -> int:
         if self.config.num_gpu_blocks_override is not None:
