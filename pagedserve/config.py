@@ -35,7 +35,7 @@ class EngineConfig:
         metadata={"help": "what the KV cache stores: auto (the model's dtype), float32, bfloat16 or float16; a 16-bit cache "
                   "holds twice the tokens and halves the bytes attention reads, at the cost of rounding K/V; or 8 bits with a "
                   "scale per token and head, int8, fp8_e4m3 (or fp8) or fp8_e5m2: 3.8x float32's tokens at head size 64, "
-                  "lossy (docs/benchmarks.md), read by the torch attention backend"},
+                  "lossy (docs/benchmarks.md)"},
     )
     prefault_kv_cache: bool = field(
         default=True,

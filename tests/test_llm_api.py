@@ -76,8 +76,9 @@ def test_engine_argument_errors_name_the_field():
         LLM(block_size=7)
     with pytest.raises(ValueError, match="scheduling_policy must be"):
         LLM(scheduling_policy="lifo")
-    with pytest.raises(ValueError, match="kv_cache_dtype must be auto, float32, bfloat16, float16, got 'fp8'"):
-        LLM(kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be auto, float32, bfloat16, float16, int8, fp8, fp8_e4m3, fp8_e5m2, "
+                                         "got 'fp4'"):
+        LLM(kv_cache_dtype="fp4")
     with pytest.raises(TypeError, match="unknown engine argument"):
         LLM(not_a_setting=1)
 

@@ -3,10 +3,18 @@
 #include "ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged attention for decodes (CPU; float32 queries, float32/bfloat16/float16 cache)");
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "paged attention for decodes (CPU; float32 queries, float32/bfloat16/float16 cache, or bytes of 8-bit rows and kv_format)",
+        py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),
+        py::arg("kv_format") = 0);
   m.def("paged_prefill_attention", &paged_prefill_attention,
-        "causal paged attention for prefill chunks, after context or not (CPU; float32 queries, 16- or 32-bit cache), into out");
-  m.def("write_kv_cache", &write_kv_cache, "store new tokens' float32 K/V at their cache slots (CPU; float32/bfloat16/float16 cache)");
+        "causal paged attention for prefill chunks, after context or not (CPU; float32 queries, 16- or 32-bit cache or 8-bit rows), "
+        "into out",
+        py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"), py::arg("query_starts"),
+        py::arg("query_lens"), py::arg("seq_lens"), py::arg("scale"), py::arg("out"), py::arg("kv_format") = 0);
+  m.def("write_kv_cache", &write_kv_cache,
+        "store new tokens' float32 K/V at their cache slots (CPU; float32/bfloat16/float16 cache, or quantized into 8-bit rows)",
+        py::arg("key"), py::arg("value"), py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"), py::arg("kv_format") = 0);
   m.def("rms_norm", &rms_norm, "RMSNorm of the last dimension");
   m.def("add_rms_norm", &add_rms_norm, "(RMSNorm(x + residual), x + residual)");
   m.def("silu_and_mul", &silu_and_mul, "silu(first half) * second half of the last dimension");

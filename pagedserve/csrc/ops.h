@@ -4,11 +4,13 @@
 
 #include <tuple>
 
+// kv_format: 0 for a float32, bfloat16 or float16 cache; 1 int8, 2 fp8 e4m3, 3 fp8 e5m2 for a byte cache of 8-bit rows
+// (layers/attention/kv_quant.py).
 at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache, at::Tensor block_tables,
-                                  at::Tensor seq_lens, double scale);
+                                  at::Tensor seq_lens, double scale, int64_t kv_format);
 void paged_prefill_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                              const at::Tensor& block_tables, const at::Tensor& query_starts, const at::Tensor& query_lens,
-                             const at::Tensor& seq_lens, double scale, at::Tensor out);
+                             const at::Tensor& seq_lens, double scale, at::Tensor out, int64_t kv_format);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
@@ -27,4 +29,4 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& weight, int64
 at::Tensor interleave_gguf_rows(const at::Tensor& weight, int64_t qtype);
 at::Tensor dequantize_gguf(const at::Tensor& weight, int64_t qtype);
 void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache, at::Tensor value_cache,
-                    const at::Tensor& slot_mapping);
+                    const at::Tensor& slot_mapping, int64_t kv_format);

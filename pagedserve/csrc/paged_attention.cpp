@@ -14,6 +14,12 @@
 // The three-pass decode widens values in registers as it loads them; the other routes widen what they
 // read (a block for a decode, a key or value row for a prefill tile) into a small float scratch that
 // stays in L1, so their scoring and accumulating code is one for every storage type.
+//
+// An 8-bit cache (int8, fp8 e4m3 or e5m2: layers/attention/kv_quant.py) is a byte tensor whose every
+// (token, KV head) row is head_dim values and then their float32 scale: rows are head_dim + 4 bytes
+// apart (AttentionShape::head_stride). Its rows are written quantized (write_kv_cache) and read
+// through the widening routes, dequantized into the scratch; the three-pass decode reads 16- and
+// 32-bit caches only.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -46,6 +52,64 @@ inline __m256 load8(const c10::BFloat16* p) {
 inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 #endif
 
+template <typename T>
+constexpr bool kEightBit = std::is_same_v<T, int8_t> || std::is_same_v<T, c10::Float8_e4m3fn> || std::is_same_v<T, c10::Float8_e5m2>;
+
+// The largest magnitude an 8-bit format holds: a row's largest value is stored as it.
+template <typename T>
+constexpr float kFormatMax = std::is_same_v<T, int8_t> ? 127.f : std::is_same_v<T, c10::Float8_e4m3fn> ? 448.f : 57344.f;
+
+// An 8-bit row's scale: the float32 after its head_dim values (unaligned).
+template <typename T>
+inline float row_scale(const T* row, int64_t head_dim) {
+  float scale;
+  std::memcpy(&scale, reinterpret_cast<const char*>(row + head_dim), sizeof(float));
+  return scale;
+}
+
+// dst[i] = value i of the 8-bit row times its scale, for the row's head_dim values. Eight at a time with AVX2 where an
+// instruction widens the format: int8 by sign extension, fp8 e5m2 as the high byte of a float16. fp8 e4m3 has no such
+// instruction, and a table gather measured slower than c10's scalar conversion.
+template <typename T>
+inline void dequantize_row(const T* row, int64_t head_dim, float* dst) {
+  const float scale = row_scale(row, head_dim);
+  int64_t i = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+  if constexpr (!std::is_same_v<T, c10::Float8_e4m3fn>) {
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (; i + 8 <= head_dim; i += 8) {
+      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + i));
+      __m256 values;
+      if constexpr (std::is_same_v<T, int8_t>)
+        values = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+      else
+        values = _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(bytes), 8));
+      _mm256_storeu_ps(dst + i, _mm256_mul_ps(values, vscale));
+    }
+  }
+#endif
+  for (; i < head_dim; ++i) dst[i] = static_cast<float>(row[i]) * scale;
+}
+
+// One float row quantized into an 8-bit row: values / scale in the format, then the scale (the row's
+// largest magnitude over the format's largest; 1 for a row of zeros). As the torch path: int8 rounds
+// to nearest even and clamps, fp8 converts (to nearest even).
+template <typename T>
+inline void quantize_row(const float* src, int64_t head_dim, T* dst) {
+  float largest = 0.f;
+  for (int64_t i = 0; i < head_dim; ++i) largest = std::max(largest, std::abs(src[i]));  // a NaN is passed over
+  float scale = largest / kFormatMax<T>;
+  if (!(scale > 0.f)) scale = 1.f;
+  for (int64_t i = 0; i < head_dim; ++i) {
+    const float value = src[i] / scale;
+    if constexpr (std::is_same_v<T, int8_t>)  // a NaN (or inf / inf) becomes 0: a cast of NaN to an integer is undefined
+      dst[i] = std::isnan(value) ? int8_t{0} : static_cast<int8_t>(std::nearbyint(std::min(std::max(value, -kFormatMax<T>), kFormatMax<T>)));
+    else
+      dst[i] = static_cast<T>(value);
+  }
+  std::memcpy(reinterpret_cast<char*>(dst + head_dim), &scale, sizeof(float));
+}
+
 // dst[i] = float(src[i]) for n values of a 16-bit cache.
 template <typename T>
 inline void widen(const T* src, float* dst, int64_t n) {
@@ -57,26 +121,42 @@ inline void widen(const T* src, float* dst, int64_t n) {
 }
 
 // n values of the cache as float32: the cache's own memory when it stores float32, else widened into scratch.
+// For an 8-bit cache, n covers whole rows of head_stride elements (a row, or a block's rows), each
+// dequantized into the scratch at the same place.
 template <typename T>
-inline const float* as_float(const T* src, int64_t n, float* scratch) {
+inline const float* as_float(const T* src, int64_t n, float* scratch, int64_t head_dim = 0, int64_t head_stride = 0) {
   if constexpr (std::is_same_v<T, float>) {
     return src;
+  } else if constexpr (kEightBit<T>) {
+    for (int64_t row = 0; row < n; row += head_stride) dequantize_row(src + row, head_dim, scratch + row);
+    return scratch;
   } else {
     widen(src, scratch, n);
     return scratch;
   }
 }
 
-// Calls f(T{}) with T the element type the KV cache stores.
+// Calls f(T{}) with T the element type the KV cache stores: its dtype, or for a byte cache the 8-bit
+// format (kv_format: 1 int8, 2 fp8 e4m3, 3 fp8 e5m2; 0 for a 16- or 32-bit cache).
 template <typename F>
-void dispatch_cache_type(const at::Tensor& cache, const F& f) {
+void dispatch_cache_type(const at::Tensor& cache, int64_t kv_format, const F& f) {
+  if (cache.scalar_type() == at::kByte) {
+    switch (kv_format) {
+      case 1: return f(int8_t{});
+      case 2: return f(c10::Float8_e4m3fn{});
+      case 3: return f(c10::Float8_e5m2{});
+      default: TORCH_CHECK(false, "a byte KV cache needs its 8-bit format (1 int8, 2 fp8_e4m3, 3 fp8_e5m2), got ", kv_format);
+    }
+  }
+  TORCH_CHECK(kv_format == 0, "an 8-bit format names a byte cache, got a ", cache.scalar_type(), " one");
   switch (cache.scalar_type()) {
     case at::kFloat: return f(float{});
     case at::kBFloat16: return f(c10::BFloat16{});
     case at::kHalf: return f(c10::Half{});
-    default: TORCH_CHECK(false, "KV cache must be float32, bfloat16 or float16, got ", cache.scalar_type());
+    default: TORCH_CHECK(false, "KV cache must be float32, bfloat16, float16 or bytes of an 8-bit format, got ", cache.scalar_type());
   }
 }
+
 
 void check_caches(const at::Tensor& key_cache, const at::Tensor& value_cache) {
   TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type(), "key and value caches must share a dtype");
@@ -188,6 +268,7 @@ struct SpreadPrefetch {
 struct AttentionShape {
   int64_t num_heads, group, head_dim, block_size, row_stride, block_stride;
   float scale;
+  int64_t head_stride;  // cache elements from one KV head's row to the next: head_dim, or head_dim + 4 bytes (8-bit)
 };
 
 struct SequenceScratch {
@@ -218,10 +299,10 @@ void attend_block(const AttentionShape& s, const float* k_block, const float* v_
     step();
     const float* k_row = k_block + i * s.row_stride;
     for (int64_t h = 0; h < s.num_heads; ++h)
-      w.scores[h * s.block_size + i] = dot(w.q.data() + h * s.head_dim, k_row + (h / s.group) * s.head_dim, s.head_dim);
+      w.scores[h * s.block_size + i] = dot(w.q.data() + h * s.head_dim, k_row + (h / s.group) * s.head_stride, s.head_dim);
   }
   for (int64_t h = 0; h < s.num_heads; ++h)
-    fold_scores(w.scores.data() + h * s.block_size, n, v_block + (h / s.group) * s.head_dim, s.row_stride, s.head_dim,
+    fold_scores(w.scores.data() + h * s.block_size, n, v_block + (h / s.group) * s.head_stride, s.row_stride, s.head_dim,
                 w.maxes[h], w.sums[h], w.acc.data() + h * s.head_dim);
 }
 
@@ -241,8 +322,8 @@ void attend_sequence(const AttentionShape& s, const float* q_in, const T* k_cach
     SpreadPrefetch next_keys, next_values;
     next_keys.start(b + 1 < end_block ? k_cache + table[b + 1] * s.block_stride : nullptr, block_bytes, n);
     next_values.start(b + 1 < end_block ? v_cache + table[b + 1] * s.block_stride : nullptr, block_bytes, n);
-    attend_block(s, as_float(k_cache + table[b] * s.block_stride, n * s.row_stride, w.k_block.data()),
-                 as_float(v_cache + table[b] * s.block_stride, n * s.row_stride, w.v_block.data()), n, w, [&] {
+    attend_block(s, as_float(k_cache + table[b] * s.block_stride, n * s.row_stride, w.k_block.data(), s.head_dim, s.head_stride),
+                 as_float(v_cache + table[b] * s.block_stride, n * s.row_stride, w.v_block.data(), s.head_dim, s.head_stride), n, w, [&] {
                    next_keys();
                    next_values();
                  });
@@ -680,9 +761,10 @@ void attend_tile(const AttentionShape& s, const ChunkView& c, const PrefillTask&
     const int64_t n = std::min(span, num_keys - span_start);
     for (int64_t i = 0; i < n; ++i) {
       const int64_t key = span_start + i;
-      const int64_t offset = c.table[key / s.block_size] * s.block_stride + (key % s.block_size) * s.row_stride + task.kv_head * D;
-      w.keys[i] = as_float(k_cache + offset, D, w.key_rows.data() + i * D);
-      w.values[i] = as_float(v_cache + offset, D, w.value_rows.data() + i * D);
+      const int64_t offset = c.table[key / s.block_size] * s.block_stride + (key % s.block_size) * s.row_stride +
+                             task.kv_head * s.head_stride;
+      w.keys[i] = as_float(k_cache + offset, s.head_stride, w.key_rows.data() + i * D, D, s.head_stride);
+      w.values[i] = as_float(v_cache + offset, s.head_stride, w.value_rows.data() + i * D, D, s.head_stride);
     }
     span_scores(w.q_t.data(), padded, w.keys.data(), n, D, w.scores_t.data());
     for (int64_t i = std::max<int64_t>(0, first_position + 1 - span_start); i < n; ++i)  // causal: hide keys after a row
@@ -707,7 +789,7 @@ void attend_tile(const AttentionShape& s, const ChunkView& c, const PrefillTask&
 // seq_lens [B]. Returns [B, H, D]. Query and result float32, the caches float32, bfloat16 or float16
 // (int64 tables and lengths), all contiguous.
 at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache, at::Tensor block_tables,
-                                  at::Tensor seq_lens, double scale) {
+                                  at::Tensor seq_lens, double scale, int64_t kv_format) {
   TORCH_CHECK(query.dtype() == at::kFloat && query.is_contiguous(), "query must be contiguous float32");
   check_caches(key_cache, value_cache);
   const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
@@ -722,19 +804,21 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Te
   const int64_t* table_ptr = tables.data_ptr<int64_t>();
   const int64_t* len_ptr = lens.data_ptr<int64_t>();
   float* out_ptr = out.data_ptr<float>();
-  const int64_t row_stride = num_kv_heads * head_dim;  // one token's K (or V) across heads
+  const int64_t head_stride = key_cache.size(3);  // head_dim, or head_dim + 4 bytes for an 8-bit row
+  TORCH_CHECK(head_stride == head_dim + (kv_format ? 4 : 0), "cache rows must be head_dim values (and an 8-bit row's scale)");
+  const int64_t row_stride = num_kv_heads * head_stride;  // one token's K (or V) across heads
   const int64_t block_stride = block_size * row_stride;
   const float fscale = static_cast<float>(scale);
 
-  const AttentionShape shape{num_heads, group, head_dim, block_size, row_stride, block_stride, fscale};
+  const AttentionShape shape{num_heads, group, head_dim, block_size, row_stride, block_stride, fscale, head_stride};
   const DecodePlan plan(len_ptr, num_seqs, block_size);
   const int64_t qdim = num_heads * head_dim;
-  dispatch_cache_type(key_cache, [&](auto element) {
+  dispatch_cache_type(key_cache, kv_format, [&](auto element) {
     using T = decltype(element);
-    const T* k_ptr = key_cache.data_ptr<T>();
-    const T* v_ptr = value_cache.data_ptr<T>();
+    const T* k_ptr = reinterpret_cast<const T*>(key_cache.data_ptr());
+    const T* v_ptr = reinterpret_cast<const T*>(value_cache.data_ptr());
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-    if (head_dim % 32 == 0) {
+    if constexpr (!kEightBit<T>) if (head_dim % 32 == 0) {
       decode_in_parts(shape, plan, out_ptr, [&] { return DecodeScratch(shape, plan.max_len); },
                       [&](const DecodePart& part, const DecodePart* next, DecodeScratch& w) {
                         const T* next_keys = next ? k_ptr + table_ptr[next->seq * max_blocks + next->first_block] * block_stride : nullptr;
@@ -760,7 +844,7 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Te
 // rows of out [T, H, D] (contiguous).
 void paged_prefill_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                              const at::Tensor& block_tables, const at::Tensor& query_starts, const at::Tensor& query_lens,
-                             const at::Tensor& seq_lens, double scale, at::Tensor out) {
+                             const at::Tensor& seq_lens, double scale, at::Tensor out, int64_t kv_format) {
   TORCH_CHECK(query.dtype() == at::kFloat && out.dtype() == at::kFloat, "query and out must be float32");
   TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2), "query rows must be contiguous");
   TORCH_CHECK(out.is_contiguous(), "out must be contiguous");
@@ -775,8 +859,11 @@ void paged_prefill_attention(const at::Tensor& query, const at::Tensor& key_cach
   const int64_t* start_ptr = starts.data_ptr<int64_t>();
   const int64_t* qlen_ptr = qlens.data_ptr<int64_t>();
   const int64_t* len_ptr = lens.data_ptr<int64_t>();
-  const int64_t group = num_heads / num_kv_heads, row_stride = num_kv_heads * head_dim;
-  const AttentionShape shape{num_heads, group, head_dim, block_size, row_stride, block_size * row_stride, static_cast<float>(scale)};
+  const int64_t head_stride = key_cache.size(3);  // head_dim, or head_dim + 4 bytes for an 8-bit row
+  TORCH_CHECK(head_stride == head_dim + (kv_format ? 4 : 0), "cache rows must be head_dim values (and an 8-bit row's scale)");
+  const int64_t group = num_heads / num_kv_heads, row_stride = num_kv_heads * head_stride;
+  const AttentionShape shape{num_heads, group, head_dim, block_size, row_stride, block_size * row_stride, static_cast<float>(scale),
+                             head_stride};
 
   std::vector<PrefillTask> tasks;
   std::vector<int64_t> costs;
@@ -795,10 +882,10 @@ void paged_prefill_attention(const at::Tensor& query, const at::Tensor& key_cach
   float* out_ptr = out.data_ptr<float>();
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
   const std::vector<int64_t> bounds = split_by_cost(costs.data(), num_tasks, std::min<int64_t>(at::get_num_threads(), num_tasks));
-  dispatch_cache_type(key_cache, [&](auto element) {
+  dispatch_cache_type(key_cache, kv_format, [&](auto element) {
     using T = decltype(element);
-    const T* k_ptr = key_cache.data_ptr<T>();
-    const T* v_ptr = value_cache.data_ptr<T>();
+    const T* k_ptr = reinterpret_cast<const T*>(key_cache.data_ptr());
+    const T* v_ptr = reinterpret_cast<const T*>(value_cache.data_ptr());
     at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t begin, int64_t end) {
       const int64_t span = std::max(kKeySpan, block_size);
       TileScratch scratch(kQueryTile * group, head_dim, span);
@@ -816,37 +903,41 @@ void paged_prefill_attention(const at::Tensor& query, const at::Tensor& key_cach
 // key/value [T, KV, D] (any token and head strides, rows contiguous) -> key_cache/value_cache
 // [num_blocks, block_size, KV, D] at the flat slots of slot_mapping [T]. index_copy_ runs a generic
 // strided loop with per-element index arithmetic; this is a copy of T rows, rounded to nearest even
-// (as torch's .to()) when the cache stores bfloat16 or float16.
+// (as torch's .to()) when the cache stores bfloat16 or float16, and quantized (quantize_row) into a
+// byte cache of an 8-bit format, whose rows are D + 4 bytes.
 void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache, at::Tensor value_cache,
-                    const at::Tensor& slot_mapping) {
+                    const at::Tensor& slot_mapping, int64_t kv_format) {
   TORCH_CHECK(key.scalar_type() == at::kFloat && value.scalar_type() == at::kFloat, "key and value must be float32");
   check_caches(key_cache, value_cache);
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "key/value rows must be contiguous");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "slot_mapping must be contiguous int64");
   const int64_t num_tokens = key.size(0), num_kv_heads = key.size(1), head_dim = key.size(2);
   const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
-  TORCH_CHECK(slot_mapping.numel() == num_tokens && key_cache.size(2) == num_kv_heads && key_cache.size(3) == head_dim,
+  const int64_t head_stride = head_dim + (kv_format ? 4 : 0);
+  TORCH_CHECK(slot_mapping.numel() == num_tokens && key_cache.size(2) == num_kv_heads && key_cache.size(3) == head_stride,
               "shapes of key, cache and slot_mapping disagree");
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   if (num_tokens > 0) {
     const auto [low, high] = std::minmax_element(slots, slots + num_tokens);
     TORCH_CHECK(*low >= 0 && *high < num_slots, "slot ", *high, " outside the cache of ", num_slots, " slots (or ", *low, " < 0)");
   }
-  const int64_t row = num_kv_heads * head_dim;
+  const int64_t row = num_kv_heads * head_stride;
   const at::Tensor sources[2] = {key, value};
   const at::Tensor caches[2] = {key_cache, value_cache};
-  dispatch_cache_type(key_cache, [&](auto element) {
+  dispatch_cache_type(key_cache, kv_format, [&](auto element) {
     using T = decltype(element);
     for (int which = 0; which < 2; ++which) {
       const at::Tensor& src = sources[which];
       const float* src_ptr = src.data_ptr<float>();
-      T* cache = caches[which].data_ptr<T>();
+      T* cache = reinterpret_cast<T*>(caches[which].data_ptr());
       for (int64_t t = 0; t < num_tokens; ++t)
         for (int64_t h = 0; h < num_kv_heads; ++h) {
           const float* from = src_ptr + t * src.stride(0) + h * src.stride(1);
-          T* to = cache + slots[t] * row + h * head_dim;
+          T* to = cache + slots[t] * row + h * head_stride;
           if constexpr (std::is_same_v<T, float>)
             std::memcpy(to, from, head_dim * sizeof(float));
+          else if constexpr (kEightBit<T>)
+            quantize_row(from, head_dim, to);
           else
             at::vec::convert(from, to, head_dim);
         }

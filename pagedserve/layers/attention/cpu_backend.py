@@ -1,5 +1,5 @@
 """The CPU backend: C++ kernels (pagedserve/csrc) that read K/V straight from the paged blocks, for
-float32 activations on CPU (the cache may hold float32, bfloat16 or float16).
+float32 activations on CPU (the cache may hold float32, bfloat16 or float16, or the 8-bit rows of kv_quant.py).
 
 Decodes and most prefill chunks run in the kernels; prefill_in_kernel says which chunks. The rest
 run torch's fused attention: a long prompt's first chunk on its own new K/V, and a long chunk after
@@ -20,7 +20,8 @@ from pagedserve.layers.attention.backend import (
     PrefillChunk,
     pad_block_tables,
 )
-from pagedserve.layers.attention.torch_backend import gather_sequence_kv, reference_prefill_attention
+from pagedserve.layers.attention.kv_quant import KVFormat
+from pagedserve.layers.attention.torch_backend import gather_sequence_kv, read_kv, reference_prefill_attention
 
 # A chunk that starts its sequence, up to this many tokens, runs in the kernel; beyond it torch's
 # causal flash kernel wins.
@@ -64,8 +65,11 @@ class CPUAttentionMetadata(AttentionMetadata):
 class CPUAttentionBackend(AttentionBackend):
     name = "cpu"
 
-    def __init__(self, kernels) -> None:
+    def __init__(self, kernels, kv_format: KVFormat | None = None) -> None:
+        """kv_format: the 8-bit format the caches hold; None for a 16- or 32-bit cache."""
         self.kernels = kernels
+        self.kv_format = kv_format
+        self.kernel_format = kv_format.kernel_code if kv_format is not None else 0
 
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> CPUAttentionMetadata:
         meta = CPUAttentionMetadata.from_layout(layout, device)
@@ -76,21 +80,21 @@ class CPUAttentionBackend(AttentionBackend):
         return meta
 
     def forward(self, query, key, value, kv_cache, meta: CPUAttentionMetadata, scale: float) -> torch.Tensor:
-        kernels = self.kernels
+        kernels, kernel_format = self.kernels, self.kernel_format
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        kernels.write_kv_cache(key, value, key_cache, value_cache, meta.slot_mapping)
+        kernels.write_kv_cache(key, value, key_cache, value_cache, meta.slot_mapping, kernel_format)
         out = torch.empty_like(query)
         num_decodes = meta.num_decode_tokens
         if num_decodes:
             out[:num_decodes] = kernels.paged_decode_attention(query[:num_decodes].contiguous(), key_cache, value_cache,
-                                                               meta.decode_block_tables, meta.decode_seq_lens, scale)
+                                                               meta.decode_block_tables, meta.decode_seq_lens, scale, kernel_format)
         paged = meta.paged_prefills
         if paged is not None:
             kernels.paged_prefill_attention(query, key_cache, value_cache, paged.block_tables, paged.query_starts, paged.query_lens,
-                                            paged.seq_lens, scale, out)
+                                            paged.seq_lens, scale, out, kernel_format)
         for chunk in meta.torch_chunks:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-            out[rows] = prefill_attention(query[rows], key[rows], value[rows], kv_cache, chunk, scale)
+            out[rows] = prefill_attention(query[rows], key[rows], value[rows], kv_cache, chunk, scale, self.kv_format)
         return out
 
 
@@ -99,13 +103,14 @@ class CPUAttentionBackend(AttentionBackend):
 _flash_with_logsumexp = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
-def prefill_attention(query, key, value, kv_cache: torch.Tensor, chunk: PrefillChunk, scale: float | None = None) -> torch.Tensor:
+def prefill_attention(query, key, value, kv_cache: torch.Tensor, chunk: PrefillChunk, scale: float | None = None,
+                      kv_format: KVFormat | None = None) -> torch.Tensor:
     """A chunk the kernel does not take: torch's fused attention. After context, the context and the
     chunk's own keys are attended separately and merged (_context_then_chunk); a fresh chunk is one
-    causal call."""
+    causal call (over an 8-bit cache, on its K/V read back from the cache, as the torch backend does)."""
     if chunk.context_len == 0 or query.device.type != "cpu" or _flash_with_logsumexp is None:
-        return reference_prefill_attention(query, key, value, kv_cache, chunk, scale)
-    keys, values = (kv.to(query.dtype) for kv in gather_sequence_kv(kv_cache, chunk.block_table, chunk.seq_len))
+        return reference_prefill_attention(query, key, value, kv_cache, chunk, scale, kv_format)
+    keys, values = (read_kv(kv, kv_format, query.dtype) for kv in gather_sequence_kv(kv_cache, chunk.block_table, chunk.seq_len))
     return _context_then_chunk(query, keys, values, chunk.context_len, scale)
 
 

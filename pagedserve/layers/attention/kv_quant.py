@@ -18,15 +18,16 @@ class KVFormat:
     name: str
     storage: torch.dtype  # what the values are, in their bytes
     max_value: float  # the largest magnitude the format holds: a row's largest maps to it
+    kernel_code: int  # the C++ kernels' kv_format (csrc/ops.h)
 
     def row_bytes(self, head_dim: int) -> int:
         return head_dim + SCALE_BYTES
 
 
 FORMATS = {
-    "int8": KVFormat("int8", torch.int8, 127.0),
-    "fp8_e4m3": KVFormat("fp8_e4m3", torch.float8_e4m3fn, 448.0),
-    "fp8_e5m2": KVFormat("fp8_e5m2", torch.float8_e5m2, 57344.0),
+    "int8": KVFormat("int8", torch.int8, 127.0, 1),
+    "fp8_e4m3": KVFormat("fp8_e4m3", torch.float8_e4m3fn, 448.0, 2),
+    "fp8_e5m2": KVFormat("fp8_e5m2", torch.float8_e5m2, 57344.0, 3),
 }
 ALIASES = {"fp8": "fp8_e4m3"}  # vLLM's name for its default FP8
 
