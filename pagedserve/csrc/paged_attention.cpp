@@ -818,14 +818,16 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Te
     const T* k_ptr = reinterpret_cast<const T*>(key_cache.data_ptr());
     const T* v_ptr = reinterpret_cast<const T*>(value_cache.data_ptr());
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-    if constexpr (!kEightBit<T>) if (head_dim % 32 == 0) {
-      decode_in_parts(shape, plan, out_ptr, [&] { return DecodeScratch(shape, plan.max_len); },
-                      [&](const DecodePart& part, const DecodePart* next, DecodeScratch& w) {
-                        const T* next_keys = next ? k_ptr + table_ptr[next->seq * max_blocks + next->first_block] * block_stride : nullptr;
-                        attend_sequence_three_pass(shape, q_ptr + part.seq * qdim, k_ptr, v_ptr, table_ptr + part.seq * max_blocks,
-                                                   len_ptr[part.seq], part.first_block, part.end_block, plan.max_len, w, next_keys);
-                      });
-      return;
+    if constexpr (!kEightBit<T>) {  // the three-pass route widens 16-bit values in registers; 8-bit rows take the other
+      if (head_dim % 32 == 0) {
+        decode_in_parts(shape, plan, out_ptr, [&] { return DecodeScratch(shape, plan.max_len); },
+                        [&](const DecodePart& part, const DecodePart* next, DecodeScratch& w) {
+                          const T* next_keys = next ? k_ptr + table_ptr[next->seq * max_blocks + next->first_block] * block_stride : nullptr;
+                          attend_sequence_three_pass(shape, q_ptr + part.seq * qdim, k_ptr, v_ptr, table_ptr + part.seq * max_blocks,
+                                                     len_ptr[part.seq], part.first_block, part.end_block, plan.max_len, w, next_keys);
+                        });
+        return;
+      }
     }
 #endif
     decode_in_parts(shape, plan, out_ptr, [&] { return SequenceScratch(shape); },
