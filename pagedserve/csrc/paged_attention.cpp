@@ -17,9 +17,10 @@
 //
 // An 8-bit cache (int8, fp8 e4m3 or e5m2: layers/attention/kv_quant.py) is a byte tensor whose every
 // (token, KV head) row is head_dim values and then their float32 scale: rows are head_dim + 4 bytes
-// apart (AttentionShape::head_stride). Its rows are written quantized (write_kv_cache) and read
-// through the widening routes, dequantized into the scratch; the three-pass decode reads 16- and
-// 32-bit caches only.
+// apart (AttentionShape::head_stride). Its rows are written quantized (write_kv_cache). The three-pass
+// decode reads int8 and fp8 e5m2 rows in registers (a key's scale multiplies its dot product, a
+// value's its weight); the other routes, and fp8 e4m3 (which no instruction widens), dequantize into
+// the scratch.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -50,6 +51,11 @@ inline __m256 load8(const c10::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 }
 inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+// 8 values of an 8-bit row, not yet scaled: int8 by sign extension, fp8 e5m2 as the high byte of a float16.
+inline __m256 load8(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))); }
+inline __m256 load8(const c10::Float8_e5m2* p) {
+  return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), 8));
+}
 #endif
 
 template <typename T>
@@ -349,7 +355,8 @@ inline __m128 sum_lanes4(__m256 a, __m256 b, __m256 c, __m256 d) {
   return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 
-// scores[h * stride + i] = q[h] . keys[i] for NH query heads (q rows of dim floats) and NK keys (NK = 4 or 1).
+// scores[h * stride + i] = q[h] . keys[i] for NH query heads (q rows of dim floats) and NK keys (NK = 4 or 1). An
+// 8-bit key's scale factors out of its dot product: the sums are scaled once.
 template <int NH, int NK, typename T>
 inline void score_keys(const float* q, const T* const* keys, int64_t dim, float* scores, int64_t stride) {
   __m256 acc[NH][NK];
@@ -363,25 +370,30 @@ inline void score_keys(const float* q, const T* const* keys, int64_t dim, float*
       for (int h = 0; h < NH; ++h) acc[h][j] = _mm256_fmadd_ps(qv[h], k, acc[h][j]);
     }
   }
+  float key_scales[NK];
+  for (int j = 0; j < NK; ++j) key_scales[j] = kEightBit<T> ? row_scale(keys[j], dim) : 1.f;
   for (int h = 0; h < NH; ++h) {
     if constexpr (NK == 4)
-      _mm_storeu_ps(scores + h * stride, sum_lanes4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]));
+      _mm_storeu_ps(scores + h * stride,
+                    _mm_mul_ps(sum_lanes4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]), _mm_loadu_ps(key_scales)));
     else
-      scores[h * stride] = sum_lanes(acc[h][0]);
+      scores[h * stride] = sum_lanes(acc[h][0]) * key_scales[0];
   }
 }
 
-// acc[h][0:32] += sum_i p[h * stride + i] * values[i][0:32] for NH heads over n value rows (row_stride apart).
+// acc[h][0:32] += sum_i p[h * stride + i] * values[i][0:32] for NH heads over n value rows (row_stride apart). An 8-bit
+// row's scale (at row_scale_at elements from its first value read) joins its weight.
 template <int NH, typename T, typename Step>
 inline void accumulate_values(const float* p, int64_t stride, const T* values, int64_t row_stride, int64_t n, float* acc,
-                              int64_t acc_stride, Step& step) {
+                              int64_t acc_stride, Step& step, int64_t row_scale_at = 0) {
   __m256 a[NH][4];
   for (int h = 0; h < NH; ++h)
     for (int c = 0; c < 4; ++c) a[h][c] = _mm256_loadu_ps(acc + h * acc_stride + 8 * c);
   for (int64_t i = 0; i < n; ++i) {
     __m256 w[NH];
-    for (int h = 0; h < NH; ++h) w[h] = _mm256_set1_ps(p[h * stride + i]);
     const T* row = values + i * row_stride;
+    const float value_scale = kEightBit<T> ? row_scale(row, row_scale_at) : 1.f;
+    for (int h = 0; h < NH; ++h) w[h] = _mm256_set1_ps(p[h * stride + i] * value_scale);
     step();
     for (int c = 0; c < 4; ++c) {
       const __m256 v = load8(row + 8 * c);
@@ -435,12 +447,12 @@ void attend_sequence_three_pass(const AttentionShape& s, const float* q_in, cons
         int64_t i = 0;
         for (; i + 4 <= n; i += 4) {
           const T* keys[4];
-          for (int j = 0; j < 4; ++j) keys[j] = block + (i + j) * s.row_stride + g * D;
+          for (int j = 0; j < 4; ++j) keys[j] = block + (i + j) * s.row_stride + g * s.head_stride;
           score_keys<NH, 4>(q, keys, D, scores + i, max_len);
           pf();
         }
         for (; i < n; ++i) {
-          const T* key = block + i * s.row_stride + g * D;
+          const T* key = block + i * s.row_stride + g * s.head_stride;
           score_keys<NH, 1>(q, &key, D, scores + i, max_len);
         }
       });
@@ -464,8 +476,8 @@ void attend_sequence_three_pass(const AttentionShape& s, const float* q_in, cons
         constexpr int NH = decltype(nh)::value;
         const int64_t head = g * s.group + first_head;
         for (int64_t d0 = 0; d0 < D; d0 += 32)
-          accumulate_values<NH>(w.scores.data() + head * max_len + first_key, max_len, block + g * D + d0, s.row_stride, n,
-                                w.acc.data() + head * D + d0, D, pf);
+          accumulate_values<NH>(w.scores.data() + head * max_len + first_key, max_len, block + g * s.head_stride + d0, s.row_stride, n,
+                                w.acc.data() + head * D + d0, D, pf, D - d0);
       });
     pf.finish();
   }
@@ -818,7 +830,8 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Te
     const T* k_ptr = reinterpret_cast<const T*>(key_cache.data_ptr());
     const T* v_ptr = reinterpret_cast<const T*>(value_cache.data_ptr());
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-    if constexpr (!kEightBit<T>) {  // the three-pass route widens 16-bit values in registers; 8-bit rows take the other
+    // The three-pass route widens values in registers; fp8 e4m3, which no instruction widens, takes the other.
+    if constexpr (!std::is_same_v<T, c10::Float8_e4m3fn>) {
       if (head_dim % 32 == 0) {
         decode_in_parts(shape, plan, out_ptr, [&] { return DecodeScratch(shape, plan.max_len); },
                         [&](const DecodePart& part, const DecodePart* next, DecodeScratch& w) {
