@@ -126,12 +126,15 @@ def test_the_engine_holds_more_blocks_and_keeps_close_to_float32(default_model_d
     agreement = [first_divergence(ours, theirs) for ours, theirs in zip(outputs, float32_outputs)]
     assert sum(agreement) / len(agreement) >= {"int8": 20, "fp8": 14, "fp8_e5m2": 10}[kv_cache_dtype], agreement
     # The cache's features on: a small cache (preemption), small chunks, repeats (prefix hits). Attention then sums in
-    # other orders (chunks of other lengths), which can flip a near-tie that 8-bit rounding made: the outputs follow the
-    # unchunked ones for a third of their length at least (a block read wrongly would part them within a token or two).
+    # other orders (chunks of other lengths, and other splits between threads), which can flip a near-tie that 8-bit
+    # rounding made. Measured 2026-12-02 with 1 and 2 threads, tokens before the first divergence from the unchunked
+    # outputs: int8 24 but one 17; fp8_e4m3 as low as 6, 17.75 on average; fp8_e5m2 as low as 11, 17.25 on average. A
+    # block read wrongly parts them within a token or two, and the average with it.
     tight = LLM(str(default_model_dir), max_model_len=128, num_gpu_blocks_override=10, max_num_batched_tokens=16,
                 long_prefill_token_threshold=8, kv_cache_dtype=kv_cache_dtype)
     chunked = token_ids_of(tight.generate(PROMPTS * 2, greedy(24), use_tqdm=False))
-    assert min(first_divergence(ours, theirs) for ours, theirs in zip(chunked, outputs * 2)) >= 8
+    followed = [first_divergence(ours, theirs) for ours, theirs in zip(chunked, outputs * 2)]
+    assert min(followed) >= 4 and sum(followed) / len(followed) >= 12, followed
     stats = engine_core_of(tight).get_stats()
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
 
