@@ -74,10 +74,6 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def resolve_kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
-    return kv_cache_element(config.kv_cache_dtype, model_dtype)
-
-
 def kv_cache_element(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     """The cache tensors' element type for a kv_cache_dtype setting: the model's, the one named, or bytes for an 8-bit
     format (kv_quant.py)."""
@@ -117,7 +113,7 @@ class Worker:
             logger.info("CPU %s: %s; torch's CPU kernels use %s", features.model_name, " ".join(features.isa) or "no AVX2",
                         torch.backends.cpu.get_cpu_capability())
         self.dtype, self.gemm_dtype = activation_and_gemm_dtypes(resolve_dtype(config, self.device), self.device)
-        self.kv_cache_dtype = resolve_kv_cache_dtype(config, self.gemm_dtype)
+        self.kv_cache_dtype = kv_cache_element(config.kv_cache_dtype, self.gemm_dtype)
         self.kv_format = kv_format(config.kv_cache_dtype)
         self.model_dir = resolve_model_dir(config.model)
         self.hf_config = load_hf_config(self.model_dir)
@@ -217,7 +213,7 @@ class Worker:
             per_token += 2 * draft.num_hidden_layers * draft.num_key_value_heads * self._row_width(draft)
         return per_token * self.kv_cache_dtype.itemsize * self.config.block_size
 
-    def _row_width(self, hf_config) -> int:
+    def _row_width(self, hf_config) -> int:  # of this engine's kv_cache_dtype
         return kv_cache_row_width(hf_config, self.config.kv_cache_dtype)
 
     def determine_num_blocks(self) -> int:

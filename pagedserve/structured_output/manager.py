@@ -8,8 +8,6 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import numpy as np
-
 from pagedserve.core.contracts import GrammarBitmask, SchedulerOutput
 from pagedserve.request import Request
 from pagedserve.structured_output.grammar_compiler import GrammarCompiler, StructureError
@@ -99,7 +97,7 @@ class StructuredOutputManager:
                     matcher.accept_token(token_id)  # allowed: drafts were cut to their allowed prefix
             if drafts:
                 matcher.rollback(len(drafts))
-        return GrammarBitmask(constrained, np.ascontiguousarray(rows.numpy()).tobytes(), self.words_per_row)
+        return GrammarBitmask(constrained, rows.numpy().tobytes(), self.words_per_row)  # rows: a fresh contiguous tensor
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
