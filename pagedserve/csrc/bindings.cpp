@@ -13,8 +13,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"), py::arg("query_starts"),
         py::arg("query_lens"), py::arg("seq_lens"), py::arg("scale"), py::arg("out"), py::arg("kv_format") = 0);
   m.def("write_kv_cache", &write_kv_cache,
-        "store new tokens' float32 K/V at their cache slots (CPU; float32/bfloat16/float16 cache, or quantized into 8-bit rows)",
-        py::arg("key"), py::arg("value"), py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"), py::arg("kv_format") = 0);
+        "store new tokens' float32 K/V at their cache slots (CPU; float32/bfloat16/float16 cache, or quantized into 8-bit rows, "
+        "with static scales where k_scale / v_scale are positive, else each row's own)",
+        py::arg("key"), py::arg("value"), py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"), py::arg("kv_format") = 0,
+        py::arg("k_scale") = 0.0, py::arg("v_scale") = 0.0);
   m.def("rms_norm", &rms_norm, "RMSNorm of the last dimension");
   m.def("add_rms_norm", &add_rms_norm, "(RMSNorm(x + residual), x + residual)");
   m.def("silu_and_mul", &silu_and_mul, "silu(first half) * second half of the last dimension");

@@ -18,9 +18,8 @@
 // An 8-bit cache (int8, fp8 e4m3 or e5m2: layers/attention/kv_quant.py) is a byte tensor whose every
 // (token, KV head) row is head_dim values and then their float32 scale: rows are head_dim + 4 bytes
 // apart (AttentionShape::head_stride). Its rows are written quantized (write_kv_cache). The three-pass
-// decode reads int8 and fp8 e5m2 rows in registers (a key's scale multiplies its dot product, a
-// value's its weight); the other routes, and fp8 e4m3 (which no instruction widens), dequantize into
-// the scratch.
+// decode reads 8-bit rows in registers (a key's scale multiplies its dot product, a value's its
+// weight); the other routes dequantize them into the scratch.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -56,6 +55,14 @@ inline __m256 load8(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_
 inline __m256 load8(const c10::Float8_e5m2* p) {
   return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), 8));
 }
+// fp8 e4m3 as a float16 with the same sign, exponent and mantissa bits: its value over 2^8 (the exponent biases are 7
+// and 15), subnormals included, which kLoadedUnit puts back. Sign-extended to 16 bits and shifted, the sign lands on
+// bit 15 and a copy of it on bit 14, which the mask clears. A cache holds no e4m3 NaN (quantize_row), so none is
+// looked for.
+inline __m256 load8(const c10::Float8_e4m3fn* p) {
+  const __m128i widened = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(widened, 7), _mm_set1_epi16(static_cast<short>(0xBFFF))));
+}
 #endif
 
 template <typename T>
@@ -65,6 +72,10 @@ constexpr bool kEightBit = std::is_same_v<T, int8_t> || std::is_same_v<T, c10::F
 template <typename T>
 constexpr float kFormatMax = std::is_same_v<T, int8_t> ? 127.f : std::is_same_v<T, c10::Float8_e4m3fn> ? 448.f : 57344.f;
 
+// What load8's values of an 8-bit format are multiplied by to be the format's values: 2^8 for fp8 e4m3, 1 otherwise.
+template <typename T>
+constexpr float kLoadedUnit = std::is_same_v<T, c10::Float8_e4m3fn> ? 256.f : 1.f;
+
 // An 8-bit row's scale: the float32 after its head_dim values (unaligned).
 template <typename T>
 inline float row_scale(const T* row, int64_t head_dim) {
@@ -73,43 +84,43 @@ inline float row_scale(const T* row, int64_t head_dim) {
   return scale;
 }
 
-// dst[i] = value i of the 8-bit row times its scale, for the row's head_dim values. Eight at a time with AVX2 where an
-// instruction widens the format: int8 by sign extension, fp8 e5m2 as the high byte of a float16. fp8 e4m3 has no such
-// instruction, and a table gather measured slower than c10's scalar conversion.
+// What load8's values of an 8-bit row are multiplied by to be the values the row holds.
+template <typename T>
+inline float loaded_scale(const T* row, int64_t head_dim) {
+  return row_scale(row, head_dim) * kLoadedUnit<T>;
+}
+
+// dst[i] = value i of the 8-bit row times its scale, for the row's head_dim values, eight at a time with AVX2 (load8).
 template <typename T>
 inline void dequantize_row(const T* row, int64_t head_dim, float* dst) {
-  const float scale = row_scale(row, head_dim);
   int64_t i = 0;
 #if defined(__AVX2__) && defined(__F16C__)
-  if constexpr (!std::is_same_v<T, c10::Float8_e4m3fn>) {
-    const __m256 vscale = _mm256_set1_ps(scale);
-    for (; i + 8 <= head_dim; i += 8) {
-      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + i));
-      __m256 values;
-      if constexpr (std::is_same_v<T, int8_t>)
-        values = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
-      else
-        values = _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(bytes), 8));
-      _mm256_storeu_ps(dst + i, _mm256_mul_ps(values, vscale));
-    }
-  }
+  const __m256 vscale = _mm256_set1_ps(loaded_scale(row, head_dim));
+  for (; i + 8 <= head_dim; i += 8) _mm256_storeu_ps(dst + i, _mm256_mul_ps(load8(row + i), vscale));
 #endif
+  const float scale = row_scale(row, head_dim);
   for (; i < head_dim; ++i) dst[i] = static_cast<float>(row[i]) * scale;
 }
 
-// One float row quantized into an 8-bit row: values / scale in the format, then the scale (the row's
-// largest magnitude over the format's largest; 1 for a row of zeros). As the torch path: int8 rounds
-// to nearest even and clamps, fp8 converts (to nearest even).
+// One float row quantized into an 8-bit row: values / scale in the format, then the scale. The scale is
+// fixed_scale where it is positive (a checkpoint's static per-tensor scale), else the row's own: its
+// largest magnitude over the format's largest (1 for a row of zeros). As the torch path: a NaN is
+// stored as 0 (int8 has none, and an fp8 NaN would cost every read a compare), values are clamped to
+// the format's range, int8 rounds to nearest even, fp8 converts (to nearest even).
 template <typename T>
-inline void quantize_row(const float* src, int64_t head_dim, T* dst) {
-  float largest = 0.f;
-  for (int64_t i = 0; i < head_dim; ++i) largest = std::max(largest, std::abs(src[i]));  // a NaN is passed over
-  float scale = largest / kFormatMax<T>;
-  if (!(scale > 0.f)) scale = 1.f;
+inline void quantize_row(const float* src, int64_t head_dim, T* dst, float fixed_scale) {
+  float scale = fixed_scale;
+  if (!(scale > 0.f)) {
+    float largest = 0.f;
+    for (int64_t i = 0; i < head_dim; ++i) largest = std::max(largest, std::abs(src[i]));  // a NaN is passed over
+    scale = largest / kFormatMax<T>;
+    if (!(scale > 0.f)) scale = 1.f;
+  }
   for (int64_t i = 0; i < head_dim; ++i) {
-    const float value = src[i] / scale;
-    if constexpr (std::is_same_v<T, int8_t>)  // a NaN (or inf / inf) becomes 0: a cast of NaN to an integer is undefined
-      dst[i] = std::isnan(value) ? int8_t{0} : static_cast<int8_t>(std::nearbyint(std::min(std::max(value, -kFormatMax<T>), kFormatMax<T>)));
+    float value = src[i] / scale;
+    value = std::isnan(value) ? 0.f : std::min(std::max(value, -kFormatMax<T>), kFormatMax<T>);
+    if constexpr (std::is_same_v<T, int8_t>)
+      dst[i] = static_cast<int8_t>(std::nearbyint(value));
     else
       dst[i] = static_cast<T>(value);
   }
@@ -371,7 +382,7 @@ inline void score_keys(const float* q, const T* const* keys, int64_t dim, float*
     }
   }
   float key_scales[NK];
-  for (int j = 0; j < NK; ++j) key_scales[j] = kEightBit<T> ? row_scale(keys[j], dim) : 1.f;
+  for (int j = 0; j < NK; ++j) key_scales[j] = kEightBit<T> ? loaded_scale(keys[j], dim) : 1.f;
   for (int h = 0; h < NH; ++h) {
     if constexpr (NK == 4)
       _mm_storeu_ps(scores + h * stride,
@@ -392,7 +403,7 @@ inline void accumulate_values(const float* p, int64_t stride, const T* values, i
   for (int64_t i = 0; i < n; ++i) {
     __m256 w[NH];
     const T* row = values + i * row_stride;
-    const float value_scale = kEightBit<T> ? row_scale(row, row_scale_at) : 1.f;
+    const float value_scale = kEightBit<T> ? loaded_scale(row, row_scale_at) : 1.f;
     for (int h = 0; h < NH; ++h) w[h] = _mm256_set1_ps(p[h * stride + i] * value_scale);
     step();
     for (int c = 0; c < 4; ++c) {
@@ -830,17 +841,14 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Te
     const T* k_ptr = reinterpret_cast<const T*>(key_cache.data_ptr());
     const T* v_ptr = reinterpret_cast<const T*>(value_cache.data_ptr());
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-    // The three-pass route widens values in registers; fp8 e4m3, which no instruction widens, takes the other.
-    if constexpr (!std::is_same_v<T, c10::Float8_e4m3fn>) {
-      if (head_dim % 32 == 0) {
-        decode_in_parts(shape, plan, out_ptr, [&] { return DecodeScratch(shape, plan.max_len); },
-                        [&](const DecodePart& part, const DecodePart* next, DecodeScratch& w) {
-                          const T* next_keys = next ? k_ptr + table_ptr[next->seq * max_blocks + next->first_block] * block_stride : nullptr;
-                          attend_sequence_three_pass(shape, q_ptr + part.seq * qdim, k_ptr, v_ptr, table_ptr + part.seq * max_blocks,
-                                                     len_ptr[part.seq], part.first_block, part.end_block, plan.max_len, w, next_keys);
-                        });
-        return;
-      }
+    if (head_dim % 32 == 0) {
+      decode_in_parts(shape, plan, out_ptr, [&] { return DecodeScratch(shape, plan.max_len); },
+                      [&](const DecodePart& part, const DecodePart* next, DecodeScratch& w) {
+                        const T* next_keys = next ? k_ptr + table_ptr[next->seq * max_blocks + next->first_block] * block_stride : nullptr;
+                        attend_sequence_three_pass(shape, q_ptr + part.seq * qdim, k_ptr, v_ptr, table_ptr + part.seq * max_blocks,
+                                                   len_ptr[part.seq], part.first_block, part.end_block, plan.max_len, w, next_keys);
+                      });
+      return;
     }
 #endif
     decode_in_parts(shape, plan, out_ptr, [&] { return SequenceScratch(shape); },
@@ -919,9 +927,10 @@ void paged_prefill_attention(const at::Tensor& query, const at::Tensor& key_cach
 // [num_blocks, block_size, KV, D] at the flat slots of slot_mapping [T]. index_copy_ runs a generic
 // strided loop with per-element index arithmetic; this is a copy of T rows, rounded to nearest even
 // (as torch's .to()) when the cache stores bfloat16 or float16, and quantized (quantize_row) into a
-// byte cache of an 8-bit format, whose rows are D + 4 bytes.
+// byte cache of an 8-bit format, whose rows are D + 4 bytes: with k_scale / v_scale where they are
+// positive (a checkpoint's static scales), else with each row's own scale.
 void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache, at::Tensor value_cache,
-                    const at::Tensor& slot_mapping, int64_t kv_format) {
+                    const at::Tensor& slot_mapping, int64_t kv_format, double k_scale, double v_scale) {
   TORCH_CHECK(key.scalar_type() == at::kFloat && value.scalar_type() == at::kFloat, "key and value must be float32");
   check_caches(key_cache, value_cache);
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "key/value rows must be contiguous");
@@ -939,6 +948,7 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor k
   const int64_t row = num_kv_heads * head_stride;
   const at::Tensor sources[2] = {key, value};
   const at::Tensor caches[2] = {key_cache, value_cache};
+  const float fixed_scales[2] = {static_cast<float>(k_scale), static_cast<float>(v_scale)};
   dispatch_cache_type(key_cache, kv_format, [&](auto element) {
     using T = decltype(element);
     for (int which = 0; which < 2; ++which) {
@@ -952,7 +962,7 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor k
           if constexpr (std::is_same_v<T, float>)
             std::memcpy(to, from, head_dim * sizeof(float));
           else if constexpr (kEightBit<T>)
-            quantize_row(from, head_dim, to);
+            quantize_row(from, head_dim, to, fixed_scales[which]);
           else
             at::vec::convert(from, to, head_dim);
         }

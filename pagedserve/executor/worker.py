@@ -17,8 +17,8 @@ from pagedserve.distributed.parallel_state import rank_info
 from pagedserve.executor import cpu_host, gemm_choice
 from pagedserve.executor.model_runner import ModelRunner
 from pagedserve.layers import cpu_kernels
-from pagedserve.layers.attention import select_attention_backend
-from pagedserve.layers.attention.kv_quant import kv_format
+from pagedserve.layers.attention import Attention, select_attention_backend
+from pagedserve.layers.attention.kv_quant import NO_STATIC_SCALES, KVFormat, kv_format
 from pagedserve.layers.linear import kv_heads_of_rank, onednn_available
 from pagedserve.model_info import ModelInfo
 from pagedserve.models.gguf_blocks import load_quantized_blocks
@@ -82,6 +82,22 @@ def kv_cache_element(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dty
     return model_dtype if kv_cache_dtype == "auto" else _DTYPES[kv_cache_dtype]
 
 
+def settle_static_kv_scales(model: torch.nn.Module, fmt: KVFormat | None, model_name: str) -> None:
+    """Keep the static k_scale / v_scale a checkpoint ships where the cache is FP8, the format they are calibrated
+    for; any other cache scales each row itself, and the log says which."""
+    layers = [module for module in model.modules() if isinstance(module, Attention) and module.kv_scales]
+    if not layers:
+        return
+    if fmt is not None and fmt.takes_static_scales:
+        logger.info("%s: the %s KV cache quantizes %d layers with the checkpoint's static k_scale / v_scale", model_name, fmt.name,
+                    len(layers))
+        return
+    for layer in layers:
+        layer.kv_scales = NO_STATIC_SCALES
+    logger.info("%s: the checkpoint's k_scale / v_scale are for an FP8 KV cache; this %s cache does not use them", model_name,
+                fmt.name if fmt is not None else "16- or 32-bit")
+
+
 def kv_cache_row_width(hf_config, kv_cache_dtype: str) -> int:
     """Elements of one (token, KV head) row of a model's cache: the head's values, and an 8-bit format's scale."""
     fmt = kv_format(kv_cache_dtype)
@@ -126,6 +142,7 @@ class Worker:
         self.cpu_kernels = cpu_kernels.load() if config.cpu_kernels and self.device.type == "cpu" else None
         self.attn_backend = select_attention_backend(config.attention_backend, self.device, self.dtype, self.cpu_kernels, self.kv_format)
         self.model = load_model(self.hf_config, self.model_dir, self.dtype, self.device, self.model_max_len, self.attn_backend)
+        settle_static_kv_scales(self.model, self.kv_format, self.model_dir.name)
         cpu_kernels.attach(self.model, self.cpu_kernels)
         if config.gguf_quantized_weights and self.cpu_kernels is not None and self.dtype == torch.float32:
             self._use_gguf_blocks()
@@ -173,6 +190,7 @@ class Worker:
         # Drafts run up to num_speculative_tokens positions past the verified tokens.
         max_position = max(max_position_of(draft_config), self.model_max_len) + spec.num_speculative_tokens
         draft = load_model(draft_config, draft_dir, self.dtype, self.device, max_position, self.attn_backend)
+        settle_static_kv_scales(draft, self.kv_format, draft_dir.name)
         cpu_kernels.attach(draft, self.cpu_kernels)
         self._pack_gemm_weights(draft)
         logger.info("draft model %s (%d layers) for speculative decoding", draft_dir.name, draft_config.num_hidden_layers)

@@ -8,6 +8,8 @@ rank builds its stage's decoder layers, the first stage the embedding, the last 
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Iterable
 from functools import partial
 
@@ -43,6 +45,16 @@ STACKED_PARAMS = {
     "v_proj": ("qkv_proj", 2),
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
+}
+
+
+# A checkpoint's static per-tensor KV cache scales, by the names vLLM reads them under -> the scales they set.
+KV_SCALE_NAMES = {
+    "self_attn.k_scale": ("key",),
+    "self_attn.v_scale": ("value",),
+    "self_attn.kv_scale": ("key", "value"),
+    "self_attn.k_proj.output_scale": ("key",),
+    "self_attn.v_proj.output_scale": ("value",),
 }
 
 
@@ -249,6 +261,9 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name.startswith("lm_head.")):
                 continue
+            if _kv_scale_target(name) is not None:
+                self._load_kv_scale(name, tensor)
+                continue
             target, shard = _fused_target(name)
             if target not in params:
                 if self._belongs_to_another_stage(target):
@@ -259,6 +274,16 @@ class LlamaForCausalLM(nn.Module):
         missing = [n for n in self._expected_loads() if n not in loaded]
         if missing:
             raise ValueError(f"checkpoint is missing tensors for: {', '.join(sorted(missing)[:8])}")
+
+    def _load_kv_scale(self, name: str, tensor: torch.Tensor) -> None:
+        attention, fields = _kv_scale_target(name)
+        if self._belongs_to_another_stage(attention):
+            return
+        value = float(tensor) if tensor.numel() == 1 else math.nan
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"checkpoint tensor {name!r} must be one positive, finite per-tensor scale, got {tensor.tolist()}")
+        layer = self.get_submodule(attention)
+        layer.kv_scales = dataclasses.replace(layer.kv_scales, **dict.fromkeys(fields, value))
 
     def _module_of(self, param_name: str) -> nn.Module | None:
         try:
@@ -279,6 +304,14 @@ class LlamaForCausalLM(nn.Module):
             shards = getattr(module, "shard_sizes", None)
             expected += [f"{name}#{i}" for i in range(len(shards))] if shards else [f"{name}#None"]
         return expected
+
+
+def _kv_scale_target(name: str) -> tuple[str, tuple[str, ...]] | None:
+    """For a checkpoint's KV cache scale: the Attention module it belongs to and the scales it sets; else None."""
+    for suffix, fields in KV_SCALE_NAMES.items():
+        if name.endswith(f".{suffix}"):
+            return name[: -len(suffix)] + "self_attn.attn", fields
+    return None
 
 
 def _fused_target(name: str) -> tuple[str, int | None]:

@@ -17,6 +17,8 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from pagedserve.layers.attention.kv_quant import NO_STATIC_SCALES, StaticKVScales
+
 
 @dataclass
 class BatchLayout:
@@ -93,6 +95,6 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """Write key/value [T, KV, D] into kv_cache [2, num_blocks, block_size, KV, D] at the slot mapping, then
-        attend: query [T, H, D] -> [T, H, D]."""
+                meta: AttentionMetadata, scale: float, kv_scales: StaticKVScales = NO_STATIC_SCALES) -> torch.Tensor:
+        """Write key/value [T, KV, D] into kv_cache [2, num_blocks, block_size, KV, D] at the slot mapping (an 8-bit
+        cache's rows with the layer's static scales where it has them), then attend: query [T, H, D] -> [T, H, D]."""

@@ -20,7 +20,7 @@ from pagedserve.layers.attention.backend import (
     PrefillChunk,
     pad_block_tables,
 )
-from pagedserve.layers.attention.kv_quant import KVFormat
+from pagedserve.layers.attention.kv_quant import NO_STATIC_SCALES, KVFormat, StaticKVScales
 from pagedserve.layers.attention.torch_backend import gather_sequence_kv, read_kv, reference_prefill_attention
 
 # A chunk that starts its sequence, up to this many tokens, runs in the kernel; beyond it torch's
@@ -79,10 +79,12 @@ class CPUAttentionBackend(AttentionBackend):
         meta.torch_chunks = [chunk for chunk in meta.prefills if not prefill_in_kernel(chunk)]
         return meta
 
-    def forward(self, query, key, value, kv_cache, meta: CPUAttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, query, key, value, kv_cache, meta: CPUAttentionMetadata, scale: float,
+                kv_scales: StaticKVScales = NO_STATIC_SCALES) -> torch.Tensor:
         kernels, kernel_format = self.kernels, self.kernel_format
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        kernels.write_kv_cache(key, value, key_cache, value_cache, meta.slot_mapping, kernel_format)
+        kernels.write_kv_cache(key, value, key_cache, value_cache, meta.slot_mapping, kernel_format,
+                               kv_scales.key or 0.0, kv_scales.value or 0.0)  # 0: each row's own scale
         out = torch.empty_like(query)
         num_decodes = meta.num_decode_tokens
         if num_decodes:

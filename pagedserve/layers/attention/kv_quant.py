@@ -2,7 +2,8 @@
 holds head_dim 8-bit values and then its float32 scale, all in one uint8 tensor [2, blocks, block_size, KV heads,
 head_dim + 4]: a block is still one slice of one tensor, so prefix caching, preemption and every rank's cache work
 on it as on a 16- or 32-bit one. The scale is the row's largest magnitude over the format's largest value, computed
-as the row is written: no calibration, and a row's outliers (an inf, a NaN) stay in that row."""
+as the row is written: no calibration, and a row's outliers (an inf, a NaN) stay in that row. A NaN value is stored as
+0 in every format; a row holding an inf reads back as NaNs (its scale is inf)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,26 @@ class KVFormat:
     def row_bytes(self, head_dim: int) -> int:
         return head_dim + SCALE_BYTES
 
+    @property
+    def takes_static_scales(self) -> bool:
+        """Whether a checkpoint's k_scale / v_scale apply: they are calibrated for FP8 (vLLM's convention)."""
+        return self.storage != torch.int8
+
+
+@dataclass(frozen=True)
+class StaticKVScales:
+    """One layer's per-tensor K and V scales from a checkpoint (a stored value times its scale is the value); None
+    where it ships none, and that cache's rows keep scales of their own."""
+
+    key: float | None = None
+    value: float | None = None
+
+    def __bool__(self) -> bool:
+        return self.key is not None or self.value is not None
+
+
+NO_STATIC_SCALES = StaticKVScales()
+
 
 FORMATS = {
     "int8": KVFormat("int8", torch.int8, 127.0, 1),
@@ -37,14 +58,19 @@ def kv_format(kv_cache_dtype: str) -> KVFormat | None:
     return FORMATS.get(ALIASES.get(kv_cache_dtype, kv_cache_dtype))
 
 
-def quantize_rows(rows: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
-    """[..., head_dim] float rows -> [..., head_dim + 4] uint8: each row's values in fmt, then its float32 scale."""
+def quantize_rows(rows: torch.Tensor, fmt: KVFormat, static_scale: float | None = None) -> torch.Tensor:
+    """[..., head_dim] float rows -> [..., head_dim + 4] uint8: each row's values in fmt, then its float32 scale: the
+    static scale where one is given (values beyond the format's range saturate), else the row's own."""
     rows = rows.float()
-    scale = rows.abs().amax(dim=-1, keepdim=True) / fmt.max_value
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero row: any scale reads it back as zeros
-    values = rows / scale
+    if static_scale is not None:
+        scale = torch.full((*rows.shape[:-1], 1), static_scale, dtype=torch.float32, device=rows.device)
+    else:
+        scale = rows.abs().masked_fill(rows.isnan(), 0.0).amax(dim=-1, keepdim=True) / fmt.max_value  # a NaN is passed over
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero row: any scale reads it back as zeros
+    # A NaN is stored as 0: int8 has none, and an fp8 NaN would cost the kernels' every read a compare.
+    values = (rows / scale).nan_to_num(nan=0.0, posinf=fmt.max_value, neginf=-fmt.max_value).clamp(-fmt.max_value, fmt.max_value)
     if fmt.storage == torch.int8:
-        values = values.round().clamp(-fmt.max_value, fmt.max_value)
+        values = values.round()
     out = torch.empty((*rows.shape[:-1], rows.shape[-1] + SCALE_BYTES), dtype=torch.uint8, device=rows.device)
     out[..., : rows.shape[-1]] = values.to(fmt.storage).view(torch.uint8)
     out[..., rows.shape[-1]:] = scale.view(torch.uint8)

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from pagedserve.layers.attention.backend import AttentionBackend, AttentionMetadata
+from pagedserve.layers.attention.kv_quant import NO_STATIC_SCALES, StaticKVScales
 
 
 class Attention(nn.Module):
@@ -17,8 +18,9 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.scale = head_dim**-0.5
         self.backend = backend
+        self.kv_scales: StaticKVScales = NO_STATIC_SCALES  # a checkpoint's, for an FP8 cache (Worker)
 
     def forward(self, query, key, value, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """query [T, H, D], key/value [T, KV, D], kv_cache [2, num_blocks, block_size, KV, D] -> [T, H*D]."""
-        out = self.backend.forward(query, key, value, kv_cache, meta, self.scale)
+        out = self.backend.forward(query, key, value, kv_cache, meta, self.scale, self.kv_scales)
         return out.view(out.shape[0], -1)

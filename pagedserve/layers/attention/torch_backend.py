@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.layers.attention.backend import AttentionBackend, AttentionMetadata, PrefillChunk
-from pagedserve.layers.attention.kv_quant import KVFormat, dequantize_rows, quantize_rows
+from pagedserve.layers.attention.kv_quant import NO_STATIC_SCALES, KVFormat, StaticKVScales, dequantize_rows, quantize_rows
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -18,9 +18,10 @@ class TorchAttentionBackend(AttentionBackend):
         """kv_format: the 8-bit format the caches hold; None for a 16- or 32-bit cache."""
         self.kv_format = kv_format
 
-    def forward(self, query, key, value, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, query, key, value, kv_cache, meta: AttentionMetadata, scale: float,
+                kv_scales: StaticKVScales = NO_STATIC_SCALES) -> torch.Tensor:
         fmt = self.kv_format
-        reference_write_kv_cache(kv_cache, key, value, meta.slot_mapping, fmt)
+        reference_write_kv_cache(kv_cache, key, value, meta.slot_mapping, fmt, kv_scales)
         out = torch.empty_like(query)
         num_decodes = meta.num_decode_tokens
         if num_decodes:
@@ -32,10 +33,10 @@ class TorchAttentionBackend(AttentionBackend):
 
 
 def reference_write_kv_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
-                             kv_format: KVFormat | None = None) -> None:
+                             kv_format: KVFormat | None = None, kv_scales: StaticKVScales = NO_STATIC_SCALES) -> None:
     num_kv_heads, row_width = kv_cache.shape[-2], kv_cache.shape[-1]
-    for which, rows in ((0, key), (1, value)):
-        stored = quantize_rows(rows, kv_format) if kv_format is not None else rows.to(kv_cache.dtype)
+    for which, rows, static_scale in ((0, key, kv_scales.key), (1, value, kv_scales.value)):
+        stored = quantize_rows(rows, kv_format, static_scale) if kv_format is not None else rows.to(kv_cache.dtype)
         kv_cache[which].view(-1, num_kv_heads, row_width).index_copy_(0, slot_mapping, stored)
 
 
@@ -72,16 +73,18 @@ def reference_prefill_attention(query, key, value, kv_cache: torch.Tensor, chunk
     was chunked, cached or recomputed."""
     context_len = chunk.context_len
     if context_len == 0 and kv_format is None:
-        keys, values, mask, causal = key, value, None, True
+        keys, values = key, value
     else:
         keys, values = (read_kv(kv, kv_format, query.dtype) for kv in gather_sequence_kv(kv_cache, chunk.block_table, chunk.seq_len))
+    mask = None  # a fresh chunk is plainly causal, which torch's fused kernel computes without a mask
+    if context_len:  # the queries sit after the context: causal from their positions on
         query_positions = torch.arange(context_len, chunk.seq_len, device=query.device)
         key_positions = torch.arange(chunk.seq_len, device=query.device)
-        mask, causal = key_positions[None, :] <= query_positions[:, None], False
+        mask = key_positions[None, :] <= query_positions[:, None]
     # [1, heads, tokens, D]: with a batch dimension torch picks its fused (flash) CPU kernel; 3-D
     # inputs fall back to the unfused math path, several times slower on long prompts.
     out = F.scaled_dot_product_attention(
-        query.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None], attn_mask=mask, is_causal=causal,
+        query.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None], attn_mask=mask, is_causal=mask is None,
         enable_gqa=True, scale=scale,
     )
     return out[0].transpose(0, 1)
