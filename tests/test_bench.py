@@ -305,3 +305,14 @@ def test_kv_capacity_per_dtype_and_kv_accuracy_against_float32(tmp_path, tiny_mo
     exact, int8 = record["results"]["float32"], record["results"]["int8"]
     assert exact["max_logprob_diff"] == 0 and exact["identical_answers"] == 2 and exact["perplexity_change_pct"] == 0
     assert int8["perplexity"] > 1 and int8["max_logprob_diff"] >= 0 and len(int8["tokens_before_divergence"]) == 2
+
+
+def test_kv_speed_times_a_decode_step_for_each_dtype(tmp_path, tiny_models):
+    """bench kv-speed: each dtype's bare decode step over its contexts, and its ratio to bfloat16's in the same run."""
+    record, stdout = bench(tmp_path, "kv-speed", "--model", str(tiny_models["llama"]), "--kv-cache-dtype", "bfloat16", "fp8",
+                           "--num-seqs", "3", "--context", "100", "--passes", "2", "--rounds", "2")
+    results = record["results"]
+    assert set(results) == {"bfloat16", "fp8"} and record["context"] == 100
+    assert all(r["step_ms_best"] <= r["step_ms_median"] for r in results.values()) and results["fp8"]["step_ms_best"] > 0
+    assert results["fp8"]["vs_bfloat16"] == pytest.approx(results["fp8"]["step_ms_median"] / results["bfloat16"]["step_ms_median"])
+    assert "fp8: vs bfloat16" in stdout

@@ -91,6 +91,19 @@ def test_parallel_engine_matches_the_single_process_one(tiny_models, reference, 
     assert_matches(outputs, reference)
 
 
+@pytest.mark.parametrize("settings", [{"tensor_parallel_size": 2, "kv_cache_dtype": "fp8"},
+                                      {"pipeline_parallel_size": 2, "kv_cache_dtype": "int8"}], ids=["tp2-fp8", "pp2-int8"])
+def test_parallel_engine_over_an_8_bit_cache_matches_the_single_process_one(tiny_models, settings):
+    """Each rank quantizes its own KV heads' rows (a row is one KV head's), as the single process does."""
+    reference = run_workload(parallel_llm(tiny_models["llama"], kv_cache_dtype=settings["kv_cache_dtype"]))
+    llm = parallel_llm(tiny_models["llama"], **settings)
+    try:
+        outputs = run_workload(llm)
+    finally:
+        llm.llm_engine.shutdown()
+    assert_matches(outputs, reference)
+
+
 def test_ray_backend_runs_the_same_workers(tiny_models, reference):
     pytest.importorskip("ray", reason="Ray is an optional extra: pip install -e '.[ray]'")
     llm = parallel_llm(tiny_models["llama"], tensor_parallel_size=2, distributed_executor_backend="ray")

@@ -139,6 +139,22 @@ def test_draft_model_greedy_outputs_equal_decoding_without_speculation(draft_mod
         assert 0 < stats.spec.num_accepted_tokens < stats.spec.num_draft_tokens
 
 
+@pytest.mark.parametrize("draft", ["target", "noisy"])
+def test_speculation_over_an_8_bit_cache_equals_decoding_without_it(draft_models, draft):
+    """A verification writes its drafts' rows quantized and reads them back as a decode would, a rejected draft's rows
+    are written over, and the draft model keeps an 8-bit cache of its own: the tokens of decoding without speculation
+    on the same cache, whether every draft is accepted or some."""
+    target, noisy, _ = draft_models
+    prompts = tiny_prompts()
+    plain = LLM(str(target), kv_cache_memory=32 * 1024**2, kv_cache_dtype="fp8")
+    expected = token_ids_of(plain.generate(prompts, greedy(30), use_tqdm=False))
+    spec = {"method": "draft_model", "model": str(target if draft == "target" else noisy), "num_speculative_tokens": 3}
+    llm = LLM(str(target), kv_cache_memory=32 * 1024**2, kv_cache_dtype="fp8", speculative_config=spec)
+    assert token_ids_of(llm.generate(prompts, greedy(30), use_tqdm=False)) == expected
+    stats = engine_core_of(llm).get_stats().spec
+    assert stats.num_draft_tokens > 0 and (stats.num_accepted_tokens == stats.num_draft_tokens) == (draft == "target")
+
+
 def test_draft_model_must_share_the_vocabulary(draft_models):
     target, _, other_vocab = draft_models
     with pytest.raises(ValueError, match="speculative_config.model must share the target's vocabulary"):

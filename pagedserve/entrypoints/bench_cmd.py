@@ -88,6 +88,16 @@ def register(sub) -> None:
     kv_accuracy.add_argument("--num-prompts", type=_positive_int, default=16, help="chat prompts (greedy agreement)")
     kv_accuracy.add_argument("--output-len", type=_positive_int, default=64, help="greedy tokens per chat prompt")
 
+    kv_speed = _workload(workloads, "kv-speed", "the bare decode step over long contexts for each KV cache dtype, the dtypes "
+                                                "in turn")
+    kv_speed.add_argument("--model", default=EngineConfig.model)
+    kv_speed.add_argument("--kv-cache-dtype", nargs="+", default=["float32", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2"])
+    kv_speed.add_argument("--num-seqs", type=_positive_int, default=32, help="decodes in the step")
+    kv_speed.add_argument("--context", type=_positive_int, default=2048, help="tokens in each sequence's cache")
+    kv_speed.add_argument("--block-size", type=_positive_int, default=EngineConfig.block_size)
+    kv_speed.add_argument("--passes", type=_positive_int, default=10, help="steps timed per dtype and round")
+    kv_speed.add_argument("--rounds", type=_positive_int, default=2, help="times through the dtypes")
+
     sched = _workload(workloads, "sched", "scheduler + KV manager step time (no model)")
     sched.add_argument("--num-running", type=int, default=256)
     sched.add_argument("--num-blocks", type=int, default=20000)
@@ -158,7 +168,18 @@ def run_plot(args) -> int:
 
 
 def run_bench(args) -> int:
-    from pagedserve.benchmarks import executor, interference, kv_accuracy, kv_sched, machine, prefix, serve, spec, throughput
+    from pagedserve.benchmarks import (
+        executor,
+        interference,
+        kv_accuracy,
+        kv_sched,
+        kv_speed,
+        machine,
+        prefix,
+        serve,
+        spec,
+        throughput,
+    )
 
     if args.workload in ("throughput", "prefix", "interference", "executor"):
         defaults = {f.name: f.default for f in EngineConfig.settings()}
@@ -169,6 +190,6 @@ def run_bench(args) -> int:
         args.num_prompts = 64 if args.dataset == "mixed" else 32
     runners = {"throughput": throughput.run, "serve": serve.run, "prefix": prefix.run, "interference": interference.run,
                "kv": kv_sched.run_kv, "sched": kv_sched.run_sched, "executor": executor.run, "spec": spec.run,
-               "machine": machine.run, "kv-accuracy": kv_accuracy.run}
+               "machine": machine.run, "kv-accuracy": kv_accuracy.run, "kv-speed": kv_speed.run}
     runners[args.workload](args)
     return 0
