@@ -5,6 +5,9 @@ agreement with float32."""
 
 from __future__ import annotations
 
+import math
+from functools import partial
+
 import numpy as np
 import pytest
 import torch
@@ -13,7 +16,7 @@ from test_cpu_kernels import decode_metadata
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.layers.attention import PrefillChunk
-from pagedserve.layers.attention.cpu_backend import PagedPrefills
+from pagedserve.layers.attention.cpu_backend import PagedPrefills, prefill_attention
 from pagedserve.layers.attention.kv_quant import FORMATS, StaticKVScales, dequantize_rows, kv_format, quantize_rows
 from pagedserve.layers.attention.torch_backend import (
     reference_decode_attention,
@@ -169,6 +172,29 @@ def test_the_write_kernel_stores_the_reference_rows(name):
 
 
 @pytest.mark.parametrize("name", FORMATS)
+def test_the_write_kernel_rounds_every_value_as_the_torch_path(name):
+    """At a scale of 1, every value the format holds, every midpoint between neighbours (the ties, rounded to even),
+    values just either side of them, subnormals, and random values over the whole range: byte for byte the torch
+    path's (c10's conversions) in the kernel's eight-at-a-time loop and its scalar tail (head size 68 = 8 x 8 + 4)."""
+    fmt = FORMATS[name]
+    if fmt.storage == torch.int8:
+        held = torch.arange(-127, 128).float()
+    else:
+        held = torch.arange(256, dtype=torch.uint8).view(fmt.storage).float()
+        held = held[held.isfinite()].unique()
+    midpoints = (held[1:] + held[:-1]) / 2
+    torch.manual_seed(0)
+    magnitudes = torch.logspace(-12, math.log10(fmt.max_value), 4000) * torch.empty(4000).uniform_(0.5, 1.5)
+    values = torch.cat([held, midpoints, midpoints.nextafter(torch.tensor(math.inf)), midpoints.nextafter(torch.tensor(-math.inf)),
+                        magnitudes * torch.randn(4000).sign()]).clamp(-fmt.max_value, fmt.max_value)
+    head_dim = 68
+    rows = torch.cat([values, torch.zeros(-len(values) % head_dim)]).view(-1, 1, head_dim)
+    cache = torch.zeros(2, 1, len(rows), 1, head_dim + 4, dtype=torch.uint8)  # one block holding every row
+    kernels().write_kv_cache(rows, rows, cache[0], cache[1], torch.arange(len(rows)), fmt.kernel_code, 1.0, 1.0)
+    assert torch.equal(cache[0, 0], quantize_rows(rows, fmt, static_scale=1.0))
+
+
+@pytest.mark.parametrize("name", FORMATS)
 def test_static_scales_are_written_as_given_and_saturate(name):
     """A checkpoint's per-tensor scales, in the kernel as in the torch path: every row carries the layer's scale, and
     values beyond what the format holds at that scale saturate at its largest."""
@@ -232,6 +258,24 @@ def test_the_prefill_kernel_reads_8_bit_rows_as_the_reference(name, head_dim):
         rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
         expected = reference_prefill_attention(query[rows], key[rows], value[rows], quantized, chunk, head_dim**-0.5, fmt)
         torch.testing.assert_close(out[rows], expected, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_long_chunks_read_8_bit_rows_through_the_kernel_as_the_reference(name):
+    """The chunks the cpu backend hands to torch's attention (a long fresh one, a long one after context) read their
+    rows through the kernels' dequantize_kv_rows: the values of the torch path's dequantize_rows, and its attention."""
+    fmt = FORMATS[name]
+    block_size, num_kv_heads, num_heads, head_dim = 16, 2, 6, 64
+    quantized, _ = cache_pair(fmt, 40, block_size, num_kv_heads, head_dim, seed=3)
+    assert torch.equal(kernels().dequantize_kv_rows(quantized, fmt.kernel_code), dequantize_rows(quantized, fmt))
+    dequantize = partial(kernels().dequantize_kv_rows, kv_format=fmt.kernel_code)
+    table = torch.randperm(40)[:38]
+    for context_len, query_len in ((0, 600), (300, 300)):
+        chunk = PrefillChunk(query_start=0, query_len=query_len, seq_len=context_len + query_len, block_table=table)
+        query, own = torch.randn(query_len, num_heads, head_dim), torch.randn(query_len, num_kv_heads, head_dim)
+        torch.testing.assert_close(prefill_attention(query, own, own, quantized, chunk, head_dim**-0.5, fmt, dequantize),
+                                   reference_prefill_attention(query, own, own, quantized, chunk, head_dim**-0.5, fmt),
+                                   atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8", "fp8_e5m2"])

@@ -102,21 +102,89 @@ inline void dequantize_row(const T* row, int64_t head_dim, float* dst) {
   for (; i < head_dim; ++i) dst[i] = static_cast<float>(row[i]) * scale;
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// The largest magnitude of n floats (n a multiple of 8), a NaN passed over: MAXPS returns its second operand when the
+// first is a NaN.
+inline float largest_magnitude(const float* src, int64_t n) {
+  const __m256 magnitude_bits = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 largest = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) largest = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(src + i), magnitude_bits), largest);
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(largest), _mm256_extractf128_ps(largest, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+
+// Eight floats (finite, within the format's range) in an fp8 format, rounded as c10's scalar conversion rounds them
+// (fp8e4m3fn_from_fp32_value, fp8e5m2_from_fp32_value), so the bytes are the torch path's: below the format's
+// smallest normal, a float add puts the rounded subnormal in the low bits; above it, the exponent is rebiased and the
+// mantissa rounded to nearest even with integer adds. Returned as eight int32 lanes holding a byte each.
+template <typename T>
+inline __m256i to_fp8(__m256 values) {
+  constexpr int kMantissa = std::is_same_v<T, c10::Float8_e4m3fn> ? 3 : 2, kBias = kMantissa == 3 ? 7 : 15;
+  constexpr int kShift = 23 - kMantissa;
+  constexpr uint32_t kSmallestNormal = static_cast<uint32_t>(127 - kBias + 1) << 23;
+  constexpr uint32_t kDenormMask = static_cast<uint32_t>(127 - kBias + kShift + 1) << 23;
+  constexpr uint32_t kRebias = (static_cast<uint32_t>(kBias - 127) << 23) + ((1u << (kShift - 1)) - 1);
+  const __m256i bits = _mm256_castps_si256(values);
+  const __m256i sign = _mm256_and_si256(bits, _mm256_set1_epi32(static_cast<int>(0x80000000u)));
+  const __m256i magnitude = _mm256_xor_si256(bits, sign);
+  const __m256i denorm = _mm256_set1_epi32(static_cast<int>(kDenormMask));
+  const __m256i subnormal = _mm256_sub_epi32(
+      _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(magnitude), _mm256_castsi256_ps(denorm))), denorm);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(magnitude, kShift), _mm256_set1_epi32(1));
+  const __m256i normal = _mm256_srli_epi32(
+      _mm256_add_epi32(_mm256_add_epi32(magnitude, _mm256_set1_epi32(static_cast<int>(kRebias))), odd), kShift);
+  const __m256i is_subnormal = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(kSmallestNormal)), magnitude);
+  const __m256i byte = _mm256_and_si256(_mm256_blendv_epi8(normal, subnormal, is_subnormal), _mm256_set1_epi32(0xFF));
+  return _mm256_or_si256(byte, _mm256_srli_epi32(sign, 24));
+}
+
+// Eight int32 lanes, each a byte's value (unsigned, or signed for int8), stored as eight bytes.
+template <typename T>
+inline void store_bytes(__m256i lanes, T* dst) {
+  const __m128i low = _mm256_castsi256_si128(lanes), high = _mm256_extracti128_si256(lanes, 1);
+  const __m128i bytes = std::is_same_v<T, int8_t> ? _mm_packs_epi16(_mm_packs_epi32(low, high), _mm_setzero_si128())
+                                                  : _mm_packus_epi16(_mm_packus_epi32(low, high), _mm_setzero_si128());
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), bytes);
+}
+#endif
+
 // One float row quantized into an 8-bit row: values / scale in the format, then the scale. The scale is
 // fixed_scale where it is positive (a checkpoint's static per-tensor scale), else the row's own: its
 // largest magnitude over the format's largest (1 for a row of zeros). As the torch path: a NaN is
 // stored as 0 (int8 has none, and an fp8 NaN would cost every read a compare), values are clamped to
-// the format's range, int8 rounds to nearest even, fp8 converts (to nearest even).
+// the format's range, int8 rounds to nearest even, fp8 converts (to nearest even). Eight values at a
+// time with AVX2, the same divisions and roundings as the scalar loop.
 template <typename T>
 inline void quantize_row(const float* src, int64_t head_dim, T* dst, float fixed_scale) {
+  const int64_t vectorized = 0
+#if defined(__AVX2__) && defined(__FMA__)
+                             + head_dim / 8 * 8
+#endif
+      ;
   float scale = fixed_scale;
   if (!(scale > 0.f)) {
     float largest = 0.f;
-    for (int64_t i = 0; i < head_dim; ++i) largest = std::max(largest, std::abs(src[i]));  // a NaN is passed over
+#if defined(__AVX2__) && defined(__FMA__)
+    if (vectorized) largest = largest_magnitude(src, vectorized);
+#endif
+    for (int64_t i = vectorized; i < head_dim; ++i) largest = std::max(largest, std::abs(src[i]));  // a NaN is passed over
     scale = largest / kFormatMax<T>;
     if (!(scale > 0.f)) scale = 1.f;
   }
-  for (int64_t i = 0; i < head_dim; ++i) {
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 vscale = _mm256_set1_ps(scale), high = _mm256_set1_ps(kFormatMax<T>), low = _mm256_set1_ps(-kFormatMax<T>);
+  for (int64_t i = 0; i < vectorized; i += 8) {
+    __m256 value = _mm256_div_ps(_mm256_loadu_ps(src + i), vscale);
+    value = _mm256_andnot_ps(_mm256_cmp_ps(value, value, _CMP_UNORD_Q), value);  // NaN -> 0
+    value = _mm256_min_ps(_mm256_max_ps(value, low), high);
+    if constexpr (std::is_same_v<T, int8_t>)
+      store_bytes(_mm256_cvtps_epi32(value), dst + i);  // rounds to nearest even, as nearbyint does
+    else
+      store_bytes(to_fp8<T>(value), dst + i);
+  }
+#endif
+  for (int64_t i = vectorized; i < head_dim; ++i) {
     float value = src[i] / scale;
     value = std::isnan(value) ? 0.f : std::min(std::max(value, -kFormatMax<T>), kFormatMax<T>);
     if constexpr (std::is_same_v<T, int8_t>)
@@ -921,6 +989,28 @@ void paged_prefill_attention(const at::Tensor& query, const at::Tensor& key_cach
         }
     });
   });
+}
+
+// rows [..., D + 4] of an 8-bit format (bytes, contiguous: e.g. a sequence's rows gathered from the cache) -> their
+// values [..., D] in float32, as the kernels read them (dequantize_row); for the attention that runs in torch.
+at::Tensor dequantize_kv_rows(const at::Tensor& rows, int64_t kv_format) {
+  TORCH_CHECK(rows.scalar_type() == at::kByte && rows.is_contiguous() && rows.dim() >= 1 && rows.size(-1) > 4,
+              "rows must be contiguous bytes of 8-bit rows (head_dim values and a float32 scale)");
+  const int64_t head_stride = rows.size(-1), head_dim = head_stride - 4, num_rows = rows.numel() / head_stride;
+  std::vector<int64_t> shape(rows.sizes().begin(), rows.sizes().end());
+  shape.back() = head_dim;
+  auto out = at::empty(shape, rows.options().dtype(at::kFloat));
+  float* out_ptr = out.data_ptr<float>();
+  dispatch_cache_type(rows, kv_format, [&](auto element) {
+    using T = decltype(element);
+    if constexpr (kEightBit<T>) {
+      const T* in = reinterpret_cast<const T*>(rows.data_ptr());
+      at::parallel_for(0, num_rows, 256, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) dequantize_row(in + r * head_stride, head_dim, out_ptr + r * head_dim);
+      });
+    }
+  });
+  return out;
 }
 
 // key/value [T, KV, D] (any token and head strides, rows contiguous) -> key_cache/value_cache

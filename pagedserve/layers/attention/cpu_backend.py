@@ -9,7 +9,9 @@ by log-sum-exp. Which is faster where was measured at the default shapes (docs/c
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -96,8 +98,12 @@ class CPUAttentionBackend(AttentionBackend):
                                             paged.seq_lens, scale, out, kernel_format)
         for chunk in meta.torch_chunks:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-            out[rows] = prefill_attention(query[rows], key[rows], value[rows], kv_cache, chunk, scale, self.kv_format)
+            out[rows] = prefill_attention(query[rows], key[rows], value[rows], kv_cache, chunk, scale, self.kv_format,
+                                          self._dequantize if self.kv_format is not None else None)
         return out
+
+    def _dequantize(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.kernels.dequantize_kv_rows(rows.contiguous(), self.kernel_format)
 
 
 # torch's CPU flash attention, which also returns each query row's log-sum-exp (a private op of
@@ -106,13 +112,18 @@ _flash_with_logsumexp = getattr(torch.ops.aten, "_scaled_dot_product_flash_atten
 
 
 def prefill_attention(query, key, value, kv_cache: torch.Tensor, chunk: PrefillChunk, scale: float | None = None,
-                      kv_format: KVFormat | None = None) -> torch.Tensor:
+                      kv_format: KVFormat | None = None, dequantize: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                      ) -> torch.Tensor:
     """A chunk the kernel does not take: torch's fused attention. After context, the context and the
     chunk's own keys are attended separately and merged (_context_then_chunk); a fresh chunk is one
-    causal call (over an 8-bit cache, on its K/V read back from the cache, as the torch backend does)."""
-    if chunk.context_len == 0 or query.device.type != "cpu" or _flash_with_logsumexp is None:
+    causal call (over an 8-bit cache, on its K/V read back from the cache, as the torch backend does).
+    dequantize turns an 8-bit cache's rows into values (default: the torch path's dequantize_rows)."""
+    if (chunk.context_len == 0 and kv_format is None) or query.device.type != "cpu" or _flash_with_logsumexp is None:
         return reference_prefill_attention(query, key, value, kv_cache, chunk, scale, kv_format)
-    keys, values = (read_kv(kv, kv_format, query.dtype) for kv in gather_sequence_kv(kv_cache, chunk.block_table, chunk.seq_len))
+    read = dequantize if dequantize is not None else partial(read_kv, kv_format=kv_format, dtype=query.dtype)
+    keys, values = (read(kv) for kv in gather_sequence_kv(kv_cache, chunk.block_table, chunk.seq_len))
+    if chunk.context_len == 0:
+        return reference_prefill_attention(query, keys, values, kv_cache, chunk, scale)
     return _context_then_chunk(query, keys, values, chunk.context_len, scale)
 
 
