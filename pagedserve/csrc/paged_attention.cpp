@@ -19,7 +19,8 @@
 // (token, KV head) row is head_dim values and then their float32 scale: rows are head_dim + 4 bytes
 // apart (AttentionShape::head_stride). Its rows are written quantized (write_kv_cache). The three-pass
 // decode reads 8-bit rows in registers (a key's scale multiplies its dot product, a value's its
-// weight); the other routes dequantize them into the scratch.
+// weight), 16 values at a time where the build has AVX-512 (Lanes16), else 8; the other routes
+// dequantize them into the scratch.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -67,6 +68,52 @@ inline __m256 load8(const c10::Float8_e4m3fn* p) {
 
 template <typename T>
 constexpr bool kEightBit = std::is_same_v<T, int8_t> || std::is_same_v<T, c10::Float8_e4m3fn> || std::is_same_v<T, c10::Float8_e5m2>;
+
+// The three-pass decode's loops in vectors of 8 floats (Lanes8), or of 16 (Lanes16) for 8-bit rows where the build
+// has AVX-512: widening bytes makes those loops bound by arithmetic rather than by reading memory. 16- and 32-bit
+// caches keep 8 lanes: reading memory bounds them, and wider loops gained little there (docs/benchmarks.md).
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+struct Lanes8 {
+  using Vec = __m256;
+  static constexpr int kWidth = 8;
+  static Vec zero() { return _mm256_setzero_ps(); }
+  static Vec broadcast(float x) { return _mm256_set1_ps(x); }
+  static Vec load(const float* p) { return _mm256_loadu_ps(p); }
+  template <typename T>
+  static Vec widen(const T* p) { return load8(p); }
+  static Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store(float* p, Vec a) { _mm256_storeu_ps(p, a); }
+  static __m256 fold(Vec a) { return a; }  // to 8 lanes, for the horizontal sums
+};
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
+struct Lanes16 {
+  using Vec = __m512;
+  static constexpr int kWidth = 16;
+  static Vec zero() { return _mm512_setzero_ps(); }
+  static Vec broadcast(float x) { return _mm512_set1_ps(x); }
+  static Vec load(const float* p) { return _mm512_loadu_ps(p); }
+  // 16 values of an 8-bit row, not yet scaled, as load8 widens 8.
+  static Vec widen(const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes(p))); }
+  static Vec widen(const c10::Float8_e5m2* p) { return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes(p)), 8)); }
+  static Vec widen(const c10::Float8_e4m3fn* p) {
+    const __m256i widened = _mm256_cvtepi8_epi16(bytes(p));
+    return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(widened, 7), _mm256_set1_epi16(static_cast<short>(0xBFFF))));
+  }
+  static Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store(float* p, Vec a) { _mm512_storeu_ps(p, a); }
+  static __m256 fold(Vec a) {
+    return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+  }
+  static __m128i bytes(const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); }
+};
+template <typename T>
+using DecodeLanes = std::conditional_t<kEightBit<T>, Lanes16, Lanes8>;
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+template <typename T>
+using DecodeLanes = Lanes8;
+#endif
 
 // The largest magnitude an 8-bit format holds: a row's largest value is stored as it.
 template <typename T>
@@ -438,25 +485,26 @@ inline __m128 sum_lanes4(__m256 a, __m256 b, __m256 c, __m256 d) {
 // 8-bit key's scale factors out of its dot product: the sums are scaled once.
 template <int NH, int NK, typename T>
 inline void score_keys(const float* q, const T* const* keys, int64_t dim, float* scores, int64_t stride) {
-  __m256 acc[NH][NK];
+  using L = DecodeLanes<T>;
+  typename L::Vec acc[NH][NK];
   for (int h = 0; h < NH; ++h)
-    for (int j = 0; j < NK; ++j) acc[h][j] = _mm256_setzero_ps();
-  for (int64_t d = 0; d < dim; d += 8) {
-    __m256 qv[NH];
-    for (int h = 0; h < NH; ++h) qv[h] = _mm256_loadu_ps(q + h * dim + d);
+    for (int j = 0; j < NK; ++j) acc[h][j] = L::zero();
+  for (int64_t d = 0; d < dim; d += L::kWidth) {
+    typename L::Vec qv[NH];
+    for (int h = 0; h < NH; ++h) qv[h] = L::load(q + h * dim + d);
     for (int j = 0; j < NK; ++j) {
-      const __m256 k = load8(keys[j] + d);
-      for (int h = 0; h < NH; ++h) acc[h][j] = _mm256_fmadd_ps(qv[h], k, acc[h][j]);
+      const typename L::Vec k = L::widen(keys[j] + d);
+      for (int h = 0; h < NH; ++h) acc[h][j] = L::fma(qv[h], k, acc[h][j]);
     }
   }
   float key_scales[NK];
   for (int j = 0; j < NK; ++j) key_scales[j] = kEightBit<T> ? loaded_scale(keys[j], dim) : 1.f;
   for (int h = 0; h < NH; ++h) {
     if constexpr (NK == 4)
-      _mm_storeu_ps(scores + h * stride,
-                    _mm_mul_ps(sum_lanes4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]), _mm_loadu_ps(key_scales)));
+      _mm_storeu_ps(scores + h * stride, _mm_mul_ps(sum_lanes4(L::fold(acc[h][0]), L::fold(acc[h][1]), L::fold(acc[h][2]), L::fold(acc[h][3])),
+                                                    _mm_loadu_ps(key_scales)));
     else
-      scores[h * stride] = sum_lanes(acc[h][0]) * key_scales[0];
+      scores[h * stride] = sum_lanes(L::fold(acc[h][0])) * key_scales[0];
   }
 }
 
@@ -465,22 +513,24 @@ inline void score_keys(const float* q, const T* const* keys, int64_t dim, float*
 template <int NH, typename T, typename Step>
 inline void accumulate_values(const float* p, int64_t stride, const T* values, int64_t row_stride, int64_t n, float* acc,
                               int64_t acc_stride, Step& step, int64_t row_scale_at = 0) {
-  __m256 a[NH][4];
+  using L = DecodeLanes<T>;
+  constexpr int kVectors = 32 / L::kWidth;
+  typename L::Vec a[NH][kVectors];
   for (int h = 0; h < NH; ++h)
-    for (int c = 0; c < 4; ++c) a[h][c] = _mm256_loadu_ps(acc + h * acc_stride + 8 * c);
+    for (int c = 0; c < kVectors; ++c) a[h][c] = L::load(acc + h * acc_stride + L::kWidth * c);
   for (int64_t i = 0; i < n; ++i) {
-    __m256 w[NH];
+    typename L::Vec w[NH];
     const T* row = values + i * row_stride;
     const float value_scale = kEightBit<T> ? loaded_scale(row, row_scale_at) : 1.f;
-    for (int h = 0; h < NH; ++h) w[h] = _mm256_set1_ps(p[h * stride + i] * value_scale);
+    for (int h = 0; h < NH; ++h) w[h] = L::broadcast(p[h * stride + i] * value_scale);
     step();
-    for (int c = 0; c < 4; ++c) {
-      const __m256 v = load8(row + 8 * c);
-      for (int h = 0; h < NH; ++h) a[h][c] = _mm256_fmadd_ps(w[h], v, a[h][c]);
+    for (int c = 0; c < kVectors; ++c) {
+      const typename L::Vec v = L::widen(row + L::kWidth * c);
+      for (int h = 0; h < NH; ++h) a[h][c] = L::fma(w[h], v, a[h][c]);
     }
   }
   for (int h = 0; h < NH; ++h)
-    for (int c = 0; c < 4; ++c) _mm256_storeu_ps(acc + h * acc_stride + 8 * c, a[h][c]);
+    for (int c = 0; c < kVectors; ++c) L::store(acc + h * acc_stride + L::kWidth * c, a[h][c]);
 }
 
 // The query heads of one KV head are taken up to 3 at a time (12 accumulators fit the 16 registers).
