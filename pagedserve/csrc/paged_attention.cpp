@@ -69,9 +69,11 @@ inline __m256 load8(const c10::Float8_e4m3fn* p) {
 template <typename T>
 constexpr bool kEightBit = std::is_same_v<T, int8_t> || std::is_same_v<T, c10::Float8_e4m3fn> || std::is_same_v<T, c10::Float8_e5m2>;
 
-// The three-pass decode's loops in vectors of 8 floats (Lanes8), or of 16 (Lanes16) for 8-bit rows where the build
-// has AVX-512: widening bytes makes those loops bound by arithmetic rather than by reading memory. 16- and 32-bit
-// caches keep 8 lanes: reading memory bounds them, and wider loops gained little there (docs/benchmarks.md).
+// Vectors of 8 floats (Lanes8), or of 16 (Lanes16) where the build has AVX-512. The prefill tiles compute on 16
+// where they can (their loops are bound by arithmetic, and a lane's sums keep their order). The three-pass decode
+// takes 16 for 8-bit rows, whose widening makes its loops bound by arithmetic; 16- and 32-bit caches keep 8 there:
+// reading memory bounds them, wider loops gained little, and their sums stay in the order they have been measured in
+// (docs/benchmarks.md).
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 struct Lanes8 {
   using Vec = __m256;
@@ -88,6 +90,7 @@ struct Lanes8 {
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
+#define PAGEDSERVE_LANES16 1
 struct Lanes16 {
   using Vec = __m512;
   static constexpr int kWidth = 16;
@@ -771,34 +774,47 @@ struct TileScratch {
         keys(span), values(span), key_rows(span * head_dim), value_rows(span * head_dim) {}
 };
 
-#if defined(__AVX2__) && defined(__FMA__)
-// scores_t[j * rows + r] = q_t[:, r] . keys[j] for 4 keys and RV * 8 rows starting at r0.
-template <int RV>
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// scores_t[j * rows + r] = q_t[:, r] . keys[j] for 4 keys and RV vectors of rows (L::kWidth each) starting at r0. A
+// lane is one row, summed over the dimensions in order, so the lane width leaves every score as it is.
+template <typename L, int RV>
 inline void score_four_keys(const float* q_t, int64_t rows, int64_t r0, const float* const keys[4], int64_t dim, float* scores_t) {
-  __m256 acc[RV][4];
+  typename L::Vec acc[RV][4];
   for (int v = 0; v < RV; ++v)
-    for (int j = 0; j < 4; ++j) acc[v][j] = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) acc[v][j] = L::zero();
   for (int64_t d = 0; d < dim; ++d) {
-    __m256 q[RV];
-    for (int v = 0; v < RV; ++v) q[v] = _mm256_loadu_ps(q_t + d * rows + r0 + 8 * v);
+    typename L::Vec q[RV];
+    for (int v = 0; v < RV; ++v) q[v] = L::load(q_t + d * rows + r0 + L::kWidth * v);
     for (int j = 0; j < 4; ++j) {
-      const __m256 k = _mm256_set1_ps(keys[j][d]);
-      for (int v = 0; v < RV; ++v) acc[v][j] = _mm256_fmadd_ps(q[v], k, acc[v][j]);
+      const typename L::Vec k = L::broadcast(keys[j][d]);
+      for (int v = 0; v < RV; ++v) acc[v][j] = L::fma(q[v], k, acc[v][j]);
     }
   }
   for (int j = 0; j < 4; ++j)
-    for (int v = 0; v < RV; ++v) _mm256_storeu_ps(scores_t + j * rows + r0 + 8 * v, acc[v][j]);
+    for (int v = 0; v < RV; ++v) L::store(scores_t + j * rows + r0 + L::kWidth * v, acc[v][j]);
+}
+
+// Rows [r0, ...) of four keys' scores in runs of 3 vectors, then single vectors, while whole vectors fit; returns
+// the first row left.
+template <typename L>
+inline int64_t score_four_keys_in_runs(const float* q_t, int64_t rows, int64_t r0, const float* const keys[4], int64_t dim,
+                                       float* scores_t) {
+  for (; r0 + 3 * L::kWidth <= rows; r0 += 3 * L::kWidth) score_four_keys<L, 3>(q_t, rows, r0, keys, dim, scores_t);
+  for (; r0 + L::kWidth <= rows; r0 += L::kWidth) score_four_keys<L, 1>(q_t, rows, r0, keys, dim, scores_t);
+  return r0;
 }
 #endif
 
 // scores_t[i * rows + r] = q_t[:, r] . keys[i] for the n keys and all (padded) rows.
 void span_scores(const float* q_t, int64_t rows, const float* const* keys, int64_t n, int64_t dim, float* scores_t) {
   int64_t i = 0;
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   for (; i + 4 <= n; i += 4) {
     int64_t r0 = 0;
-    for (; r0 + 24 <= rows; r0 += 24) score_four_keys<3>(q_t, rows, r0, keys + i, dim, scores_t + i * rows);
-    for (; r0 + 8 <= rows; r0 += 8) score_four_keys<1>(q_t, rows, r0, keys + i, dim, scores_t + i * rows);
+#ifdef PAGEDSERVE_LANES16
+    r0 = score_four_keys_in_runs<Lanes16>(q_t, rows, r0, keys + i, dim, scores_t + i * rows);
+#endif
+    score_four_keys_in_runs<Lanes8>(q_t, rows, r0, keys + i, dim, scores_t + i * rows);
   }
 #endif
   for (; i < n; ++i) {
@@ -834,37 +850,44 @@ void span_softmax(float* scores_t, int64_t n, int64_t rows, float* running_max, 
   }
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-// acc[r][d0 + d] += sum_i p_t[i * rows + r0 + r] * values[i][d0 + d] for 3 rows and 32 dims: 12
-// accumulators, and each value vector loaded once for the three rows.
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// acc[r][d0 + d] += sum_i p_t[i * rows + r0 + r] * values[i][d0 + d] for 3 rows and 32 dims: each value vector loaded
+// once for the three rows. A lane is one (row, dim), summed over the keys in order, so the lane width leaves every
+// sum as it is.
+template <typename L>
 inline void accumulate_three_rows(const float* p_t, int64_t rows, int64_t r0, const float* const* values, int64_t n, int64_t dim,
                                   int64_t d0, float* acc) {
-  __m256 a[3][4];
+  constexpr int kVectors = 32 / L::kWidth;
+  typename L::Vec a[3][kVectors];
   for (int r = 0; r < 3; ++r)
-    for (int v = 0; v < 4; ++v) a[r][v] = _mm256_loadu_ps(acc + (r0 + r) * dim + d0 + 8 * v);
+    for (int v = 0; v < kVectors; ++v) a[r][v] = L::load(acc + (r0 + r) * dim + d0 + L::kWidth * v);
   for (int64_t i = 0; i < n; ++i) {
     const float* row = values[i] + d0;
-    const __m256 v0 = _mm256_loadu_ps(row), v1 = _mm256_loadu_ps(row + 8), v2 = _mm256_loadu_ps(row + 16), v3 = _mm256_loadu_ps(row + 24);
+    typename L::Vec value[kVectors];
+    for (int v = 0; v < kVectors; ++v) value[v] = L::load(row + L::kWidth * v);
     for (int r = 0; r < 3; ++r) {
-      const __m256 w = _mm256_set1_ps(p_t[i * rows + r0 + r]);
-      a[r][0] = _mm256_fmadd_ps(w, v0, a[r][0]);
-      a[r][1] = _mm256_fmadd_ps(w, v1, a[r][1]);
-      a[r][2] = _mm256_fmadd_ps(w, v2, a[r][2]);
-      a[r][3] = _mm256_fmadd_ps(w, v3, a[r][3]);
+      const typename L::Vec w = L::broadcast(p_t[i * rows + r0 + r]);
+      for (int v = 0; v < kVectors; ++v) a[r][v] = L::fma(w, value[v], a[r][v]);
     }
   }
   for (int r = 0; r < 3; ++r)
-    for (int v = 0; v < 4; ++v) _mm256_storeu_ps(acc + (r0 + r) * dim + d0 + 8 * v, a[r][v]);
+    for (int v = 0; v < kVectors; ++v) L::store(acc + (r0 + r) * dim + d0 + L::kWidth * v, a[r][v]);
 }
+
+#ifdef PAGEDSERVE_LANES16
+using PrefillLanes = Lanes16;
+#else
+using PrefillLanes = Lanes8;
+#endif
 #endif
 
 // acc[r] += sum_i p_t[i * padded + r] * values[i] for the rows' accumulators (dim floats each).
 void span_values(const float* p_t, int64_t padded, const float* const* values, int64_t n, int64_t rows, int64_t dim, float* acc) {
   int64_t r = 0;
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   if (dim % 32 == 0)
     for (; r + 3 <= rows; r += 3)
-      for (int64_t d0 = 0; d0 < dim; d0 += 32) accumulate_three_rows(p_t, padded, r, values, n, dim, d0, acc);
+      for (int64_t d0 = 0; d0 < dim; d0 += 32) accumulate_three_rows<PrefillLanes>(p_t, padded, r, values, n, dim, d0, acc);
 #endif
   for (; r < rows; ++r)
     for (int64_t i = 0; i < n; ++i) {
