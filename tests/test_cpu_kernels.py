@@ -8,7 +8,7 @@ from pagedserve.layers import cpu_kernels
 from pagedserve.layers.activation import SiluAndMul
 from pagedserve.layers.attention import Attention, AttentionMetadata, BatchLayout, PrefillChunk
 from pagedserve.layers.attention.backend import pad_block_tables
-from pagedserve.layers.attention.cpu_backend import CPUAttentionBackend, PagedPrefills, prefill_attention
+from pagedserve.layers.attention.cpu_backend import CPUAttentionBackend, PagedPrefills, prefill_attention, prefill_in_kernel
 from pagedserve.layers.attention.torch_backend import (
     TorchAttentionBackend,
     reference_decode_attention,
@@ -309,11 +309,12 @@ def test_cpu_prefill_kernel_names_a_chunk_outside_its_table():
                                         one * 10, one * 40, 1.0, out)
 
 
+@pytest.mark.parametrize("lanes", [8, 16])
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
-def test_cpu_backend_routes_every_chunk_once(cache_dtype):
+def test_cpu_backend_routes_every_chunk_once(cache_dtype, lanes):
     """One step with decodes, short and long fresh prompts, short and long chunks after context: the layer on
     the CPU backend gives what it gives on the torch reference backend for every row (no chunk skipped or
-    done twice)."""
+    done twice), routed as kernels of 8 lanes route them (the long chunks to torch) and of 16 (all to the kernel)."""
     torch.manual_seed(0)
     num_heads, num_kv_heads, head_dim, block_size, num_blocks = 9, 3, 64, 16, 320
     rng = np.random.default_rng(0)
@@ -334,14 +335,28 @@ def test_cpu_backend_routes_every_chunk_once(cache_dtype):
     # K/V the cache dtype holds exactly: the kernels read a fresh chunk's K/V back from the cache, torch takes them as given
     key, value = torch.randn(2, num_tokens, num_kv_heads, head_dim).to(cache_dtype).float()
     cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim).to(cache_dtype)
+    cpu = CPUAttentionBackend(built_kernels())
+    cpu.prefill_lanes = lanes
     outputs = []
-    for backend in (CPUAttentionBackend(built_kernels()), TorchAttentionBackend()):
+    for backend in (cpu, TorchAttentionBackend()):
         meta = backend.build_metadata(layout, torch.device("cpu"))
         layer = Attention(num_heads, head_dim, num_kv_heads, backend)
         outputs.append(layer(query, key, value, cache.clone(), meta))
-    cpu_meta = CPUAttentionBackend(built_kernels()).build_metadata(layout, torch.device("cpu"))
-    assert cpu_meta.paged_prefills is not None and len(cpu_meta.torch_chunks) == 2  # both routes are exercised
+    cpu_meta = cpu.build_metadata(layout, torch.device("cpu"))
+    assert cpu_meta.paged_prefills is not None and len(cpu_meta.torch_chunks) == {8: 2, 16: 0}[lanes]
     torch.testing.assert_close(outputs[0], outputs[1], atol=2e-5, rtol=1e-4)
+
+
+def test_the_backend_routes_as_its_kernels_are_built():
+    """16-lane kernels (AVX-512) take every chunk; 8-lane ones leave long fresh prompts and long chunks on longer
+    contexts to torch."""
+    kernels = built_kernels()
+    assert CPUAttentionBackend(kernels).prefill_lanes == kernels.prefill_lanes() in (8, 16)
+    table = torch.arange(400)
+    long_fresh, long_after = PrefillChunk(0, 2048, 2048, table), PrefillChunk(0, 1024, 5120, table)
+    short_after, long_on_short = PrefillChunk(0, 128, 4096, table), PrefillChunk(0, 600, 700, table)
+    assert [prefill_in_kernel(c, 8) for c in (long_fresh, long_after, short_after, long_on_short)] == [False, False, True, True]
+    assert all(prefill_in_kernel(c, 16) for c in (long_fresh, long_after, short_after, long_on_short))
 
 
 def test_the_processor_features_read_agree_with_what_torch_detects():

@@ -108,9 +108,16 @@ def test_prefill_after_context_writes_and_reads_the_format(name):
                                reference_prefill_attention(query, key, value, values, chunk), atol=1e-5, rtol=1e-4)
 
 
+# The engines these tests compare run dense GEMMs: with the GGUF blocks, which rows take the blocks is measured on the
+# machine (executor/gemm_choice.py), so the products, and the near-ties an 8-bit rounding flips, would move from one
+# machine and kernel build to the next.
+DENSE = {"gguf_quantized_weights": False}
+
+
 @pytest.fixture(scope="module")
-def float32_outputs(default_llm):
-    return token_ids_of(default_llm.generate(PROMPTS, greedy(24), use_tqdm=False))
+def float32_outputs(default_model_dir):
+    llm = LLM(str(default_model_dir), max_model_len=2048, kv_cache_memory=512 * 1024**2, **DENSE)
+    return token_ids_of(llm.generate(PROMPTS, greedy(24), use_tqdm=False))
 
 
 def first_divergence(ours: list[int], theirs: list[int]) -> int:
@@ -120,10 +127,11 @@ def first_divergence(ours: list[int], theirs: list[int]) -> int:
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8", "fp8_e5m2"])
 def test_the_engine_holds_more_blocks_and_keeps_close_to_float32(default_model_dir, float32_outputs, kv_cache_dtype):
     """The same kv_cache_memory holds 3.5x float32's blocks or more; greedy outputs follow float32's for much of their
-    length (measured 2026-12-02 on the default model, these 4 prompts over 24 tokens, tokens before the first
-    divergence: int8 24, 24, 24, 24; fp8_e4m3 15, 24, 17, 13; fp8_e5m2 6, 11, 15, 24; the thresholds on the mean sit
-    a few tokens below); prefix caching, chunked prefill and preemption run on the 8-bit cache."""
-    llm = LLM(str(default_model_dir), max_model_len=512, kv_cache_memory=16 * 1024**2, kv_cache_dtype=kv_cache_dtype)
+    length (measured 2026-12-02 on the default model with dense GEMMs, these 4 prompts over 24 tokens, with 1 and with
+    2 threads alike, tokens before the first divergence: int8 24, 24, 24, 24; fp8_e4m3 18, 24, 24, 13; fp8_e5m2 6,
+    11, 15, 24; the thresholds on the mean sit a few tokens below); prefix caching, chunked prefill and preemption run
+    on the 8-bit cache."""
+    llm = LLM(str(default_model_dir), max_model_len=512, kv_cache_memory=16 * 1024**2, kv_cache_dtype=kv_cache_dtype, **DENSE)
     blocks = engine_core_of(llm).kv_cache_manager.block_pool.num_blocks
     float32_blocks = 16 * 1024**2 // (2 * 30 * 3 * 64 * 4 * 16)  # layers, KV heads, head size, bytes, block size
     assert blocks >= 3.5 * float32_blocks
@@ -133,10 +141,11 @@ def test_the_engine_holds_more_blocks_and_keeps_close_to_float32(default_model_d
     # The cache's features on: a small cache (preemption), small chunks, repeats (prefix hits). Attention then sums in
     # other orders (chunks of other lengths, and other splits between threads), which can flip a near-tie that 8-bit
     # rounding made. Measured 2026-12-02 with 1 and 2 threads, tokens before the first divergence from the unchunked
-    # outputs: int8 24 but one 17; fp8_e4m3 as low as 6, 17.75 on average; fp8_e5m2 as low as 11, 17.25 on average. A
-    # block read wrongly parts them within a token or two, and the average with it.
+    # outputs: int8 24 but one 17; fp8_e4m3 as low as 6, 17.75 on average; fp8_e5m2 as low as 11, 17.25 on average
+    # (with dense GEMMs: all 24 but one 21 for fp8_e4m3 and one 17 for fp8_e5m2). A block read wrongly parts them
+    # within a token or two, and the average with it.
     tight = LLM(str(default_model_dir), max_model_len=128, num_gpu_blocks_override=10, max_num_batched_tokens=16,
-                long_prefill_token_threshold=8, kv_cache_dtype=kv_cache_dtype)
+                long_prefill_token_threshold=8, kv_cache_dtype=kv_cache_dtype, **DENSE)
     chunked = token_ids_of(tight.generate(PROMPTS * 2, greedy(24), use_tqdm=False))
     followed = [first_divergence(ours, theirs) for ours, theirs in zip(chunked, outputs * 2)]
     assert min(followed) >= 4 and sum(followed) / len(followed) >= 12, followed
@@ -282,15 +291,15 @@ def test_long_chunks_read_8_bit_rows_through_the_kernel_as_the_reference(name):
 def test_the_cpu_and_torch_backends_agree_on_an_8_bit_cache(default_model_dir, kv_cache_dtype):
     """The engine's default (C++) attention and the torch reference read the same rows. Their float sums differ in
     order, which now and then moves a new K or V value across an 8-bit rounding step, so their answers part at a
-    near-tie, sooner for the fp8 formats' coarser steps. Measured 2026-12-02 on the default model, these 4 prompts over
-    24 greedy tokens: tokens before the first divergence int8 24, 24, 24, 24; fp8_e4m3 6, 24, 21, 24; fp8_e5m2 24, 13,
-    24, 24; the chosen tokens' logprobs before it differing by 0.005 (int8), 0.012 (e4m3), 0.011 (e5m2) on average.
-    A row read wrongly parts them at once and by whole units of logprob."""
+    near-tie, sooner for the fp8 formats' coarser steps. Measured 2026-12-02 on the default model with dense GEMMs,
+    these 4 prompts over 24 greedy tokens: tokens before the first divergence int8 24, 24, 17, 24; fp8_e4m3 6, 24,
+    17, 24; fp8_e5m2 24, 13, 17, 24; the chosen tokens' logprobs before it differing by 0.006 (int8), 0.013 (e4m3),
+    0.009 (e5m2) on average. A row read wrongly parts them at once and by whole units of logprob."""
     params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=1)
     outputs = {}
     for backend in ("cpu", "torch"):
         llm = LLM(str(default_model_dir), max_model_len=512, kv_cache_memory=16 * 1024**2, kv_cache_dtype=kv_cache_dtype,
-                  attention_backend=backend)
+                  attention_backend=backend, **DENSE)
         outputs[backend] = [output.outputs[0] for output in llm.generate(PROMPTS, params, use_tqdm=False)]
     agreement, differences = [], []
     for ours, theirs in zip(outputs["cpu"], outputs["torch"]):

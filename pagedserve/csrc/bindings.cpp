@@ -19,6 +19,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k_scale") = 0.0, py::arg("v_scale") = 0.0);
   m.def("dequantize_kv_rows", &dequantize_kv_rows, "8-bit KV rows (bytes [..., head_dim + 4]) as float32 values [..., head_dim]",
         py::arg("rows"), py::arg("kv_format"));
+  m.def("prefill_lanes", &prefill_lanes, "floats the prefill attention tiles compute at a time in this build (16 with AVX-512)");
   m.def("rms_norm", &rms_norm, "RMSNorm of the last dimension");
   m.def("add_rms_norm", &add_rms_norm, "(RMSNorm(x + residual), x + residual)");
   m.def("silu_and_mul", &silu_and_mul, "silu(first half) * second half of the last dimension");

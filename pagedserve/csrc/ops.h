@@ -29,5 +29,6 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& weight, int64
 at::Tensor interleave_gguf_rows(const at::Tensor& weight, int64_t qtype);
 at::Tensor dequantize_gguf(const at::Tensor& weight, int64_t qtype);
 at::Tensor dequantize_kv_rows(const at::Tensor& rows, int64_t kv_format);
+int64_t prefill_lanes();
 void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache, at::Tensor value_cache,
                     const at::Tensor& slot_mapping, int64_t kv_format, double k_scale, double v_scale);

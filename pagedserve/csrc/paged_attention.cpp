@@ -949,6 +949,15 @@ void attend_tile(const AttentionShape& s, const ChunkView& c, const PrefillTask&
 
 }  // namespace
 
+// The floats the prefill tiles' loops compute at a time in this build (1: no vector loops).
+int64_t prefill_lanes() {
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  return PrefillLanes::kWidth;
+#else
+  return 1;
+#endif
+}
+
 // query [B, H, D]; key_cache/value_cache [num_blocks, block_size, KV, D]; block_tables [B, max_blocks];
 // seq_lens [B]. Returns [B, H, D]. Query and result float32, the caches float32, bfloat16 or float16
 // (int64 tables and lengths), all contiguous.

@@ -1,10 +1,11 @@
 """The CPU backend: C++ kernels (pagedserve/csrc) that read K/V straight from the paged blocks, for
 float32 activations on CPU (the cache may hold float32, bfloat16 or float16, or the 8-bit rows of kv_quant.py).
 
-Decodes and most prefill chunks run in the kernels; prefill_in_kernel says which chunks. The rest
-run torch's fused attention: a long prompt's first chunk on its own new K/V, and a long chunk after
-a longer context on that context gathered once, the context and the chunk attended apart and merged
-by log-sum-exp. Which is faster where was measured at the default shapes (docs/cpu.md).
+Decodes and most prefill chunks run in the kernels (all of them where the kernels are built with
+AVX-512); prefill_in_kernel says which chunks. The rest run torch's fused attention: a long prompt's
+first chunk on its own new K/V, and a long chunk after a longer context on that context gathered
+once, the context and the chunk attended apart and merged by log-sum-exp. Which is faster where was
+measured at the default shapes (docs/cpu.md).
 """
 
 from __future__ import annotations
@@ -25,17 +26,22 @@ from pagedserve.layers.attention.backend import (
 from pagedserve.layers.attention.kv_quant import NO_STATIC_SCALES, KVFormat, StaticKVScales
 from pagedserve.layers.attention.torch_backend import gather_sequence_kv, read_kv, reference_prefill_attention
 
-# A chunk that starts its sequence, up to this many tokens, runs in the kernel; beyond it torch's
-# causal flash kernel wins.
+# With 8-lane loops (AVX2), a chunk that starts its sequence, up to this many tokens, runs in the kernel; beyond it
+# torch's causal flash kernel wins.
 KERNEL_MAX_FRESH_LEN = 512
 # A chunk after context up to this many tokens runs in the kernel (it beats gathering the context for
 # torch), and so does a longer one on a shorter context than itself (with a mask torch computes the
 # whole square where the kernel skips the causal half). A long chunk on a longer context suits
 # torch's blocked GEMMs better.
 KERNEL_MAX_QUERY_LEN = 128
+# With 16-lane loops (AVX-512) the kernel beat torch at every chunk and context measured (docs/cpu.md).
+WIDE_PREFILL_LANES = 16
 
 
-def prefill_in_kernel(chunk: PrefillChunk) -> bool:
+def prefill_in_kernel(chunk: PrefillChunk, lanes: int = 8) -> bool:
+    """Whether the kernel, whose loops compute `lanes` floats at a time, takes this chunk (else torch does)."""
+    if lanes >= WIDE_PREFILL_LANES:
+        return True
     if chunk.context_len == 0:
         return chunk.query_len <= KERNEL_MAX_FRESH_LEN
     return chunk.query_len <= KERNEL_MAX_QUERY_LEN or chunk.context_len < chunk.query_len
@@ -72,13 +78,14 @@ class CPUAttentionBackend(AttentionBackend):
         self.kernels = kernels
         self.kv_format = kv_format
         self.kernel_format = kv_format.kernel_code if kv_format is not None else 0
+        self.prefill_lanes = kernels.prefill_lanes()
 
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> CPUAttentionMetadata:
         meta = CPUAttentionMetadata.from_layout(layout, device)
-        in_kernel = [chunk for chunk in meta.prefills if prefill_in_kernel(chunk)]
+        in_kernel = [chunk for chunk in meta.prefills if prefill_in_kernel(chunk, self.prefill_lanes)]
         if in_kernel:
             meta.paged_prefills = PagedPrefills.of(in_kernel, device)
-        meta.torch_chunks = [chunk for chunk in meta.prefills if not prefill_in_kernel(chunk)]
+        meta.torch_chunks = [chunk for chunk in meta.prefills if not prefill_in_kernel(chunk, self.prefill_lanes)]
         return meta
 
     def forward(self, query, key, value, kv_cache, meta: CPUAttentionMetadata, scale: float,
