@@ -78,7 +78,7 @@ class CPUAttentionBackend(AttentionBackend):
         self.kernels = kernels
         self.kv_format = kv_format
         self.kernel_format = kv_format.kernel_code if kv_format is not None else 0
-        self.prefill_lanes = kernels.prefill_lanes()
+        self.prefill_lanes = kernels.prefill_lanes() if kernels is not None else 1  # None: metadata only (host_costs)
 
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> CPUAttentionMetadata:
         meta = CPUAttentionMetadata.from_layout(layout, device)
