@@ -69,6 +69,11 @@ inline __m256 load8(const c10::Float8_e4m3fn* p) {
 template <typename T>
 constexpr bool kEightBit = std::is_same_v<T, int8_t> || std::is_same_v<T, c10::Float8_e4m3fn> || std::is_same_v<T, c10::Float8_e5m2>;
 
+// Cache elements of one (token, KV head) row: its head_dim values, and after an 8-bit row's values its float32 scale
+// (kv_format 0: a 16- or 32-bit cache).
+constexpr int64_t kScaleBytes = sizeof(float);
+inline int64_t row_width(int64_t head_dim, int64_t kv_format) { return head_dim + (kv_format ? kScaleBytes : 0); }
+
 // Vectors of 8 floats (Lanes8), or of 16 (Lanes16) where the build has AVX-512. The prefill tiles compute on 16
 // where they can (their loops are bound by arithmetic, and a lane's sums keep their order). The three-pass decode
 // takes 16 for 8-bit rows, whose widening makes its loops bound by arithmetic; 16- and 32-bit caches keep 8 there:
@@ -207,11 +212,11 @@ inline void store_bytes(__m256i lanes, T* dst) {
 // time with AVX2, the same divisions and roundings as the scalar loop.
 template <typename T>
 inline void quantize_row(const float* src, int64_t head_dim, T* dst, float fixed_scale) {
-  const int64_t vectorized = 0
 #if defined(__AVX2__) && defined(__FMA__)
-                             + head_dim / 8 * 8
+  const int64_t vectorized = head_dim / 8 * 8;
+#else
+  const int64_t vectorized = 0;
 #endif
-      ;
   float scale = fixed_scale;
   if (!(scale > 0.f)) {
     float largest = 0.f;
@@ -291,7 +296,6 @@ void dispatch_cache_type(const at::Tensor& cache, int64_t kv_format, const F& f)
     default: TORCH_CHECK(false, "KV cache must be float32, bfloat16, float16 or bytes of an 8-bit format, got ", cache.scalar_type());
   }
 }
-
 
 void check_caches(const at::Tensor& key_cache, const at::Tensor& value_cache) {
   TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type(), "key and value caches must share a dtype");
@@ -403,7 +407,7 @@ struct SpreadPrefetch {
 struct AttentionShape {
   int64_t num_heads, group, head_dim, block_size, row_stride, block_stride;
   float scale;
-  int64_t head_stride;  // cache elements from one KV head's row to the next: head_dim, or head_dim + 4 bytes (8-bit)
+  int64_t head_stride;  // cache elements from one KV head's row to the next: head_dim, or row_width(head_dim, kv_format)
 };
 
 struct SequenceScratch {
@@ -977,8 +981,8 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Te
   const int64_t* table_ptr = tables.data_ptr<int64_t>();
   const int64_t* len_ptr = lens.data_ptr<int64_t>();
   float* out_ptr = out.data_ptr<float>();
-  const int64_t head_stride = key_cache.size(3);  // head_dim, or head_dim + 4 bytes for an 8-bit row
-  TORCH_CHECK(head_stride == head_dim + (kv_format ? 4 : 0), "cache rows must be head_dim values (and an 8-bit row's scale)");
+  const int64_t head_stride = key_cache.size(3);  // row_width
+  TORCH_CHECK(head_stride == row_width(head_dim, kv_format), "cache rows must be head_dim values (and an 8-bit row's scale)");
   const int64_t row_stride = num_kv_heads * head_stride;  // one token's K (or V) across heads
   const int64_t block_stride = block_size * row_stride;
   const float fscale = static_cast<float>(scale);
@@ -1032,8 +1036,8 @@ void paged_prefill_attention(const at::Tensor& query, const at::Tensor& key_cach
   const int64_t* start_ptr = starts.data_ptr<int64_t>();
   const int64_t* qlen_ptr = qlens.data_ptr<int64_t>();
   const int64_t* len_ptr = lens.data_ptr<int64_t>();
-  const int64_t head_stride = key_cache.size(3);  // head_dim, or head_dim + 4 bytes for an 8-bit row
-  TORCH_CHECK(head_stride == head_dim + (kv_format ? 4 : 0), "cache rows must be head_dim values (and an 8-bit row's scale)");
+  const int64_t head_stride = key_cache.size(3);  // row_width
+  TORCH_CHECK(head_stride == row_width(head_dim, kv_format), "cache rows must be head_dim values (and an 8-bit row's scale)");
   const int64_t group = num_heads / num_kv_heads, row_stride = num_kv_heads * head_stride;
   const AttentionShape shape{num_heads, group, head_dim, block_size, row_stride, block_size * row_stride, static_cast<float>(scale),
                              head_stride};
@@ -1076,9 +1080,9 @@ void paged_prefill_attention(const at::Tensor& query, const at::Tensor& key_cach
 // rows [..., D + 4] of an 8-bit format (bytes, contiguous: e.g. a sequence's rows gathered from the cache) -> their
 // values [..., D] in float32, as the kernels read them (dequantize_row); for the attention that runs in torch.
 at::Tensor dequantize_kv_rows(const at::Tensor& rows, int64_t kv_format) {
-  TORCH_CHECK(rows.scalar_type() == at::kByte && rows.is_contiguous() && rows.dim() >= 1 && rows.size(-1) > 4,
+  TORCH_CHECK(rows.scalar_type() == at::kByte && rows.is_contiguous() && rows.dim() >= 1 && rows.size(-1) > kScaleBytes,
               "rows must be contiguous bytes of 8-bit rows (head_dim values and a float32 scale)");
-  const int64_t head_stride = rows.size(-1), head_dim = head_stride - 4, num_rows = rows.numel() / head_stride;
+  const int64_t head_stride = rows.size(-1), head_dim = head_stride - kScaleBytes, num_rows = rows.numel() / head_stride;
   std::vector<int64_t> shape(rows.sizes().begin(), rows.sizes().end());
   shape.back() = head_dim;
   auto out = at::empty(shape, rows.options().dtype(at::kFloat));
@@ -1109,7 +1113,7 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor k
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "slot_mapping must be contiguous int64");
   const int64_t num_tokens = key.size(0), num_kv_heads = key.size(1), head_dim = key.size(2);
   const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
-  const int64_t head_stride = head_dim + (kv_format ? 4 : 0);
+  const int64_t head_stride = row_width(head_dim, kv_format);
   TORCH_CHECK(slot_mapping.numel() == num_tokens && key_cache.size(2) == num_kv_heads && key_cache.size(3) == head_stride,
               "shapes of key, cache and slot_mapping disagree");
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();

@@ -38,7 +38,7 @@ KERNEL_MAX_QUERY_LEN = 128
 WIDE_PREFILL_LANES = 16
 
 
-def prefill_in_kernel(chunk: PrefillChunk, lanes: int = 8) -> bool:
+def prefill_in_kernel(chunk: PrefillChunk, lanes: int) -> bool:
     """Whether the kernel, whose loops compute `lanes` floats at a time, takes this chunk (else torch does)."""
     if lanes >= WIDE_PREFILL_LANES:
         return True
@@ -79,13 +79,16 @@ class CPUAttentionBackend(AttentionBackend):
         self.kv_format = kv_format
         self.kernel_format = kv_format.kernel_code if kv_format is not None else 0
         self.prefill_lanes = kernels.prefill_lanes() if kernels is not None else 1  # None: metadata only (host_costs)
+        # An 8-bit cache's rows as values, for the chunks torch attends: the kernels read them as they read them.
+        self.dequantize = partial(kernels.dequantize_kv_rows, kv_format=self.kernel_format) if kv_format is not None else None
 
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> CPUAttentionMetadata:
         meta = CPUAttentionMetadata.from_layout(layout, device)
-        in_kernel = [chunk for chunk in meta.prefills if prefill_in_kernel(chunk, self.prefill_lanes)]
+        in_kernel = []
+        for chunk in meta.prefills:
+            (in_kernel if prefill_in_kernel(chunk, self.prefill_lanes) else meta.torch_chunks).append(chunk)
         if in_kernel:
             meta.paged_prefills = PagedPrefills.of(in_kernel, device)
-        meta.torch_chunks = [chunk for chunk in meta.prefills if not prefill_in_kernel(chunk, self.prefill_lanes)]
         return meta
 
     def forward(self, query, key, value, kv_cache, meta: CPUAttentionMetadata, scale: float,
@@ -106,11 +109,8 @@ class CPUAttentionBackend(AttentionBackend):
         for chunk in meta.torch_chunks:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
             out[rows] = prefill_attention(query[rows], key[rows], value[rows], kv_cache, chunk, scale, self.kv_format,
-                                          self._dequantize if self.kv_format is not None else None)
+                                          self.dequantize)
         return out
-
-    def _dequantize(self, rows: torch.Tensor) -> torch.Tensor:
-        return self.kernels.dequantize_kv_rows(rows.contiguous(), self.kernel_format)
 
 
 # torch's CPU flash attention, which also returns each query row's log-sum-exp (a private op of

@@ -68,7 +68,7 @@ def quantize_rows(rows: torch.Tensor, fmt: KVFormat, static_scale: float | None 
         scale = rows.abs().masked_fill(rows.isnan(), 0.0).amax(dim=-1, keepdim=True) / fmt.max_value  # a NaN is passed over
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero row: any scale reads it back as zeros
     # A NaN is stored as 0: int8 has none, and an fp8 NaN would cost the kernels' every read a compare.
-    values = (rows / scale).nan_to_num(nan=0.0, posinf=fmt.max_value, neginf=-fmt.max_value).clamp(-fmt.max_value, fmt.max_value)
+    values = (rows / scale).nan_to_num(nan=0.0).clamp(-fmt.max_value, fmt.max_value)
     if fmt.storage == torch.int8:
         values = values.round()
     out = torch.empty((*rows.shape[:-1], rows.shape[-1] + SCALE_BYTES), dtype=torch.uint8, device=rows.device)
