@@ -441,3 +441,25 @@ def test_a_step_of_decodes_has_the_shape_the_warm_up_fits_the_step_time_model_wi
     assert prefill.shape == uniform_step_shape(4, 12, 0)
     decode, _ = step(scheduler)
     assert decode.shape == uniform_step_shape(4, 1, 12)
+
+
+def test_a_step_names_its_prompt_chunks_and_the_time_it_was_planned_within():
+    """What the web console's step timeline shows: each prompt chunk (request, first position, tokens, the request's
+    known tokens), contiguous from the prompt's start to its end across steps, and the step's time limit where the
+    stall bound planned it (None where nothing bounded it)."""
+    scheduler = _stall_scheduler(DecodeStallLimit(multiple=2.0))
+    for index in range(8):
+        scheduler.add_request(make_request(f"d{index}", prompt_len=20, max_tokens=100))
+    first, _ = step(scheduler)
+    assert first.stall_limit_s is None  # nothing decoded yet
+    assert first.prompt_chunks == [(f"d{index}", 0, 20, 20) for index in range(8)]
+    scheduler.add_request(make_request("long", prompt_len=300, max_tokens=3))
+    covered = 0
+    while covered < 300:
+        output, _ = step(scheduler)
+        assert output.stall_limit_s == pytest.approx(2 * (0.010 + 0.009), rel=0.05)  # 2x the 9-request decode-only step
+        [(request_id, start, num_tokens, known)] = output.prompt_chunks
+        assert (request_id, start, known) == ("long", covered, 300) and num_tokens == output.num_scheduled_tokens["long"] > 1
+        covered += num_tokens
+    decode_step, _ = step(scheduler)
+    assert decode_step.prompt_chunks == [] and decode_step.stall_limit_s is None  # no prompt work to bound

@@ -75,6 +75,10 @@ class SchedulerOutput:
     drafts_to_verify: dict[str, list[int]] = field(default_factory=dict)
     propose_for: set[str] = field(default_factory=set)
     grammar_bitmask: GrammarBitmask | None = None
+    # What the step's prompt work was: each chunk as (request id, its first token's position, its tokens, the request's
+    # known tokens), and the seconds the step was planned within (max_decode_stall; None where nothing bounded it).
+    prompt_chunks: list[tuple[str, int, int, int]] = field(default_factory=list)
+    stall_limit_s: float | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -119,6 +123,24 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+class StepRecord(msgspec.Struct, array_like=True, gc=False):
+    """One step as it ran: when it ended (seconds since the epoch), how long it took, what it carried (decode and prompt
+    tokens, and the prompt chunks as SchedulerOutput.prompt_chunks has them), and the time it was planned within."""
+
+    ended_at: float
+    seconds: float
+    decode_tokens: int
+    prefill_tokens: int
+    stall_limit_s: float | None
+    prompt_chunks: list[tuple[str, int, int, int]]
+
+    @classmethod
+    def of(cls, scheduler_output: SchedulerOutput, seconds: float, ended_at: float) -> StepRecord:
+        shape = scheduler_output.shape
+        return cls(ended_at, seconds, shape.decode_tokens, shape.prefill_tokens, scheduler_output.stall_limit_s,
+                   scheduler_output.prompt_chunks)
 
 
 @dataclass

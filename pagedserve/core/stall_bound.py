@@ -19,8 +19,9 @@ class PrefillAllowance:
     """The seconds of prompt work a step may still take on while streams decode. The first chunk of a step
     always gets min_tokens, so prompts progress however tight the limit."""
 
-    def __init__(self, model: StepTimeModel, seconds: float, min_tokens: int) -> None:
+    def __init__(self, model: StepTimeModel, seconds: float, min_tokens: int, limit_seconds: float = float("inf")) -> None:
         self.model = model
+        self.limit_seconds = limit_seconds  # the step's whole time limit, decodes included (seconds: what is left of it)
         self.seconds = seconds
         self.min_tokens = min_tokens
         self.granted = False
@@ -79,7 +80,7 @@ class DecodeStallBound:
         batch = min(num_running + num_waiting, max_num_seqs)
         joined = StepShape(batch, 0, decoding.attention_pairs * batch / decoding.decode_tokens)
         target = self.limit.limit(self._decode_only_seconds(joined))
-        return PrefillAllowance(self.step_time, PLANNING_MARGIN * target - decode_only, self.min_chunk_tokens)
+        return PrefillAllowance(self.step_time, PLANNING_MARGIN * target - decode_only, self.min_chunk_tokens, target)
 
     def _decode_only_seconds(self, shape: StepShape) -> float:
         enough = self.decode_step_time.num_observations >= _MIN_DECODE_ONLY_STEPS

@@ -31,6 +31,7 @@ class StepPlan:
         self.running_reqs: list[RunningRequestData] = []
         self.last_token_ids: dict[str, tuple[int, int]] = {}
         self.drafts_to_verify: dict[str, list[int]] = {}
+        self.prompt_chunks: list[tuple[str, int, int, int]] = []
 
     def chunk_size(self, num_remaining_tokens: int, context_len: int) -> int:
         """How many of a prompt's remaining tokens after context_len this step can take: 0 when it has no time left."""
@@ -97,6 +98,8 @@ class StepPlan:
         self.running_reqs.append(RunningRequestData(request_id, block_ids, num_blocks - len(new_blocks)))
 
     def _schedule(self, request: Request, num_tokens: int) -> None:
+        """A prompt chunk (decodes take the paths above)."""
+        self.prompt_chunks.append((request.request_id, request.num_computed_tokens, num_tokens, len(request.all_token_ids)))
         self.num_scheduled_tokens[request.request_id] = num_tokens
         request.num_computed_tokens += num_tokens
         self.token_budget -= num_tokens
@@ -114,4 +117,6 @@ class StepPlan:
             last_token_ids=self.last_token_ids,
             drafts_to_verify=self.drafts_to_verify,
             propose_for=propose_for,
+            prompt_chunks=self.prompt_chunks,
+            stall_limit_s=None if self.allowance is None else self.allowance.limit_seconds,
         )

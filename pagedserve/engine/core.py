@@ -7,7 +7,7 @@ import time
 from collections import deque
 
 from pagedserve.config import EngineConfig
-from pagedserve.core.contracts import EngineCoreOutput, SchedulerOutput, SchedulerStats
+from pagedserve.core.contracts import EngineCoreOutput, SchedulerOutput, SchedulerStats, StepRecord
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.core.step_time import uniform_step_shape
@@ -40,6 +40,8 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         # Pipeline parallelism: up to max_concurrent_batches steps in flight; a request's next step waits for its last.
         self.batch_queue: deque[SchedulerOutput] | None = deque() if self.executor.max_concurrent_batches > 1 else None
+        self._submitted_at: deque[float] = deque()  # with the batch queue: when each step in it was submitted
+        self.last_step: StepRecord | None = None  # the step whose outputs step() returned last
         info = self.model_info
         self.structured_output = StructuredOutputManager(
             grammar_compiler(config.tokenizer or info.model_dir, info.vocab_size, tuple(info.eos_token_ids)))
@@ -94,6 +96,7 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests() or self.scheduler.has_news_for_runner() or bool(self.batch_queue)
 
     def step(self) -> list[EngineCoreOutput]:
+        self.last_step = None
         if not self.has_work():
             return []
         if self.batch_queue is not None:
@@ -101,7 +104,9 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         start = time.perf_counter()
         runner_output = self.executor.execute_model(scheduler_output)
-        self.scheduler.observe_step(scheduler_output.shape, time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        self.scheduler.observe_step(scheduler_output.shape, seconds)
+        self.last_step = StepRecord.of(scheduler_output, seconds, time.time())
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def _step_with_batch_queue(self) -> list[EngineCoreOutput]:
@@ -114,10 +119,14 @@ class EngineCore:
             if scheduler_output.needs_runner:
                 self.executor.submit_step(scheduler_output)
                 queue.append(scheduler_output)
+                self._submitted_at.append(time.perf_counter())
                 submitted = True
         if queue and (len(queue) == self.executor.max_concurrent_batches or not submitted):
             scheduler_output = queue.popleft()
-            return self.scheduler.update_from_output(scheduler_output, self.executor.wait_step())
+            runner_output = self.executor.wait_step()
+            # From submission to output: a step in a pipeline overlaps the ones beside it.
+            self.last_step = StepRecord.of(scheduler_output, time.perf_counter() - self._submitted_at.popleft(), time.time())
+            return self.scheduler.update_from_output(scheduler_output, runner_output)
         return []
 
     def get_stats(self) -> SchedulerStats:

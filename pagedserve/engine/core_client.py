@@ -95,7 +95,7 @@ class InprocClient(EngineCoreClient):
             self.engine_core.abort_requests(request_ids)
 
     def get_output(self) -> EngineCoreOutputs:
-        return EngineCoreOutputs(self.engine_core.step(), self.engine_core.get_stats())
+        return EngineCoreOutputs(self.engine_core.step(), self.engine_core.get_stats(), self.engine_core.last_step)
 
     def call_utility(self, method: str, *args):
         return self.engine_core.call_utility(method, *args)

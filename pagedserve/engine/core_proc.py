@@ -81,7 +81,7 @@ class EngineCoreProc:
                 break
             if engine_core.has_work():
                 outputs = engine_core.step()
-                self.output_socket.send(encode_output(EngineCoreOutputs(outputs, engine_core.get_stats())))
+                self.output_socket.send(encode_output(EngineCoreOutputs(outputs, engine_core.get_stats(), engine_core.last_step)))
 
     def _handle_inputs(self, block: bool) -> None:
         if block and not self.input_socket.poll(_IDLE_POLL_MS):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from pagedserve.core.contracts import EngineCoreOutput, SchedulerStats
+from pagedserve.core.contracts import EngineCoreOutput, SchedulerStats, StepRecord
 from pagedserve.model_info import ModelInfo
 from pagedserve.sampling_params import SamplingParams
 
@@ -35,6 +35,7 @@ class EngineCoreOutputs:
 
     outputs: list[EngineCoreOutput]
     scheduler_stats: SchedulerStats | None = None
+    step: StepRecord | None = None  # the step these outputs came from (for the web console's step timeline)
     engine_index: int = 0  # which data-parallel core (set by the front end's client as the message arrives)
 
 
