@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from pagedserve.config import EngineConfig
 from pagedserve.engine.core_client import AsyncMPClient, EngineCoreClient, EngineDeadError
 from pagedserve.engine.dp_client import DPAsyncMPClient
+from pagedserve.engine.engine_view import EngineView
 from pagedserve.engine.frontend import FrontEnd, FrontEndAccess
 from pagedserve.engine.metrics import EngineMetrics
 from pagedserve.engine.processor import PromptType
@@ -50,6 +51,7 @@ class AsyncLLM(FrontEndAccess):
         self.client: EngineCoreClient = client_class(config, while_starting=front_end_start_up, on_model_located=on_model_located)
         self.front_end = FrontEnd(config, self.client.model_info, tokenizer)
         self.metrics = EngineMetrics(served_model_name or config.model, config.data_parallel_size)
+        self.engine_view = EngineView(self.metrics, self.front_end.prompt_of)
         self.max_waiting_requests = max_waiting_requests
         self.on_engine_dead = on_engine_dead
         self._queues: dict[str, asyncio.Queue] = {}
@@ -142,7 +144,7 @@ class AsyncLLM(FrontEndAccess):
     def _forget(self, request_id: str, engine_ids: list[str]) -> None:
         self._queues.pop(request_id, None)
         for engine_id in engine_ids:
-            self.metrics.request_removed(engine_id)
+            self.metrics.request_aborted(engine_id)
 
     async def _output_handler(self) -> None:
         try:
@@ -152,6 +154,8 @@ class AsyncLLM(FrontEndAccess):
                 self.metrics.record_outputs(core_outputs.outputs, core_outputs.scheduler_stats, time.monotonic(), engine)
                 if core_outputs.scheduler_stats is not None:
                     self._engine_waiting[engine], self._sent_since_stats = core_outputs.scheduler_stats.num_waiting, 0
+                if core_outputs.step is not None:
+                    self.engine_view.record_step(engine, core_outputs.step)
                 processed = self.front_end.process_outputs(core_outputs.outputs)
                 for output in processed.request_outputs:
                     queue = self._queues.get(output.request_id)

@@ -79,6 +79,11 @@ class FrontEnd:
         self.output_processor.abort_request(request_id)
         return engine_ids
 
+    def prompt_of(self, engine_request_id: str) -> str | None:
+        """The prompt text of a tracked engine request (None: unknown, or given as token ids)."""
+        state = self.output_processor.request_states.get(self.output_processor.engine_to_request.get(engine_request_id, ""))
+        return state.prompt if state is not None else None
+
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
         return self.output_processor.process_outputs(outputs)
 

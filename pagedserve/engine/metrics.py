@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -14,6 +15,26 @@ logger = logging.getLogger("pagedserve.stats")
 
 LOG_INTERVAL_S = 5.0
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class RecentLatencies:
+    """The latencies observed over the last window_s seconds (at most max_samples of them): the web console's
+    percentiles over a sliding window, which a Prometheus histogram's cumulative buckets cannot give."""
+
+    def __init__(self, window_s: float = 300.0, max_samples: int = 100_000) -> None:
+        self.window_s = window_s
+        self._samples: deque[tuple[float, float]] = deque(maxlen=max_samples)  # (when, seconds), oldest first
+
+    def observe(self, now: float, seconds: float) -> None:
+        self._samples.append((now, seconds))
+
+    def percentiles(self, now: float, over_s: float, quantiles: tuple[float, ...]) -> dict[str, float | None]:
+        """{"p50": ...} for each quantile of the latencies observed in the last over_s seconds (None: none observed)."""
+        samples = self._samples
+        while samples and samples[0][0] < now - self.window_s:
+            samples.popleft()
+        recent = sorted(seconds for when, seconds in samples if when >= now - over_s)
+        return {f"p{round(q * 100)}": recent[min(len(recent) - 1, int(q * len(recent)))] if recent else None for q in quantiles}
 
 
 @dataclass
@@ -64,6 +85,9 @@ class EngineMetrics:
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token")
         self.itl = histogram("inter_token_latency_seconds", "Time between successive output tokens")
         self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency")
+        self.recent_ttft = RecentLatencies()
+        self.recent_itl = RecentLatencies()
+        self.total_generation_tokens = 0  # since start, all engines: the web console's generation rate
         self._timings: dict[str, _RequestTiming] = {}
         self._last = [SchedulerStats() for _ in engines]
         self._window_prompt_tokens = 0
@@ -74,8 +98,15 @@ class EngineMetrics:
     def request_added(self, engine_request_id: str, arrival: float, num_prompt_tokens: int) -> None:
         self._timings[engine_request_id] = _RequestTiming(arrival, num_prompt_tokens)
 
-    def request_removed(self, engine_request_id: str) -> None:
-        self._timings.pop(engine_request_id, None)
+    def request_aborted(self, engine_request_id: str) -> None:
+        """Ended before it finished (the client went away or stopped it, or the server ended it)."""
+        if self._timings.pop(engine_request_id, None) is not None:
+            self.request_success.labels(self.model_name, "abort").inc()
+
+    @property
+    def latest_stats(self) -> list[SchedulerStats]:
+        """Each engine core's scheduler state as of its last step."""
+        return self._last
 
     def request_stopped_by_string(self, engine_request_id: str, now: float) -> None:
         """A stop string (found in the front end) ended it: the core only sees an abort."""
@@ -97,13 +128,16 @@ class EngineMetrics:
             return
         if timing.last_token_time is None:
             self.ttft.observe(now - timing.arrival)
+            self.recent_ttft.observe(now, now - timing.arrival)
             self.prompt_tokens[engine].inc(timing.num_prompt_tokens)
             self._window_prompt_tokens += timing.num_prompt_tokens
         else:
             self.itl.observe(now - timing.last_token_time)
+            self.recent_itl.observe(now, now - timing.last_token_time)
         timing.last_token_time = now
         self.generation_tokens[engine].inc(len(output.new_token_ids))
         self._window_generation_tokens += len(output.new_token_ids)
+        self.total_generation_tokens += len(output.new_token_ids)
         if output.finished:
             self.e2e.observe(now - timing.arrival)
             self.request_success.labels(self.model_name, output.finish_reason).inc()
