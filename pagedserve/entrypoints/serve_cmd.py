@@ -52,6 +52,11 @@ def register(sub) -> None:
     group.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_PARSERS),
                        help="the format the model writes tool calls in, for tool_choice auto: hermes (<tool_call> JSON), "
                             "llama3_json, mistral ([TOOL_CALLS] JSON) or pythonic ([f(x=1)])")
+    group.add_argument("--web-console", action=argparse.BooleanOptionalAction, default=True,
+                       help="serve the web console at /: a chat page and a live view of the engine (--no-web-console: off)")
+    group.add_argument("--web-console-show-prompts", action=argparse.BooleanOptionalAction, default=False,
+                       help="let the web console's engine view show the text of the prompts being prefilled (default: "
+                            "request ids only)")
     group.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                        help="uvicorn log level; the access log is at info (default: %(default)s)")
     add_engine_args(serve)
@@ -86,6 +91,7 @@ def run_serve(args) -> int:
         shutdown_timeout=args.shutdown_timeout, default_max_tokens=args.default_max_tokens,
         request_read_timeout=args.request_read_timeout, keep_alive_timeout=args.keep_alive_timeout,
         max_connections=args.max_connections, enable_auto_tool_choice=args.enable_auto_tool_choice,
-        tool_call_parser=args.tool_call_parser,
+        tool_call_parser=args.tool_call_parser, web_console=args.web_console,
+        web_console_show_prompts=args.web_console_show_prompts,
     )
     return run_server(engine_config_from_args(args), settings)

@@ -33,6 +33,7 @@ from pagedserve.entrypoints.openai.protocol import (
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedserve.entrypoints.openai.settings import ServerSettings
+from pagedserve.entrypoints.openai.web_console import install_web_console
 from pagedserve.version import __version__
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,9 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
     app = FastAPI(title="pagedserve", version=__version__)
     install_error_handlers(app)
     install_middleware(app, settings, is_draining=lambda: state.draining)
+    if settings.web_console:
+        engine.engine_view.show_prompts = settings.web_console_show_prompts
+        install_web_console(app, engine, settings.web_console_interval)
 
     @app.get("/health", response_class=Response, responses={
         200: {"description": "serving", "content": {}}, 503: {"description": "the engine is gone or the server is shutting down"}})

@@ -14,10 +14,11 @@ from starlette.exceptions import HTTPException
 
 from pagedserve.entrypoints.openai.errors import error_response, internal_error_response
 from pagedserve.entrypoints.openai.settings import ServerSettings
+from pagedserve.entrypoints.openai.web_console import PAGE_ROUTES
 
 logger = logging.getLogger(__name__)
 
-# Routes anyone may reach: load balancers and probes have no key.
+# Routes anyone may reach: load balancers and probes have no key; the web console's page asks for it.
 _OPEN_ROUTES = ("/health",)
 
 
@@ -27,7 +28,8 @@ def install_middleware(app: FastAPI, settings: ServerSettings, is_draining) -> N
     up would run on."""
     app.add_middleware(BodyLimits, max_bytes=settings.max_request_bytes, read_timeout_s=settings.request_read_timeout)
     if settings.api_key:
-        open_routes = _OPEN_ROUTES + (() if settings.metrics_require_api_key else ("/metrics",))
+        open_routes = (_OPEN_ROUTES + (() if settings.metrics_require_api_key else ("/metrics",))
+                       + (PAGE_ROUTES if settings.web_console else ()))
         app.add_middleware(ApiKeyCheck, api_key=settings.api_key, open_routes=open_routes)
     app.add_middleware(RefuseWhileDraining, is_draining=is_draining)
     app.add_middleware(RequestId)  # added last: the outermost

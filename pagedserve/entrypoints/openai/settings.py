@@ -36,6 +36,11 @@ class ServerSettings:
     # tool_choice "auto": the model's calls read in the format of tool_call_parser (tool_parsers.py); off: refused.
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # The web console at / (its page, and its stream of engine stats); the stream names requests by id, and carries
+    # their prompts' text only with web_console_show_prompts.
+    web_console: bool = True
+    web_console_show_prompts: bool = False
+    web_console_interval: float = 0.5  # seconds between the stats stream's samples
 
     def __post_init__(self) -> None:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
