@@ -13,9 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagedserve.core.contracts import StepRecord
-from pagedserve.engine.metrics import EngineMetrics
+from pagedserve.engine.metrics import RECENT_LATENCY_WINDOW_S, EngineMetrics
 
-LATENCY_WINDOW_S = 60.0  # the percentiles of each sample are over the latencies of this last stretch
 _QUANTILES = (0.5, 0.9, 0.99)
 _PROMPT_PREVIEW_CHARS = 160
 
@@ -69,9 +68,9 @@ class EngineView:
         cursor.at, cursor.generation_tokens, cursor.last_step = now, metrics.total_generation_tokens, self._num_steps
         latency_clock = time.monotonic()  # what the metrics time their observations with
         return {"time": now, "engines": [self._describe_stats(stats) for stats in metrics.latest_stats], **rates,
-                "ttft_s": metrics.recent_ttft.percentiles(latency_clock, LATENCY_WINDOW_S, _QUANTILES),
-                "itl_s": metrics.recent_itl.percentiles(latency_clock, LATENCY_WINDOW_S, _QUANTILES),
-                "latency_window_s": LATENCY_WINDOW_S, "steps": [self._describe(*entry) for entry in new_steps]}
+                "ttft_s": metrics.recent_ttft.percentiles(latency_clock, _QUANTILES),
+                "itl_s": metrics.recent_itl.percentiles(latency_clock, _QUANTILES),
+                "latency_window_s": RECENT_LATENCY_WINDOW_S, "steps": [self._describe(*entry) for entry in new_steps]}
 
     @staticmethod
     def _describe_stats(stats) -> dict:

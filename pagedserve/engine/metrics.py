@@ -4,37 +4,18 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pagedserve.core.contracts import EngineCoreOutput, SchedulerStats, SpecDecodingStats
+from pagedserve.engine.latency_window import RecentLatencies
 
 logger = logging.getLogger("pagedserve.stats")
 
 LOG_INTERVAL_S = 5.0
+RECENT_LATENCY_WINDOW_S = 60.0
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-
-
-class RecentLatencies:
-    """The latencies observed over the last window_s seconds (at most max_samples of them): the web console's
-    percentiles over a sliding window, which a Prometheus histogram's cumulative buckets cannot give."""
-
-    def __init__(self, window_s: float = 300.0, max_samples: int = 100_000) -> None:
-        self.window_s = window_s
-        self._samples: deque[tuple[float, float]] = deque(maxlen=max_samples)  # (when, seconds), oldest first
-
-    def observe(self, now: float, seconds: float) -> None:
-        self._samples.append((now, seconds))
-
-    def percentiles(self, now: float, over_s: float, quantiles: tuple[float, ...]) -> dict[str, float | None]:
-        """{"p50": ...} for each quantile of the latencies observed in the last over_s seconds (None: none observed)."""
-        samples = self._samples
-        while samples and samples[0][0] < now - self.window_s:
-            samples.popleft()
-        recent = sorted(seconds for when, seconds in samples if when >= now - over_s)
-        return {f"p{round(q * 100)}": recent[min(len(recent) - 1, int(q * len(recent)))] if recent else None for q in quantiles}
 
 
 @dataclass
@@ -85,8 +66,8 @@ class EngineMetrics:
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token")
         self.itl = histogram("inter_token_latency_seconds", "Time between successive output tokens")
         self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency")
-        self.recent_ttft = RecentLatencies()
-        self.recent_itl = RecentLatencies()
+        self.recent_ttft = RecentLatencies(RECENT_LATENCY_WINDOW_S)  # the web console's percentiles
+        self.recent_itl = RecentLatencies(RECENT_LATENCY_WINDOW_S)
         self.total_generation_tokens = 0  # since start, all engines: the web console's generation rate
         self._timings: dict[str, _RequestTiming] = {}
         self._last = [SchedulerStats() for _ in engines]
