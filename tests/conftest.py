@@ -28,6 +28,15 @@ TINY_ARCHS = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": False}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"use_sliding_window": False, "head_dim": 16}),
+    # Mixtures of experts: top-2 renormalized; a shared expert and a dense first layer; top-4 with per-head q/k norms;
+    # q/k norms across the heads, with clipping.
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": None}),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                                            "shared_expert_intermediate_size": 64, "mlp_only_layers": [0],
+                                                            "use_sliding_window": False}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"num_experts": 8, "num_experts_per_tok": 4, "moe_intermediate_size": 32,
+                                                            "norm_topk_prob": True, "head_dim": 16, "use_sliding_window": False}),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {"num_experts": 8, "num_experts_per_tok": 2, "clip_qkv": 3.0}),
 }
 
 

@@ -91,6 +91,20 @@ def test_parallel_engine_matches_the_single_process_one(tiny_models, reference, 
     assert_matches(outputs, reference)
 
 
+@pytest.mark.parametrize("arch,settings", [("qwen2_moe", {"tensor_parallel_size": 2}), ("mixtral", {"pipeline_parallel_size": 2})],
+                         ids=["qwen2_moe-tp2", "mixtral-pp2"])
+def test_a_mixture_of_experts_split_over_ranks_matches_the_single_process_one(tiny_models, arch, settings):
+    """Tensor parallelism splits every expert's features (and the shared expert's) over the ranks; pipeline
+    parallelism gives each stage its layers' experts."""
+    reference = run_workload(parallel_llm(tiny_models[arch]))
+    llm = parallel_llm(tiny_models[arch], **settings)
+    try:
+        outputs = run_workload(llm)
+    finally:
+        llm.llm_engine.shutdown()
+    assert_matches(outputs, reference)
+
+
 @pytest.mark.parametrize("settings", [{"tensor_parallel_size": 2, "kv_cache_dtype": "fp8"},
                                       {"pipeline_parallel_size": 2, "kv_cache_dtype": "int8"}], ids=["tp2-fp8", "pp2-int8"])
 def test_parallel_engine_over_an_8_bit_cache_matches_the_single_process_one(tiny_models, settings):

@@ -1,4 +1,6 @@
-"""The Llama family: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm).
+"""The Llama family: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm per head), and their mixtures of experts
+(models/moe.py): Mixtral, Qwen2-MoE (qkv bias, a shared expert), Qwen3-MoE (q/k RMSNorm per head), OLMoE (q/k RMSNorm
+across the heads, qkv clipping).
 
 Models take a flat token batch plus attention metadata; they never see requests. Under tensor
 parallelism (distributed/parallel_state.py) each rank builds its share of every layer (heads, MLP
@@ -18,12 +20,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.distributed.parallel_state import rank_info
-from pagedserve.layers.activation import SiluAndMul
 from pagedserve.layers.attention import Attention, AttentionBackend, AttentionMetadata
+from pagedserve.layers.fused_moe import FusedMoE
 from pagedserve.layers.layernorm import RMSNorm
 from pagedserve.layers.linear import (
     BlocksOrDense,
-    ColumnParallelLinear,
     Linear,
     QKVParallelLinear,
     QuantizedWeight,
@@ -33,6 +34,8 @@ from pagedserve.layers.linear import (
 )
 from pagedserve.layers.rotary import RotaryEmbedding
 from pagedserve.layers.vocab_embedding import VocabParallelEmbedding, gather_logits
+from pagedserve.models.mlp import GatedMLP
+from pagedserve.models.moe import checkpoint_alias, expected_expert_loads, expert_tensor, layer_mlp
 
 # What the lm_head multiplies in, whatever the other GEMMs do: the logits are what sampling and logprobs read, and
 # bfloat16 would round them to steps of 1/8 at their usual size, tying tokens that are not tied.
@@ -67,8 +70,8 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.head_dim = head_dim_of(hf_config)
         model_type = hf_config.model_type
-        qkv_bias = model_type == "qwen2" or getattr(hf_config, "attention_bias", False)
-        o_bias = model_type != "qwen2" and getattr(hf_config, "attention_bias", False)
+        qkv_bias = model_type in ("qwen2", "qwen2_moe") or getattr(hf_config, "attention_bias", False)
+        o_bias = model_type not in ("qwen2", "qwen2_moe") and getattr(hf_config, "attention_bias", False)
         self.qkv_proj = QKVParallelLinear(hf_config.hidden_size, self.head_dim, hf_config.num_attention_heads,
                                           hf_config.num_key_value_heads, bias=qkv_bias)
         self.num_heads = self.qkv_proj.num_local_heads  # this rank's
@@ -77,16 +80,25 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(hf_config.num_attention_heads * self.head_dim, hf_config.hidden_size, bias=o_bias,
                                         name="o_proj")
-        self.qk_norm = model_type == "qwen3"
+        self.qk_norm = model_type in ("qwen3", "qwen3_moe")  # per head
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
+        self.qk_norm_across_heads = model_type == "olmoe"  # over the whole projection (so one rank holds all heads)
+        if self.qk_norm_across_heads:
+            self.q_norm = RMSNorm(self.q_size, hf_config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.kv_size, hf_config.rms_norm_eps)
+        self.clip_qkv = getattr(hf_config, "clip_qkv", None)
         self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, attn_backend)
 
     def forward(self, positions, hidden_states, kv_cache, meta: AttentionMetadata):
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm_across_heads:
+            q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
+        if self.clip_qkv is not None:
+            q, k, v = (part.clamp(-self.clip_qkv, self.clip_qkv) for part in (q, k, v))
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
@@ -96,26 +108,11 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v, kv_cache, meta))
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, hf_config) -> None:
-        super().__init__()
-        if hf_config.hidden_act != "silu":
-            raise ValueError(f"hidden_act {hf_config.hidden_act!r} is not supported; only 'silu'")
-        bias = getattr(hf_config, "mlp_bias", False)
-        size = hf_config.intermediate_size
-        self.gate_up_proj = ColumnParallelLinear(hf_config.hidden_size, (size, size), bias=bias, name="intermediate_size")
-        self.down_proj = RowParallelLinear(size, hf_config.hidden_size, bias=bias, name="intermediate_size")
-        self.act_fn = SiluAndMul()
-
-    def forward(self, x):
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
-
-
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, hf_config, rotary_emb: RotaryEmbedding, attn_backend: AttentionBackend) -> None:
+    def __init__(self, hf_config, rotary_emb: RotaryEmbedding, attn_backend: AttentionBackend, index: int) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(hf_config, rotary_emb, attn_backend)
-        self.mlp = LlamaMLP(hf_config)
+        self.mlp = layer_mlp(hf_config, index)
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
 
@@ -146,7 +143,7 @@ class LlamaModel(nn.Module):
         # One table of rotary angles, shared by every layer (they all rotate by the same position).
         rotary_emb = RotaryEmbedding(hf_config, head_dim_of(hf_config), max_position)
         self.layers = nn.ModuleList([
-            LlamaDecoderLayer(hf_config, rotary_emb, attn_backend) if index in self.stage_layers else MissingLayer()
+            LlamaDecoderLayer(hf_config, rotary_emb, attn_backend, index) if index in self.stage_layers else MissingLayer()
             for index in range(hf_config.num_hidden_layers)
         ])
         if info.is_last_stage:
@@ -207,7 +204,7 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.pack(dtype, onednn, activation_dtype)
         for module in self.modules():
-            if isinstance(module, LlamaMLP):
+            if isinstance(module, GatedMLP):
                 module.gate_up_proj.output_dtype = dtype
         if self.lm_head is not None and onednn:
             self.packed_lm_head = pack_weight(self.lm_head.weight, LOGITS_DTYPE)
@@ -261,6 +258,13 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name.startswith("lm_head.")):
                 continue
+            name = checkpoint_alias(name)
+            expert = expert_tensor(name)
+            if expert is not None:
+                experts, index, part = expert
+                if not self._belongs_to_another_stage(experts):
+                    loaded.update(self._load_experts(experts, index, part, tensor, name))
+                continue
             if _kv_scale_target(name) is not None:
                 self._load_kv_scale(name, tensor)
                 continue
@@ -274,6 +278,16 @@ class LlamaForCausalLM(nn.Module):
         missing = [n for n in self._expected_loads() if n not in loaded]
         if missing:
             raise ValueError(f"checkpoint is missing tensors for: {', '.join(sorted(missing)[:8])}")
+
+    def _load_experts(self, module_name: str, index: int | None, part: str, tensor: torch.Tensor, name: str) -> list[str]:
+        """One expert's part, or (index None) every expert's, stacked; returns what it loaded, as _expected_loads names it."""
+        experts = self.get_submodule(module_name)
+        if index is not None:
+            experts.load_expert(index, part, tensor, name)
+            return [f"{module_name}#{index}.{part}"]
+        experts.load_stacked(part, tensor, name)
+        parts = ("down",) if part == "down" else ("gate", "up")
+        return [f"{module_name}#{expert}.{p}" for expert in range(experts.num_experts) for p in parts]
 
     def _load_kv_scale(self, name: str, tensor: torch.Tensor) -> None:
         attention, fields = _kv_scale_target(name)
@@ -299,8 +313,13 @@ class LlamaForCausalLM(nn.Module):
 
     def _expected_loads(self) -> list[str]:
         expected = []
+        for name, module in self.named_modules():
+            if isinstance(module, FusedMoE):
+                expected += expected_expert_loads(name, module)
         for name, _ in self.named_parameters():
             module = self._module_of(name)
+            if isinstance(module, FusedMoE):
+                continue
             shards = getattr(module, "shard_sizes", None)
             expected += [f"{name}#{i}" for i in range(len(shards))] if shards else [f"{name}#None"]
         return expected

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from pagedserve.layers.attention import AttentionBackend
+from pagedserve.models.moe import parallel_shape_problems as moe_parallel_shape_problems
 from pagedserve.models.registry import resolve_model_class
 
 logger = logging.getLogger(__name__)
@@ -119,6 +120,7 @@ def validate_parallel_shape(hf_config, tensor_parallel_size: int, pipeline_paral
         problems.append(f"num_key_value_heads ({kv_heads}) is not divisible by tensor_parallel_size ({tp})")
     if kv_heads < tp and tp % kv_heads:
         problems.append(f"tensor_parallel_size ({tp}) above num_key_value_heads ({kv_heads}) must be a multiple of it")
+    problems += moe_parallel_shape_problems(hf_config, tp)
     layers = hf_config.num_hidden_layers
     if pp > layers:
         problems.append(f"pipeline_parallel_size ({pp}) is more than the model's {layers} layers")

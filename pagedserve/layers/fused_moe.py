@@ -1,0 +1,101 @@
+"""A mixture-of-experts layer: a router picks top_k experts per token, and the experts (SiLU-gated MLPs) run as one
+GEMM pair per expert over the tokens routed to it, their outputs weighted and added in place.
+
+Under tensor parallelism every rank holds every expert's share of the intermediate features (as the dense MLP
+splits them: gate and up by output rows, down by input columns), and the partial sums are all-reduced once after
+all experts ran."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.distributed.parallel_state import tp_all_reduce
+from pagedserve.layers.activation import SiluAndMul
+from pagedserve.layers.linear import split_evenly
+
+# Checkpoint names of an expert's three matrices -> which of ours: Mixtral's w1/w3/w2, and the gate/up/down of others.
+EXPERT_PARTS = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, top_k] float32, expert ids [T, top_k]): the softmax over all experts in float32, its top_k, and,
+    where the model says so, those renormalized to sum to one."""
+    probabilities = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probabilities, top_k, dim=-1)
+    if renormalize:
+        weights /= weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                  act: nn.Module) -> torch.Tensor:
+    """sum over each token's experts e of weights * down_e(silu(gate_e(x)) * up_e(x)), in increasing expert order.
+    x [T, H]; w13 [E, 2 * I, H] (gate rows, then up); w2 [E, H, I]; weights, ids [T, top_k]."""
+    top_k = ids.shape[1]
+    flat_ids = ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)  # the (token, slot) pairs grouped by expert
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    tokens = order // top_k
+    pair_weights = weights.reshape(-1)[order].unsqueeze(1)
+    out = torch.zeros_like(x)
+    start = 0
+    for expert, count in enumerate(counts):
+        if not count:
+            continue
+        rows = tokens[start:start + count]
+        hidden = act(F.linear(x[rows], w13[expert]))
+        expert_out = F.linear(hidden, w2[expert]) * pair_weights[start:start + count]
+        out.index_add_(0, rows, expert_out.to(out.dtype))
+        start += count
+    return out
+
+
+class FusedMoE(nn.Module):
+    """num_experts experts of intermediate_size features each, this rank's share of their features."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok ({top_k}) must be in [1, num_experts ({num_experts})]")
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.intermediate_range = split_evenly(intermediate_size, "the experts' intermediate size")
+        local = self.intermediate_range[1]
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * local, hidden_size), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, local), requires_grad=False)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
+        return tp_all_reduce(fused_experts(x, self.w13, self.w2, weights, ids, self.act_fn))
+
+    def load_stacked(self, part: str, tensor: torch.Tensor, name: str) -> None:
+        """Every expert's matrices at once, stacked as transformers (and its GGUF reader) hold them: gate_up
+        [E, 2 * I, H] (gate rows, then up) or down [E, H, I]."""
+        if tensor.shape[0] != self.num_experts:
+            raise ValueError(f"tensor {name!r} stacks {tensor.shape[0]} experts, but the model has {self.num_experts}")
+        if part == "down":
+            for expert in range(self.num_experts):
+                self.load_expert(expert, "down", tensor[expert], name)
+            return
+        gate, up = tensor.chunk(2, dim=1)
+        for expert in range(self.num_experts):
+            self.load_expert(expert, "gate", gate[expert], name)
+            self.load_expert(expert, "up", up[expert], name)
+
+    def load_expert(self, expert: int, part: str, tensor: torch.Tensor, name: str) -> None:
+        """Copy this rank's share of one expert's gate, up or down matrix (as the checkpoint holds it: [I, H] or [H, I])."""
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"checkpoint tensor {name!r} names expert {expert}, but the model has {self.num_experts}")
+        start, length = self.intermediate_range
+        if part == "down":
+            source, dest = tensor.narrow(1, start, length), self.w2[expert]
+        else:
+            source = tensor.narrow(0, start, length)
+            dest = self.w13[expert].narrow(0, 0 if part == "gate" else length, length)
+        if dest.shape != source.shape:
+            raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, which does not fit an expert of shape "
+                             f"{tuple(self.w13.shape[1:])} / {tuple(self.w2.shape[1:])} on this rank")
+        with torch.no_grad():
+            dest.copy_(source.to(dest.dtype))

@@ -1,0 +1,141 @@
+"""Mixtures of experts: the fused layer against a token-by-token reference, routing as each model defines it, the
+models' layers built as their configs say, and the checks at load and at start. (The four architectures against
+transformers: test_models_vs_hf.py; split over ranks: test_parallel.py.)"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import worker_of
+
+from pagedserve import LLM
+from pagedserve.layers.activation import SiluAndMul
+from pagedserve.layers.fused_moe import fused_experts, select_experts
+
+
+def reference_experts(x, w13, w2, weights, ids):
+    """Token by token, expert by expert: what a mixture computes, written plainly."""
+    out = torch.zeros_like(x)
+    intermediate = w2.shape[2]
+    for token in range(x.shape[0]):
+        for slot in range(ids.shape[1]):
+            expert = int(ids[token, slot])
+            gate_up = w13[expert] @ x[token]
+            hidden = F.silu(gate_up[:intermediate]) * gate_up[intermediate:]
+            out[token] += weights[token, slot] * (w2[expert] @ hidden)
+    return out
+
+
+def _experts(num_experts: int, hidden: int = 24, intermediate: int = 40, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(num_experts, 2 * intermediate, hidden, generator=generator) * 0.2
+    w2 = torch.randn(num_experts, hidden, intermediate, generator=generator) * 0.2
+    return w13, w2, generator
+
+
+@pytest.mark.parametrize("num_tokens,top_k", [(1, 1), (37, 1), (37, 2), (5, 8), (64, 8)])
+def test_fused_experts_equal_the_token_by_token_reference(num_tokens, top_k):
+    w13, w2, generator = _experts(8)
+    x = torch.randn(num_tokens, 24, generator=generator)
+    weights, ids = select_experts(torch.randn(num_tokens, 8, generator=generator), top_k, renormalize=top_k > 1)
+    ours = fused_experts(x, w13, w2, weights, ids, SiluAndMul())
+    torch.testing.assert_close(ours, reference_experts(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_experts_that_get_no_token_and_one_expert_that_gets_them_all():
+    w13, w2, generator = _experts(6)
+    x = torch.randn(9, 24, generator=generator)
+    logits = torch.full((9, 6), -5.0)
+    logits[:, 4] = 5.0  # every token's first choice
+    logits[:, 1] = 3.0  # and second
+    weights, ids = select_experts(logits, 2, renormalize=False)
+    assert set(ids.flatten().tolist()) == {1, 4}
+    ours = fused_experts(x, w13, w2, weights, ids, SiluAndMul())
+    torch.testing.assert_close(ours, reference_experts(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
+    no_tokens = fused_experts(x[:0], w13, w2, weights[:0], ids[:0], SiluAndMul())
+    assert no_tokens.shape == (0, 24)
+
+
+def test_routing_is_a_float32_softmax_then_top_k_renormalized_only_where_the_model_says():
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]], dtype=torch.bfloat16)
+    probabilities = torch.softmax(logits.float(), dim=-1)
+    weights, ids = select_experts(logits, 2, renormalize=False)
+    assert weights.dtype == torch.float32 and ids.tolist() == [[0, 1]]
+    torch.testing.assert_close(weights, probabilities[:, :2])
+    renormalized, _ = select_experts(logits, 2, renormalize=True)
+    torch.testing.assert_close(renormalized, probabilities[:, :2] / probabilities[:, :2].sum())
+
+
+def test_each_layer_is_built_as_the_config_says(tiny_models):
+    """Qwen2-MoE's first layer keeps its dense MLP (mlp_only_layers); the second is a mixture with a gated shared
+    expert; Mixtral's mixtures have none."""
+    from pagedserve.layers.fused_moe import FusedMoE
+    from pagedserve.models.mlp import GatedMLP
+    from pagedserve.models.moe import MoEBlock
+
+    qwen = worker_of(LLM(str(tiny_models["qwen2_moe"]), kv_cache_memory=2**22)).model
+    dense, sparse = (layer.mlp for layer in qwen.model.layers)
+    assert isinstance(dense, GatedMLP) and isinstance(sparse, MoEBlock)
+    assert sparse.shared_expert is not None and sparse.experts.w13.shape == (8, 2 * 32, 64) and sparse.experts.top_k == 2
+    mixtral = worker_of(LLM(str(tiny_models["mixtral"]), kv_cache_memory=2**22)).model
+    assert all(isinstance(layer.mlp, MoEBlock) and layer.mlp.shared_expert is None for layer in mixtral.model.layers)
+    assert all(layer.mlp.experts.renormalize for layer in mixtral.model.layers)
+    assert sum(isinstance(module, FusedMoE) for module in mixtral.modules()) == 2
+
+
+def test_a_checkpoint_without_one_of_its_experts_is_refused_naming_it(tiny_models, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    source = tiny_models["mixtral"]
+    broken = tmp_path / "mixtral"
+    shutil.copytree(source, broken)
+    [weights_file] = broken.glob("*.safetensors")
+    tensors = load_file(weights_file)
+    del tensors["model.layers.1.block_sparse_moe.experts.5.w3.weight"]
+    save_file(tensors, weights_file, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing tensors for: .*model\.layers\.1\.mlp\.experts#5\.up"):
+        LLM(str(broken), kv_cache_memory=2**22)
+
+
+def test_a_split_the_mixture_cannot_take_is_refused_at_start(tiny_models, tmp_path):
+    with pytest.raises(ValueError, match="OLMoE normalizes q and k across all heads"):
+        LLM(str(tiny_models["olmoe"]), tensor_parallel_size=2, kv_cache_memory=2**22)
+    odd = tmp_path / "qwen3_moe"
+    shutil.copytree(tiny_models["qwen3_moe"], odd)
+    config = json.loads((odd / "config.json").read_text())
+    config["moe_intermediate_size"] = 33
+    (odd / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"the experts' intermediate size \(33\) is not divisible by tensor_parallel_size \(2\)"):
+        LLM(str(odd), tensor_parallel_size=2, kv_cache_memory=2**22)
+
+
+def test_experts_stacked_as_transformers_holds_them_load_as_the_per_expert_tensors(tiny_models, tmp_path):
+    """gate_up_proj [E, 2I, H] and down_proj [E, H, I] per layer (transformers' layout, and what its GGUF reader gives):
+    the same model, the same greedy tokens."""
+    import re
+
+    from conftest import greedy, token_ids_of
+    from safetensors.torch import load_file, save_file
+
+    stacked_dir = tmp_path / "qwen3_moe"
+    shutil.copytree(tiny_models["qwen3_moe"], stacked_dir)
+    [weights_file] = stacked_dir.glob("*.safetensors")
+    tensors = load_file(weights_file)
+    per_expert = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+    parts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    for name in [name for name in tensors if per_expert.match(name)]:
+        module, expert, part = per_expert.match(name).groups()
+        parts.setdefault(module, {}).setdefault(part, {})[int(expert)] = tensors.pop(name)
+    for module, by_part in parts.items():
+        experts = range(len(by_part["gate_proj"]))
+        tensors[f"{module}.gate_up_proj"] = torch.stack([torch.cat([by_part["gate_proj"][e], by_part["up_proj"][e]]) for e in experts])
+        tensors[f"{module}.down_proj"] = torch.stack([by_part["down_proj"][e] for e in experts])
+    save_file(tensors, weights_file, metadata={"format": "pt"})
+    prompts = [{"prompt_token_ids": [1, 400, 500, 600, 700]}, {"prompt_token_ids": list(range(100, 140))}]
+    stacked = LLM(str(stacked_dir), kv_cache_memory=2**22).generate(prompts, greedy(16), use_tqdm=False)
+    original = LLM(str(tiny_models["qwen3_moe"]), kv_cache_memory=2**22).generate(prompts, greedy(16), use_tqdm=False)
+    assert token_ids_of(stacked) == token_ids_of(original)
