@@ -71,6 +71,10 @@ class EngineConfig:
         default=1, metadata={"help": "ranks that split every layer (heads, MLP columns, vocabulary) among them", "aliases": ["-tp"]})
     pipeline_parallel_size: int = field(
         default=1, metadata={"help": "ranks that split the layers into consecutive stages", "aliases": ["-pp"]})
+    enable_expert_parallel: bool = field(
+        default=False,
+        metadata={"help": "a mixture of experts' experts spread over the tensor-parallel ranks, whole (num_experts / "
+                  "tensor_parallel_size each), instead of every expert split over them"})
     pp_layer_partition: str | None = field(
         default=None, metadata={"help": "decoder layers per pipeline stage, comma-separated (default: as even as they go)"})
     data_parallel_size: int = field(

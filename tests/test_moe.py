@@ -111,6 +111,8 @@ def test_a_split_the_mixture_cannot_take_is_refused_at_start(tiny_models, tmp_pa
     (odd / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"the experts' intermediate size \(33\) is not divisible by tensor_parallel_size \(2\)"):
         LLM(str(odd), tensor_parallel_size=2, kv_cache_memory=2**22)
+    with pytest.raises(ValueError, match=r"num_experts \(8\) is not divisible by tensor_parallel_size \(3\) \(expert parallelism"):
+        LLM(str(tiny_models["qwen2_moe"]), tensor_parallel_size=3, enable_expert_parallel=True, kv_cache_memory=2**22)
 
 
 def test_experts_stacked_as_transformers_holds_them_load_as_the_per_expert_tensors(tiny_models, tmp_path):

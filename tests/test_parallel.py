@@ -91,18 +91,29 @@ def test_parallel_engine_matches_the_single_process_one(tiny_models, reference, 
     assert_matches(outputs, reference)
 
 
-@pytest.mark.parametrize("arch,settings", [("qwen2_moe", {"tensor_parallel_size": 2}), ("mixtral", {"pipeline_parallel_size": 2})],
-                         ids=["qwen2_moe-tp2", "mixtral-pp2"])
+@pytest.mark.parametrize("arch,settings", [
+    ("qwen2_moe", {"tensor_parallel_size": 2}),
+    ("qwen2_moe", {"tensor_parallel_size": 2, "enable_expert_parallel": True}),
+    ("mixtral", {"pipeline_parallel_size": 2}),
+], ids=["qwen2_moe-tp2", "qwen2_moe-tp2-ep", "mixtral-pp2"])
 def test_a_mixture_of_experts_split_over_ranks_matches_the_single_process_one(tiny_models, arch, settings):
-    """Tensor parallelism splits every expert's features (and the shared expert's) over the ranks; pipeline
-    parallelism gives each stage its layers' experts."""
+    """Tensor parallelism splits every expert's features (and the shared expert's) over the ranks; expert parallelism
+    gives each rank half of the experts, whole; pipeline parallelism gives each stage its layers' experts."""
+    from pagedserve.benchmarks.worker_probes import experts_held
+
     reference = run_workload(parallel_llm(tiny_models[arch]))
     llm = parallel_llm(tiny_models[arch], **settings)
     try:
         outputs = run_workload(llm)
+        held = llm.llm_engine.call_utility("collective_rpc", experts_held)
     finally:
         llm.llm_engine.shutdown()
     assert_matches(outputs, reference)
+    layer = "model.layers.1.mlp.experts"
+    if settings.get("enable_expert_parallel"):
+        assert [rank[layer] for rank in held] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    elif "tensor_parallel_size" in settings:
+        assert [rank[layer] for rank in held] == [list(range(8))] * 2
 
 
 @pytest.mark.parametrize("settings", [{"tensor_parallel_size": 2, "kv_cache_dtype": "fp8"},

@@ -19,6 +19,11 @@ def run_steps_on_the_model(worker) -> None:
     worker.__dict__.pop("execute_model", None)
 
 
+def experts_held(worker) -> dict[str, list[int]]:
+    """Each mixture-of-experts layer of this rank -> the experts (global ids) it holds."""
+    return {name: list(module.local_experts) for name, module in worker.model.named_modules() if hasattr(module, "local_experts")}
+
+
 def gemm_work(worker, decode_rows: int) -> dict:
     """What this rank's GEMMs ask of the machine: the dtype they multiply in, the multiply-adds (as FLOPs) of one token
     through every GEMM but the lm_head and of one row through the lm_head, and the bytes of weights a decode step of

@@ -19,6 +19,8 @@ class RankInfo:
     rank: int = 0
     # Decoder layers per pipeline stage; None: as even as they go, the first stages taking any remainder.
     layer_partition: tuple[int, ...] | None = None
+    # A mixture's experts spread whole over the tensor-parallel group (expert parallelism), not split within it.
+    expert_parallel: bool = False
 
     def stage_layers(self, num_layers: int) -> range:
         """The decoder layers this rank's pipeline stage runs."""

@@ -3,6 +3,7 @@ any worker starts, the start-up calls made on every rank, and the process a rank
 
 from __future__ import annotations
 
+import logging
 import socket
 
 from pagedserve.config import EngineConfig
@@ -11,6 +12,8 @@ from pagedserve.distributed.parallel_state import RankInfo
 from pagedserve.executor.abstract import Executor, WorkerCall, run_on_worker
 from pagedserve.model_info import ModelInfo
 from pagedserve.processes import freeze_start_up_objects
+
+logger = logging.getLogger(__name__)
 
 
 class WorkerDiedError(RuntimeError):
@@ -25,7 +28,19 @@ def free_port() -> int:
 
 def rank_infos(config: EngineConfig) -> list[RankInfo]:
     partition = tuple(int(part) for part in config.pp_layer_partition.split(",")) if config.pp_layer_partition else None
-    return [RankInfo(config.tensor_parallel_size, config.pipeline_parallel_size, rank, partition) for rank in range(config.world_size)]
+    return [RankInfo(config.tensor_parallel_size, config.pipeline_parallel_size, rank, partition, config.enable_expert_parallel)
+            for rank in range(config.world_size)]
+
+
+def log_expert_parallelism(hf_config, tensor_parallel_size: int) -> None:
+    from pagedserve.models.moe import moe_shape
+
+    shape = moe_shape(hf_config)
+    if shape is None:
+        logger.warning("enable_expert_parallel changes nothing: the model has no experts")
+    else:
+        logger.info("expert parallelism: %d experts on each of the %d tensor-parallel ranks", shape.num_experts // tensor_parallel_size,
+                    tensor_parallel_size)
 
 
 class DistributedExecutor(Executor):
@@ -39,7 +54,10 @@ class DistributedExecutor(Executor):
 
         self.infos = rank_infos(config)
         hf_config = load_hf_config(resolve_model_dir(config.model))
-        validate_parallel_shape(hf_config, config.tensor_parallel_size, config.pipeline_parallel_size, self.infos[0].layer_partition)
+        validate_parallel_shape(hf_config, config.tensor_parallel_size, config.pipeline_parallel_size, self.infos[0].layer_partition,
+                                config.enable_expert_parallel)
+        if config.enable_expert_parallel:
+            log_expert_parallelism(hf_config, config.tensor_parallel_size)
         self.output_rank = next(info.rank for info in self.infos if info.is_output_rank)
         self.max_concurrent_batches = config.pipeline_parallel_size
 

@@ -2,8 +2,10 @@
 GEMM pair per expert over the tokens routed to it, their outputs weighted and added in place.
 
 Under tensor parallelism every rank holds every expert's share of the intermediate features (as the dense MLP
-splits them: gate and up by output rows, down by input columns), and the partial sums are all-reduced once after
-all experts ran."""
+splits them: gate and up by output rows, down by input columns); with expert parallelism instead, each rank of the
+tensor-parallel group holds some of the experts whole (expert_placement). Either way every rank routes every token
+(the group's ranks hold the same activations), runs what it holds of the experts those tokens chose, and the
+partial sums are all-reduced once after all experts ran: a token's hidden state is all that crosses between ranks."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.distributed.parallel_state import tp_all_reduce
+from pagedserve.distributed.parallel_state import rank_info, tp_all_reduce
 from pagedserve.layers.activation import SiluAndMul
 from pagedserve.layers.linear import split_evenly
 
@@ -29,14 +31,24 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     return weights, ids
 
 
+def expert_placement(num_experts: int, num_ranks: int, rank: int) -> range:
+    """The experts a rank holds under expert parallelism: a contiguous block of num_experts / num_ranks. The one place
+    that decides it, so that a placement balanced by the experts' measured load can take its place."""
+    if num_experts % num_ranks:
+        raise ValueError(f"num_experts ({num_experts}) is not divisible by the {num_ranks} ranks of expert parallelism")
+    per_rank = num_experts // num_ranks
+    return range(rank * per_rank, (rank + 1) * per_rank)
+
+
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                   act: nn.Module) -> torch.Tensor:
     """sum over each token's experts e of weights * down_e(silu(gate_e(x)) * up_e(x)), in increasing expert order.
-    x [T, H]; w13 [E, 2 * I, H] (gate rows, then up); w2 [E, H, I]; weights, ids [T, top_k]."""
+    x [T, H]; w13 [E, 2 * I, H] (gate rows, then up); w2 [E, H, I]; weights, ids [T, top_k], an id of E standing for an
+    expert this rank does not hold (its pairs are skipped)."""
     top_k = ids.shape[1]
     flat_ids = ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)  # the (token, slot) pairs grouped by expert
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0] + 1).tolist()[: w13.shape[0]]
     tokens = order // top_k
     pair_weights = weights.reshape(-1)[order].unsqueeze(1)
     out = torch.zeros_like(x)
@@ -53,21 +65,36 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
 
 
 class FusedMoE(nn.Module):
-    """num_experts experts of intermediate_size features each, this rank's share of their features."""
+    """num_experts experts of intermediate_size features each: this rank's share of every expert's features, or, with
+    expert parallelism, its experts whole (local_experts, by their global ids)."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok ({top_k}) must be in [1, num_experts ({num_experts})]")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
-        self.intermediate_range = split_evenly(intermediate_size, "the experts' intermediate size")
-        local = self.intermediate_range[1]
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * local, hidden_size), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, local), requires_grad=False)
+        info = rank_info()
+        self.expert_parallel = info.expert_parallel and info.tp_size > 1
+        if self.expert_parallel:
+            self.local_experts = expert_placement(num_experts, info.tp_size, info.tp_rank)
+            self.intermediate_range = (0, intermediate_size)
+        else:
+            self.local_experts = range(num_experts)
+            self.intermediate_range = split_evenly(intermediate_size, "the experts' intermediate size")
+        self._local_index = {expert: index for index, expert in enumerate(self.local_experts)}
+        # Global expert id -> its index here, or len(local_experts) where another rank holds it.
+        local_ids = torch.full((num_experts,), len(self.local_experts), dtype=torch.int64)
+        local_ids[list(self.local_experts)] = torch.arange(len(self.local_experts))
+        self.register_buffer("local_ids", local_ids, persistent=False)
+        local_intermediate = self.intermediate_range[1]
+        self.w13 = nn.Parameter(torch.empty(len(self.local_experts), 2 * local_intermediate, hidden_size), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(len(self.local_experts), hidden_size, local_intermediate), requires_grad=False)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
+        if self.expert_parallel:
+            ids = self.local_ids[ids]
         return tp_all_reduce(fused_experts(x, self.w13, self.w2, weights, ids, self.act_fn))
 
     def load_stacked(self, part: str, tensor: torch.Tensor, name: str) -> None:
@@ -85,15 +112,19 @@ class FusedMoE(nn.Module):
             self.load_expert(expert, "up", up[expert], name)
 
     def load_expert(self, expert: int, part: str, tensor: torch.Tensor, name: str) -> None:
-        """Copy this rank's share of one expert's gate, up or down matrix (as the checkpoint holds it: [I, H] or [H, I])."""
+        """Copy this rank's share of one expert's gate, up or down matrix (as the checkpoint holds it: [I, H] or [H, I]);
+        nothing for an expert another rank holds."""
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"checkpoint tensor {name!r} names expert {expert}, but the model has {self.num_experts}")
+        if expert not in self._local_index:
+            return
+        local = self._local_index[expert]
         start, length = self.intermediate_range
         if part == "down":
-            source, dest = tensor.narrow(1, start, length), self.w2[expert]
+            source, dest = tensor.narrow(1, start, length), self.w2[local]
         else:
             source = tensor.narrow(0, start, length)
-            dest = self.w13[expert].narrow(0, 0 if part == "gate" else length, length)
+            dest = self.w13[local].narrow(0, 0 if part == "gate" else length, length)
         if dest.shape != source.shape:
             raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, which does not fit an expert of shape "
                              f"{tuple(self.w13.shape[1:])} / {tuple(self.w2.shape[1:])} on this rank")

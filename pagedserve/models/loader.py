@@ -107,7 +107,7 @@ def max_position_of(hf_config) -> int:
 
 
 def validate_parallel_shape(hf_config, tensor_parallel_size: int, pipeline_parallel_size: int,
-                            layer_partition: tuple[int, ...] | None = None) -> None:
+                            layer_partition: tuple[int, ...] | None = None, expert_parallel: bool = False) -> None:
     """Refuse, naming the numbers, a split of the model its shape does not allow."""
     tp, pp = tensor_parallel_size, pipeline_parallel_size
     heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
@@ -120,7 +120,7 @@ def validate_parallel_shape(hf_config, tensor_parallel_size: int, pipeline_paral
         problems.append(f"num_key_value_heads ({kv_heads}) is not divisible by tensor_parallel_size ({tp})")
     if kv_heads < tp and tp % kv_heads:
         problems.append(f"tensor_parallel_size ({tp}) above num_key_value_heads ({kv_heads}) must be a multiple of it")
-    problems += moe_parallel_shape_problems(hf_config, tp)
+    problems += moe_parallel_shape_problems(hf_config, tp, expert_parallel)
     layers = hf_config.num_hidden_layers
     if pp > layers:
         problems.append(f"pipeline_parallel_size ({pp}) is more than the model's {layers} layers")

@@ -100,19 +100,22 @@ def expert_tensor(name: str) -> tuple[str, int | None, str] | None:
 
 def expected_expert_loads(module_name: str, experts: FusedMoE) -> list[str]:
     """What loading every expert of `experts` marks loaded (as load_weights records an expert tensor)."""
-    return [f"{module_name}#{expert}.{part}" for expert in range(experts.num_experts) for part in ("gate", "up", "down")]
+    return [f"{module_name}#{expert}.{part}" for expert in experts.local_experts for part in ("gate", "up", "down")]
 
 
-def parallel_shape_problems(hf_config, tensor_parallel_size: int) -> list[str]:
-    """What in the model's mixture a tensor-parallel split cannot divide."""
+def parallel_shape_problems(hf_config, tensor_parallel_size: int, expert_parallel: bool = False) -> list[str]:
+    """What in the model's mixture a tensor-parallel split (of its experts' features, or with expert parallelism of
+    its experts) cannot divide."""
     shape = moe_shape(hf_config)
     problems = []
     if shape is None:
         return problems
-    for name, value in (("the experts' intermediate size", shape.intermediate_size),
-                        ("shared_expert_intermediate_size", shape.shared_intermediate_size)):
+    split = [("shared_expert_intermediate_size", shape.shared_intermediate_size)]
+    split += [("num_experts", shape.num_experts)] if expert_parallel else [("the experts' intermediate size", shape.intermediate_size)]
+    for name, value in split:
         if value % tensor_parallel_size:
-            problems.append(f"{name} ({value}) is not divisible by tensor_parallel_size ({tensor_parallel_size})")
+            problems.append(f"{name} ({value}) is not divisible by tensor_parallel_size ({tensor_parallel_size})"
+                            + (" (expert parallelism spreads the experts over the tensor-parallel ranks)" if name == "num_experts" else ""))
     if hf_config.model_type == "olmoe" and tensor_parallel_size > 1:
         problems.append("OLMoE normalizes q and k across all heads, which tensor parallelism would split: use tensor_parallel_size 1")
     return problems
