@@ -57,7 +57,7 @@ def common_prefix(a, b) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: biases on q, k and v, tied embeddings
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen2_moe"])  # qwen2: q, k, v biases, tied embeddings; qwen2_moe: experts
 def test_bfloat16_logprobs_stay_as_close_to_float32_as_transformers_bfloat16(arch, tiny_models):
     """Scored on the tokens float32 picks, over several prompts: our bfloat16 mode's logprobs are off from float32
     transformers' by no more, on the whole, than transformers' own bfloat16 forward's."""

@@ -126,6 +126,15 @@ def register(sub) -> None:
     spec.add_argument("--output-len", type=int, default=128)
     spec.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="extra flags for both servers (last)")
 
+    moe = _workload(workloads, "moe-model", "write a random-weight mixture of experts (or its dense equal) for bench throughput")
+    moe.add_argument("--out", required=True, help="directory to write the HF model into")
+    moe.add_argument("--dense", action="store_true", help="the dense model with the same active parameters per token instead")
+    moe.add_argument("--layers", type=_positive_int, default=16)
+    moe.add_argument("--hidden", type=_positive_int, default=1024, help="hidden size (a multiple of 64: heads of 64)")
+    moe.add_argument("--experts", type=_positive_int, default=32)
+    moe.add_argument("--expert-width", type=_positive_int, default=512, help="each expert's intermediate size")
+    moe.add_argument("--top-k", type=_positive_int, default=4, help="experts per token")
+
     plot = workloads.add_parser("plot", help="PNG plots from `bench serve --json` records")
     plot.add_argument("records", nargs="+", help="JSON records written by `bench serve --json` (one per server)")
     plot.add_argument("--out-dir", default="docs/img", help="where the PNG files go")
@@ -175,6 +184,7 @@ def run_bench(args) -> int:
         kv_sched,
         kv_speed,
         machine,
+        moe_model,
         prefix,
         serve,
         spec,
@@ -190,6 +200,7 @@ def run_bench(args) -> int:
         args.num_prompts = 64 if args.dataset == "mixed" else 32
     runners = {"throughput": throughput.run, "serve": serve.run, "prefix": prefix.run, "interference": interference.run,
                "kv": kv_sched.run_kv, "sched": kv_sched.run_sched, "executor": executor.run, "spec": spec.run,
-               "machine": machine.run, "kv-accuracy": kv_accuracy.run, "kv-speed": kv_speed.run}
+               "machine": machine.run, "kv-accuracy": kv_accuracy.run, "kv-speed": kv_speed.run,
+               "moe-model": moe_model.run}
     runners[args.workload](args)
     return 0

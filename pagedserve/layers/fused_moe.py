@@ -44,7 +44,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
                   act: nn.Module) -> torch.Tensor:
     """sum over each token's experts e of weights * down_e(silu(gate_e(x)) * up_e(x)), in increasing expert order.
     x [T, H]; w13 [E, 2 * I, H] (gate rows, then up); w2 [E, H, I]; weights, ids [T, top_k], an id of E standing for an
-    expert this rank does not hold (its pairs are skipped)."""
+    expert this rank does not hold (its pairs are skipped). The experts multiply in their weights' dtype; the sum is
+    x's."""
     top_k = ids.shape[1]
     flat_ids = ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)  # the (token, slot) pairs grouped by expert
@@ -57,7 +58,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
         if not count:
             continue
         rows = tokens[start:start + count]
-        hidden = act(F.linear(x[rows], w13[expert]))
+        hidden = act(F.linear(x[rows].to(w13.dtype), w13[expert]))
         expert_out = F.linear(hidden, w2[expert]) * pair_weights[start:start + count]
         out.index_add_(0, rows, expert_out.to(out.dtype))
         start += count
@@ -90,6 +91,12 @@ class FusedMoE(nn.Module):
         self.w13 = nn.Parameter(torch.empty(len(self.local_experts), 2 * local_intermediate, hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(len(self.local_experts), hidden_size, local_intermediate), requires_grad=False)
         self.act_fn = SiluAndMul()
+
+    def pack(self, dtype: torch.dtype) -> None:
+        """Multiply in dtype (bfloat16 where the engine runs its GEMMs so): the experts' weights are converted, not
+        copied, since they are most of a mixture's memory."""
+        self.w13 = nn.Parameter(self.w13.detach().to(dtype), requires_grad=False)
+        self.w2 = nn.Parameter(self.w2.detach().to(dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize)

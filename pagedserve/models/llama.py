@@ -206,6 +206,8 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, GatedMLP):
                 module.gate_up_proj.output_dtype = dtype
+            elif isinstance(module, FusedMoE):
+                module.pack(dtype)
         if self.lm_head is not None and onednn:
             self.packed_lm_head = pack_weight(self.lm_head.weight, LOGITS_DTYPE)
 
