@@ -80,7 +80,9 @@ def test_each_layer_is_built_as_the_config_says(tiny_models):
     qwen = worker_of(LLM(str(tiny_models["qwen2_moe"]), kv_cache_memory=2**22)).model
     dense, sparse = (layer.mlp for layer in qwen.model.layers)
     assert isinstance(dense, GatedMLP) and isinstance(sparse, MoEBlock)
-    assert sparse.shared_expert is not None and sparse.experts.w13.shape == (8, 2 * 32, 64) and sparse.experts.top_k == 2
+    assert sparse.shared_expert is not None and sparse.experts.top_k == 2
+    assert list(sparse.experts.local_experts) == list(range(8)) and sparse.experts.intermediate_range == (0, 32)
+    assert [len(part) for part in sparse.experts.packed] == [8, 8]  # each expert packed for the engine's GEMMs
     mixtral = worker_of(LLM(str(tiny_models["mixtral"]), kv_cache_memory=2**22)).model
     assert all(isinstance(layer.mlp, MoEBlock) and layer.mlp.shared_expert is None for layer in mixtral.model.layers)
     assert all(layer.mlp.experts.renormalize for layer in mixtral.model.layers)

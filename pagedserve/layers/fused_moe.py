@@ -9,13 +9,14 @@ partial sums are all-reduced once after all experts ran: a token's hidden state 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.distributed.parallel_state import rank_info, tp_all_reduce
 from pagedserve.layers.activation import SiluAndMul
-from pagedserve.layers.linear import split_evenly
+from pagedserve.layers.linear import pack_weight, packed_linear, split_evenly
 
 # Checkpoint names of an expert's three matrices -> which of ours: Mixtral's w1/w3/w2, and the gate/up/down of others.
 EXPERT_PARTS = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
@@ -40,16 +41,16 @@ def expert_placement(num_experts: int, num_ranks: int, rank: int) -> range:
     return range(rank * per_rank, (rank + 1) * per_rank)
 
 
-def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                  act: nn.Module) -> torch.Tensor:
+def fused_experts(x: torch.Tensor, w13: Sequence[torch.Tensor], w2: Sequence[torch.Tensor], weights: torch.Tensor,
+                  ids: torch.Tensor, act: nn.Module) -> torch.Tensor:
     """sum over each token's experts e of weights * down_e(silu(gate_e(x)) * up_e(x)), in increasing expert order.
-    x [T, H]; w13 [E, 2 * I, H] (gate rows, then up); w2 [E, H, I]; weights, ids [T, top_k], an id of E standing for an
-    expert this rank does not hold (its pairs are skipped). The experts multiply in their weights' dtype; the sum is
-    x's."""
-    top_k = ids.shape[1]
+    x [T, H]; w13[e] [2 * I, H] (gate rows, then up) and w2[e] [H, I], as tensors or packed for oneDNN (pack_weight);
+    weights, ids [T, top_k], an id of len(w13) standing for an expert this rank does not hold (its pairs are skipped).
+    The experts multiply in their weights' dtype; the sum is x's."""
+    top_k, num_experts = ids.shape[1], len(w13)
     flat_ids = ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)  # the (token, slot) pairs grouped by expert
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0] + 1).tolist()[: w13.shape[0]]
+    counts = torch.bincount(flat_ids, minlength=num_experts + 1).tolist()[:num_experts]
     tokens = order // top_k
     pair_weights = weights.reshape(-1)[order].unsqueeze(1)
     out = torch.zeros_like(x)
@@ -58,9 +59,9 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
         if not count:
             continue
         rows = tokens[start:start + count]
-        hidden = act(F.linear(x[rows].to(w13.dtype), w13[expert]))
-        expert_out = F.linear(hidden, w2[expert]) * pair_weights[start:start + count]
-        out.index_add_(0, rows, expert_out.to(out.dtype))
+        hidden = act(packed_linear(x[rows], w13[expert], None, w13[expert].dtype))
+        expert_out = packed_linear(hidden, w2[expert], None, x.dtype) * pair_weights[start:start + count]
+        out.index_add_(0, rows, expert_out)
         start += count
     return out
 
@@ -92,17 +93,22 @@ class FusedMoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(len(self.local_experts), hidden_size, local_intermediate), requires_grad=False)
         self.act_fn = SiluAndMul()
 
-    def pack(self, dtype: torch.dtype) -> None:
-        """Multiply in dtype (bfloat16 where the engine runs its GEMMs so): the experts' weights are converted, not
-        copied, since they are most of a mixture's memory."""
-        self.w13 = nn.Parameter(self.w13.detach().to(dtype), requires_grad=False)
-        self.w2 = nn.Parameter(self.w2.detach().to(dtype), requires_grad=False)
+    packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+
+    def pack(self, dtype: torch.dtype, onednn: bool) -> None:
+        """Multiply in dtype (bfloat16 where the engine runs its GEMMs so), each expert's matrices reordered for oneDNN
+        where onednn. The loaded weights are let go: unlike a dense layer's, they are most of a mixture's memory."""
+        self.packed = ([pack_weight(weight, dtype, onednn) for weight in self.w13],
+                       [pack_weight(weight, dtype, onednn) for weight in self.w2])
+        self.w13 = nn.Parameter(torch.empty(0, *self.w13.shape[1:]), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(0, *self.w2.shape[1:]), requires_grad=False)
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
         if self.expert_parallel:
             ids = self.local_ids[ids]
-        return tp_all_reduce(fused_experts(x, self.w13, self.w2, weights, ids, self.act_fn))
+        w13, w2 = self.packed or (self.w13, self.w2)
+        return tp_all_reduce(fused_experts(x, w13, w2, weights, ids, self.act_fn))
 
     def load_stacked(self, part: str, tensor: torch.Tensor, name: str) -> None:
         """Every expert's matrices at once, stacked as transformers (and its GGUF reader) hold them: gate_up

@@ -207,7 +207,7 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, GatedMLP):
                 module.gate_up_proj.output_dtype = dtype
             elif isinstance(module, FusedMoE):
-                module.pack(dtype)
+                module.pack(dtype, onednn)
         if self.lm_head is not None and onednn:
             self.packed_lm_head = pack_weight(self.lm_head.weight, LOGITS_DTYPE)
 
