@@ -15,3 +15,4 @@ class ModelInfo:
     num_blocks: int
     # Default sampling parameters (SamplingParams field names) from the generation config; empty when none.
     generation_defaults: dict[str, float | int]
+    num_experts: int = 0  # experts of each mixture-of-experts layer; 0 for a dense model

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from conftest import worker_of
 
-from pagedserve import LLM
+from pagedserve import LLM, SamplingParams
 from pagedserve.layers.activation import SiluAndMul
 from pagedserve.layers.fused_moe import fused_experts, select_experts
 
@@ -143,3 +143,38 @@ def test_experts_stacked_as_transformers_holds_them_load_as_the_per_expert_tenso
     stacked = LLM(str(stacked_dir), kv_cache_memory=2**22).generate(prompts, greedy(16), use_tqdm=False)
     original = LLM(str(tiny_models["qwen3_moe"]), kv_cache_memory=2**22).generate(prompts, greedy(16), use_tqdm=False)
     assert token_ids_of(stacked) == token_ids_of(original)
+
+
+def test_the_engine_counts_the_tokens_routed_to_each_expert(tiny_models):
+    """Every position the model computes is routed to top_k experts of each mixture layer (the warm-up's are not
+    counted): a request of P prompt tokens and G generated ones computes P + G - 1 positions."""
+    llm = LLM(str(tiny_models["qwen2_moe"]), kv_cache_memory=2**22)
+    [before] = llm.llm_engine.call_utility("collective_rpc", "expert_token_counts")
+    assert set(before) == {1} and sum(before[1]) == 0  # layer 0 is dense
+    prompts = [{"prompt_token_ids": list(range(100, 100 + length))} for length in (5, 23)]
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True), use_tqdm=False)
+    [after] = llm.llm_engine.call_utility("collective_rpc", "expert_token_counts")
+    assert len(after[1]) == 8 and sum(after[1]) == 2 * ((5 + 7 - 1) + (23 + 7 - 1))
+
+
+@pytest.mark.slow
+def test_metrics_report_the_tokens_routed_to_each_expert(tiny_models):
+    import re
+
+    from server_utils import RemoteServer
+
+    server = RemoteServer("--model", str(tiny_models["qwen2_moe"]), "--served-model-name", "tiny", "--kv-cache-memory", str(2**22))
+    try:
+        response = server.post("/v1/completions", json={"model": "tiny", "prompt": [100, 101, 102, 103, 104, 105], "max_tokens": 9,
+                                                         "ignore_eos": True})
+        assert response.status_code == 200
+        text = server.get("/metrics").text
+        log = server.log_text()
+    finally:
+        assert server.stop() == 0
+    assert "experts' token counts were not read" not in log, log[-3000:]
+    counts = {}
+    for labels, value in re.findall(r"^pagedserve:moe_expert_tokens_total\{(.*)\} (\S+)$", text, re.MULTILINE):
+        named = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+        counts[named["layer"], int(named["expert"])] = float(value)
+    assert {layer for layer, _ in counts} == {"1"} and sum(counts.values()) == 2 * (6 + 9 - 1)

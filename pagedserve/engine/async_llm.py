@@ -141,6 +141,19 @@ class AsyncLLM(FrontEndAccess):
     async def reset_prefix_cache(self) -> bool:
         return await self.client.call_utility_async("reset_prefix_cache")
 
+    async def refresh_expert_metrics(self) -> None:
+        """The tokens routed to each expert of each mixture layer, read from every engine core's ranks (a call each
+        core answers between two steps) into the metrics. A dense model has none."""
+        if not self.model_info.num_experts:
+            return
+        per_core = await self.client.call_utility_on_each_async("collective_rpc", "expert_token_counts")
+        for engine, ranks in enumerate(per_core):
+            layers: dict[int, list[int]] = {}
+            for rank_layers in ranks:  # a stage's tensor-parallel ranks route alike: the first one's counts are the layer's
+                for layer, counts in rank_layers.items():
+                    layers.setdefault(int(layer), counts)
+            self.metrics.record_expert_tokens(engine, layers)
+
     def _forget(self, request_id: str, engine_ids: list[str]) -> None:
         self._queues.pop(request_id, None)
         for engine_id in engine_ids:

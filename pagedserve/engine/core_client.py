@@ -70,6 +70,10 @@ class EngineCoreClient:
     async def call_utility_async(self, method: str, *args):
         raise NotImplementedError
 
+    async def call_utility_on_each_async(self, method: str, *args) -> list:
+        """The call's result from each engine core, in their order (one here)."""
+        return [await self.call_utility_async(method, *args)]
+
     def is_alive(self) -> bool:
         return True
 

@@ -97,8 +97,10 @@ class DPAsyncMPClient(EngineCoreClient):
 
     async def call_utility_async(self, method: str, *args):
         """On every core; the first core's result."""
-        results = await asyncio.gather(*(client.call_utility_async(method, *args) for client in self.clients))
-        return results[0]
+        return (await self.call_utility_on_each_async(method, *args))[0]
+
+    async def call_utility_on_each_async(self, method: str, *args) -> list:
+        return list(await asyncio.gather(*(client.call_utility_async(method, *args) for client in self.clients)))
 
     def is_alive(self) -> bool:
         return all(client.is_alive() for client in self.clients)

@@ -59,6 +59,10 @@ class EngineMetrics:
         self.spec_accepted_per_position = Counter(
             "pagedserve:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at each position of a draft (0: the first)",
             [*labels, "engine", "position"], registry=self.registry)
+        self.expert_tokens = Counter(
+            "pagedserve:moe_expert_tokens", "Tokens routed to each expert of each mixture-of-experts layer",
+            [*labels, "engine", "layer", "expert"], registry=self.registry)
+        self._expert_tokens_seen: dict[tuple[int, int], list[int]] = {}  # (engine, layer) -> counts already added
         self.request_success = Counter(
             "pagedserve:request_success", "Finished requests by finish reason", ["model_name", "finished_reason"], registry=self.registry
         )
@@ -83,6 +87,15 @@ class EngineMetrics:
         """Ended before it finished (the client went away or stopped it, or the server ended it)."""
         if self._timings.pop(engine_request_id, None) is not None:
             self.request_success.labels(self.model_name, "abort").inc()
+
+    def record_expert_tokens(self, engine: int, layers: dict[int, list[int]]) -> None:
+        """Each layer's tokens routed to each expert since the engine started (counts that only grow)."""
+        for layer, counts in layers.items():
+            seen = self._expert_tokens_seen.setdefault((engine, layer), [0] * len(counts))
+            for expert, (count, before) in enumerate(zip(counts, seen)):
+                if count > before:
+                    self.expert_tokens.labels(self.model_name, str(engine), str(layer), str(expert)).inc(count - before)
+                    seen[expert] = count
 
     @property
     def latest_stats(self) -> list[SchedulerStats]:

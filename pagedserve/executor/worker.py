@@ -19,6 +19,7 @@ from pagedserve.executor.model_runner import ModelRunner
 from pagedserve.layers import cpu_kernels
 from pagedserve.layers.attention import Attention, select_attention_backend
 from pagedserve.layers.attention.kv_quant import NO_STATIC_SCALES, KVFormat, kv_format
+from pagedserve.layers.fused_moe import FusedMoE
 from pagedserve.layers.linear import kv_heads_of_rank, onednn_available
 from pagedserve.model_info import ModelInfo
 from pagedserve.models.gguf_blocks import load_quantized_blocks
@@ -31,6 +32,7 @@ from pagedserve.models.loader import (
     max_position_of,
 )
 from pagedserve.models.location import resolve_model_dir
+from pagedserve.models.moe import moe_shape
 from pagedserve.spec_decode.draft_model import DraftModelProposer
 from pagedserve.spec_decode.ngram_proposer import NgramProposer
 from pagedserve.spec_decode.proposer import Proposer
@@ -297,9 +299,10 @@ class Worker:
             self.kv_prefault.wait(timeout_s)
 
     def model_info(self) -> ModelInfo:
+        shape = moe_shape(self.hf_config)
         return ModelInfo(model_dir=str(self.model_dir), max_model_len=self.max_model_len, vocab_size=self.hf_config.vocab_size,
                          eos_token_ids=list(self.eos_token_ids), num_blocks=self.num_blocks,
-                         generation_defaults=dict(self.generation_defaults))
+                         generation_defaults=dict(self.generation_defaults), num_experts=shape.num_experts if shape else 0)
 
     @property
     def is_output_rank(self) -> bool:
@@ -307,7 +310,17 @@ class Worker:
         return rank_info().is_output_rank
 
     def warm_up(self, timed: bool = True) -> list[tuple[int, int, int, float]]:
-        return self.model_runner.warm_up(self.max_model_len, timed)
+        timings = self.model_runner.warm_up(self.max_model_len, timed)
+        for experts in self._mixtures().values():  # the warm-up's tokens are nobody's
+            experts.routed.zero_()
+        return timings
+
+    def expert_token_counts(self) -> dict[int, list[int]]:
+        """This rank's mixture-of-experts layers (by index) -> tokens routed to each of their experts since start."""
+        return {layer: experts.routed.tolist() for layer, experts in self._mixtures().items()}
+
+    def _mixtures(self) -> dict[int, FusedMoE]:
+        return {int(name.split(".")[2]): module for name, module in self.model.named_modules() if isinstance(module, FusedMoE)}
 
 
 def generation_defaults_of(config: EngineConfig, model_dir: Path) -> dict[str, float | int]:

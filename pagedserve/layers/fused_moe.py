@@ -88,6 +88,8 @@ class FusedMoE(nn.Module):
         local_ids = torch.full((num_experts,), len(self.local_experts), dtype=torch.int64)
         local_ids[list(self.local_experts)] = torch.arange(len(self.local_experts))
         self.register_buffer("local_ids", local_ids, persistent=False)
+        # Tokens routed to each expert (global ids) since the last reset: what /metrics reports per layer and expert.
+        self.register_buffer("routed", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
         local_intermediate = self.intermediate_range[1]
         self.w13 = nn.Parameter(torch.empty(len(self.local_experts), 2 * local_intermediate, hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(len(self.local_experts), hidden_size, local_intermediate), requires_grad=False)
@@ -105,6 +107,7 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
+        self.routed += torch.bincount(ids.reshape(-1), minlength=self.num_experts)
         if self.expert_parallel:
             ids = self.local_ids[ids]
         w13, w2 = self.packed or (self.w13, self.w2)

@@ -49,6 +49,8 @@ _SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
     "data": {"type": "string", "description": "a JSON chunk of the response (or an error object), or [DONE] at the end"},
     "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}}}
 _STREAMS = {"text/event-stream": {"schema": _SSE_EVENT}}
+# How long /metrics waits for the engine cores to report their experts' token counts (they answer between steps).
+_EXPERT_METRICS_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -120,6 +122,10 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
 
     @app.get("/metrics", response_class=Response, responses={**_ERRORS, 200: prometheus_text})
     async def metrics():
+        try:
+            await asyncio.wait_for(engine.refresh_expert_metrics(), _EXPERT_METRICS_TIMEOUT_S)
+        except (TimeoutError, RuntimeError) as exc:  # the engine gone or a rank failing: the rest is served all the same
+            logger.warning("the experts' token counts were not read for /metrics: %s", exc)
         return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     limits = ServedLimits(engine.model_info.vocab_size, max_n, engine.max_model_len, settings.trust_request_chat_template)
