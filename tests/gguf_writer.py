@@ -103,3 +103,91 @@ def _gguf_tensors(state_dict, config):
         yield f"blk.{i}.ffn_gate.weight", sd[p + "mlp.gate_proj.weight"]
         yield f"blk.{i}.ffn_up.weight", sd[p + "mlp.up_proj.weight"]
         yield f"blk.{i}.ffn_down.weight", sd[p + "mlp.down_proj.weight"]
+
+
+def tiny_qwen2_moe_config():
+    """A Qwen2-MoE with the writer's vocabulary: 8 experts, top 2, a shared expert (every layer a mixture, as llama.cpp has them)."""
+    from transformers import Qwen2MoeConfig
+
+    return Qwen2MoeConfig(
+        vocab_size=len(VOCAB), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3, tie_word_embeddings=False,
+        bos_token_id=0, eos_token_id=2, rms_norm_eps=1e-5, rope_theta=10000.0, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=64, use_sliding_window=False,
+    )
+
+
+def write_qwen2_moe_gguf(path, state_dict: dict[str, torch.Tensor], config, type_name: str) -> None:
+    """As llama.cpp's converter writes a Qwen2-MoE: the experts of a layer stacked ([E, I, H] gate and up, [E, H, I]
+    down), the shared expert's gate a vector, q and k not permuted."""
+    qtype = QUANT_TYPES[type_name]
+    writer = gguf.GGUFWriter(str(path), "qwen2moe")
+    writer.add_name("tiny-qwen2-moe")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_expert_count(config.num_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    _add_tokenizer(writer)
+    for name, tensor in _qwen2_moe_tensors(state_dict, config):
+        _add_tensor(writer, name, tensor, qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _add_tokenizer(writer) -> None:
+    writer.add_vocab_size(len(VOCAB))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(VOCAB)
+    writer.add_token_types([gguf.TokenType.CONTROL] * len(SPECIAL_TOKENS) + [gguf.TokenType.NORMAL] * (len(VOCAB) - len(SPECIAL_TOKENS)))
+    writer.add_token_merges(MERGES)
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(2)
+    writer.add_chat_template(CHAT_TEMPLATE)
+
+
+def _add_tensor(writer, name: str, tensor: np.ndarray, qtype) -> None:
+    if tensor.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:  # norms and biases stay F32, as llama.cpp keeps them
+        writer.add_tensor(name, tensor.astype(np.float32))
+    elif qtype == gguf.GGMLQuantizationType.F16:
+        writer.add_tensor(name, tensor.astype(np.float16))
+    else:
+        writer.add_tensor(name, gguf.quants.quantize(tensor.astype(np.float32), qtype), raw_dtype=qtype)
+
+
+def _qwen2_moe_tensors(state_dict, config):
+    sd = {k: v.float().numpy() for k, v in state_dict.items()}
+    yield "token_embd.weight", sd["model.embed_tokens.weight"]
+    yield "output_norm.weight", sd["model.norm.weight"]
+    yield "output.weight", sd["lm_head.weight"]
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        yield f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"]
+        yield f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"]
+        for part, piece in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj")):
+            yield f"blk.{i}.attn_{part}.weight", sd[p + f"self_attn.{piece}.weight"]
+            yield f"blk.{i}.attn_{part}.bias", sd[p + f"self_attn.{piece}.bias"]
+        yield f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"]
+        if i in config.mlp_only_layers:
+            yield f"blk.{i}.ffn_gate.weight", sd[p + "mlp.gate_proj.weight"]
+            yield f"blk.{i}.ffn_up.weight", sd[p + "mlp.up_proj.weight"]
+            yield f"blk.{i}.ffn_down.weight", sd[p + "mlp.down_proj.weight"]
+            continue
+        # transformers holds a layer's experts stacked too: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I].
+        gate_up, width = sd[p + "mlp.experts.gate_up_proj"], config.moe_intermediate_size
+        stacked = {"gate": gate_up[:, :width], "up": gate_up[:, width:], "down": sd[p + "mlp.experts.down_proj"]}
+        yield f"blk.{i}.ffn_gate_inp.weight", sd[p + "mlp.gate.weight"]
+        for part, piece in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
+            yield f"blk.{i}.ffn_{part}_exps.weight", np.ascontiguousarray(stacked[part])
+            yield f"blk.{i}.ffn_{part}_shexp.weight", sd[p + f"mlp.shared_expert.{piece}.weight"]
+        yield f"blk.{i}.ffn_gate_inp_shexp.weight", sd[p + "mlp.shared_expert_gate.weight"][0]

@@ -139,3 +139,50 @@ def test_blocks_are_matched_to_float32_tensors_only_exactly():
     assert _match_rows(off_by_one_ulp, owners, tensors) is None
     mixed = np.concatenate([weight[:3], tensors["b.weight"].numpy()[3:]])  # rows of two tensors
     assert _match_rows(mixed, owners, tensors) is None
+
+
+@pytest.mark.parametrize("type_name", ["F32", "Q8_0"])
+def test_a_mixture_of_experts_gguf_generates_like_its_weights_in_transformers(type_name, tmp_path):
+    """llama.cpp's Qwen2-MoE layout (each layer's experts stacked, the expert widths in the metadata, the shared
+    expert's gate a vector): greedy tokens equal transformers' on the values the file holds (quantized and back)."""
+    import copy
+
+    from gguf_writer import tiny_qwen2_moe_config, write_qwen2_moe_gguf
+    from transformers import Qwen2MoeForCausalLM
+
+    config = tiny_qwen2_moe_config()
+    torch.manual_seed(0)
+    hf_model = Qwen2MoeForCausalLM(config).eval()
+    path = tmp_path / f"tiny-moe-{type_name}.gguf"
+    write_qwen2_moe_gguf(path, hf_model.state_dict(), config, type_name)
+    reference = copy.deepcopy(hf_model)
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            if param.dim() >= 2 and "shared_expert_gate" not in name:  # what the file quantizes
+                param.copy_(torch.from_numpy(quantized_round_trip(param.numpy(), type_name)))
+    llm = LLM(str(path), kv_cache_memory=4 * 1024**2)
+    for prompt in ([5, 6, 7, 8, 9, 10], list(range(40, 90))):
+        ours = llm.generate({"prompt_token_ids": prompt}, greedy(10), use_tqdm=False)[0].outputs[0].token_ids
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            expected = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
+                                          eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert list(ours) == expected
+
+
+def test_a_gguf_mixture_of_an_architecture_whose_experts_are_not_read_is_refused(tiny_hf_llama, tmp_path, monkeypatch):
+    """A Mixtral as llama.cpp files it (architecture llama, with experts) would otherwise load without them."""
+    import gguf
+
+    config, hf_model = tiny_hf_llama
+    path = tmp_path / "llama-with-experts.gguf"
+    add_metadata = gguf.GGUFWriter.add_name
+
+    def with_experts(writer, name):
+        add_metadata(writer, name)
+        writer.add_expert_count(8)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_name", with_experts)
+    write_gguf(path, hf_model.state_dict(), config, "F32")
+    with pytest.raises(ValueError, match="mixture of experts of architecture 'llama'; GGUF mixtures are read for qwen2moe"):
+        LLM(str(path), kv_cache_memory=4 * 1024**2)

