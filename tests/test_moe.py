@@ -178,3 +178,20 @@ def test_metrics_report_the_tokens_routed_to_each_expert(tiny_models):
         named = dict(re.findall(r'(\w+)="([^"]*)"', labels))
         counts[named["layer"], int(named["expert"])] = float(value)
     assert {layer for layer, _ in counts} == {"1"} and sum(counts.values()) == 2 * (6 + 9 - 1)
+
+
+def test_speculation_over_a_mixture_equals_decoding_without_it(tiny_models):
+    """Verifying drafts runs several positions of a request through the experts in one step (as for any proposer's
+    drafts): with the mixture drafting for itself every draft is accepted, and the greedy tokens stay those of plain
+    decoding."""
+    from conftest import engine_core_of, greedy, token_ids_of
+
+    model = str(tiny_models["mixtral"])
+    prompts = [{"prompt_token_ids": [10, 11, 12, 13] * 8}, {"prompt_token_ids": list(range(200, 230))}]
+    drafting = {"method": "draft_model", "model": model, "num_speculative_tokens": 3}
+    speculative = LLM(model, kv_cache_memory=2**22, speculative_config=drafting)
+    plain = LLM(model, kv_cache_memory=2**22)
+    assert token_ids_of(speculative.generate(prompts, greedy(24), use_tqdm=False)) == token_ids_of(
+        plain.generate(prompts, greedy(24), use_tqdm=False))
+    stats = engine_core_of(speculative).get_stats().spec
+    assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
