@@ -316,3 +316,23 @@ def test_kv_speed_times_a_decode_step_for_each_dtype(tmp_path, tiny_models):
     assert all(r["step_ms_best"] <= r["step_ms_median"] for r in results.values()) and results["fp8"]["step_ms_best"] > 0
     assert results["fp8"]["vs_bfloat16"] == pytest.approx(results["fp8"]["step_ms_median"] / results["bfloat16"]["step_ms_median"])
     assert "fp8: vs bfloat16" in stdout
+
+
+@pytest.mark.slow
+def test_moe_model_writes_a_mixture_and_its_dense_equal(tmp_path):
+    """The mixture of the shape asked for, and the dense model whose MLP is as wide as top_k experts: the same
+    parameters active per token; both load and generate."""
+    from pagedserve import LLM, SamplingParams
+
+    shape = ["--layers", "2", "--hidden", "128", "--experts", "4", "--expert-width", "32", "--top-k", "2"]
+    moe, stdout = bench(tmp_path, "moe-model", "--out", str(tmp_path / "moe"), *shape)
+    dense, _ = bench(tmp_path, "moe-model", "--out", str(tmp_path / "dense"), "--dense", *shape)
+    assert moe["experts"] == 4 and dense["experts"] == 0 and "active parameters per token" in stdout
+    assert moe["parameters"] - dense["parameters"] == 2 * (3 * 128 * 32 * 2 + 4 * 128)  # two more experts, and the router
+    assert moe["active_parameters_per_token"] == dense["parameters"] + 2 * 4 * 128
+    config = json.loads((tmp_path / "moe" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3MoeForCausalLM"] and config["moe_intermediate_size"] == 32
+    for name in ("moe", "dense"):
+        output = LLM(str(tmp_path / name), kv_cache_memory=2**22).generate({"prompt_token_ids": [5, 6, 7]},
+                                                                          SamplingParams(max_tokens=4, ignore_eos=True))
+        assert len(output[0].outputs[0].token_ids) == 4

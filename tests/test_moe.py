@@ -195,3 +195,16 @@ def test_speculation_over_a_mixture_equals_decoding_without_it(tiny_models):
         plain.generate(prompts, greedy(24), use_tqdm=False))
     stats = engine_core_of(speculative).get_stats().spec
     assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
+
+
+def test_a_mixture_runs_in_half_precision_close_to_float32(tiny_models):
+    """float16 activations and experts (the routing weights stay float32, as transformers keeps them): the tokens
+    chosen stay likely under float32."""
+    from conftest import greedy, hf_token_logprobs
+
+    model_dir = tiny_models["qwen3_moe"]
+    prompt = [1, 400, 500, 600, 700]
+    half = LLM(str(model_dir), dtype="float16", kv_cache_memory=2**22)
+    out = half.generate({"prompt_token_ids": prompt}, greedy(8, logprobs=0), use_tqdm=False)[0].outputs[0]
+    reference, _ = hf_token_logprobs(model_dir, prompt, list(out.token_ids))
+    assert [position[token].logprob for token, position in zip(out.token_ids, out.logprobs)] == pytest.approx(reference, abs=0.15)

@@ -61,7 +61,7 @@ def fused_experts(x: torch.Tensor, w13: Sequence[torch.Tensor], w2: Sequence[tor
         rows = tokens[start:start + count]
         hidden = act(packed_linear(x[rows], w13[expert], None, w13[expert].dtype))
         expert_out = packed_linear(hidden, w2[expert], None, x.dtype) * pair_weights[start:start + count]
-        out.index_add_(0, rows, expert_out)
+        out.index_add_(0, rows, expert_out.to(out.dtype))  # the float32 routing weights widen a half-precision product
         start += count
     return out
 
