@@ -104,8 +104,8 @@ def test_a_checkpoint_without_one_of_its_experts_is_refused_naming_it(tiny_model
 
 
 def test_a_split_the_mixture_cannot_take_is_refused_at_start(tiny_models, tmp_path):
-    with pytest.raises(ValueError, match="OLMoE normalizes q and k across all heads"):
-        LLM(str(tiny_models["olmoe"]), tensor_parallel_size=2, kv_cache_memory=2**22)
+    with pytest.raises(ValueError, match=r"OLMoE normalizes k across all KV heads, which tensor_parallel_size \(4\) above"):
+        LLM(str(tiny_models["olmoe"]), tensor_parallel_size=4, kv_cache_memory=2**22)
     odd = tmp_path / "qwen3_moe"
     shutil.copytree(tiny_models["qwen3_moe"], odd)
     config = json.loads((odd / "config.json").read_text())

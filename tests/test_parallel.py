@@ -95,10 +95,12 @@ def test_parallel_engine_matches_the_single_process_one(tiny_models, reference, 
     ("qwen2_moe", {"tensor_parallel_size": 2}),
     ("qwen2_moe", {"tensor_parallel_size": 2, "enable_expert_parallel": True}),
     ("mixtral", {"pipeline_parallel_size": 2}),
-], ids=["qwen2_moe-tp2", "qwen2_moe-tp2-ep", "mixtral-pp2"])
+    ("olmoe", {"tensor_parallel_size": 2}),
+], ids=["qwen2_moe-tp2", "qwen2_moe-tp2-ep", "mixtral-pp2", "olmoe-tp2"])
 def test_a_mixture_of_experts_split_over_ranks_matches_the_single_process_one(tiny_models, arch, settings):
-    """Tensor parallelism splits every expert's features (and the shared expert's) over the ranks; expert parallelism
-    gives each rank half of the experts, whole; pipeline parallelism gives each stage its layers' experts."""
+    """Tensor parallelism splits every expert's features (and the shared expert's) over the ranks, and OLMoE's q and k
+    norms over all heads are summed across them; expert parallelism gives each rank half of the experts, whole;
+    pipeline parallelism gives each stage its layers' experts."""
     from pagedserve.benchmarks.worker_probes import experts_held
 
     reference = run_workload(parallel_llm(tiny_models[arch]))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedserve.distributed.parallel_state import tp_all_reduce
 from pagedserve.layers.cpu_kernels import UsesCPUKernels
 
 
@@ -30,3 +31,22 @@ class RMSNorm(nn.Module, UsesCPUKernels):
         hidden = hidden * torch.rsqrt(variance + self.variance_epsilon)
         out = self.weight * hidden.to(input_dtype)
         return out if residual is None else (out, residual)
+
+
+class SplitRMSNorm(nn.Module):
+    """RMSNorm over a vector of full_size whose part (start, length) this tensor-parallel rank holds, the ranks' parts
+    disjoint (OLMoE's q and k norms, over all heads, when the heads are split): the sum of squares is all-reduced."""
+
+    def __init__(self, full_size: int, part: tuple[int, int], eps: float = 1e-6) -> None:
+        super().__init__()
+        self.full_size, self.part = full_size, part
+        self.weight = nn.Parameter(torch.ones(part[1]))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = x.to(torch.float32)
+        variance = tp_all_reduce(hidden.pow(2).sum(-1, keepdim=True)) / self.full_size
+        return self.weight * (hidden * torch.rsqrt(variance + self.variance_epsilon)).to(x.dtype)
+
+    def rank_slice(self, tensor: torch.Tensor, shard: int | None, is_bias: bool) -> torch.Tensor:
+        return tensor.narrow(0, *self.part)

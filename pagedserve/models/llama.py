@@ -19,10 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.distributed.parallel_state import rank_info
+from pagedserve.distributed.parallel_state import rank_info, tp_size
 from pagedserve.layers.attention import Attention, AttentionBackend, AttentionMetadata
 from pagedserve.layers.fused_moe import FusedMoE
-from pagedserve.layers.layernorm import RMSNorm
+from pagedserve.layers.layernorm import RMSNorm, SplitRMSNorm
 from pagedserve.layers.linear import (
     BlocksOrDense,
     Linear,
@@ -84,10 +84,15 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
-        self.qk_norm_across_heads = model_type == "olmoe"  # over the whole projection (so one rank holds all heads)
-        if self.qk_norm_across_heads:
+        self.qk_norm_across_heads = model_type == "olmoe"  # over the whole projection, every head of every rank
+        if self.qk_norm_across_heads and tp_size() == 1:
             self.q_norm = RMSNorm(self.q_size, hf_config.rms_norm_eps)
             self.k_norm = RMSNorm(self.kv_size, hf_config.rms_norm_eps)
+        elif self.qk_norm_across_heads:
+            q_range, kv_range, _ = self.qkv_proj.part_ranges
+            head_dim = self.head_dim
+            self.q_norm = SplitRMSNorm(hf_config.num_attention_heads * head_dim, q_range, hf_config.rms_norm_eps)
+            self.k_norm = SplitRMSNorm(hf_config.num_key_value_heads * head_dim, kv_range, hf_config.rms_norm_eps)
         self.clip_qkv = getattr(hf_config, "clip_qkv", None)
         self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, attn_backend)

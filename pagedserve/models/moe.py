@@ -116,6 +116,7 @@ def parallel_shape_problems(hf_config, tensor_parallel_size: int, expert_paralle
         if value % tensor_parallel_size:
             problems.append(f"{name} ({value}) is not divisible by tensor_parallel_size ({tensor_parallel_size})"
                             + (" (expert parallelism spreads the experts over the tensor-parallel ranks)" if name == "num_experts" else ""))
-    if hf_config.model_type == "olmoe" and tensor_parallel_size > 1:
-        problems.append("OLMoE normalizes q and k across all heads, which tensor parallelism would split: use tensor_parallel_size 1")
+    if hf_config.model_type == "olmoe" and tensor_parallel_size > hf_config.num_key_value_heads:
+        problems.append(f"OLMoE normalizes k across all KV heads, which tensor_parallel_size ({tensor_parallel_size}) above "
+                        f"num_key_value_heads ({hf_config.num_key_value_heads}) would replicate")
     return problems
