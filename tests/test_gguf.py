@@ -141,10 +141,14 @@ def test_blocks_are_matched_to_float32_tensors_only_exactly():
     assert _match_rows(mixed, owners, tensors) is None
 
 
-@pytest.mark.parametrize("type_name", ["F32", "Q8_0"])
+@pytest.mark.parametrize("type_name", ["F32", "Q8_0", "Q4_0"])
 def test_a_mixture_of_experts_gguf_generates_like_its_weights_in_transformers(type_name, tmp_path):
     """llama.cpp's Qwen2-MoE layout (each layer's experts stacked, the expert widths in the metadata, the shared
-    expert's gate a vector): greedy tokens equal transformers' on the values the file holds (quantized and back)."""
+    expert's gate a vector): greedy tokens equal transformers' on the values the file holds (quantized and back), the
+    quantized experts multiplying on their GGUF blocks."""
+    from pagedserve.layers.fused_moe import FusedMoE
+    from pagedserve.layers.linear import QuantizedWeight
+
     import copy
 
     from gguf_writer import tiny_qwen2_moe_config, write_qwen2_moe_gguf
@@ -161,6 +165,9 @@ def test_a_mixture_of_experts_gguf_generates_like_its_weights_in_transformers(ty
             if param.dim() >= 2 and "shared_expert_gate" not in name:  # what the file quantizes
                 param.copy_(torch.from_numpy(quantized_round_trip(param.numpy(), type_name)))
     llm = LLM(str(path), kv_cache_memory=4 * 1024**2)
+    mixtures = [module for module in worker_of(llm).model.modules() if isinstance(module, FusedMoE)]
+    on_blocks = [isinstance(weight, QuantizedWeight) for module in mixtures for part in module.packed for weight in part]
+    assert len(mixtures) == 2 and all(on_blocks) == (type_name != "F32") and len(on_blocks) == 2 * 2 * 8
     for prompt in ([5, 6, 7, 8, 9, 10], list(range(40, 90))):
         ours = llm.generate({"prompt_token_ids": prompt}, greedy(10), use_tqdm=False)[0].outputs[0].token_ids
         ids = torch.tensor([prompt])

@@ -211,7 +211,7 @@ class Worker:
         blocks = load_quantized_blocks(self.model_dir)
         if blocks:
             switched = self.model.use_quantized_weights(blocks, self.cpu_kernels)
-            logger.info("%d linear layers run on their GGUF blocks (%.0f MB)", switched,
+            logger.info("%d layers run on their GGUF blocks (%.0f MB)", switched,
                         sum(b.numel() for b, _ in blocks.values()) / 1e6)
 
     # ---- KV cache ---------------------------------------------------------------------------------

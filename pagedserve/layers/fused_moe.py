@@ -16,7 +16,7 @@ from torch import nn
 
 from pagedserve.distributed.parallel_state import rank_info, tp_all_reduce
 from pagedserve.layers.activation import SiluAndMul
-from pagedserve.layers.linear import pack_weight, packed_linear, split_evenly
+from pagedserve.layers.linear import GGUF_BLOCK_VALUES, QuantizedWeight, pack_weight, packed_linear, split_evenly
 
 # Checkpoint names of an expert's three matrices -> which of ours: Mixtral's w1/w3/w2, and the gate/up/down of others.
 EXPERT_PARTS = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
@@ -41,12 +41,22 @@ def expert_placement(num_experts: int, num_ranks: int, rank: int) -> range:
     return range(rank * per_rank, (rank + 1) * per_rank)
 
 
-def fused_experts(x: torch.Tensor, w13: Sequence[torch.Tensor], w2: Sequence[torch.Tensor], weights: torch.Tensor,
+ExpertWeight = torch.Tensor | QuantizedWeight
+
+
+def _multiply(x: torch.Tensor, weight: ExpertWeight, out_dtype: torch.dtype) -> torch.Tensor:
+    """x @ weight.T in out_dtype: a dense (or oneDNN-packed) weight multiplies in its dtype, GGUF blocks in float32."""
+    if isinstance(weight, QuantizedWeight):
+        return weight.linear(x.float()).to(out_dtype)
+    return packed_linear(x, weight, None, out_dtype)
+
+
+def fused_experts(x: torch.Tensor, w13: Sequence[ExpertWeight], w2: Sequence[ExpertWeight], weights: torch.Tensor,
                   ids: torch.Tensor, act: nn.Module) -> torch.Tensor:
     """sum over each token's experts e of weights * down_e(silu(gate_e(x)) * up_e(x)), in increasing expert order.
-    x [T, H]; w13[e] [2 * I, H] (gate rows, then up) and w2[e] [H, I], as tensors or packed for oneDNN (pack_weight);
-    weights, ids [T, top_k], an id of len(w13) standing for an expert this rank does not hold (its pairs are skipped).
-    The experts multiply in their weights' dtype; the sum is x's."""
+    x [T, H]; w13[e] [2 * I, H] (gate rows, then up) and w2[e] [H, I], as tensors, packed for oneDNN (pack_weight) or
+    GGUF blocks; weights, ids [T, top_k], an id of len(w13) standing for an expert this rank does not hold (its pairs
+    are skipped). The experts multiply in their weights' dtype; the sum is x's."""
     top_k, num_experts = ids.shape[1], len(w13)
     flat_ids = ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)  # the (token, slot) pairs grouped by expert
@@ -59,8 +69,9 @@ def fused_experts(x: torch.Tensor, w13: Sequence[torch.Tensor], w2: Sequence[tor
         if not count:
             continue
         rows = tokens[start:start + count]
-        hidden = act(packed_linear(x[rows], w13[expert], None, w13[expert].dtype))
-        expert_out = packed_linear(hidden, w2[expert], None, x.dtype) * pair_weights[start:start + count]
+        gate_up = w13[expert]
+        hidden = act(_multiply(x[rows], gate_up, x.dtype if isinstance(gate_up, QuantizedWeight) else gate_up.dtype))
+        expert_out = _multiply(hidden, w2[expert], x.dtype) * pair_weights[start:start + count]
         out.index_add_(0, rows, expert_out.to(out.dtype))  # the float32 routing weights widen a half-precision product
         start += count
     return out
@@ -95,13 +106,34 @@ class FusedMoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(len(self.local_experts), hidden_size, local_intermediate), requires_grad=False)
         self.act_fn = SiluAndMul()
 
-    packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+    # Each local expert's (gate-up, down) as the forward pass multiplies them: packed for the engine's GEMMs, or GGUF
+    # blocks. Either way the loaded weights are let go: unlike a dense layer's, they are most of a mixture's memory.
+    packed: tuple[list[ExpertWeight], list[ExpertWeight]] | None = None
 
     def pack(self, dtype: torch.dtype, onednn: bool) -> None:
         """Multiply in dtype (bfloat16 where the engine runs its GEMMs so), each expert's matrices reordered for oneDNN
-        where onednn. The loaded weights are let go: unlike a dense layer's, they are most of a mixture's memory."""
-        self.packed = ([pack_weight(weight, dtype, onednn) for weight in self.w13],
-                       [pack_weight(weight, dtype, onednn) for weight in self.w2])
+        where onednn; nothing to do for experts that run on their GGUF blocks."""
+        if self.packed is None:
+            self.packed = ([pack_weight(weight, dtype, onednn) for weight in self.w13],
+                           [pack_weight(weight, dtype, onednn) for weight in self.w2])
+        self._release_loaded_weights()
+
+    def use_blocks(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, qtype: int, kernels) -> bool:
+        """Run every expert on its GGUF blocks (uint8 [E, rows, bytes per row]: gate and up [E, I, .], down [E, H, .]),
+        this rank's share of them; False (and nothing changed) where the share would cut a block."""
+        start, length = self.intermediate_range
+        if start % GGUF_BLOCK_VALUES or length % GGUF_BLOCK_VALUES:
+            return False
+        block_bytes = kernels.quantized_block_bytes(qtype)
+        columns = (start // GGUF_BLOCK_VALUES * block_bytes, length // GGUF_BLOCK_VALUES * block_bytes)
+        experts = list(self.local_experts)
+        self.packed = ([QuantizedWeight(torch.cat([gate[e].narrow(0, start, length), up[e].narrow(0, start, length)]), qtype, kernels)
+                        for e in experts],
+                       [QuantizedWeight(down[e].narrow(1, *columns), qtype, kernels) for e in experts])
+        self._release_loaded_weights()
+        return True
+
+    def _release_loaded_weights(self) -> None:
         self.w13 = nn.Parameter(torch.empty(0, *self.w13.shape[1:]), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(0, *self.w2.shape[1:]), requires_grad=False)
 

@@ -10,12 +10,15 @@ tensors that transformers' conversion produced, and kept only when every row mat
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
+
+_EXPERT_TENSOR = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 
 # In a subdirectory: the checkpoint loader reads every *.safetensors file of the model directory.
 QUANTIZED_FILE = Path("gguf_blocks") / "blocks.safetensors"
@@ -32,11 +35,9 @@ def extract_quantized_blocks(reader, hf_tensors: dict[str, torch.Tensor], out_di
     from safetensors.numpy import save_file
 
     kernel_types = {GGMLQuantizationType[name] for name in KERNEL_TYPES}
+    blocks, metadata = _expert_blocks([t for t in reader.tensors if t.tensor_type in kernel_types], hf_tensors)
     candidates = [t for t in reader.tensors if t.tensor_type in kernel_types and len(t.data.shape) == 2]
-    if not candidates:
-        return 0
-    row_owner = _row_index(hf_tensors)
-    blocks, metadata = {}, {}
+    row_owner = _row_index(hf_tensors) if candidates else {}
     for tensor in candidates:
         values = dequantize(tensor.data, tensor.tensor_type)
         match = _match_rows(values, row_owner, hf_tensors)
@@ -52,6 +53,34 @@ def extract_quantized_blocks(reader, hf_tensors: dict[str, torch.Tensor], out_di
         (out_dir / QUANTIZED_FILE).parent.mkdir(exist_ok=True)
         save_file(blocks, str(out_dir / QUANTIZED_FILE), metadata=metadata)
     return len(blocks)
+
+
+def _expert_blocks(tensors, hf_tensors: dict[str, torch.Tensor]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """A mixture's stacked experts (llama.cpp's blk.N.ffn_{gate,up,down}_exps, [E, rows, bytes]) under
+    model.layers.N.mlp.experts.{gate,up,down}, each kept only when its values are exactly the converted checkpoint's
+    (transformers' stacked gate_up_proj [E, 2I, H], gate rows first, and down_proj [E, H, I])."""
+    from gguf.quants import dequantize
+
+    blocks, metadata = {}, {}
+    for tensor in tensors:
+        match = _EXPERT_TENSOR.match(tensor.name)
+        if match is None or len(tensor.data.shape) != 3:
+            continue
+        layer, part = match.groups()
+        prefix = f"model.layers.{layer}.mlp.experts"
+        stacked = hf_tensors.get(f"{prefix}.{'down_proj' if part == 'down' else 'gate_up_proj'}")
+        if stacked is None:
+            continue
+        if part != "down":
+            width = stacked.shape[1] // 2
+            stacked = stacked[:, :width] if part == "gate" else stacked[:, width:]
+        values = dequantize(tensor.data, tensor.tensor_type)
+        if values.shape != tuple(stacked.shape) or not np.array_equal(values, stacked.numpy()):
+            logger.info("GGUF tensor %s: not exactly the converted experts; they run dequantized", tensor.name)
+            continue
+        blocks[f"{prefix}.{part}"] = np.ascontiguousarray(tensor.data)
+        metadata[f"{prefix}.{part}"] = tensor.tensor_type.name
+    return blocks, metadata
 
 
 def load_quantized_blocks(model_dir: Path) -> dict[str, tuple[torch.Tensor, int]]:

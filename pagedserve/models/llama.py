@@ -231,11 +231,16 @@ class LlamaForCausalLM(nn.Module):
         activations), this rank's share of them. A fused layer needs all its shards in one type. Returns how
         many layers switched."""
         shards: dict[str, dict[int | None, tuple[torch.Tensor, int]]] = {}
+        experts: dict[str, dict[str, tuple[torch.Tensor, int]]] = {}
         for name, entry in blocks.items():
+            module_name, _, part = name.rpartition(".")
+            if isinstance(self._module_of(name), FusedMoE):
+                experts.setdefault(module_name, {})[part] = entry
+                continue
             target, shard = _fused_target(name)
             shards.setdefault(target, {})[shard] = entry
         lm_head_source = "model.embed_tokens.weight" if self.tie_word_embeddings else "lm_head.weight"
-        switched = 0
+        switched = sum(self._experts_on_blocks(module_name, parts, kernels) for module_name, parts in experts.items())
         for target, parts in shards.items():
             if target == lm_head_source:
                 if self.lm_head is not None:
@@ -257,6 +262,13 @@ class LlamaForCausalLM(nn.Module):
             module.quantized = QuantizedWeight(torch.cat(local).contiguous(), qtype, kernels)
             switched += 1
         return switched
+
+    def _experts_on_blocks(self, module_name: str, parts: dict[str, tuple[torch.Tensor, int]], kernels) -> bool:
+        """A mixture layer's experts onto their GGUF blocks, when its gate, up and down all came in one type."""
+        if set(parts) != {"gate", "up", "down"} or len({qtype for _, qtype in parts.values()}) != 1:
+            return False
+        qtype = parts["gate"][1]
+        return self.get_submodule(module_name).use_blocks(parts["gate"][0], parts["up"][0], parts["down"][0], qtype, kernels)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy this rank's share of each checkpoint tensor into place; tensors of other stages are skipped."""
