@@ -39,8 +39,8 @@ class EngineCore:
             raise
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         # Pipeline parallelism: up to max_concurrent_batches steps in flight; a request's next step waits for its last.
-        self.batch_queue: deque[SchedulerOutput] | None = deque() if self.executor.max_concurrent_batches > 1 else None
-        self._submitted_at: deque[float] = deque()  # with the batch queue: when each step in it was submitted
+        # Each step in flight, and when it was submitted (perf_counter).
+        self.batch_queue: deque[tuple[SchedulerOutput, float]] | None = deque() if self.executor.max_concurrent_batches > 1 else None
         self.last_step: StepRecord | None = None  # the step whose outputs step() returned last
         info = self.model_info
         self.structured_output = StructuredOutputManager(
@@ -118,14 +118,13 @@ class EngineCore:
             scheduler_output = self.scheduler.schedule()
             if scheduler_output.needs_runner:
                 self.executor.submit_step(scheduler_output)
-                queue.append(scheduler_output)
-                self._submitted_at.append(time.perf_counter())
+                queue.append((scheduler_output, time.perf_counter()))
                 submitted = True
         if queue and (len(queue) == self.executor.max_concurrent_batches or not submitted):
-            scheduler_output = queue.popleft()
+            scheduler_output, submitted_at = queue.popleft()
             runner_output = self.executor.wait_step()
             # From submission to output: a step in a pipeline overlaps the ones beside it.
-            self.last_step = StepRecord.of(scheduler_output, time.perf_counter() - self._submitted_at.popleft(), time.time())
+            self.last_step = StepRecord.of(scheduler_output, time.perf_counter() - submitted_at, time.time())
             return self.scheduler.update_from_output(scheduler_output, runner_output)
         return []
 
