@@ -52,15 +52,17 @@ def _multiply(x: torch.Tensor, weight: ExpertWeight, out_dtype: torch.dtype) -> 
 
 
 def fused_experts(x: torch.Tensor, w13: Sequence[ExpertWeight], w2: Sequence[ExpertWeight], weights: torch.Tensor,
-                  ids: torch.Tensor, act: nn.Module) -> torch.Tensor:
+                  ids: torch.Tensor, act: nn.Module, counts: list[int] | None = None) -> torch.Tensor:
     """sum over each token's experts e of weights * down_e(silu(gate_e(x)) * up_e(x)), in increasing expert order.
     x [T, H]; w13[e] [2 * I, H] (gate rows, then up) and w2[e] [H, I], as tensors, packed for oneDNN (pack_weight) or
     GGUF blocks; weights, ids [T, top_k], an id of len(w13) standing for an expert this rank does not hold (its pairs
-    are skipped). The experts multiply in their weights' dtype; the sum is x's."""
+    are skipped); counts: the pairs of each expert here, where the caller has counted them already. The experts multiply
+    in their weights' dtype; the sum is x's."""
     top_k, num_experts = ids.shape[1], len(w13)
     flat_ids = ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)  # the (token, slot) pairs grouped by expert
-    counts = torch.bincount(flat_ids, minlength=num_experts + 1).tolist()[:num_experts]
+    if counts is None:
+        counts = torch.bincount(flat_ids, minlength=num_experts + 1).tolist()[:num_experts]
     tokens = order // top_k
     pair_weights = weights.reshape(-1)[order].unsqueeze(1)
     out = torch.zeros_like(x)
@@ -94,7 +96,6 @@ class FusedMoE(nn.Module):
         else:
             self.local_experts = range(num_experts)
             self.intermediate_range = split_evenly(intermediate_size, "the experts' intermediate size")
-        self._local_index = {expert: index for index, expert in enumerate(self.local_experts)}
         # Global expert id -> its index here, or len(local_experts) where another rank holds it.
         local_ids = torch.full((num_experts,), len(self.local_experts), dtype=torch.int64)
         local_ids[list(self.local_experts)] = torch.arange(len(self.local_experts))
@@ -139,11 +140,14 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
-        self.routed += torch.bincount(ids.reshape(-1), minlength=self.num_experts)
+        counts = torch.bincount(ids.reshape(-1), minlength=self.num_experts)  # once: for /metrics and for the grouping
+        self.routed += counts
+        held = counts.tolist()
         if self.expert_parallel:
             ids = self.local_ids[ids]
+            held = [held[expert] for expert in self.local_experts]
         w13, w2 = self.packed or (self.w13, self.w2)
-        return tp_all_reduce(fused_experts(x, w13, w2, weights, ids, self.act_fn))
+        return tp_all_reduce(fused_experts(x, w13, w2, weights, ids, self.act_fn, held))
 
     def load_stacked(self, part: str, tensor: torch.Tensor, name: str) -> None:
         """Every expert's matrices at once, stacked as transformers (and its GGUF reader) hold them: gate_up
@@ -164,9 +168,9 @@ class FusedMoE(nn.Module):
         nothing for an expert another rank holds."""
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"checkpoint tensor {name!r} names expert {expert}, but the model has {self.num_experts}")
-        if expert not in self._local_index:
-            return
-        local = self._local_index[expert]
+        local = int(self.local_ids[expert])
+        if local == len(self.local_experts):
+            return  # another rank holds it
         start, length = self.intermediate_range
         if part == "down":
             source, dest = tensor.narrow(1, start, length), self.w2[local]

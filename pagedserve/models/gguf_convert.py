@@ -166,8 +166,8 @@ def _llama_mixture(reader, llama_config):
     for tensor in reader.tensors:
         layer, _, rest = tensor.name.removeprefix("blk.").partition(".")
         if rest in ("ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"):
-            values = dequantize(tensor.data, tensor.tensor_type).reshape(tuple(reversed(tensor.shape.tolist())))
-            parts.setdefault(layer, {})[rest.split(".")[0]] = torch.from_numpy(values.astype("float32"))
+            dequantized = dequantize(tensor.data, tensor.tensor_type).reshape(tuple(reversed(tensor.shape.tolist())))
+            parts.setdefault(layer, {})[rest.split(".")[0]] = torch.from_numpy(dequantized.astype("float32"))
     tensors = {}
     for layer, part in parts.items():
         prefix = f"model.layers.{layer}.mlp"

@@ -35,7 +35,7 @@ from pagedserve.layers.linear import (
 from pagedserve.layers.rotary import RotaryEmbedding
 from pagedserve.layers.vocab_embedding import VocabParallelEmbedding, gather_logits
 from pagedserve.models.mlp import GatedMLP
-from pagedserve.models.moe import checkpoint_alias, expected_expert_loads, expert_tensor, layer_mlp
+from pagedserve.models.moe import checkpoint_alias, expected_expert_loads, expert_load_key, expert_tensor, layer_mlp
 
 # What the lm_head multiplies in, whatever the other GEMMs do: the logits are what sampling and logprobs read, and
 # bfloat16 would round them to steps of 1/8 at their usual size, tying tokens that are not tied.
@@ -303,10 +303,10 @@ class LlamaForCausalLM(nn.Module):
         experts = self.get_submodule(module_name)
         if index is not None:
             experts.load_expert(index, part, tensor, name)
-            return [f"{module_name}#{index}.{part}"]
+            return [expert_load_key(module_name, index, part)]
         experts.load_stacked(part, tensor, name)
         parts = ("down",) if part == "down" else ("gate", "up")
-        return [f"{module_name}#{expert}.{p}" for expert in range(experts.num_experts) for p in parts]
+        return [expert_load_key(module_name, expert, p) for expert in range(experts.num_experts) for p in parts]
 
     def _load_kv_scale(self, name: str, tensor: torch.Tensor) -> None:
         attention, fields = _kv_scale_target(name)

@@ -98,9 +98,14 @@ def expert_tensor(name: str) -> tuple[str, int | None, str] | None:
     return None
 
 
+def expert_load_key(module_name: str, expert: int, part: str) -> str:
+    """How loading records one expert's part (gate, up or down) as loaded."""
+    return f"{module_name}#{expert}.{part}"
+
+
 def expected_expert_loads(module_name: str, experts: FusedMoE) -> list[str]:
-    """What loading every expert of `experts` marks loaded (as load_weights records an expert tensor)."""
-    return [f"{module_name}#{expert}.{part}" for expert in experts.local_experts for part in ("gate", "up", "down")]
+    """What loading every expert this rank holds of `experts` marks loaded."""
+    return [expert_load_key(module_name, expert, part) for expert in experts.local_experts for part in ("gate", "up", "down")]
 
 
 def parallel_shape_problems(hf_config, tensor_parallel_size: int, expert_parallel: bool = False) -> list[str]:
