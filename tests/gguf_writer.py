@@ -41,9 +41,15 @@ def tiny_llama_config():
 
 
 def write_gguf(path, state_dict: dict[str, torch.Tensor], config, type_name: str) -> None:
-    qtype = QUANT_TYPES[type_name]
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_name("tiny-llama")
+    writer = _model_writer(path, "llama", "tiny-llama", config)
+    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    _finish(writer, _gguf_tensors(state_dict, config), type_name)
+
+
+def _model_writer(path, architecture: str, name: str, config):
+    """A GGUFWriter with the shape every test model states, and the writer's tokenizer."""
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_name(name)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -52,25 +58,15 @@ def write_gguf(path, state_dict: dict[str, torch.Tensor], config, type_name: str
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_vocab_size(len(VOCAB))
-    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(VOCAB)
-    writer.add_token_types([gguf.TokenType.CONTROL] * len(SPECIAL_TOKENS) + [gguf.TokenType.NORMAL] * (len(VOCAB) - len(SPECIAL_TOKENS)))
-    writer.add_token_merges(MERGES)
-    writer.add_bos_token_id(0)
-    writer.add_eos_token_id(2)
-    writer.add_chat_template(CHAT_TEMPLATE)
-    for name, tensor in _gguf_tensors(state_dict, config):
-        if tensor.ndim == 1:  # norms stay F32, as llama.cpp keeps them
-            writer.add_tensor(name, tensor.astype(np.float32))
-        elif qtype == gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(name, tensor.astype(np.float32))
-        elif qtype == gguf.GGMLQuantizationType.F16:
-            writer.add_tensor(name, tensor.astype(np.float16))
-        else:
-            writer.add_tensor(name, gguf.quants.quantize(tensor.astype(np.float32), qtype), raw_dtype=qtype)
+    _add_tokenizer(writer)
+    return writer
+
+
+def _finish(writer, tensors, type_name: str) -> None:
+    """Add the (name, array) tensors in type_name, then write the file."""
+    qtype = QUANT_TYPES[type_name]
+    for name, tensor in tensors:
+        _add_tensor(writer, name, tensor, qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -88,6 +84,16 @@ def quantized_round_trip(weight: np.ndarray, type_name: str) -> np.ndarray:
 
 
 def _gguf_tensors(state_dict, config):
+    def layer(sd, p, i):
+        yield from _llama_attention(sd, p, i, config)
+        yield from _dense_mlp(sd, p, i)
+
+    return _model_tensors(state_dict, config, layer)
+
+
+def _model_tensors(state_dict, config, layer_tensors):
+    """(GGUF name, array) of a model: the embedding, final norm and output, and each layer's norms and then
+    layer_tensors(numpy state dict, HF prefix of the layer, layer index)."""
     sd = {k: v.float().numpy() for k, v in state_dict.items()}
     yield "token_embd.weight", sd["model.embed_tokens.weight"]
     yield "output_norm.weight", sd["model.norm.weight"]
@@ -96,13 +102,31 @@ def _gguf_tensors(state_dict, config):
         p = f"model.layers.{i}."
         yield f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"]
         yield f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"]
-        yield f"blk.{i}.attn_q.weight", _permute(sd[p + "self_attn.q_proj.weight"], config.num_attention_heads)
-        yield f"blk.{i}.attn_k.weight", _permute(sd[p + "self_attn.k_proj.weight"], config.num_key_value_heads)
-        yield f"blk.{i}.attn_v.weight", sd[p + "self_attn.v_proj.weight"]
-        yield f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"]
-        yield f"blk.{i}.ffn_gate.weight", sd[p + "mlp.gate_proj.weight"]
-        yield f"blk.{i}.ffn_up.weight", sd[p + "mlp.up_proj.weight"]
-        yield f"blk.{i}.ffn_down.weight", sd[p + "mlp.down_proj.weight"]
+        yield from layer_tensors(sd, p, i)
+
+
+def _llama_attention(sd, p, i, config):
+    """q and k permuted for llama.cpp's rotary layout."""
+    yield f"blk.{i}.attn_q.weight", _permute(sd[p + "self_attn.q_proj.weight"], config.num_attention_heads)
+    yield f"blk.{i}.attn_k.weight", _permute(sd[p + "self_attn.k_proj.weight"], config.num_key_value_heads)
+    yield f"blk.{i}.attn_v.weight", sd[p + "self_attn.v_proj.weight"]
+    yield f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"]
+
+
+def _dense_mlp(sd, p, i):
+    yield f"blk.{i}.ffn_gate.weight", sd[p + "mlp.gate_proj.weight"]
+    yield f"blk.{i}.ffn_up.weight", sd[p + "mlp.up_proj.weight"]
+    yield f"blk.{i}.ffn_down.weight", sd[p + "mlp.down_proj.weight"]
+
+
+def _stacked_experts(sd, p, i, width: int):
+    """The router and the experts, stacked as llama.cpp stacks them. transformers holds them stacked too:
+    gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]."""
+    gate_up = sd[p + "mlp.experts.gate_up_proj"]
+    yield f"blk.{i}.ffn_gate_inp.weight", sd[p + "mlp.gate.weight"]
+    yield f"blk.{i}.ffn_gate_exps.weight", np.ascontiguousarray(gate_up[:, :width])
+    yield f"blk.{i}.ffn_up_exps.weight", np.ascontiguousarray(gate_up[:, width:])
+    yield f"blk.{i}.ffn_down_exps.weight", sd[p + "mlp.experts.down_proj"]
 
 
 def tiny_qwen2_moe_config():
@@ -120,28 +144,12 @@ def tiny_qwen2_moe_config():
 def write_qwen2_moe_gguf(path, state_dict: dict[str, torch.Tensor], config, type_name: str) -> None:
     """As llama.cpp's converter writes a Qwen2-MoE: the experts of a layer stacked ([E, I, H] gate and up, [E, H, I]
     down), the shared expert's gate a vector, q and k not permuted."""
-    qtype = QUANT_TYPES[type_name]
-    writer = gguf.GGUFWriter(str(path), "qwen2moe")
-    writer.add_name("tiny-qwen2-moe")
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer = _model_writer(path, "qwen2moe", "tiny-qwen2-moe", config)
     writer.add_expert_count(config.num_experts)
     writer.add_expert_used_count(config.num_experts_per_tok)
     writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
-    _add_tokenizer(writer)
-    for name, tensor in _qwen2_moe_tensors(state_dict, config):
-        _add_tensor(writer, name, tensor, qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _finish(writer, _qwen2_moe_tensors(state_dict, config), type_name)
 
 
 def _add_tokenizer(writer) -> None:
@@ -166,31 +174,17 @@ def _add_tensor(writer, name: str, tensor: np.ndarray, qtype) -> None:
 
 
 def _qwen2_moe_tensors(state_dict, config):
-    sd = {k: v.float().numpy() for k, v in state_dict.items()}
-    yield "token_embd.weight", sd["model.embed_tokens.weight"]
-    yield "output_norm.weight", sd["model.norm.weight"]
-    yield "output.weight", sd["lm_head.weight"]
-    for i in range(config.num_hidden_layers):
-        p = f"model.layers.{i}."
-        yield f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"]
-        yield f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"]
-        for part, piece in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj")):
+    def layer(sd, p, i):
+        for part, piece in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj")):  # not permuted
             yield f"blk.{i}.attn_{part}.weight", sd[p + f"self_attn.{piece}.weight"]
             yield f"blk.{i}.attn_{part}.bias", sd[p + f"self_attn.{piece}.bias"]
         yield f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"]
-        if i in config.mlp_only_layers:
-            yield f"blk.{i}.ffn_gate.weight", sd[p + "mlp.gate_proj.weight"]
-            yield f"blk.{i}.ffn_up.weight", sd[p + "mlp.up_proj.weight"]
-            yield f"blk.{i}.ffn_down.weight", sd[p + "mlp.down_proj.weight"]
-            continue
-        # transformers holds a layer's experts stacked too: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I].
-        gate_up, width = sd[p + "mlp.experts.gate_up_proj"], config.moe_intermediate_size
-        stacked = {"gate": gate_up[:, :width], "up": gate_up[:, width:], "down": sd[p + "mlp.experts.down_proj"]}
-        yield f"blk.{i}.ffn_gate_inp.weight", sd[p + "mlp.gate.weight"]
+        yield from _stacked_experts(sd, p, i, config.moe_intermediate_size)
         for part, piece in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
-            yield f"blk.{i}.ffn_{part}_exps.weight", np.ascontiguousarray(stacked[part])
             yield f"blk.{i}.ffn_{part}_shexp.weight", sd[p + f"mlp.shared_expert.{piece}.weight"]
         yield f"blk.{i}.ffn_gate_inp_shexp.weight", sd[p + "mlp.shared_expert_gate.weight"][0]
+
+    return _model_tensors(state_dict, config, layer)
 
 
 def tiny_mixtral_config():
@@ -208,44 +202,16 @@ def tiny_mixtral_config():
 def write_mixtral_gguf(path, state_dict: dict[str, torch.Tensor], config, type_name: str) -> None:
     """As llama.cpp's converter writes a Mixtral: architecture llama with an expert count, q and k permuted for its
     rotary layout, each layer's router (ffn_gate_inp) and its experts stacked (ffn_{gate,up,down}_exps)."""
-    qtype = QUANT_TYPES[type_name]
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_name("tiny-mixtral")
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer = _model_writer(path, "llama", "tiny-mixtral", config)
     writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
     writer.add_expert_count(config.num_local_experts)
     writer.add_expert_used_count(config.num_experts_per_tok)
-    _add_tokenizer(writer)
-    sd = {k: v.float().numpy() for k, v in state_dict.items()}
-    for name, tensor in _mixtral_tensors(sd, config):
-        _add_tensor(writer, name, tensor, qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _finish(writer, _mixtral_tensors(state_dict, config), type_name)
 
 
-def _mixtral_tensors(sd, config):
-    yield "token_embd.weight", sd["model.embed_tokens.weight"]
-    yield "output_norm.weight", sd["model.norm.weight"]
-    yield "output.weight", sd["lm_head.weight"]
-    for i in range(config.num_hidden_layers):
-        p = f"model.layers.{i}."
-        yield f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"]
-        yield f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"]
-        yield f"blk.{i}.attn_q.weight", _permute(sd[p + "self_attn.q_proj.weight"], config.num_attention_heads)
-        yield f"blk.{i}.attn_k.weight", _permute(sd[p + "self_attn.k_proj.weight"], config.num_key_value_heads)
-        yield f"blk.{i}.attn_v.weight", sd[p + "self_attn.v_proj.weight"]
-        yield f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"]
-        gate_up, width = sd[p + "mlp.experts.gate_up_proj"], config.intermediate_size
-        yield f"blk.{i}.ffn_gate_inp.weight", sd[p + "mlp.gate.weight"]
-        yield f"blk.{i}.ffn_gate_exps.weight", np.ascontiguousarray(gate_up[:, :width])
-        yield f"blk.{i}.ffn_up_exps.weight", np.ascontiguousarray(gate_up[:, width:])
-        yield f"blk.{i}.ffn_down_exps.weight", sd[p + "mlp.experts.down_proj"]
+def _mixtral_tensors(state_dict, config):
+    def layer(sd, p, i):
+        yield from _llama_attention(sd, p, i, config)
+        yield from _stacked_experts(sd, p, i, config.intermediate_size)
+
+    return _model_tensors(state_dict, config, layer)
