@@ -153,6 +153,11 @@ class SchedulerStats:
     num_preemptions: int = 0  # cumulative
     spec: SpecDecodingStats | None = None  # cumulative; None without speculative decoding
 
+    @property
+    def prefix_cache_hit_rate(self) -> float | None:
+        """Prompt tokens found in the prefix cache per token looked up; None before any lookup."""
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else None
+
 
 @dataclass
 class SpecDecodingStats:

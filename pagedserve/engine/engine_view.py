@@ -75,7 +75,7 @@ class EngineView:
     @staticmethod
     def _describe_stats(stats) -> dict:
         return {"running": stats.num_running, "waiting": stats.num_waiting, "kv_cache_usage": stats.kv_cache_usage,
-                "prefix_cache_hit_rate": stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else None,
+                "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
                 "preemptions": stats.num_preemptions}
 
     def _describe(self, number: int, engine: int, step: StepRecord) -> dict:

@@ -169,7 +169,7 @@ class EngineMetrics:
             prefix_cache_queries=sum(s.prefix_cache_queries for s in engines),
             prefix_cache_hits=sum(s.prefix_cache_hits for s in engines), num_preemptions=sum(s.num_preemptions for s in engines),
         )
-        hit_rate = stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0
+        hit_rate = stats.prefix_cache_hit_rate or 0.0
         logger.info(
             "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, Running: %d reqs, "
             "Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%, Preemptions: %d",
