@@ -16,3 +16,4 @@ class ModelInfo:
     # Default sampling parameters (SamplingParams field names) from the generation config; empty when none.
     generation_defaults: dict[str, float | int]
     num_experts: int = 0  # experts of each mixture-of-experts layer; 0 for a dense model
+    experts_per_token: int = 0  # the experts each token is routed to (top-k); 0 for a dense model

@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import worker_of
+from conftest import engine_core_of, worker_of
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.layers.activation import SiluAndMul
@@ -73,11 +73,16 @@ def test_routing_is_a_float32_softmax_then_top_k_renormalized_only_where_the_mod
 def test_each_layer_is_built_as_the_config_says(tiny_models):
     """Qwen2-MoE's first layer keeps its dense MLP (mlp_only_layers); the second is a mixture with a gated shared
     expert; Mixtral's mixtures have none."""
+    from pagedserve.core.step_time import ExpertRouting
     from pagedserve.layers.fused_moe import FusedMoE
     from pagedserve.models.mlp import GatedMLP
     from pagedserve.models.moe import MoEBlock
 
-    qwen = worker_of(LLM(str(tiny_models["qwen2_moe"]), kv_cache_memory=2**22)).model
+    qwen_llm = LLM(str(tiny_models["qwen2_moe"]), kv_cache_memory=2**22)
+    qwen = worker_of(qwen_llm).model
+    # The scheduler's step-time models price the experts a step touches, as the model routes its tokens.
+    stall_bound = engine_core_of(qwen_llm).scheduler.stall_bound
+    assert stall_bound.step_time.experts == stall_bound.decode_step_time.experts == ExpertRouting(8, 2)
     dense, sparse = (layer.mlp for layer in qwen.model.layers)
     assert isinstance(dense, GatedMLP) and isinstance(sparse, MoEBlock)
     assert sparse.shared_expert is not None and sparse.experts.top_k == 2
@@ -86,6 +91,7 @@ def test_each_layer_is_built_as_the_config_says(tiny_models):
     mixtral = worker_of(LLM(str(tiny_models["mixtral"]), kv_cache_memory=2**22)).model
     assert all(isinstance(layer.mlp, MoEBlock) and layer.mlp.shared_expert is None for layer in mixtral.model.layers)
     assert all(layer.mlp.experts.renormalize for layer in mixtral.model.layers)
+    assert engine_core_of(LLM(str(tiny_models["llama"]), kv_cache_memory=2**22)).scheduler.stall_bound.step_time.experts is None
     assert sum(isinstance(module, FusedMoE) for module in mixtral.modules()) == 2
 
 

@@ -347,6 +347,46 @@ def test_step_time_fit_stays_non_negative_when_the_features_move_together():
     assert nonnegative_least_squares(gram, moment) == pytest.approx([1.0, 1.0, 0.0], abs=1e-9)
 
 
+def test_step_time_model_of_a_mixture_prices_the_experts_a_step_touches():
+    """A mixture's step reads every expert its tokens chose: its cost rises steeply over the first tokens and then
+    flattens. Fit to the engine's warm-up shapes and a few steps, the model with the experts-touched feature predicts
+    decode batches of every size, and a chunk added beside many decodes costs less than beside one (the experts it
+    touches are mostly read already)."""
+    import random
+
+    from pagedserve.core.step_time import ExpertRouting, StepShape, StepTimeModel, uniform_step_shape
+
+    experts = ExpertRouting(num_experts=32, experts_per_token=4)
+    truth = (0.004, 0.0002, 0.0002, 0.0004, 0.0015)  # the four dense costs, then seconds per expert touched
+
+    def cost(shape):
+        features = shape.features() + (experts.experts_touched(shape.num_tokens),)
+        return sum(w * f for w, f in zip(truth, features))
+
+    assert experts.experts_touched(1) == pytest.approx(4.0)
+    assert experts.experts_touched(0) == 0.0 and experts.experts_touched(200) == pytest.approx(32.0, rel=1e-6)
+    rng = random.Random(3)
+    warm_up = [(1, 1, 0), (8, 1, 64), (32, 1, 64), (1, 64, 0), (8, 1, 1024), (2, 128, 0)]
+    shapes = [uniform_step_shape(*s) for s in warm_up] + [
+        StepShape(d, 0, d * rng.randint(50, 500)) for d in rng.sample(range(1, 40), 10)]
+    with_experts, dense = StepTimeModel(experts=experts), StepTimeModel()
+    for shape in shapes:
+        seconds = cost(shape) * rng.uniform(0.98, 1.02)
+        with_experts.observe(shape, seconds)
+        dense.observe(shape, seconds)
+    probes = [StepShape(d, 0, d * 300) for d in (1, 2, 3, 5, 12, 24, 48)]
+    errors = [abs(with_experts.predict(p) - cost(p)) / cost(p) for p in probes]
+    dense_errors = [abs(dense.predict(p) - cost(p)) / cost(p) for p in probes]
+    assert max(errors) < 0.05 < max(dense_errors)
+    beside_one, beside_many = with_experts.prefill_cost(64, 0, step_tokens=1), with_experts.prefill_cost(64, 0, step_tokens=48)
+    assert beside_many < beside_one
+    assert beside_one - beside_many == pytest.approx(
+        truth[4] * (experts.experts_touched(48) - experts.experts_touched(1) - experts.experts_touched(112) + experts.experts_touched(65)),
+        rel=0.2)
+    limit = with_experts.max_chunk(0.05, 0, 1000, step_tokens=8)
+    assert with_experts.prefill_cost(limit, 0, 8) <= 0.05 < with_experts.prefill_cost(limit + 1, 0, 8)
+
+
 def test_step_time_model_keeps_what_a_long_run_of_one_shape_does_not_inform():
     """Minutes of one stream decoding refresh the cost of that step shape only: what earlier steps said about
     prompt chunks and bigger batches stays, so a burst after them is priced right."""

@@ -21,7 +21,7 @@ from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.request_queue import make_waiting_queue
 from pagedserve.core.stall_bound import DecodeStallBound
 from pagedserve.core.step_plan import StepPlan
-from pagedserve.core.step_time import StepShape
+from pagedserve.core.step_time import ExpertRouting, StepShape
 from pagedserve.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -43,8 +43,10 @@ class Scheduler:
         speculative: SpeculativeConfig | None = None,
         send_last_tokens: bool = False,
         structured_output=None,
+        experts: ExpertRouting | None = None,
     ) -> None:
-        """structured_output: the engine's grammar states (a StructuredOutputManager), None without structured outputs."""
+        """structured_output: the engine's grammar states (a StructuredOutputManager), None without structured outputs.
+        experts: a mixture of experts' routing, which the step-time model prices; None for a dense model."""
         self.kv_cache_manager = kv_cache_manager
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -60,7 +62,7 @@ class Scheduler:
         self.num_preemptions = 0
         # Prompt logprob positions already reported per request, so a recompute does not repeat them.
         self.num_prompt_logprobs_sent: dict[str, int] = {}
-        self.stall_bound = DecodeStallBound(max_decode_stall, min_chunk_tokens=kv_cache_manager.block_size)
+        self.stall_bound = DecodeStallBound(max_decode_stall, min_chunk_tokens=kv_cache_manager.block_size, experts=experts)
         # Pipeline parallelism: every decode carries its last token (SchedulerOutput.last_token_ids).
         self.send_last_tokens = send_last_tokens
         self.speculative = speculative

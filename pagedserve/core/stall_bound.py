@@ -5,7 +5,7 @@ step before the streams it carries wait longer than the limit allows."""
 from __future__ import annotations
 
 from pagedserve.config import DecodeStallLimit
-from pagedserve.core.step_time import ShapeTally, StepShape, StepTimeModel
+from pagedserve.core.step_time import ExpertRouting, ShapeTally, StepShape, StepTimeModel
 from pagedserve.request import Request
 
 # The share of a step's time limit that is planned: the step-time model's prediction of one step errs either way,
@@ -19,20 +19,23 @@ class PrefillAllowance:
     """The seconds of prompt work a step may still take on while streams decode. The first chunk of a step
     always gets min_tokens, so prompts progress however tight the limit."""
 
-    def __init__(self, model: StepTimeModel, seconds: float, min_tokens: int, limit_seconds: float = float("inf")) -> None:
+    def __init__(self, model: StepTimeModel, seconds: float, min_tokens: int, limit_seconds: float = float("inf"),
+                 step_tokens: int = 0) -> None:
         self.model = model
         self.limit_seconds = limit_seconds  # the step's whole time limit, decodes included (seconds: what is left of it)
         self.seconds = seconds
         self.min_tokens = min_tokens
+        self.step_tokens = step_tokens  # the tokens the step carries so far: its decodes, then the chunks granted
         self.granted = False
 
     def take(self, num_tokens: int, context_len: int) -> int:
         """How many of num_tokens prompt tokens after context_len fit; they are then spent."""
-        allowed = self.model.max_chunk(self.seconds, context_len, num_tokens)
+        allowed = self.model.max_chunk(self.seconds, context_len, num_tokens, self.step_tokens)
         if allowed == 0 and not self.granted:
             allowed = min(num_tokens, self.min_tokens)
         if allowed:
-            self.seconds -= self.model.prefill_cost(allowed, context_len)
+            self.seconds -= self.model.prefill_cost(allowed, context_len, self.step_tokens)
+            self.step_tokens += allowed
             self.granted = True
         return allowed
 
@@ -41,11 +44,11 @@ class DecodeStallBound:
     """Two step-time models: one over all steps, which prices prompt chunks, and one over decode-only steps, the
     yardstick a stall is measured against (the fit over all steps is dominated by the steps with prompts)."""
 
-    def __init__(self, limit: DecodeStallLimit | None, min_chunk_tokens: int) -> None:
+    def __init__(self, limit: DecodeStallLimit | None, min_chunk_tokens: int, experts: ExpertRouting | None = None) -> None:
         self.limit = limit
         self.min_chunk_tokens = min_chunk_tokens
-        self.step_time = StepTimeModel()
-        self.decode_step_time = StepTimeModel()
+        self.step_time = StepTimeModel(experts=experts)
+        self.decode_step_time = StepTimeModel(experts=experts)
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         """How long a step of this shape took."""
@@ -80,7 +83,8 @@ class DecodeStallBound:
         batch = min(num_running + num_waiting, max_num_seqs)
         joined = StepShape(batch, 0, decoding.attention_pairs * batch / decoding.decode_tokens)
         target = self.limit.limit(self._decode_only_seconds(joined))
-        return PrefillAllowance(self.step_time, PLANNING_MARGIN * target - decode_only, self.min_chunk_tokens, target)
+        return PrefillAllowance(self.step_time, PLANNING_MARGIN * target - decode_only, self.min_chunk_tokens, target,
+                                decoding.decode_tokens)
 
     def _decode_only_seconds(self, shape: StepShape) -> float:
         enough = self.decode_step_time.num_observations >= _MIN_DECODE_ONLY_STEPS

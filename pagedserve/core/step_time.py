@@ -1,7 +1,9 @@
 """How long an engine step takes, as a function of what it carries: a linear model fit online, by
 recursive least squares with forgetting, to the steps the engine times. The scheduler uses it to
 bound the prompt tokens it adds to a step while streams decode (stall-free scheduling, after
-Sarathi-Serve: the token budget follows a latency target)."""
+Sarathi-Serve: the token budget follows a latency target). For a mixture of experts the model has one
+more feature, the experts a step's tokens touch: each expert a step touches is read whole, however
+few of its tokens chose it, so a mixture's step cost grows with the batch fast and then flattens."""
 
 from __future__ import annotations
 
@@ -22,8 +24,27 @@ class StepShape:
     prefill_tokens: int = 0
     attention_pairs: float = 0.0
 
+    @property
+    def num_tokens(self) -> int:
+        return self.decode_tokens + self.prefill_tokens
+
     def features(self) -> tuple[float, float, float, float]:
         return 1.0, float(self.decode_tokens), float(self.prefill_tokens), self.attention_pairs / _PAIRS_PER_UNIT
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertRouting:
+    """A mixture of experts' routing, as the step-time model prices it: experts in each layer, experts each
+    token chooses."""
+
+    num_experts: int
+    experts_per_token: int
+
+    def experts_touched(self, num_tokens: int) -> float:
+        """The experts of a layer that num_tokens tokens choose between them, expected were every token's choice
+        uniform and independent. Real routers are skewed (fewer experts touched): the fit's weight on this feature
+        absorbs a constant skew."""
+        return self.num_experts * (1.0 - (1.0 - self.experts_per_token / self.num_experts) ** num_tokens)
 
 
 def chunk_attention_pairs(query_len: int, context_len: int) -> float:
@@ -74,7 +95,8 @@ def uniform_step_shape(num_seqs: int, seq_len: int, context_len: int) -> StepSha
 
 
 class StepTimeModel:
-    """seconds ~ overhead + per decode token + per prompt token + per attention unit, every weight >= 0.
+    """seconds ~ overhead + per decode token + per prompt token + per attention unit (+ per expert touched, for a
+    mixture of experts), every weight >= 0.
 
     The fit is least squares over all observed steps, older ones weighted down by `forgetting` per step in the
     direction each new step informs, constrained to non-negative weights: the features move together (a
@@ -82,12 +104,14 @@ class StepTimeModel:
     overhead for inflated per-token costs, which over-predicts exactly the decode-only steps the stall limit
     is measured against."""
 
-    def __init__(self, forgetting: float = 0.98, min_observations: int = 5) -> None:
+    def __init__(self, forgetting: float = 0.98, min_observations: int = 5, experts: ExpertRouting | None = None) -> None:
         self.forgetting = forgetting
         self.min_observations = min_observations
-        self._gram = [[0.0] * 4 for _ in range(4)]  # sum of x x^T, old steps weighted down (_forget_along)
-        self._moment = [0.0] * 4  # sum of x * seconds, likewise
-        self._weights = [0.0] * 4
+        self.experts = experts
+        n = self._num_features = 5 if experts else 4
+        self._gram = [[0.0] * n for _ in range(n)]  # sum of x x^T, old steps weighted down (_forget_along)
+        self._moment = [0.0] * n  # sum of x * seconds, likewise
+        self._weights = [0.0] * n
         self._stale = False  # refit lazily: observing is every step, predicting only when prompts wait
         self.num_observations = 0
         self._saw_prefill = self._saw_decode_only = False
@@ -104,13 +128,19 @@ class StepTimeModel:
             self._stale = False
         return self._weights
 
+    def features(self, shape: StepShape) -> tuple[float, ...]:
+        if self.experts is None:
+            return shape.features()
+        return shape.features() + (self.experts.experts_touched(shape.num_tokens),)
+
     def observe(self, shape: StepShape, seconds: float) -> None:
-        x = shape.features()
+        x = self.features(shape)
         self._forget_along(x)
-        for i in range(4):
+        n = self._num_features
+        for i in range(n):
             self._moment[i] += x[i] * seconds
             row = self._gram[i]
-            for j in range(4):
+            for j in range(n):
                 row[j] += x[i] * x[j]
         self._stale = True
         self.num_observations += 1
@@ -121,35 +151,42 @@ class StepTimeModel:
         """Weight the old steps down only in the direction the new step informs (directional forgetting): a long
         run of one step shape (one stream decoding for minutes) then refreshes what it measures and keeps what
         earlier steps said about the others, which uniform forgetting would erase. Keeps G^-1 m where it was."""
-        gram, moment = self._gram, self._moment
-        gx = [sum(gram[i][j] * x[j] for j in range(4)) for i in range(4)]
-        information = sum(x[i] * gx[i] for i in range(4))
+        gram, moment, n = self._gram, self._moment, self._num_features
+        gx = [sum(gram[i][j] * x[j] for j in range(n)) for i in range(n)]
+        information = sum(x[i] * gx[i] for i in range(n))
         if information <= 1e-12:
             return
         lose = (1.0 - self.forgetting) / information
-        xm = sum(x[i] * moment[i] for i in range(4))
-        for i in range(4):
+        xm = sum(x[i] * moment[i] for i in range(n))
+        for i in range(n):
             moment[i] -= lose * gx[i] * xm
             row = gram[i]
-            for j in range(4):
+            for j in range(n):
                 row[j] -= lose * gx[i] * gx[j]
 
     def predict(self, shape: StepShape) -> float:
-        return sum(w * v for w, v in zip(self.weights, shape.features()))
+        return sum(w * v for w, v in zip(self.weights, self.features(shape)))
 
-    def prefill_cost(self, query_len: int, context_len: int) -> float:
-        """Seconds a chunk adds to a step."""
-        _, _, per_token, per_unit = self.weights
-        return per_token * query_len + per_unit * chunk_attention_pairs(query_len, context_len) / _PAIRS_PER_UNIT
+    def prefill_cost(self, query_len: int, context_len: int, step_tokens: int = 0) -> float:
+        """Seconds a chunk adds to a step that carries step_tokens tokens without it (the experts the step touches
+        already are not read twice)."""
+        weights = self.weights
+        _, _, per_token, per_unit = weights[:4]
+        seconds = per_token * query_len + per_unit * chunk_attention_pairs(query_len, context_len) / _PAIRS_PER_UNIT
+        if self.experts is not None:
+            touched = self.experts.experts_touched
+            seconds += weights[4] * (touched(step_tokens + query_len) - touched(step_tokens))
+        return seconds
 
-    def max_chunk(self, seconds: float, context_len: int, limit: int) -> int:
-        """The longest chunk (at most limit tokens) after context_len tokens that fits in seconds."""
-        if self.prefill_cost(limit, context_len) <= seconds:
+    def max_chunk(self, seconds: float, context_len: int, limit: int, step_tokens: int = 0) -> int:
+        """The longest chunk (at most limit tokens) after context_len tokens that fits in seconds, in a step that
+        carries step_tokens tokens without it."""
+        if self.prefill_cost(limit, context_len, step_tokens) <= seconds:
             return limit
         low, high = 0, limit  # prefill_cost grows with the chunk: bisect
         while low < high:
             middle = (low + high + 1) // 2
-            if self.prefill_cost(middle, context_len) <= seconds:
+            if self.prefill_cost(middle, context_len, step_tokens) <= seconds:
                 low = middle
             else:
                 high = middle - 1
@@ -157,9 +194,9 @@ class StepTimeModel:
 
 
 def nonnegative_least_squares(gram: list[list[float]], moment: list[float]) -> list[float]:
-    """argmin over w >= 0 of w^T G w - 2 m^T w, given the normal equations G = X^T X, m = X^T y. With four
-    unknowns every support is tried: the optimum is the unconstrained solution on its own support, and
-    no feasible candidate beats it."""
+    """argmin over w >= 0 of w^T G w - 2 m^T w, given the normal equations G = X^T X, m = X^T y. With four or
+    five unknowns every support is tried: the optimum is the unconstrained solution on its own support, and
+    no feasible candidate beats it (31 supports for the five of a mixture of experts)."""
     n = len(moment)
     best, best_objective = [0.0] * n, 0.0
     for mask in range(1, 1 << n):

@@ -10,7 +10,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.contracts import EngineCoreOutput, SchedulerOutput, SchedulerStats, StepRecord
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.scheduler import Scheduler
-from pagedserve.core.step_time import uniform_step_shape
+from pagedserve.core.step_time import ExpertRouting, uniform_step_shape
 from pagedserve.engine.tokenizer import grammar_compiler
 from pagedserve.engine.wire import EngineCoreRequest
 from pagedserve.executor import step_timings_cache
@@ -56,6 +56,7 @@ class EngineCore:
             speculative=config.speculative,
             send_last_tokens=self.batch_queue is not None,
             structured_output=self.structured_output,
+            experts=ExpertRouting(info.num_experts, info.experts_per_token) if info.num_experts else None,
         )
         for num_seqs, seq_len, context, seconds in warm_up_timings:  # a first fit of the step-time model
             self.scheduler.observe_step(uniform_step_shape(num_seqs, seq_len, context), seconds)

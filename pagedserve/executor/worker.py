@@ -302,7 +302,8 @@ class Worker:
         shape = moe_shape(self.hf_config)
         return ModelInfo(model_dir=str(self.model_dir), max_model_len=self.max_model_len, vocab_size=self.hf_config.vocab_size,
                          eos_token_ids=list(self.eos_token_ids), num_blocks=self.num_blocks,
-                         generation_defaults=dict(self.generation_defaults), num_experts=shape.num_experts if shape else 0)
+                         generation_defaults=dict(self.generation_defaults), num_experts=shape.num_experts if shape else 0,
+                         experts_per_token=shape.top_k if shape else 0)
 
     @property
     def is_output_rank(self) -> bool:
