@@ -215,3 +215,35 @@ def _mixtral_tensors(state_dict, config):
         yield from _stacked_experts(sd, p, i, config.intermediate_size)
 
     return _model_tensors(state_dict, config, layer)
+
+
+def tiny_olmoe_config():
+    """An OLMoE with the writer's vocabulary: 8 experts, top 2, q and k normalized across all heads."""
+    from transformers import OlmoeConfig
+
+    return OlmoeConfig(
+        vocab_size=len(VOCAB), hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3, tie_word_embeddings=False,
+        bos_token_id=0, eos_token_id=2, pad_token_id=None, rms_norm_eps=1e-5, rope_theta=10000.0, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=False, clip_qkv=None,
+    )
+
+
+def write_olmoe_gguf(path, state_dict: dict[str, torch.Tensor], config, type_name: str) -> None:
+    """As llama.cpp's converter writes an OLMoE: architecture olmoe, the expert width as feed_forward_length, q and k
+    not permuted, their norms over the whole projection, the experts of a layer stacked."""
+    writer = _model_writer(path, "olmoe", "tiny-olmoe", config)
+    writer.add_expert_count(config.num_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    _finish(writer, _olmoe_tensors(state_dict, config), type_name)
+
+
+def _olmoe_tensors(state_dict, config):
+    def layer(sd, p, i):
+        for part, piece in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("output", "o_proj")):  # not permuted
+            yield f"blk.{i}.attn_{part}.weight", sd[p + f"self_attn.{piece}.weight"]
+        yield f"blk.{i}.attn_q_norm.weight", sd[p + "self_attn.q_norm.weight"]
+        yield f"blk.{i}.attn_k_norm.weight", sd[p + "self_attn.k_norm.weight"]
+        yield from _stacked_experts(sd, p, i, config.intermediate_size)
+
+    return _model_tensors(state_dict, config, layer)

@@ -141,23 +141,26 @@ def test_blocks_are_matched_to_float32_tensors_only_exactly():
     assert _match_rows(mixed, owners, tensors) is None
 
 
-@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral", "olmoe"])
 @pytest.mark.parametrize("type_name", ["F32", "Q8_0", "Q4_0"])
 def test_a_mixture_of_experts_gguf_generates_like_its_weights_in_transformers(arch, type_name, tmp_path):
     """llama.cpp's layouts: a Qwen2-MoE (each layer's experts stacked, the expert widths in the metadata, the shared
-    expert's gate a vector) and a Mixtral (architecture llama with experts, q and k permuted): greedy tokens equal
+    expert's gate a vector), a Mixtral (architecture llama with experts, q and k permuted) and an OLMoE (an
+    architecture transformers' GGUF reading does not know, read by ours; q and k norms over all heads): greedy tokens equal
     transformers' on the values the file holds (quantized and back), the quantized experts multiplying on their GGUF
     blocks."""
     import copy
 
     import gguf_writer
-    from transformers import MixtralForCausalLM, Qwen2MoeForCausalLM
+    from transformers import MixtralForCausalLM, OlmoeForCausalLM, Qwen2MoeForCausalLM
 
     from pagedserve.layers.fused_moe import FusedMoE
     from pagedserve.layers.linear import QuantizedWeight
 
     if arch == "mixtral":
         config, model_class, write = gguf_writer.tiny_mixtral_config(), MixtralForCausalLM, gguf_writer.write_mixtral_gguf
+    elif arch == "olmoe":
+        config, model_class, write = gguf_writer.tiny_olmoe_config(), OlmoeForCausalLM, gguf_writer.write_olmoe_gguf
     else:
         config, model_class, write = gguf_writer.tiny_qwen2_moe_config(), Qwen2MoeForCausalLM, gguf_writer.write_qwen2_moe_gguf
     torch.manual_seed(0)

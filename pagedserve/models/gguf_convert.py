@@ -82,33 +82,69 @@ def _convert(gguf_path: Path, out_dir: Path) -> None:
     import torch
     from gguf import GGUFReader
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     from pagedserve.models.gguf_blocks import extract_quantized_blocks
 
-    folder, name = str(gguf_path.parent), gguf_path.name
     reader = GGUFReader(str(gguf_path))  # reading its metadata takes seconds: once for every use here
-    config = AutoConfig.from_pretrained(folder, gguf_file=name)
-    _set_expert_widths(reader, config)
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
+    own_reader = _OWN_READERS.get(_architecture(reader))
     logger.info("dequantizing the GGUF tensors")
-    tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)["tensors"]
+    config, tensors = own_reader(reader) if own_reader else _read_through_transformers(reader, gguf_path)
     tensors = {k: v.to(torch.float32).contiguous() for k, v in tensors.items()}
-    config.architectures = [type(skeleton).__name__]
-    if _is_llama_mixture(reader):
-        config, experts = _llama_mixture(reader, config)
-        tensors.update(experts)
     config.save_pretrained(out_dir)
     logger.info("writing %d tensors as safetensors", len(tensors))
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     logger.info("matching the quantized tensors to their float32 rows")
     kept = extract_quantized_blocks(reader, tensors, out_dir)
     logger.info("kept %d quantized tensors in their GGUF blocks", kept)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    tokenizer.save_pretrained(out_dir)
+    _gguf_tokenizer(gguf_path, known_to_transformers=own_reader is None).save_pretrained(out_dir)
     _write_generation_config(reader, out_dir)
+
+
+def _read_through_transformers(reader, gguf_path: Path):
+    """(config, tensors under transformers' names) by transformers' GGUF reading, for the architectures it knows."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    _set_expert_widths(reader, config)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)["tensors"]
+    config.architectures = [type(skeleton).__name__]
+    if _is_llama_mixture(reader):
+        config = _mixtral_config(reader, config)
+        tensors.update(_stacked_experts(reader))
+    return config, tensors
+
+
+def _gguf_tokenizer(gguf_path: Path, known_to_transformers: bool):
+    """The file's tokenizer, built by transformers' GGUF tokenizer conversion. AutoTokenizer picks the model's own
+    tokenizer class from the file's architecture, which it must know; the generic fast tokenizer needs only the
+    tokenizer's own metadata."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    tokenizer_class = AutoTokenizer if known_to_transformers else PreTrainedTokenizerFast
+    return tokenizer_class.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+
+
+def _architecture(reader) -> str:
+    return reader.fields["general.architecture"].contents()
+
+
+def _metadata(reader, key: str, default=None):
+    """The value of the file's key (after the architecture's name), or default when it has none."""
+    field = reader.fields.get(f"{_architecture(reader)}.{key}")
+    return field.contents() if field is not None else default
+
+
+def _dequantized(tensor):
+    """A GGUF tensor's values in float32, in the row-major shape transformers gives it."""
+    import torch
+    from gguf.quants import dequantize
+
+    values = dequantize(tensor.data, tensor.tensor_type).reshape(tuple(reversed(tensor.shape.tolist())))
+    return torch.from_numpy(values.astype("float32"))
 
 
 # A mixture's expert widths, which llama.cpp's files state and transformers' GGUF reading leaves at its defaults:
@@ -122,13 +158,12 @@ _GGUF_MIXTURES = ("qwen2moe", "qwen3moe")
 
 
 def _expert_count(reader) -> int:
-    field = reader.fields.get(f"{reader.fields['general.architecture'].contents()}.expert_count")
-    return int(field.contents()) if field is not None else 0
+    return int(_metadata(reader, "expert_count", 0))
 
 
 def _is_llama_mixture(reader) -> bool:
     """A Mixtral as llama.cpp files it: architecture llama with experts, each layer's stacked in ffn_*_exps."""
-    return (reader.fields["general.architecture"].contents() == "llama" and _expert_count(reader) > 0
+    return (_architecture(reader) == "llama" and _expert_count(reader) > 0
             and any(tensor.name.endswith(".ffn_gate_exps.weight") for tensor in reader.tensors))
 
 
@@ -136,23 +171,19 @@ def _set_expert_widths(reader, config) -> None:
     """The expert widths of a mixture from the file's metadata; a mixture whose experts are not read (another
     architecture, or llama.cpp's older Mixtral files with one tensor per expert) is refused rather than read without
     its experts."""
-    architecture = reader.fields["general.architecture"].contents()
+    architecture = _architecture(reader)
     if _expert_count(reader) > 0 and architecture not in _GGUF_MIXTURES and not _is_llama_mixture(reader):
         raise ValueError(f"this GGUF file is a mixture of experts of architecture {architecture!r}; GGUF mixtures are read for "
-                         f"{', '.join(_GGUF_MIXTURES)} and for llama with stacked experts (a Mixtral); for others, use the "
-                         "model's HF checkpoint")
+                         f"{', '.join(_GGUF_MIXTURES + tuple(_OWN_READERS))} and for llama with stacked experts (a Mixtral); "
+                         "for others, use the model's HF checkpoint")
     for key, name in _GGUF_EXPERT_WIDTHS.items():
-        field = reader.fields.get(f"{architecture}.{key}")
-        if field is not None:
-            setattr(config, name, int(field.contents()))
+        value = _metadata(reader, key)
+        if value is not None:
+            setattr(config, name, int(value))
 
 
-def _llama_mixture(reader, llama_config):
-    """(the Mixtral config, its routers' and experts' tensors under transformers' names) for a llama file with experts,
-    whose experts transformers' GGUF reading leaves out: each layer's router and its experts stacked as transformers
-    holds them (gate_up_proj [E, 2I, H], gate rows first; down_proj [E, H, I])."""
-    import torch
-    from gguf.quants import dequantize
+def _mixtral_config(reader, llama_config):
+    """The Mixtral config of a llama file with experts (transformers' GGUF reading leaves its experts out)."""
     from transformers import MixtralConfig
 
     values = llama_config.to_dict()
@@ -160,21 +191,77 @@ def _llama_mixture(reader, llama_config):
               "max_position_embeddings", "rms_norm_eps", "rope_parameters", "rope_theta", "bos_token_id", "eos_token_id",
               "tie_word_embeddings")
     config = MixtralConfig(**{name: values[name] for name in fields if name in values}, num_local_experts=_expert_count(reader),
-                           num_experts_per_tok=int(reader.fields["llama.expert_used_count"].contents()), sliding_window=None)
+                           num_experts_per_tok=int(_metadata(reader, "expert_used_count")), sliding_window=None)
     config.architectures = ["MixtralForCausalLM"]
+    return config
+
+
+_EXPERT_PARTS = ("ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
+
+
+def _stacked_experts(reader) -> dict:
+    """Each mixture layer's router and experts under transformers' names, stacked as transformers holds them
+    (gate_up_proj [E, 2I, H], gate rows first; down_proj [E, H, I])."""
+    import torch
+
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for tensor in reader.tensors:
         layer, _, rest = tensor.name.removeprefix("blk.").partition(".")
-        if rest in ("ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"):
-            dequantized = dequantize(tensor.data, tensor.tensor_type).reshape(tuple(reversed(tensor.shape.tolist())))
-            parts.setdefault(layer, {})[rest.split(".")[0]] = torch.from_numpy(dequantized.astype("float32"))
+        if rest in _EXPERT_PARTS:
+            parts.setdefault(layer, {})[rest.split(".")[0]] = _dequantized(tensor)
     tensors = {}
     for layer, part in parts.items():
         prefix = f"model.layers.{layer}.mlp"
-        tensors[f"{prefix}.gate.weight"] = part["ffn_gate_inp"].contiguous()
-        tensors[f"{prefix}.experts.gate_up_proj"] = torch.cat([part["ffn_gate_exps"], part["ffn_up_exps"]], dim=1).contiguous()
-        tensors[f"{prefix}.experts.down_proj"] = part["ffn_down_exps"].contiguous()
+        tensors[f"{prefix}.gate.weight"] = part["ffn_gate_inp"]
+        tensors[f"{prefix}.experts.gate_up_proj"] = torch.cat([part["ffn_gate_exps"], part["ffn_up_exps"]], dim=1)
+        tensors[f"{prefix}.experts.down_proj"] = part["ffn_down_exps"]
+    return tensors
+
+
+# llama.cpp's names of an OLMoE's tensors outside its experts -> transformers' (those of a layer after blk.N.).
+_OLMOE_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                "output.weight": "lm_head.weight"}
+_OLMOE_LAYER_NAMES = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+                      "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+                      "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+                      "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
+
+
+def _olmoe(reader):
+    """(config, tensors under transformers' names) of an OLMoE as llama.cpp's converter writes it: q and k as
+    transformers holds them (llama.cpp rotates OLMoE's as NeoX does), the expert width as feed_forward_length.
+    llama.cpp's files do not keep OLMoE's clip_qkv: a model trained with one is not read exactly."""
+    from transformers import OlmoeConfig
+
+    tensors = _stacked_experts(reader)
+    for tensor in reader.tensors:
+        layer, _, rest = tensor.name.removeprefix("blk.").partition(".")
+        if tensor.name.startswith("blk.") and rest in _EXPERT_PARTS:
+            continue
+        name = (f"model.layers.{layer}.{_OLMOE_LAYER_NAMES[rest]}" if tensor.name.startswith("blk.") and rest in _OLMOE_LAYER_NAMES
+                else _OLMOE_NAMES.get(tensor.name))
+        if name is None:
+            raise ValueError(f"this OLMoE GGUF file has a tensor {tensor.name!r} that an OLMoE does not have")
+        tensors[name] = _dequantized(tensor)
+    token_ids = {key: reader.fields[f"tokenizer.ggml.{key}"].contents() for key in ("bos_token_id", "eos_token_id")
+                 if f"tokenizer.ggml.{key}" in reader.fields}
+    config = OlmoeConfig(
+        vocab_size=tensors["model.embed_tokens.weight"].shape[0], hidden_size=int(_metadata(reader, "embedding_length")),
+        intermediate_size=int(_metadata(reader, "expert_feed_forward_length", _metadata(reader, "feed_forward_length"))),
+        num_hidden_layers=int(_metadata(reader, "block_count")), num_attention_heads=int(_metadata(reader, "attention.head_count")),
+        num_key_value_heads=int(_metadata(reader, "attention.head_count_kv", _metadata(reader, "attention.head_count"))),
+        max_position_embeddings=int(_metadata(reader, "context_length")),
+        rms_norm_eps=float(_metadata(reader, "attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_parameters={"rope_type": "default", "rope_theta": float(_metadata(reader, "rope.freq_base", 10000.0))},
+        num_experts=_expert_count(reader), num_experts_per_tok=int(_metadata(reader, "expert_used_count")),
+        norm_topk_prob=bool(_metadata(reader, "expert_weights_norm", False)), clip_qkv=None,
+        tie_word_embeddings="lm_head.weight" not in tensors, pad_token_id=None, **token_ids)
+    config.architectures = ["OlmoeForCausalLM"]
     return config, tensors
+
+
+# The architectures transformers' GGUF reading does not know and this module reads itself.
+_OWN_READERS = {"olmoe": _olmoe}
 
 
 # llama.cpp's sampling metadata keys -> generation_config.json fields.
