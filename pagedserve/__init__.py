@@ -6,11 +6,13 @@ from pagedserve.openmp import set_openmp_defaults
 
 set_openmp_defaults()
 
+from pagedserve.lora_request import LoRARequest  # noqa: E402
 from pagedserve.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams  # noqa: E402
 from pagedserve.version import __version__  # noqa: E402
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "RequestOutputKind", "__version__"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "RequestOutputKind",
+           "__version__"]
 
 
 def __getattr__(name: str):

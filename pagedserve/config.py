@@ -85,6 +85,11 @@ class EngineConfig:
                   "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4} or {\"method\": \"draft_model\", \"model\": DIR, "
                   "\"num_speculative_tokens\": 4}; also disable_by_batch_size, min_acceptance_rate (default: off)"},
     )
+    enable_lora: bool = field(default=False, metadata={"help": "serve LoRA adapters (PEFT directories) beside the base model"})
+    max_loras: int = field(default=1, metadata={"help": "most distinct LoRA adapters in one step"})
+    max_lora_rank: int = field(default=16, metadata={"help": "highest rank of an adapter the engine takes"})
+    max_cpu_loras: int | None = field(
+        default=None, metadata={"help": "adapters held in memory, least recently used let go first (default: max_loras; at least it)"})
     structured_outputs_compile_timeout: float = field(
         default=10.0,
         metadata={"help": "seconds a request's structure (JSON schema, regex, choice, grammar) may take to compile before the "
@@ -118,6 +123,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         self.validate()
 
+    @property
+    def held_loras(self) -> int:
+        """LoRA adapters a worker holds at once (max_cpu_loras, or max_loras when unset)."""
+        return self.max_cpu_loras or self.max_loras
+
     def validate(self) -> None:
         _require(self.block_size in (8, 16, 32, 64, 128), "block_size", "one of 8, 16, 32, 64, 128", self.block_size)
         _require(self.kv_cache_memory > 0, "kv_cache_memory", "> 0 bytes", self.kv_cache_memory)
@@ -134,6 +144,10 @@ class EngineConfig:
         _require(self.structured_outputs_compile_timeout > 0, "structured_outputs_compile_timeout", "> 0 seconds",
                  self.structured_outputs_compile_timeout)
         _require(self.gemm_backend in GEMM_BACKENDS, "gemm_backend", ", ".join(GEMM_BACKENDS), self.gemm_backend)
+        _require(self.max_loras >= 1, "max_loras", ">= 1", self.max_loras)
+        _require(self.max_lora_rank >= 1, "max_lora_rank", ">= 1", self.max_lora_rank)
+        _require(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras, "max_cpu_loras", f">= max_loras ({self.max_loras})",
+                 self.max_cpu_loras)
         self.decode_stall = DecodeStallLimit.parse(self.max_decode_stall)
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             _require(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name, "an integer >= 1", getattr(self, name))

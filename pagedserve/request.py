@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
+from pagedserve.lora_request import LoRARequest
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -45,6 +46,7 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         group_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -53,6 +55,10 @@ class Request:
         self.priority = priority
         # Samples of one n>1 request share a group: siblings wait for the first prefill to reuse its blocks.
         self.group_id = group_id
+        self.lora_request = lora_request
+        # The adapter's id, 0 for the base model: the scheduler bounds a step's adapters by it, the prefix cache keys
+        # the request's blocks by it (K/V computed under one adapter's weights is not another's).
+        self.lora_id = lora_request.lora_int_id if lora_request is not None else 0
         self.status = RequestStatus.WAITING
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0

@@ -78,11 +78,16 @@ def tiny_models(tmp_path_factory, default_model_dir):
     return dirs
 
 
-def hf_greedy(model_dir, prompt_ids_list, max_new_tokens, dtype=torch.float32):
-    """Reference: transformers greedy generation in dtype, one prompt at a time (no padding effects)."""
+def hf_greedy(model_dir, prompt_ids_list, max_new_tokens, dtype=torch.float32, adapter_dir=None):
+    """Reference: transformers greedy generation in dtype, one prompt at a time (no padding effects); with adapter_dir,
+    through peft with that LoRA adapter."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    if adapter_dir is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapter_dir)).eval()
     results = []
     with torch.inference_mode():
         for prompt_ids in prompt_ids_list:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from pagedserve.core.step_time import StepShape
+from pagedserve.lora_request import LoRARequest
 from pagedserve.outputs import LogprobsLists
 from pagedserve.sampling_params import SamplingParams
 
@@ -31,6 +32,7 @@ class NewRequestData:
     num_computed_tokens: int
     # Prompt logprobs already reported (for prompt tokens 1..start): a recompute after preemption skips them.
     prompt_logprobs_start: int = 0
+    lora_request: LoRARequest | None = None  # the adapter it runs with
 
 
 @dataclass

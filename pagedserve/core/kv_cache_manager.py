@@ -130,10 +130,11 @@ class KVCacheManager:
         hashes = self.req_to_block_hashes.setdefault(request.request_id, [])
         num_full_blocks = request.num_tokens // self.block_size
         tokens = request.all_token_ids
+        extra_keys = (request.lora_id,) if request.lora_id else None  # every block: two chains never alias
         for index in range(len(hashes), num_full_blocks):
             parent = hashes[-1] if hashes else None
             start = index * self.block_size
-            hashes.append(hash_block(parent, tuple(tokens[start:start + self.block_size])))
+            hashes.append(hash_block(parent, tuple(tokens[start:start + self.block_size]), extra_keys))
         return hashes
 
     def _cache_full_blocks(self, request: Request, num_tokens_after_step: int) -> None:

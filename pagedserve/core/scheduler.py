@@ -44,9 +44,11 @@ class Scheduler:
         send_last_tokens: bool = False,
         structured_output=None,
         experts: ExpertRouting | None = None,
+        max_loras: int | None = None,
     ) -> None:
         """structured_output: the engine's grammar states (a StructuredOutputManager), None without structured outputs.
-        experts: a mixture of experts' routing, which the step-time model prices; None for a dense model."""
+        experts: a mixture of experts' routing, which the step-time model prices; None for a dense model.
+        max_loras: most distinct LoRA adapters among the running requests (None: LoRA off)."""
         self.kv_cache_manager = kv_cache_manager
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -68,6 +70,7 @@ class Scheduler:
         self.speculative = speculative
         self.drafts = DraftPolicy(speculative, max_model_len) if speculative else None
         self.structured_output = structured_output
+        self.max_loras = max_loras
         # Requests ended by the engine itself before they ran (a grammar that failed to compile), told with the next
         # step's outputs.
         self._ended_unscheduled: list[EngineCoreOutput] = []
@@ -195,8 +198,9 @@ class Scheduler:
                 return new_blocks
 
     def _schedule_waiting(self, plan: StepPlan) -> None:
-        """Waiting requests in policy order, while the budget, the cache and max_num_seqs allow."""
+        """Waiting requests in policy order, while the budget, the cache, max_num_seqs and max_loras allow."""
         skipped = []
+        adapters = self._running_adapters()
         while len(self.waiting) > 0 and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
             must_wait = self._sibling_is_prefilling(request) or not self._grammar_ready(request)
@@ -207,10 +211,19 @@ class Scheduler:
                 # Wait for the sibling's prompt blocks (then reuse them from the prefix cache), or for the grammar.
                 skipped.append(self.waiting.pop())
                 continue
+            if request.lora_id and request.lora_id not in adapters and len(adapters) >= (self.max_loras or 0):
+                # The requests after it wait too, as behind a prompt that does not fit: the running adapters' requests
+                # end, and its adapter then joins, however many more requests the running ones keep receiving.
+                break
             if not self._admit(plan, request):
                 break
+            if request.lora_id:
+                adapters.add(request.lora_id)
         for request in reversed(skipped):
             self.waiting.add_front(request)
+
+    def _running_adapters(self) -> set[int]:
+        return {request.lora_id for request in self.running if request.lora_id} if self.max_loras else set()
 
     def _admit(self, plan: StepPlan, request: Request) -> bool:
         """Start the waiting request at the head of the queue with its first chunk, if the step and the cache have

@@ -88,6 +88,7 @@ class StepPlan:
             block_ids=block_ids,
             num_computed_tokens=request.num_computed_tokens,
             prompt_logprobs_start=prompt_logprobs_start,
+            lora_request=request.lora_request,
         ))
         self.tally.add_chunk(num_tokens, request.num_computed_tokens)
         self._schedule(request, num_tokens)

@@ -16,6 +16,7 @@ from pagedserve.engine.wire import EngineCoreRequest
 from pagedserve.executor import step_timings_cache
 from pagedserve.executor.abstract import Executor, WorkerCall
 from pagedserve.executor.selector import executor_class as select_executor_class
+from pagedserve.lora_request import LoRARequest
 from pagedserve.model_info import ModelInfo
 from pagedserve.processes import freeze_start_up_objects
 from pagedserve.request import Request
@@ -42,6 +43,7 @@ class EngineCore:
         # Each step in flight, and when it was submitted (perf_counter).
         self.batch_queue: deque[tuple[SchedulerOutput, float]] | None = deque() if self.executor.max_concurrent_batches > 1 else None
         self.last_step: StepRecord | None = None  # the step whose outputs step() returned last
+        self.loras: dict[int, LoRARequest] = {}  # the adapters registered, by id
         info = self.model_info
         self.structured_output = StructuredOutputManager(
             grammar_compiler(config.tokenizer or info.model_dir, info.vocab_size, tuple(info.eos_token_ids)))
@@ -57,6 +59,7 @@ class EngineCore:
             send_last_tokens=self.batch_queue is not None,
             structured_output=self.structured_output,
             experts=ExpertRouting(info.num_experts, info.experts_per_token) if info.num_experts else None,
+            max_loras=config.max_loras if config.enable_lora else None,
         )
         for num_seqs, seq_len, context, seconds in warm_up_timings:  # a first fit of the step-time model
             self.scheduler.observe_step(uniform_step_shape(num_seqs, seq_len, context), seconds)
@@ -79,6 +82,9 @@ class EngineCore:
         return timings
 
     def add_request(self, request: EngineCoreRequest) -> None:
+        if request.lora_request is not None:
+            lora = request.lora_request
+            self.add_lora(lora.lora_name, lora.lora_int_id, lora.lora_path)
         self.scheduler.add_request(
             Request(
                 request.request_id,
@@ -87,6 +93,7 @@ class EngineCore:
                 arrival_time=request.arrival_time,
                 priority=request.priority,
                 group_id=request.group_id,
+                lora_request=request.lora_request,
             )
         )
 
@@ -149,11 +156,40 @@ class EngineCore:
     def wait_for_kv_cache_mapping(self, timeout_s: float | None = None) -> None:
         self.executor.wait_for_kv_cache_mapping(timeout_s)
 
+    def add_lora(self, lora_name: str, lora_int_id: int, lora_path: str) -> bool:
+        """Register an adapter, read and checked on every rank now (ValueError naming the problem); whether it was new.
+        The workers may let its weights go when others need the room, and read them again when a request needs them."""
+        lora = LoRARequest(lora_name, lora_int_id, lora_path)
+        if not self.config.enable_lora:
+            raise ValueError("LoRA adapters are not enabled; start the engine with enable_lora")
+        known = self.loras.get(lora_int_id)
+        if known is not None:
+            if known != lora:
+                raise ValueError(f"lora_int_id {lora_int_id} already names LoRA adapter {known.lora_name!r} at {known.lora_path}")
+            return False
+        problems = [problem for problem in self.executor.collective_rpc("add_lora", lora) if problem]
+        if problems:
+            self.executor.collective_rpc("remove_lora", lora_int_id)  # from the ranks that took it
+            raise ValueError(problems[0])
+        self.loras[lora_int_id] = lora
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter; requests still running with it keep it until they end."""
+        if self.loras.pop(lora_int_id, None) is None:
+            return False
+        self.executor.collective_rpc("remove_lora", lora_int_id)
+        return True
+
+    def list_loras(self) -> list[int]:
+        return sorted(self.loras)
+
     def collective_rpc(self, method: WorkerCall, *args) -> list:
         """A worker method (or a function of the worker) run on every rank; their results in rank order. The route
         by which tools such as the benchmarks measure a worker, so that the engine itself carries no such code."""
         return self.executor.collective_rpc(method, *args)
 
 
-_UTILITIES = frozenset({"reset_prefix_cache", "wait_for_kv_cache_mapping", "get_stats", "collective_rpc"})
+_UTILITIES = frozenset({"reset_prefix_cache", "wait_for_kv_cache_mapping", "get_stats", "collective_rpc", "add_lora", "remove_lora",
+                        "list_loras"})
 

@@ -12,6 +12,7 @@ from pagedserve.engine.output_processor import OutputProcessor, ProcessedOutputs
 from pagedserve.engine.processor import ProcessedPrompt, Processor, PromptType
 from pagedserve.engine.tokenizer import grammar_compiler, load_tokenizer
 from pagedserve.engine.wire import EngineCoreRequest
+from pagedserve.lora_request import LoRARequest
 from pagedserve.model_info import ModelInfo
 from pagedserve.sampling_params import SamplingParams
 
@@ -38,6 +39,7 @@ class FrontEnd:
         # reaches the engine core (which compiles it again, from its own cache or this one's).
         self.grammars = grammar_compiler(tokenizer_dir, model_info.vocab_size, tuple(model_info.eos_token_ids))
         self.structure_time_limit_s = config.structured_outputs_compile_timeout
+        self.enable_lora = config.enable_lora
         self.processor = Processor(self.tokenizer, model_info)
         self.output_processor = OutputProcessor(self.tokenizer)
 
@@ -54,15 +56,19 @@ class FrontEnd:
         """SamplingParams of the base values, overridden by the model's generation defaults (generation_config)."""
         return SamplingParams(**(base | self.model_info.generation_defaults))
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0) -> list[EngineCoreRequest]:
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0,
+                    lora_request: LoRARequest | None = None) -> list[EngineCoreRequest]:
         """Validate and track a request; returns the engine requests to send (one per sample).
         Raises ValueError/TypeError naming the bad field, having tracked nothing."""
-        return self.track(self.prepare(request_id, prompt, params, priority))
+        return self.track(self.prepare(request_id, prompt, params, priority, lora_request))
 
-    def prepare(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0) -> PreparedRequest:
+    def prepare(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0,
+                lora_request: LoRARequest | None = None) -> PreparedRequest:
         """Tokenize and validate; touches no state, so it may run in a worker thread."""
+        if lora_request is not None and not self.enable_lora:
+            raise ValueError("lora_request names an adapter, but LoRA adapters are not enabled (enable_lora)")
         processed = self.processor.tokenize_prompt(prompt)
-        params, engine_requests = self.processor.process(request_id, processed, params, priority)
+        params, engine_requests = self.processor.process(request_id, processed, params, priority, lora_request=lora_request)
         if params.structured_outputs is not None:
             self.grammars.compile_within(params.structured_outputs, self.structure_time_limit_s)
         return PreparedRequest(request_id, processed, params, engine_requests)

@@ -13,6 +13,7 @@ from pagedserve import log
 from pagedserve.config import DEFAULT_MODEL, EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.processor import PromptType
+from pagedserve.lora_request import LoRARequest
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -53,17 +54,20 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Outputs come back in the order of the prompts."""
+        """Outputs come back in the order of the prompts. lora_request: the LoRA adapter every prompt runs with, or one
+        per prompt (None: the base model); the engine must have been made with enable_lora=True."""
         prompt_list = _as_prompt_list(prompts)
         params_list = _broadcast(sampling_params or self.get_default_sampling_params(), len(prompt_list), "sampling_params")
         priorities = _broadcast(list(priority) if priority is not None else 0, len(prompt_list), "priority")
+        loras = _broadcast(list(lora_request) if isinstance(lora_request, Sequence) else lora_request, len(prompt_list), "lora_request")
         request_ids = []
         try:
-            for prompt, params, prio in zip(prompt_list, params_list, priorities):
+            for prompt, params, prio, lora in zip(prompt_list, params_list, priorities, loras):
                 request_id = str(next(self._request_counter))
                 final_params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
-                self.llm_engine.add_request(request_id, prompt, final_params, priority=prio)
+                self.llm_engine.add_request(request_id, prompt, final_params, priority=prio, lora_request=lora)
                 request_ids.append(request_id)
             return self._run_engine(request_ids, use_tqdm)
         except BaseException:
@@ -77,12 +81,13 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
             {"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt, chat_template_kwargs)} for c in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def apply_chat_template(self, conversation: ChatMessages, add_generation_prompt: bool = True, kwargs: dict | None = None) -> list[int]:
         tokenizer = self.get_tokenizer()

@@ -7,6 +7,7 @@ from pagedserve.core.contracts import SchedulerStats
 from pagedserve.engine.core_client import EngineCoreClient, InprocClient
 from pagedserve.engine.frontend import FrontEnd, FrontEndAccess
 from pagedserve.engine.processor import PromptType
+from pagedserve.lora_request import LoRARequest
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -20,8 +21,26 @@ class LLMEngine(FrontEndAccess):
         self.client: EngineCoreClient = InprocClient(config)
         self.front_end = FrontEnd(config, self.client.model_info)
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0) -> None:
-        self.client.add_requests(self.front_end.add_request(request_id, prompt, params, priority))
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0,
+                    lora_request: LoRARequest | None = None) -> None:
+        engine_requests = self.front_end.add_request(request_id, prompt, params, priority, lora_request)
+        if lora_request is not None:
+            try:
+                self.add_lora(lora_request)  # read and checked now, so that a bad adapter fails here, by name
+            except ValueError:
+                self.front_end.abort_request(request_id)
+                raise
+        self.client.add_requests(engine_requests)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Register an adapter with the engine (read and checked on every rank); whether it was new."""
+        return self.client.call_utility("add_lora", lora_request.lora_name, lora_request.lora_int_id, lora_request.lora_path)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.client.call_utility("remove_lora", lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        return self.client.call_utility("list_loras")
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from pagedserve.engine.wire import EngineCoreRequest
+from pagedserve.lora_request import LoRARequest
 from pagedserve.model_info import ModelInfo
 from pagedserve.sampling_params import SamplingParams
 
@@ -77,19 +78,22 @@ class Processor:
         params: SamplingParams,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[SamplingParams, list[EngineCoreRequest]]:
         """Validate; returns the completed params and one engine request per sample (n)."""
         params = self.complete_params(prompt.prompt_token_ids, params)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         if params.n == 1:
-            return params, [EngineCoreRequest(request_id, prompt.prompt_token_ids, params, arrival_time, priority)]
+            return params, [EngineCoreRequest(request_id, prompt.prompt_token_ids, params, arrival_time, priority,
+                                              lora_request=lora_request)]
         children = []
         for index in range(params.n):
             seed = None if params.seed is None else params.seed + index
             child_params = dataclasses.replace(params, n=1, seed=seed)
             children.append(
                 EngineCoreRequest(
-                    sample_request_id(request_id, index), prompt.prompt_token_ids, child_params, arrival_time, priority, request_id
+                    sample_request_id(request_id, index), prompt.prompt_token_ids, child_params, arrival_time, priority, request_id,
+                    lora_request,
                 )
             )
         return params, children

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import msgspec
 
 from pagedserve.core.contracts import EngineCoreOutput, SchedulerStats, StepRecord
+from pagedserve.lora_request import LoRARequest
 from pagedserve.model_info import ModelInfo
 from pagedserve.sampling_params import SamplingParams
 
@@ -27,6 +28,7 @@ class EngineCoreRequest:
     arrival_time: float
     priority: int = 0
     group_id: str | None = None  # the user's request id when it asked for n > 1 samples
+    lora_request: LoRARequest | None = None  # the adapter it runs with; None: the base model
 
 
 @dataclass

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from pagedserve.layers.attention import AttentionBackend, AttentionMetadata, BatchLayout
+from pagedserve.lora_request import LoRARequest
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -25,6 +26,7 @@ class RunnerRequestState:
     prompt_logprobs_start: int = 0
     num_drafts: int = 0  # draft tokens at the end of token_ids, verified in this step
     row: int = -1  # its row of RunnerRequests.block_tables, once added
+    lora_request: LoRARequest | None = None  # the adapter it runs with
 
     @property
     def num_output_tokens(self) -> int:
@@ -119,18 +121,28 @@ class ModelInputs:
     sampling_req_ids: list[str]  # requests that sample this step, in logits order
     logits_indices: torch.Tensor  # one row per sampling request; 1 + k for one verifying k drafts
     prompt_logprobs: list[PromptLogprobsSlice] = field(default_factory=list)
+    # With LoRA adapters: the flat batch's rows in order as (adapter id, 0 for the base model; rows), and the step's
+    # adapters by id.
+    adapter_segments: list[tuple[int, int]] = field(default_factory=list)
+    adapters: dict[int, LoRARequest] = field(default_factory=dict)
 
 
 def prepare_inputs(requests: RunnerRequests, num_scheduled_tokens: dict[str, int], block_size: int,
-                   attn_backend: AttentionBackend, device: torch.device) -> ModelInputs:
+                   attn_backend: AttentionBackend, device: torch.device, with_adapters: bool = False) -> ModelInputs:
     # Decodes (one query token) first: attention takes them in one batched call.
     batch = _FlatBatch(block_size)
     decode_ids = [request_id for request_id, num_tokens in num_scheduled_tokens.items() if num_tokens == 1]
-    batch.add_decodes(decode_ids, requests.of(decode_ids), requests.block_tables)
-    for request_id, num_tokens in num_scheduled_tokens.items():
-        if num_tokens != 1:
-            batch.add_chunk(requests[request_id], num_tokens)
-    return batch.inputs(attn_backend, device)
+    decode_states = requests.of(decode_ids)
+    batch.add_decodes(decode_ids, decode_states, requests.block_tables)
+    chunks = [(requests[request_id], num_tokens) for request_id, num_tokens in num_scheduled_tokens.items() if num_tokens != 1]
+    for state, num_tokens in chunks:
+        batch.add_chunk(state, num_tokens)
+    inputs = batch.inputs(attn_backend, device)
+    if with_adapters:
+        rows = [(state, 1) for state in decode_states] + chunks
+        inputs.adapter_segments = [(state.lora_request.lora_int_id if state.lora_request else 0, n) for state, n in rows]
+        inputs.adapters = {state.lora_request.lora_int_id: state.lora_request for state, _ in rows if state.lora_request}
+    return inputs
 
 
 class _FlatBatch:

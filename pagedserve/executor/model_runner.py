@@ -10,8 +10,10 @@ import torch
 from pagedserve.core.contracts import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from pagedserve.distributed.parallel_state import rank_info, receive_from_previous_stage, send_to_next_stage
 from pagedserve.executor.input_batch import ModelInputs, RunnerRequests, RunnerRequestState, dummy_layout, prepare_inputs
+from pagedserve.executor.lora_manager import LoRAManager
 from pagedserve.executor.sampling_inputs import SamplingInputs
 from pagedserve.layers.attention import AttentionBackend
+from pagedserve.layers.lora import adapters_for_step, row_groups
 from pagedserve.layers.sampler import Sampler, apply_token_bitmask_, gather_logprobs
 from pagedserve.layers.sampling_rule import DrawKeys
 from pagedserve.outputs import LogprobsLists
@@ -36,6 +38,7 @@ class ModelRunner:
         self.draw_keys = DrawKeys(seed)
         self.sampling_inputs = SamplingInputs(device, self.draw_keys)
         self.requests = RunnerRequests()
+        self.lora_manager: LoRAManager | None = None  # set by the worker where LoRA adapters are enabled
         self.proposer = proposer  # speculative decoding: drafts tokens after each step
         # A draft model's distributions behind each request's pending drafts (sampled requests only).
         self._draft_probabilities: dict[str, torch.Tensor] = {}
@@ -45,8 +48,15 @@ class ModelRunner:
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
-        inputs = prepare_inputs(self.requests, scheduler_output.num_scheduled_tokens, self.block_size, self.attn_backend, self.device)
-        hidden_states = self._forward(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        lora_manager = self.lora_manager
+        inputs = prepare_inputs(self.requests, scheduler_output.num_scheduled_tokens, self.block_size, self.attn_backend, self.device,
+                                with_adapters=lora_manager is not None)
+        groups = None
+        if inputs.adapters:
+            lora_manager.prepare_step(inputs.adapters)
+            groups = row_groups(inputs.adapter_segments)
+        with adapters_for_step(groups):
+            hidden_states = self._forward(inputs.input_ids, inputs.positions, inputs.attn_metadata)
         if isinstance(self.proposer, DraftModelProposer):
             self.proposer.follow(inputs.input_ids, inputs.positions, inputs.attn_metadata)
         output = ModelRunnerOutput(sampled_token_ids={})
@@ -91,6 +101,7 @@ class ModelRunner:
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 prompt_logprobs_start=new.prompt_logprobs_start,
+                lora_request=new.lora_request,
             ))
         for running in scheduler_output.scheduled_running_reqs:
             # Fewer kept blocks than held: the scheduler took back blocks that only rejected drafts used.

@@ -15,12 +15,14 @@ from pagedserve.core.contracts import ModelRunnerOutput, SchedulerOutput
 from pagedserve.cpu_features import cpu_features
 from pagedserve.distributed.parallel_state import rank_info
 from pagedserve.executor import cpu_host, gemm_choice
+from pagedserve.executor.lora_manager import LoRAManager
 from pagedserve.executor.model_runner import ModelRunner
 from pagedserve.layers import cpu_kernels
 from pagedserve.layers.attention import Attention, select_attention_backend
 from pagedserve.layers.attention.kv_quant import NO_STATIC_SCALES, KVFormat, kv_format
 from pagedserve.layers.fused_moe import FusedMoE
 from pagedserve.layers.linear import kv_heads_of_rank, onednn_available
+from pagedserve.lora_request import LoRARequest
 from pagedserve.model_info import ModelInfo
 from pagedserve.models.gguf_blocks import load_quantized_blocks
 from pagedserve.models.hf_config import load_hf_config
@@ -261,6 +263,8 @@ class Worker:
             self.draft_kv_caches = [zeroed(draft_shape, self.kv_cache_dtype, self.device) for _ in range(num_draft_layers)]
         self.model_runner = ModelRunner(self.model, self.kv_caches, config.block_size, self.device, config.seed, self.attn_backend,
                                         self.cpu_kernels, self._make_proposer())
+        if config.enable_lora:
+            self.model_runner.lora_manager = LoRAManager(self.model, config.max_lora_rank, config.held_loras)
         if self.on_cpu and config.prefault_kv_cache:
             self.kv_prefault = cpu_host.KVCachePrefault(self.kv_caches + self.draft_kv_caches)
         logger.info(
@@ -315,6 +319,27 @@ class Worker:
         for experts in self._mixtures().values():  # the warm-up's tokens are nobody's
             experts.routed.zero_()
         return timings
+
+    def add_lora(self, lora: LoRARequest) -> str | None:
+        """Hold an adapter: None, or what keeps this model from running it (an answer, not an exception, so that every
+        rank replies to the call)."""
+        try:
+            self._lora_manager().add(lora)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    def remove_lora(self, adapter_id: int) -> bool:
+        return self._lora_manager().remove(adapter_id)
+
+    def list_loras(self) -> list[int]:
+        """The ids of the adapters held, least recently used first."""
+        return list(self._lora_manager().held)
+
+    def _lora_manager(self) -> LoRAManager:
+        if self.model_runner.lora_manager is None:
+            raise ValueError("LoRA adapters are not enabled (enable_lora)")
+        return self.model_runner.lora_manager
 
     def expert_token_counts(self) -> dict[int, list[int]]:
         """This rank's mixture-of-experts layers (by index) -> tokens routed to each of their experts since start."""

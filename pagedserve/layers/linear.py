@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.distributed.parallel_state import tp_all_reduce, tp_rank, tp_size
+from pagedserve.layers.lora import LinearLoRA
 
 # Batch size oneDNN's weight layout is tuned for: a typical decode batch.
 _PACKING_BATCH_HINT = 32
@@ -108,6 +109,10 @@ class Linear(nn.Linear):
     output_dtype: torch.dtype | None = None
     quantized: QuantizedWeight | None = None
     shard_sizes: tuple[int, ...] | None = None
+    lora: LinearLoRA | None = None  # the LoRA adapters' products, where adapters are enabled
+    # The checkpoint's sizes, before any tensor-parallel split: each part's output features, and the input features.
+    full_part_sizes: tuple[int, ...] | None = None  # None: one part, out_features
+    full_in_features: int | None = None  # None: in_features
 
     def pack(self, dtype: torch.dtype = torch.float32, onednn: bool = True, output_dtype: torch.dtype | None = None) -> None:
         self.packed_weight = pack_weight(self.weight, dtype, onednn)
@@ -118,8 +123,12 @@ class Linear(nn.Linear):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quantized is not None and self.quantized.takes(x):
-            return self.quantized.linear(x.float(), bias)  # the blocks multiply float32 (x may come bfloat16)
-        return self.dense_matmul(x, bias)
+            out = self.quantized.linear(x.float(), bias)  # the blocks multiply float32 (x may come bfloat16)
+        else:
+            out = self.dense_matmul(x, bias)
+        if self.lora is not None:  # before a row-parallel layer's all-reduce: each rank adds its share
+            self.lora.add_to(out, x)
+        return out
 
     def dense_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The product on the dense weight (packed where pack() ran), whatever the blocks would take."""
@@ -151,6 +160,7 @@ class ColumnParallelLinear(Linear):
     def __init__(self, in_features: int, part_sizes: tuple[int, ...], bias: bool, name: str) -> None:
         self.part_ranges = [split_evenly(size, f"{name} output part {i}") for i, size in enumerate(part_sizes)]
         super().__init__(in_features, sum(length for _, length in self.part_ranges), bias=bias)
+        self.full_part_sizes = part_sizes
         self.shard_sizes = tuple(length for _, length in self.part_ranges) if len(part_sizes) > 1 else None
 
     def rank_slice(self, tensor, shard, is_bias):
@@ -171,6 +181,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         Linear.__init__(self, hidden_size, q_range[1] + 2 * kv_range[1], bias=bias)
         self.part_ranges = [q_range, kv_range, kv_range]
         self.shard_sizes = (q_range[1], kv_range[1], kv_range[1])
+        self.full_part_sizes = (num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim)
 
 
 def heads_per_rank(num_heads: int, ranks: int, name: str) -> int:
@@ -197,6 +208,7 @@ class RowParallelLinear(Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool, name: str) -> None:
         self.in_range = split_evenly(in_features, f"{name} input features")
         super().__init__(self.in_range[1], out_features, bias=bias)
+        self.full_in_features = in_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = tp_all_reduce(self.matmul(x, None))

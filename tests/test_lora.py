@@ -1,0 +1,191 @@
+"""LoRA adapters: PEFT directories made by the tests with peft on a tiny random model, served beside the base model in
+one batch; each row equals peft's own forward with its adapter."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import engine_core_of, greedy, hf_greedy, token_ids_of
+
+from pagedserve import LLM, LoRARequest
+
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# name -> (rank, targets, seed): ranks and targets differ so that one batch mixes them.
+ADAPTERS = {"a1": (8, ALL_TARGETS, 1), "a2": (4, ["q_proj", "v_proj", "down_proj"], 2), "a3": (16, ["o_proj", "gate_proj", "up_proj"], 3)}
+PROMPTS = [[5, 6, 7, 8, 9, 10], list(range(40, 90)), [300, 301, 302], list(range(1000, 1040))]
+
+
+def make_adapter(base_dir, out_dir, rank: int, targets: list[str], seed: int, **config):
+    """A random (non-zero) LoRA adapter of the base model, saved by peft."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(base_dir)
+    lora_config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False, **config)
+    get_peft_model(base, lora_config).save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def adapters(tiny_models, tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    return {name: make_adapter(tiny_models["llama"], root / name, *spec) for name, spec in ADAPTERS.items()}
+
+
+def lora(adapters, name: str) -> LoRARequest:
+    return LoRARequest(name, list(ADAPTERS).index(name) + 1, str(adapters[name]))
+
+
+def expected(tiny_models, adapters, name: str | None, prompts, max_tokens: int = 10):
+    return hf_greedy(tiny_models["llama"], prompts, max_tokens, adapter_dir=adapters[name] if name else None)
+
+
+def lora_llm(tiny_models, **kwargs):
+    settings = {"enable_lora": True, "max_loras": 4, "max_lora_rank": 16, "kv_cache_memory": 2**22} | kwargs
+    return LLM(str(tiny_models["llama"]), **settings)
+
+
+def test_each_row_of_a_batch_mixing_adapters_and_the_base_model_equals_peft(tiny_models, adapters):
+    """Three adapters of ranks 8, 4 and 16 over different projections, and the base model, in the same steps."""
+    llm = lora_llm(tiny_models)
+    names = ["a1", "a2", "a3", None]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy(10),
+                           lora_request=[lora(adapters, n) if n else None for n in names], use_tqdm=False)
+    for output, name, prompt in zip(outputs, names, PROMPTS):
+        assert list(output.outputs[0].token_ids) == expected(tiny_models, adapters, name, [prompt])[0], name
+    base = token_ids_of(llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:3]], greedy(10), use_tqdm=False))
+    assert all(list(output.outputs[0].token_ids) != list(b) for output, b in zip(outputs[:3], base))  # adapters change them
+
+
+def test_a_step_holds_at_most_max_loras_adapters_and_every_request_finishes(tiny_models, adapters):
+    """max_loras=2 with three adapters waiting: the third waits for a slot (requests behind it wait too, so it is never
+    passed over), and every output still equals peft's."""
+    llm = lora_llm(tiny_models, max_loras=2)
+    scheduler = engine_core_of(llm).scheduler
+    adapters_per_step = []
+    schedule = scheduler.schedule
+
+    def recording_schedule():
+        output = schedule()
+        adapters_per_step.append({scheduler.requests[r].lora_id for r in output.num_scheduled_tokens} - {0})
+        return output
+
+    scheduler.schedule = recording_schedule
+    names = ["a1", "a2", "a3", "a1", None, "a3"]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(names))]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(6),
+                           lora_request=[lora(adapters, n) if n else None for n in names], use_tqdm=False)
+    assert max(len(step) for step in adapters_per_step) == 2
+    assert any(3 in step for step in adapters_per_step)  # a3 ran, once a slot was free
+    for output, name, prompt in zip(outputs, names, prompts):
+        assert list(output.outputs[0].token_ids) == expected(tiny_models, adapters, name, [prompt], 6)[0], name
+
+
+def test_the_prefix_cache_never_gives_one_adapter_the_blocks_another_computed(tiny_models, adapters):
+    """The same 48-token prompt under a1, then a2, then the base model, then a1 again: only the repeat hits the cache,
+    and each output is its own adapter's."""
+    llm = lora_llm(tiny_models)
+    prompt = list(range(2000, 2048))
+    hits = []
+    for name in ["a1", "a2", None, "a1"]:
+        output = llm.generate({"prompt_token_ids": prompt}, greedy(8), lora_request=lora(adapters, name) if name else None,
+                              use_tqdm=False)[0]
+        hits.append(output.num_cached_tokens)
+        assert list(output.outputs[0].token_ids) == expected(tiny_models, adapters, name, [prompt], 8)[0], name
+    assert hits[:3] == [0, 0, 0] and hits[3] >= 32
+
+
+def test_chunked_prefill_preemption_and_n_samples_with_adapters(tiny_models, adapters):
+    """Prompts cut into 16-token chunks, a cache so small that requests are preempted and recomputed, and n=2 greedy
+    samples: each output is still its adapter's."""
+    llm = lora_llm(tiny_models, max_num_batched_tokens=16, num_gpu_blocks_override=10, max_model_len=128, block_size=16)
+    names = ["a1", "a2", "a3", None]
+    prompts = [list(range(100 + 37 * i, 140 + 37 * i)) for i in range(4)]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(24, n=2),
+                           lora_request=[lora(adapters, n) if n else None for n in names], use_tqdm=False)
+    assert engine_core_of(llm).scheduler.num_preemptions > 0
+    for output, name, prompt in zip(outputs, names, prompts):
+        reference = expected(tiny_models, adapters, name, [prompt], 24)[0]
+        assert [list(sample.token_ids) for sample in output.outputs] == [reference, reference], name
+
+
+def test_adapters_let_go_for_room_are_read_again_when_needed(tiny_models, adapters):
+    """max_cpu_loras=1: each adapter in turn pushes the other out of memory, and comes back from its directory."""
+    llm = lora_llm(tiny_models, max_loras=1, max_cpu_loras=1)
+    for name in ["a1", "a2", "a1"]:
+        output = llm.generate({"prompt_token_ids": PROMPTS[1]}, greedy(8), lora_request=lora(adapters, name), use_tqdm=False)[0]
+        assert list(output.outputs[0].token_ids) == expected(tiny_models, adapters, name, [PROMPTS[1]], 8)[0]
+        assert engine_core_of(llm).executor.collective_rpc("list_loras") == [[lora(adapters, name).lora_int_id]]
+
+
+def test_adapters_are_added_and_removed_at_run_time(tiny_models, adapters):
+    llm = lora_llm(tiny_models)
+    engine = llm.llm_engine
+    assert engine.add_lora(lora(adapters, "a2")) is True and engine.add_lora(lora(adapters, "a2")) is False
+    assert engine.list_loras() == [2]
+    with pytest.raises(ValueError, match="lora_int_id 2 already names LoRA adapter 'a2'"):
+        engine.add_lora(LoRARequest("other", 2, str(adapters["a1"])))
+    assert engine.remove_lora(2) is True and engine.remove_lora(2) is False
+    assert engine.list_loras() == []
+
+
+def _broken_copies(adapters, tmp_path):
+    """(directory, what the error must say) for each way an adapter can be wrong."""
+    cases = []
+    missing_weights = shutil.copytree(adapters["a2"], tmp_path / "no_weights")
+    (missing_weights / "adapter_model.safetensors").unlink()
+    cases.append((missing_weights, "has no adapter_model.safetensors"))
+    cases.append((tmp_path / "nowhere", "has no adapter_config.json"))
+    bad_json = shutil.copytree(adapters["a2"], tmp_path / "bad_json")
+    (bad_json / "adapter_config.json").write_text("{not json")
+    cases.append((bad_json, "adapter_config.json is not valid JSON"))
+    dora = shutil.copytree(adapters["a2"], tmp_path / "dora")
+    config = json.loads((dora / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps(config | {"use_dora": True}))
+    cases.append((dora, "sets use_dora = True, which this engine does not run"))
+    cases.append((adapters["a3"], r"has rank 16 at model\.layers\.\d+\.\S+, over max_lora_rank \(8\)"))
+    return cases
+
+
+def test_a_bad_adapter_is_refused_by_name_and_the_engine_keeps_serving(tiny_models, adapters, tmp_path):
+    llm = lora_llm(tiny_models, max_lora_rank=8)
+    for index, (path, message) in enumerate(_broken_copies(adapters, tmp_path)):
+        bad = LoRARequest(f"bad{index}", 100 + index, str(path))
+        with pytest.raises(ValueError, match=message):
+            llm.generate({"prompt_token_ids": PROMPTS[0]}, greedy(4), lora_request=bad, use_tqdm=False)
+    assert llm.llm_engine.list_loras() == []
+    assert not engine_core_of(llm).scheduler.has_unfinished_requests()
+    output = llm.generate({"prompt_token_ids": PROMPTS[0]}, greedy(8), lora_request=lora(adapters, "a2"), use_tqdm=False)[0]
+    assert list(output.outputs[0].token_ids) == expected(tiny_models, adapters, "a2", [PROMPTS[0]], 8)[0]
+
+
+def test_an_adapter_of_another_model_is_refused_naming_the_layer(tiny_models, tmp_path):
+    """Adapters made on models of other shapes: a wider MLP (the shapes do not match), and a third layer (a layer this
+    model does not have)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def adapter_of_variant(name, **changes):
+        config = LlamaConfig.from_pretrained(tiny_models["llama"])
+        for key, value in changes.items():
+            setattr(config, key, value)
+        LlamaForCausalLM(config).save_pretrained(tmp_path / f"{name}_model")
+        return str(make_adapter(tmp_path / f"{name}_model", tmp_path / name, 4, ["gate_proj", "q_proj"], 5))
+
+    llm = lora_llm(tiny_models)
+    with pytest.raises(ValueError, match=r"weights for a layer of 64 inputs and 128 outputs are shaped A \(4, 64\) and B \(256, 4\)"):
+        llm.llm_engine.add_lora(LoRARequest("wider", 7, adapter_of_variant("wider", intermediate_size=256)))
+    with pytest.raises(ValueError, match=r"adapts model\.layers\.2\.\S+, which is not a linear layer of this model"):
+        llm.llm_engine.add_lora(LoRARequest("deeper", 8, adapter_of_variant("deeper", num_hidden_layers=3)))
+    assert llm.llm_engine.list_loras() == []
+
+
+def test_lora_requests_are_refused_unless_enabled(tiny_models, adapters):
+    llm = LLM(str(tiny_models["llama"]), kv_cache_memory=2**22)
+    with pytest.raises(ValueError, match="LoRA adapters are not enabled"):
+        llm.generate({"prompt_token_ids": PROMPTS[0]}, greedy(4), lora_request=lora(adapters, "a1"), use_tqdm=False)
+    with pytest.raises(ValueError, match="max_cpu_loras must be >= max_loras"):
+        LLM(str(tiny_models["llama"]), enable_lora=True, max_loras=4, max_cpu_loras=2)
