@@ -146,6 +146,21 @@ def greedy(max_tokens: int, **kwargs):
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
 
 
+def assert_matches(outputs: list, reference: list) -> None:
+    """Token for token, or diverging only where the reference's top two tokens are a near-tie (a parallel engine sums
+    in another order); logprobs within 1e-3 where the tokens agree. The outputs need logprobs."""
+    for ours, theirs in zip(outputs, reference):
+        for mine, expected in zip(ours.outputs, theirs.outputs):
+            for position, (token, want) in enumerate(zip(mine.token_ids, expected.token_ids)):
+                if token == want:
+                    if mine.logprobs is not None:
+                        assert mine.logprobs[position][token].logprob == pytest.approx(expected.logprobs[position][want].logprob, abs=1e-3)
+                    continue
+                top = sorted(lp.logprob for lp in expected.logprobs[position].values())[-2:]
+                assert top[1] - top[0] < 0.01, f"diverged at position {position} without a near-tie: {top}"
+                break  # after a near-tie divergence the continuations differ
+
+
 def token_ids_of(outputs):
     return [o.outputs[0].token_ids for o in outputs]
 

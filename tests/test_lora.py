@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 import shutil
 
+import openai
 import pytest
 import torch
-from conftest import engine_core_of, greedy, hf_greedy, token_ids_of
+from conftest import assert_matches, engine_core_of, greedy, hf_greedy, token_ids_of
 
 from pagedserve import LLM, LoRARequest
 
@@ -189,3 +190,111 @@ def test_lora_requests_are_refused_unless_enabled(tiny_models, adapters):
         llm.generate({"prompt_token_ids": PROMPTS[0]}, greedy(4), lora_request=lora(adapters, "a1"), use_tqdm=False)
     with pytest.raises(ValueError, match="max_cpu_loras must be >= max_loras"):
         LLM(str(tiny_models["llama"]), enable_lora=True, max_loras=4, max_cpu_loras=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("settings", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"])
+def test_adapters_split_over_ranks_as_their_layers_match_the_single_process_engine(tiny_models, adapters, settings):
+    """Tensor parallelism cuts each adapter as its base layer (B's rows for q/k/v and gate/up, A's columns for o and
+    down, whose partial sums the all-reduce adds); pipeline stages hold their layers' share."""
+    names = ["a1", "a2", "a3", None]
+    loras = [lora(adapters, n) if n else None for n in names]
+    params = greedy(12, logprobs=2)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    reference = lora_llm(tiny_models).generate(prompts, params, lora_request=loras, use_tqdm=False)
+    parallel = lora_llm(tiny_models, distributed_executor_backend="mp", **settings)
+    try:
+        outputs = parallel.generate(prompts, params, lora_request=loras, use_tqdm=False)
+    finally:
+        parallel.llm_engine.shutdown()
+    assert_matches(outputs, reference)
+    assert [list(o.outputs[0].token_ids) for o in reference] == [expected(tiny_models, adapters, n, [p], 12)[0]
+                                                                 for n, p in zip(names, PROMPTS)]
+
+
+@pytest.fixture(scope="module")
+def lora_server(tiny_models, adapters):
+    from server_utils import RemoteServer
+
+    server = RemoteServer("--model", str(tiny_models["llama"]), "--kv-cache-memory", str(2**22), "--enable-lora", "--max-loras", "2",
+                          "--lora-modules", f"a1={adapters['a1']}", json.dumps({"name": "a2", "path": str(adapters["a2"])}),
+                          "--allow-runtime-lora-updating", api_key="lora-key")
+    yield server
+    server.stop()
+
+
+def _completion(client, model: str, prompt: list[int], max_tokens: int = 8):
+    return client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0, extra_body={"ignore_eos": True})
+
+
+def expected_text(tiny_models, adapters, name: str | None, prompt: list[int], max_tokens: int = 8) -> str:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models["llama"])
+    return tokenizer.decode(expected(tiny_models, adapters, name, [prompt], max_tokens)[0], skip_special_tokens=True)
+
+
+def test_the_server_serves_each_adapter_under_its_name_beside_the_base_model(lora_server, tiny_models, adapters):
+    client = lora_server.openai()
+    base_name = str(tiny_models["llama"])
+    cards = {card.id: card for card in client.models.list().data}
+    assert set(cards) == {base_name, "a1", "a2"}
+    assert cards["a1"].parent == cards["a2"].parent == base_name and cards["a1"].root == str(adapters["a1"])
+    for model, name in ((base_name, None), ("a1", "a1"), ("a2", "a2")):
+        response = _completion(client, model, PROMPTS[1])
+        assert response.model == model
+        assert response.choices[0].text == expected_text(tiny_models, adapters, name, PROMPTS[1]), model
+    with pytest.raises(openai.NotFoundError, match="The model `a9` does not exist"):
+        _completion(client, "a9", PROMPTS[0])
+
+
+def test_concurrent_requests_for_different_adapters_each_get_their_own(lora_server, tiny_models, adapters):
+    import asyncio
+
+    names = ["a1", "a2", None, "a1", "a2", None]
+
+    async def run_all():
+        client = lora_server.async_openai()
+        return await asyncio.gather(*(client.completions.create(
+            model=name or str(tiny_models["llama"]), prompt=PROMPTS[i % 4], max_tokens=8, temperature=0.0,
+            extra_body={"ignore_eos": True}) for i, name in enumerate(names)))
+
+    for i, (name, response) in enumerate(zip(names, asyncio.run(run_all()))):
+        assert response.choices[0].text == expected_text(tiny_models, adapters, name, PROMPTS[i % 4]), name
+    metrics = lora_server.get("/metrics").text
+    assert f'pagedserve:lora_adapters_loaded{{model_name="{tiny_models["llama"]}"}} 2.0' in metrics
+    # Both adapters had requests running (their gauges exist), and every request has ended (back at 0).
+    for name in ("a1", "a2"):
+        assert f'pagedserve:lora_requests_running{{engine="0",lora_name="{name}",model_name="{tiny_models["llama"]}"}} 0.0' in metrics
+
+
+def test_adapters_load_and_unload_at_run_time_behind_the_api_key(lora_server, tiny_models, adapters):
+    import requests
+
+    client = lora_server.openai()
+    assert requests.post(lora_server.url + "/v1/load_lora_adapter", json={"lora_name": "a3", "lora_path": str(adapters["a3"])},
+                         timeout=30).status_code == 401
+    loaded = lora_server.post("/v1/load_lora_adapter", json={"lora_name": "a3", "lora_path": str(adapters["a3"])})
+    assert loaded.status_code == 200 and "a3" in loaded.text
+    assert _completion(client, "a3", PROMPTS[0]).choices[0].text == expected_text(tiny_models, adapters, "a3", PROMPTS[0])
+    again = lora_server.post("/v1/load_lora_adapter", json={"lora_name": "a3", "lora_path": str(adapters["a3"])})
+    assert again.status_code == 400 and again.json()["error"]["message"] == "The lora adapter 'a3' has already been loaded."
+    broken = lora_server.post("/v1/load_lora_adapter", json={"lora_name": "a4", "lora_path": "/nonexistent/adapter"})
+    assert broken.status_code == 400 and "has no adapter_config.json" in broken.json()["error"]["message"]
+    assert lora_server.post("/v1/unload_lora_adapter", json={"lora_name": "a3"}).status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        _completion(client, "a3", PROMPTS[0])
+    missing = lora_server.post("/v1/unload_lora_adapter", json={"lora_name": "a3"})
+    assert missing.status_code == 404 and missing.json()["error"]["message"] == "The lora adapter 'a3' cannot be found."
+    assert {card.id for card in client.models.list().data} == {str(tiny_models["llama"]), "a1", "a2"}
+
+
+def test_a_server_whose_lora_module_cannot_be_served_fails_to_start_naming_it(tiny_models, tmp_path):
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--model", str(tiny_models["llama"]),
+                             "--kv-cache-memory", str(2**22), "--enable-lora", "--lora-modules", f"broken={tmp_path}"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert f"LoRA module 'broken' ({tmp_path}): LoRA adapter '{tmp_path}' has no adapter_config.json" in result.stderr

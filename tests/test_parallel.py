@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+from conftest import assert_matches
 from server_utils import RemoteServer, metric_value
 
 from pagedserve import LLM, SamplingParams, StructuredOutputsParams
@@ -46,19 +47,6 @@ def run_workload(llm: LLM) -> list:
     assert "aborted" not in finished
     assert engine.get_stats().kv_cache_usage == 0.0  # every block back, the aborted request's too
     return [finished[str(index)] for index in range(len(PROMPTS))] + [finished["pair"], finished["structured"]]
-
-
-def assert_matches(outputs: list, reference: list) -> None:
-    for ours, theirs in zip(outputs, reference):
-        for mine, expected in zip(ours.outputs, theirs.outputs):
-            for position, (token, want) in enumerate(zip(mine.token_ids, expected.token_ids)):
-                if token == want:
-                    if mine.logprobs is not None:
-                        assert mine.logprobs[position][token].logprob == pytest.approx(expected.logprobs[position][want].logprob, abs=1e-3)
-                    continue
-                top = sorted(lp.logprob for lp in expected.logprobs[position].values())[-2:]
-                assert top[1] - top[0] < 0.01, f"diverged at position {position} without a near-tie: {top}"
-                break  # after a near-tie divergence the continuations differ
 
 
 def parallel_llm(model_dir, **settings) -> LLM:

@@ -39,6 +39,14 @@ def test_models_health_version_and_auth(server, client):
     assert requests.get(server.url + "/health", timeout=10).status_code == 200  # only /v1 needs the key
 
 
+def test_lora_adapters_are_off_unless_enabled(server, client):
+    """A server started without --enable-lora and --allow-runtime-lora-updating loads no adapter at run time."""
+    refused = server.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/tmp"})
+    assert refused.status_code == 404 and "--allow-runtime-lora-updating" in refused.json()["error"]["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="x", prompt="Hi", max_tokens=1)
+
+
 def test_stream_and_non_stream_agree_and_usage_is_exact(server, client):
     full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, extra_body={"ignore_eos": True}, **GREEDY)
     tokens = server.post("/tokenize", json={"prompt": PROMPT}).json()

@@ -154,6 +154,9 @@ class SchedulerStats:
     prefix_cache_hits: int = 0  # cumulative
     num_preemptions: int = 0  # cumulative
     spec: SpecDecodingStats | None = None  # cumulative; None without speculative decoding
+    # LoRA adapter name -> its requests running, and waiting (adapters with none left out; empty without LoRA).
+    lora_running: dict[str, int] = field(default_factory=dict)
+    lora_waiting: dict[str, int] = field(default_factory=dict)
 
     @property
     def prefix_cache_hit_rate(self) -> float | None:

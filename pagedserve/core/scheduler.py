@@ -119,6 +119,8 @@ class Scheduler:
             prefix_cache_hits=prefix.hits,
             num_preemptions=self.num_preemptions,
             spec=self.drafts.get_stats() if self.drafts else None,
+            lora_running=_requests_per_adapter(self.running) if self.max_loras else {},
+            lora_waiting=_requests_per_adapter(self.waiting) if self.max_loras else {},
         )
 
     def observe_step(self, shape: StepShape, seconds: float) -> None:
@@ -370,3 +372,12 @@ class Scheduler:
         if self.drafts:
             self.drafts.finished(request.request_id)
         del self.requests[request.request_id]
+
+
+def _requests_per_adapter(requests) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for request in requests:
+        if request.lora_request is not None:
+            name = request.lora_request.lora_name
+            counts[name] = counts.get(name, 0) + 1
+    return counts

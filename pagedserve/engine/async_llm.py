@@ -15,6 +15,7 @@ from pagedserve.engine.frontend import FrontEnd, FrontEndAccess
 from pagedserve.engine.metrics import EngineMetrics
 from pagedserve.engine.processor import PromptType
 from pagedserve.engine.tokenizer import load_tokenizer, preload_tokenizer_library
+from pagedserve.lora_request import LoRARequest
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -53,6 +54,7 @@ class AsyncLLM(FrontEndAccess):
         self.metrics = EngineMetrics(served_model_name or config.model, config.data_parallel_size)
         self.engine_view = EngineView(self.metrics, self.front_end.prompt_of)
         self.max_waiting_requests = max_waiting_requests
+        self._loras: set[int] = set()  # the LoRA adapters registered with the engine cores, by id
         self.on_engine_dead = on_engine_dead
         self._queues: dict[str, asyncio.Queue] = {}
         # Each engine core's waiting queue as of its last step; plus what was sent since any's last step.
@@ -94,10 +96,12 @@ class AsyncLLM(FrontEndAccess):
             if not finished:
                 await self.abort(request_id)
 
-    async def add_request(self, prompt: PromptType, params: SamplingParams, request_id: str, priority: int = 0) -> asyncio.Queue:
+    async def add_request(self, prompt: PromptType, params: SamplingParams, request_id: str, priority: int = 0,
+                          lora_request: LoRARequest | None = None) -> asyncio.Queue:
+        """lora_request: an adapter registered with add_lora (None: the base model)."""
         self._check_admission(params.n)
         # Tokenizing (a long prompt: seconds) runs off the event loop, which keeps serving other streams.
-        prepared = await asyncio.to_thread(self.front_end.prepare, request_id, prompt, params, priority)
+        prepared = await asyncio.to_thread(self.front_end.prepare, request_id, prompt, params, priority, lora_request)
         self._check_admission(params.n)  # again: the engine may have died or filled up meanwhile
         engine_requests = self.front_end.track(prepared)
         queue: asyncio.Queue = asyncio.Queue()
@@ -137,6 +141,21 @@ class AsyncLLM(FrontEndAccess):
         engine_ids = self.front_end.abort_request(request_id)
         self._forget(request_id, engine_ids)
         await self.client.abort_requests_async(engine_ids)
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Register an adapter with every engine core, read and checked on every rank now (ValueError naming the
+        problem); whether it was new."""
+        results = await self.client.call_utility_on_each_async(
+            "add_lora", lora_request.lora_name, lora_request.lora_int_id, lora_request.lora_path)
+        self._loras.add(lora_request.lora_int_id)
+        self.metrics.lora_adapters.set(len(self._loras))
+        return any(results)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        removed = any(await self.client.call_utility_on_each_async("remove_lora", lora_int_id))
+        self._loras.discard(lora_int_id)
+        self.metrics.lora_adapters.set(len(self._loras))
+        return removed
 
     async def reset_prefix_cache(self) -> bool:
         return await self.client.call_utility_async("reset_prefix_cache")

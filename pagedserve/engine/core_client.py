@@ -213,7 +213,7 @@ class AsyncMPClient(EngineCoreClient):
         if future is None or future.done():
             return
         if message.error:
-            future.set_exception(RuntimeError(message.error))
+            future.set_exception(ValueError(message.error) if message.bad_input else RuntimeError(message.error))
         else:
             future.set_result(message.result)
 

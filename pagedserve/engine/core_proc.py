@@ -105,6 +105,8 @@ class EngineCoreProc:
             call_id, method, args = payload
             try:
                 result = UtilityResult(call_id, result=self.engine_core.call_utility(method, *args))
+            except ValueError as exc:
+                result = UtilityResult(call_id, error=str(exc), bad_input=True)
             except Exception as exc:
                 result = UtilityResult(call_id, error="".join(traceback.format_exception_only(exc)).strip())
             self.output_socket.send(encode_output(result))

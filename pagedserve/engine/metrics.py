@@ -63,6 +63,12 @@ class EngineMetrics:
             "pagedserve:moe_expert_tokens", "Tokens routed to each expert of each mixture-of-experts layer",
             [*labels, "engine", "layer", "expert"], registry=self.registry)
         self._expert_tokens_seen: dict[tuple[int, int], list[int]] = {}  # (engine, layer) -> counts already added
+        self.lora_running = Gauge("pagedserve:lora_requests_running", "Requests running with each LoRA adapter",
+                                  [*labels, "engine", "lora_name"], registry=self.registry)
+        self.lora_waiting = Gauge("pagedserve:lora_requests_waiting", "Requests waiting with each LoRA adapter",
+                                  [*labels, "engine", "lora_name"], registry=self.registry)
+        self.lora_adapters = Gauge("pagedserve:lora_adapters_loaded", "LoRA adapters the server serves", labels,
+                                   registry=self.registry).labels(model_name)
         self.request_success = Counter(
             "pagedserve:request_success", "Finished requests by finish reason", ["model_name", "finished_reason"], registry=self.registry
         )
@@ -147,6 +153,10 @@ class EngineMetrics:
         self.preemptions[engine].inc(max(stats.num_preemptions - last.num_preemptions, 0))
         if stats.spec is not None:
             self._record_spec_stats(stats.spec, last.spec, engine)
+        for gauge, counts, before in ((self.lora_running, stats.lora_running, last.lora_running),
+                                      (self.lora_waiting, stats.lora_waiting, last.lora_waiting)):
+            for name in before.keys() | counts.keys():  # an adapter whose requests all ended goes to 0
+                gauge.labels(self.model_name, str(engine), name).set(counts.get(name, 0))
         self._last[engine] = stats
 
     def _record_spec_stats(self, spec: SpecDecodingStats, last: SpecDecodingStats | None, engine: int) -> None:

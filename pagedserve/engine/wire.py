@@ -73,6 +73,7 @@ class UtilityResult:
     call_id: int
     result: object = None
     error: str | None = None
+    bad_input: bool = False  # the error is the caller's (a ValueError: its message names the bad argument)
 
 
 # Outputs channel: the start-up handshake (located, then ready or failed), then step outputs and utility replies.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from pagedserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
-from pagedserve.entrypoints.openai.settings import DEFAULT_MAX_TOKENS
+from pagedserve.entrypoints.openai.settings import DEFAULT_MAX_TOKENS, LoRAModule
 from pagedserve.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
 
 
@@ -57,10 +57,23 @@ def register(sub) -> None:
     group.add_argument("--web-console-show-prompts", action=argparse.BooleanOptionalAction, default=False,
                        help="let the web console's engine view show the text of the prompts being prefilled (default: "
                             "request ids only)")
+    group.add_argument("--lora-modules", nargs="+", default=[], type=_lora_module, metavar="NAME=PATH",
+                       help="LoRA adapters (PEFT directories) to serve, each under the name requests give as their model "
+                            "(also vLLM's JSON form '{\"name\": ..., \"path\": ...}'); needs --enable-lora")
+    group.add_argument("--allow-runtime-lora-updating", action=argparse.BooleanOptionalAction, default=False,
+                       help="let /v1/load_lora_adapter and /v1/unload_lora_adapter (behind --api-key) change the adapters "
+                            "while the server runs")
     group.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                        help="uvicorn log level; the access log is at info (default: %(default)s)")
     add_engine_args(serve)
     serve.set_defaults(handler=run_serve)
+
+
+def _lora_module(text: str) -> LoRAModule:
+    try:
+        return LoRAModule.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def _tokens_or_none(text: str) -> int | None:
@@ -92,6 +105,7 @@ def run_serve(args) -> int:
         request_read_timeout=args.request_read_timeout, keep_alive_timeout=args.keep_alive_timeout,
         max_connections=args.max_connections, enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser, web_console=args.web_console,
-        web_console_show_prompts=args.web_console_show_prompts,
+        web_console_show_prompts=args.web_console_show_prompts, lora_modules=args.lora_modules,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
     )
     return run_server(engine_config_from_args(args), settings)

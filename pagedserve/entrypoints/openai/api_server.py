@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pagedserve.engine.async_llm import AsyncLLM
@@ -23,15 +23,17 @@ from pagedserve.entrypoints.openai.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
-    ModelCard,
+    LoadLoRAAdapterRequest,
     ModelList,
     TokenizeChatRequest,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoRAAdapterRequest,
     VersionResponse,
 )
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedserve.entrypoints.openai.serving_models import ServingModels
 from pagedserve.entrypoints.openai.settings import ServerSettings
 from pagedserve.entrypoints.openai.web_console import install_web_console
 from pagedserve.version import __version__
@@ -49,6 +51,7 @@ _SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
     "data": {"type": "string", "description": "a JSON chunk of the response (or an error object), or [DONE] at the end"},
     "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}}}
 _STREAMS = {"text/event-stream": {"schema": _SSE_EVENT}}
+_PLAIN_TEXT = {"description": "what was done, in words", "content": {"text/plain": {"schema": {"type": "string"}}}}
 # How long /metrics waits for the engine cores to report their experts' token counts (they answer between steps).
 _EXPERT_METRICS_TIMEOUT_S = 5.0
 
@@ -58,14 +61,17 @@ class ServerState:
     draining: bool = False  # set on SIGTERM: new requests get 503 while in-flight ones finish
 
 
-def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | None = None) -> FastAPI:
+def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | None = None,
+              models: ServingModels | None = None) -> FastAPI:
+    """models: the served names (a new ServingModels of the settings' names when None); the caller loads its
+    --lora-modules (ServingModels.load_lora_modules) before serving."""
     state = state or ServerState()
-    names = settings.served_model_name or [engine.config.model]
+    models = models or serving_models(engine, settings)
     max_n = settings.effective_max_n(engine.config.max_num_seqs)
     renderer = ChatTemplateRenderer(engine.tokenizer, settings.trust_request_chat_template, settings.chat_template_timeout)
     engine.front_end.cap_unrequested_tokens(settings.default_max_tokens)
-    completions = OpenAIServingCompletion(engine, names, max_n)
-    chat = OpenAIServingChat(engine, names, max_n, renderer, settings.auto_tool_call_parser)
+    completions = OpenAIServingCompletion(engine, models, max_n)
+    chat = OpenAIServingChat(engine, models, max_n, renderer, settings.auto_tool_call_parser)
     app = FastAPI(title="pagedserve", version=__version__)
     install_error_handlers(app)
     install_middleware(app, settings, is_draining=lambda: state.draining)
@@ -83,8 +89,25 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
         return VersionResponse(version=__version__)
 
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
-    async def models():
-        return ModelList(data=[ModelCard(id=name, root=engine.model_info.model_dir, max_model_len=engine.max_model_len) for name in names])
+    async def list_models():
+        return ModelList(data=models.cards())
+
+    def check_runtime_lora_updating() -> None:
+        if not settings.allow_runtime_lora_updating:
+            raise APIError(404, "loading and unloading LoRA adapters at run time is off; start the server with "
+                           "--allow-runtime-lora-updating", code="not_found")
+
+    @app.post("/v1/load_lora_adapter", responses={**_ERRORS, 200: _PLAIN_TEXT})
+    async def load_lora_adapter(request: LoadLoRAAdapterRequest):
+        check_runtime_lora_updating()
+        await models.load_lora_adapter(request.lora_name, request.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter", responses={**_ERRORS, 200: _PLAIN_TEXT})
+    async def unload_lora_adapter(request: UnloadLoRAAdapterRequest):
+        check_runtime_lora_updating()
+        await models.unload_lora_adapter(request.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' removed successfully.")
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses={**_ERRORS, 200: {"content": _STREAMS}})
     async def create_completion(request: CompletionRequest, raw_request: Request):
@@ -131,6 +154,10 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
     limits = ServedLimits(engine.model_info.vocab_size, max_n, engine.max_model_len, settings.trust_request_chat_template)
     app.openapi = lambda: served_schema(app, limits)
     return app
+
+
+def serving_models(engine: AsyncLLM, settings: ServerSettings) -> ServingModels:
+    return ServingModels(engine, settings.served_model_name or [engine.config.model], settings.lora_modules)
 
 
 def _respond(result):

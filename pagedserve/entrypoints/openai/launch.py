@@ -52,20 +52,21 @@ def run_server(config: EngineConfig, settings: ServerSettings) -> int:
                       while_starting=_load_web_stack)
     import uvicorn
 
-    from pagedserve.entrypoints.openai.api_server import ServerState, build_app
+    from pagedserve.entrypoints.openai.api_server import ServerState, build_app, serving_models
     from pagedserve.entrypoints.openai.http_protocol import bounded_protocol
 
     limit_front_end_threads()
     _allow_open_files(settings.max_connections + _FILES_BESIDE_CONNECTIONS)
     state = ServerState()
     try:
-        app = build_app(engine, settings, state)
+        models = serving_models(engine, settings)
+        app = build_app(engine, settings, state, models)
         uv_config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                                    timeout_graceful_shutdown=_CLOSE_TIMEOUT_S, timeout_keep_alive=settings.keep_alive_timeout,
                                    http=bounded_protocol(settings.request_read_timeout, settings.max_connections))
         server = holder["server"] = _draining_server_class()(uv_config, engine, state, settings.shutdown_timeout)
         freeze_start_up_objects()
-        asyncio.run(_serve(server, engine))
+        asyncio.run(_serve(server, engine, models.load_lora_modules))
     finally:
         logger.info("shutting down the engine core")
         engine.shutdown()
@@ -87,9 +88,11 @@ def _allow_open_files(wanted: int) -> None:
                        "beyond it are refused without an answer; raise it (ulimit -n) or lower --max-connections", soft, wanted)
 
 
-async def _serve(server, engine: AsyncLLM) -> None:
+async def _serve(server, engine: AsyncLLM, before_serving) -> None:
+    """before_serving: awaited once the engine runs, before the first request (the LoRA modules' loading)."""
     # From the start, not from the first request: /health and the exit code follow the engine's death.
     engine.start()
+    await before_serving()
     await server.serve()
 
 

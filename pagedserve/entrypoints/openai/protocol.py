@@ -512,6 +512,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "pagedserve"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
 
 
@@ -562,3 +563,13 @@ class DetokenizeRequest(RequestBody):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class LoadLoRAAdapterRequest(RequestBody):
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(RequestBody):
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None  # accepted for vLLM's clients; the name alone says which

@@ -14,6 +14,8 @@ from pagedserve.engine.async_llm import AsyncLLM, QueueFullError, RequestEndedEr
 from pagedserve.engine.core_client import EngineDeadError
 from pagedserve.entrypoints.openai.errors import APIError, request_id_of
 from pagedserve.entrypoints.openai.protocol import UsageInfo
+from pagedserve.entrypoints.openai.serving_models import ServingModels
+from pagedserve.lora_request import LoRARequest
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 from pagedserve.structured_output.grammar_compiler import StructureError
@@ -26,9 +28,9 @@ _SERVER_ENDED = (EngineDeadError, RequestEndedError)
 
 
 class ServingBase:
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str], max_n: int) -> None:
+    def __init__(self, engine: AsyncLLM, models: ServingModels, max_n: int) -> None:
         self.engine = engine
-        self.served_model_names = served_model_names
+        self.models = models
         self.tokenizer = engine.tokenizer
         self.max_n = max_n
         # What a request leaves out: the model's generation defaults, but for max_tokens, which the front end caps
@@ -44,20 +46,16 @@ class ServingBase:
             text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
         return text
 
-    @property
-    def model_name(self) -> str:
-        return self.served_model_names[0]
-
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.served_model_names:
-            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter the request's model names (None: the base model); 404 for a model not served here."""
+        return self.models.resolve(model)
 
     def check_n(self, n: int) -> None:
         if n > self.max_n:
             raise APIError(400, f"n must be <= {self.max_n} (this server's limit of samples per request), got {n}", param="n")
 
     async def add_requests(self, request_id: str, prompts: list, params: SamplingParams, stream: bool, priority: int,
-                           structure_field: str | None = None):
+                           structure_field: str | None = None, lora_request: LoRARequest | None = None):
         """Admit every prompt or none: -> [(sub-request id, queue)]. structure_field: the request field that gave the
         output's structure (the one a structure that does not compile is blamed on)."""
         self.check_n(params.n)
@@ -66,7 +64,7 @@ class ServingBase:
         try:
             for index, prompt in enumerate(prompts):
                 sub_id = f"{request_id}-{index}"
-                added.append((sub_id, await self.engine.add_request(prompt, params, sub_id, priority)))
+                added.append((sub_id, await self.engine.add_request(prompt, params, sub_id, priority, lora_request)))
         except Exception as exc:
             for sub_id, _ in added:
                 await self.engine.abort(sub_id)

@@ -25,15 +25,16 @@ from pagedserve.entrypoints.openai.protocol import (
     random_id,
 )
 from pagedserve.entrypoints.openai.serving_base import ServingBase, make_usage, merge_streams, sse, usage_of
+from pagedserve.entrypoints.openai.serving_models import ServingModels
 from pagedserve.entrypoints.openai.tool_calls import ToolPlan
 from pagedserve.outputs import PositionLogprobs
 
 
 class OpenAIServingChat(ServingBase):
-    def __init__(self, engine, served_model_names: list[str], max_n: int, renderer: ChatTemplateRenderer,
+    def __init__(self, engine, models: ServingModels, max_n: int, renderer: ChatTemplateRenderer,
                  tool_call_parser: str | None = None) -> None:
         """tool_call_parser: the format tool_choice "auto" reads calls in (None: "auto" is refused)."""
-        super().__init__(engine, served_model_names, max_n)
+        super().__init__(engine, models, max_n)
         self.renderer = renderer
         self.tool_call_parser = tool_call_parser
 
@@ -47,7 +48,7 @@ class OpenAIServingChat(ServingBase):
             raise APIError.bad_request(exc, param="messages") from exc
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request):
-        self.check_model(request.model)
+        lora_request = self.check_model(request.model)
         self.check_n(request.n)
         if request.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
@@ -69,7 +70,7 @@ class OpenAIServingChat(ServingBase):
             raise APIError.bad_request(exc, param="top_logprobs" if "logprobs" in str(exc) else None) from exc
         request_id = random_id("chatcmpl")
         added = await self.add_requests(request_id, [{"prompt_token_ids": prompt_ids}], params, request.stream, request.priority,
-                                        "tools" if tools.structure is not None else request.structure_field())
+                                        "tools" if tools.structure is not None else request.structure_field(), lora_request)
         if request.stream:
             return self.sse_stream(added, self._stream_events(request, request_id, added, tools), raw_request)
         output = (await self.collect_final(added, raw_request))[0]
@@ -79,13 +80,14 @@ class OpenAIServingChat(ServingBase):
             choices.append(ChatCompletionChoice(index=c.index, message=AssistantMessage(content=reply.content, tool_calls=reply.tool_calls),
                                                 logprobs=self._logprobs(c.token_ids, c.logprobs, request),
                                                 finish_reason=reply.finish_reason, stop_reason=c.stop_reason))
-        return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage_of([output]))
+        return ChatCompletionResponse(id=request_id, model=self.models.response_name(request.model), choices=choices,
+                                      usage=usage_of([output]))
 
     async def _stream_events(self, request: ChatCompletionRequest, request_id: str, added, tools: ToolPlan) -> AsyncIterator[str]:
         created = int(time.time())
 
         def chunk(choices, usage=None):
-            return sse(ChatCompletionChunk(id=request_id, created=created, model=self.model_name, choices=choices,
+            return sse(ChatCompletionChunk(id=request_id, created=created, model=self.models.response_name(request.model), choices=choices,
                                            usage=usage).model_dump(exclude_none=True))
 
         completion_tokens, final = 0, None

@@ -22,7 +22,7 @@ from pagedserve.outputs import PositionLogprobs, RequestOutput
 
 class OpenAIServingCompletion(ServingBase):
     async def create_completion(self, request: CompletionRequest, raw_request: Request):
-        self.check_model(request.model)
+        lora_request = self.check_model(request.model)
         self.check_n(request.n)
         self._reject_unsupported(request)
         prompts = _prompt_list(request.prompt)
@@ -33,7 +33,8 @@ class OpenAIServingCompletion(ServingBase):
         except ValueError as exc:
             raise APIError.bad_request(exc) from exc
         request_id = random_id("cmpl")
-        added = await self.add_requests(request_id, prompts, params, request.stream, request.priority, request.structure_field())
+        added = await self.add_requests(request_id, prompts, params, request.stream, request.priority, request.structure_field(),
+                                        lora_request)
         if request.stream:
             return self.sse_stream(added, self._stream_events(request, request_id, added), raw_request)
         outputs = await self.collect_final(added, raw_request)
@@ -43,7 +44,7 @@ class OpenAIServingCompletion(ServingBase):
             for prompt_index, output in enumerate(outputs)
             for c in output.outputs
         ]
-        return CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage_of(outputs))
+        return CompletionResponse(id=request_id, model=self.models.response_name(request.model), choices=choices, usage=usage_of(outputs))
 
     def _reject_unsupported(self, request: CompletionRequest) -> None:
         if request.suffix is not None:
@@ -54,7 +55,7 @@ class OpenAIServingCompletion(ServingBase):
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
 
     async def _stream_events(self, request: CompletionRequest, request_id: str, added) -> AsyncIterator[str]:
-        created = int(time.time())
+        created, model = int(time.time()), self.models.response_name(request.model)
         finals: dict[int, RequestOutput] = {}
         echoed: set[int] = set()
         token_counts: dict[int, int] = {}
@@ -72,10 +73,10 @@ class OpenAIServingCompletion(ServingBase):
             if output.finished:
                 finals[prompt_index] = output
             if choices:
-                yield sse(CompletionChunk(id=request_id, created=created, model=self.model_name, choices=choices).model_dump())
+                yield sse(CompletionChunk(id=request_id, created=created, model=model, choices=choices).model_dump())
         if request.stream_options is not None and request.stream_options.include_usage:
             usage = make_usage(sum(len(o.prompt_token_ids) for o in finals.values()), sum(token_counts.values()))
-            yield sse(CompletionChunk(id=request_id, created=created, model=self.model_name, choices=[], usage=usage).model_dump())
+            yield sse(CompletionChunk(id=request_id, created=created, model=model, choices=[], usage=usage).model_dump())
 
     def _choice(self, index, output: RequestOutput, text, token_ids, logprobs, finish_reason, stop_reason, request, echo: bool):
         prompt_text = ""

@@ -2,12 +2,33 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 DEFAULT_MAX_N = 128
 # Tokens a chat request without max_tokens may generate (OpenAI's models cap their output too); a request that wants
 # more says so. None: up to the context, as vLLM does.
 DEFAULT_MAX_TOKENS = 4096
+
+
+@dataclass(frozen=True)
+class LoRAModule:
+    name: str
+    path: str
+
+    @classmethod
+    def parse(cls, text: str) -> LoRAModule:
+        """'name=path', or vLLM's JSON form '{"name": ..., "path": ...}'; ValueError naming the bad value."""
+        if text.lstrip().startswith("{"):
+            try:
+                fields = json.loads(text)
+                return cls(str(fields["name"]), str(fields["path"]))
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise ValueError(f"lora_modules entry {text!r} must be name=path or JSON with name and path") from exc
+        name, separator, path = text.partition("=")
+        if not separator or not name or not path:
+            raise ValueError(f"lora_modules entry {text!r} must be name=path or JSON with name and path")
+        return cls(name, path)
 
 
 @dataclass
@@ -41,6 +62,10 @@ class ServerSettings:
     web_console: bool = True
     web_console_show_prompts: bool = False
     web_console_interval: float = 0.5  # seconds between the stats stream's samples
+    # LoRA adapters served from the start, by the names requests give as their model; and whether
+    # /v1/load_lora_adapter and /v1/unload_lora_adapter may change them while the server runs.
+    lora_modules: list[LoRAModule] = field(default_factory=list)
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self) -> None:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
