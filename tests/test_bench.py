@@ -336,3 +336,22 @@ def test_moe_model_writes_a_mixture_and_its_dense_equal(tmp_path):
         output = LLM(str(tmp_path / name), kv_cache_memory=2**22).generate({"prompt_token_ids": [5, 6, 7]},
                                                                           SamplingParams(max_tokens=4, ignore_eos=True))
         assert len(output[0].outputs[0].token_ids) == 4
+
+
+def test_lora_adapters_are_peft_directories_the_engine_and_peft_agree_on(tmp_path, tiny_models):
+    """The written adapters are what peft itself reads: served, each gives peft's own greedy tokens."""
+    from conftest import greedy, hf_greedy
+
+    from pagedserve import LLM, LoRARequest
+
+    record, stdout = bench(tmp_path, "lora-adapters", "--model", str(tiny_models["llama"]), "--out", str(tmp_path / "adapters"),
+                           "--count", "2", "--rank", "8")
+    assert record["rank"] == 8 and len(record["adapters"]) == 2 and "lora-0=" in stdout
+    # Two layers of q, k, v, o (64 -> 64, 64 -> 32 twice, 64 -> 64) and gate, up, down (64 <-> 128), float32.
+    assert record["bytes_per_adapter"] == 2 * 8 * (128 + 96 + 96 + 128 + 3 * 192) * 4
+    llm = LLM(str(tiny_models["llama"]), enable_lora=True, max_loras=2, max_lora_rank=8, kv_cache_memory=2**22)
+    prompt = list(range(40, 60))
+    for index, path in enumerate(record["adapters"]):
+        output = llm.generate({"prompt_token_ids": prompt}, greedy(8), lora_request=LoRARequest(f"lora-{index}", index + 1, path),
+                              use_tqdm=False)[0]
+        assert list(output.outputs[0].token_ids) == hf_greedy(tiny_models["llama"], [prompt], 8, adapter_dir=path)[0]

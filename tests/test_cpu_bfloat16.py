@@ -103,7 +103,7 @@ def test_auto_picks_bfloat16_on_processors_that_multiply_it_in_hardware(flags, e
 
 def test_bfloat16_products_are_the_same_through_onednn_and_through_torch():
     """gemm_backend torch (and processors oneDNN has no bfloat16 kernels for) multiply the same bfloat16 values."""
-    from pagedserve.layers.linear import onednn_packs, pack_weight, packed_linear
+    from pagedserve.layers.gemm import onednn_packs, pack_weight, packed_linear
 
     torch.manual_seed(0)
     weight, bias, x = torch.randn(48, 64), torch.randn(48), torch.randn(5, 64)

@@ -126,13 +126,15 @@ async def send_one(session, url: str, endpoint: str, body: dict, api_key: str | 
     return result
 
 
-async def run_load(url: str, model: str, requests: list[BenchRequest], request_rate: float, max_concurrency: int | None,
+async def run_load(url: str, models: list[str], requests: list[BenchRequest], request_rate: float, max_concurrency: int | None,
                    api_key: str | None, seed: int, endpoint: str = "completions", sampling: Sampling | None = None
                    ) -> tuple[list[RequestResult], float]:
+    """models: the names the requests are sent to, in turn."""
     import aiohttp
 
     rng = random.Random(seed)
-    bodies = [request_body(endpoint, model, request, sampling or Sampling(), rng) for request in requests]
+    bodies = [request_body(endpoint, models[index % len(models)], request, sampling or Sampling(), rng)
+              for index, request in enumerate(requests)]
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
     progress = tqdm(total=len(requests), desc="requests", unit="req")
     timeout = aiohttp.ClientTimeout(total=6 * 3600)
@@ -261,7 +263,7 @@ def run(args) -> dict:
     seed = prompt_seed(args.seed)
     seeds = itertools.count(seed)
     with (contextlib.nullcontext(args.base_url) if args.base_url else own_server(args.model, args.server_args)) as url:
-        model = args.served_model or first_model(url, args.api_key)
+        models = args.served_model or [first_model(url, args.api_key)]
         for structure, temperature, rate, concurrency in itertools.product(structures, temperatures, rates, concurrencies):
             sampling = Sampling(temperature, args.top_p, args.top_k, args.min_p, args.repetition_penalty, args.frequency_penalty,
                                 args.presence_penalty, args.seeded, structure)
@@ -270,7 +272,7 @@ def run(args) -> dict:
                 # Fresh prompts for each run: a server's prefix cache must not turn later runs into cache hits.
                 requests = make_requests(args, seed=next(seeds))
                 with _probing(url, args.health_interval) as probe:
-                    results, duration = asyncio.run(run_load(url, model, requests, rate, concurrency, args.api_key, seed,
+                    results, duration = asyncio.run(run_load(url, models, requests, rate, concurrency, args.api_key, seed,
                                                              args.endpoint, sampling))
                 repeats.append(summarize(results, duration) | (summarize_health(probe) if probe else {}))
             summary = {"request_rate": rate, "max_concurrency": concurrency, **sampling.fields(), "seeded": sampling.seeded,
@@ -292,7 +294,8 @@ def run(args) -> dict:
                   if len(repeats) > 1 else []),
             ])
     record = {"benchmark": "serve", "label": args.label or ("pagedserve" if not args.base_url else args.base_url),
-              "base_url": args.base_url, "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
+              "base_url": args.base_url, "served_models": models, "num_prompts": args.num_prompts, "input_len": args.input_len,
+              "output_len": args.output_len,
               "dataset": args.dataset, "endpoint": args.endpoint, "seed": seed, "runs": records}
     write_json(args.json, record)
     return record

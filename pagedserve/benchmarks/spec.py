@@ -42,7 +42,7 @@ def run_copy_workload(args, spec_json: str | None) -> list[dict]:
         for concurrency in args.concurrency:
             requests = copy_requests(max(args.requests_per_user * concurrency, args.requests_per_user), seed=args.seed + concurrency)
             before = spec_counters(url)
-            results, duration = asyncio.run(run_load(url, model, requests, float("inf"), concurrency, None, args.seed, "chat",
+            results, duration = asyncio.run(run_load(url, [model], requests, float("inf"), concurrency, None, args.seed, "chat",
                                                      Sampling(temperature=0.0)))
             summary = summarize(results, duration)
             rows.append({"speculation": spec_json is not None, "concurrency": concurrency,

@@ -29,7 +29,9 @@ def register(sub) -> None:
     serve = _workload(workloads, "serve", "streaming HTTP client against an OpenAI-compatible server", prompt_seed=None)
     serve.add_argument("--base-url", default=None, help="server to measure (default: start our own)")
     serve.add_argument("--model", default=EngineConfig.model, help="model for our own server")
-    serve.add_argument("--served-model", default=None, help="model name to send (default: the server's first)")
+    serve.add_argument("--served-model", nargs="+", default=None,
+                       help="model name(s) to send, the requests spread over them in turn (LoRA adapters, say); default: "
+                            "the server's first")
     serve.add_argument("--api-key", default=None)
     serve.add_argument("--num-prompts", type=int, default=64)
     serve.add_argument("--input-len", type=int, default=128)
@@ -135,6 +137,13 @@ def register(sub) -> None:
     moe.add_argument("--expert-width", type=_positive_int, default=512, help="each expert's intermediate size")
     moe.add_argument("--top-k", type=_positive_int, default=4, help="experts per token")
 
+    loras = _workload(workloads, "lora-adapters", "write random-weight LoRA adapters (PEFT directories) of a model, for "
+                      "serving them with --lora-modules and bench serve --served-model")
+    loras.add_argument("--model", default=EngineConfig.model, help="the base model")
+    loras.add_argument("--out", required=True, help="directory to write lora-0, lora-1, ... into")
+    loras.add_argument("--count", type=_positive_int, default=4)
+    loras.add_argument("--rank", type=_positive_int, default=16)
+
     plot = workloads.add_parser("plot", help="PNG plots from `bench serve --json` records")
     plot.add_argument("records", nargs="+", help="JSON records written by `bench serve --json` (one per server)")
     plot.add_argument("--out-dir", default="docs/img", help="where the PNG files go")
@@ -183,6 +192,7 @@ def run_bench(args) -> int:
         kv_accuracy,
         kv_sched,
         kv_speed,
+        lora_adapters,
         machine,
         moe_model,
         prefix,
@@ -201,6 +211,6 @@ def run_bench(args) -> int:
     runners = {"throughput": throughput.run, "serve": serve.run, "prefix": prefix.run, "interference": interference.run,
                "kv": kv_sched.run_kv, "sched": kv_sched.run_sched, "executor": executor.run, "spec": spec.run,
                "machine": machine.run, "kv-accuracy": kv_accuracy.run, "kv-speed": kv_speed.run,
-               "moe-model": moe_model.run}
+               "moe-model": moe_model.run, "lora-adapters": lora_adapters.run}
     runners[args.workload](args)
     return 0

@@ -135,6 +135,8 @@ def prepare_inputs(requests: RunnerRequests, num_scheduled_tokens: dict[str, int
     decode_states = requests.of(decode_ids)
     batch.add_decodes(decode_ids, decode_states, requests.block_tables)
     chunks = [(requests[request_id], num_tokens) for request_id, num_tokens in num_scheduled_tokens.items() if num_tokens != 1]
+    if with_adapters:  # each adapter's chunks side by side: one product over all of them
+        chunks.sort(key=lambda chunk: chunk[0].lora_request.lora_int_id if chunk[0].lora_request else 0)
     for state, num_tokens in chunks:
         batch.add_chunk(state, num_tokens)
     inputs = batch.inputs(attn_backend, device)

@@ -27,7 +27,7 @@ class LoRAManager:
         self.max_cpu_loras = max_cpu_loras
         self.linears: dict[str, Linear] = {name: module for name, module in model.named_modules() if isinstance(module, Linear)}
         for linear in self.linears.values():
-            linear.lora = LinearLoRA()
+            linear.lora = LinearLoRA(linear.out_features, *_gemm_of(linear))
         self.held: OrderedDict[int, LoRARequest] = OrderedDict()  # least recently used first
         self._attached: dict[int, list[LinearLoRA]] = {}
 
@@ -46,7 +46,7 @@ class LoRAManager:
                                  "cannot be held beside them")
             self.remove(victim)
         for linear_name, product in products.items():
-            self.linears[linear_name].lora.adapters[lora.lora_int_id] = product
+            self.linears[linear_name].lora.set_adapter(lora.lora_int_id, product)
         self._attached[lora.lora_int_id] = [self.linears[name].lora for name in products]
         self.held[lora.lora_int_id] = lora
         logger.info("LoRA adapter %s (id %d, rank %d) read from %s", lora.lora_name, lora.lora_int_id, adapter.rank, lora.lora_path)
@@ -56,7 +56,7 @@ class LoRAManager:
         if self.held.pop(adapter_id, None) is None:
             return False
         for layer_lora in self._attached.pop(adapter_id):
-            del layer_lora.adapters[adapter_id]
+            layer_lora.remove_adapter(adapter_id)
         return True
 
     def prepare_step(self, adapters: dict[int, LoRARequest]) -> None:
@@ -107,3 +107,9 @@ class LoRAManager:
             products.append(PartProduct(sum(local_sizes[:index]), local_sizes[index], rank_start, module.rank, b.contiguous()))
             rank_start += module.rank
         return AdapterProduct(torch.cat(stacked_a).contiguous(), products)
+
+
+def _gemm_of(linear: Linear) -> tuple[torch.dtype, bool]:
+    """(dtype, through oneDNN) of the layer's own dense GEMM, which its adapters' products follow."""
+    packed = linear.packed_weight
+    return (packed.dtype, packed.is_mkldnn) if packed is not None else (torch.float32, False)

@@ -13,7 +13,7 @@ from pagedserve.executor.input_batch import ModelInputs, RunnerRequests, RunnerR
 from pagedserve.executor.lora_manager import LoRAManager
 from pagedserve.executor.sampling_inputs import SamplingInputs
 from pagedserve.layers.attention import AttentionBackend
-from pagedserve.layers.lora import adapters_for_step, row_groups
+from pagedserve.layers.lora import StepAdapters, adapters_for_step
 from pagedserve.layers.sampler import Sampler, apply_token_bitmask_, gather_logprobs
 from pagedserve.layers.sampling_rule import DrawKeys
 from pagedserve.outputs import LogprobsLists
@@ -51,11 +51,11 @@ class ModelRunner:
         lora_manager = self.lora_manager
         inputs = prepare_inputs(self.requests, scheduler_output.num_scheduled_tokens, self.block_size, self.attn_backend, self.device,
                                 with_adapters=lora_manager is not None)
-        groups = None
+        step_adapters = None
         if inputs.adapters:
             lora_manager.prepare_step(inputs.adapters)
-            groups = row_groups(inputs.adapter_segments)
-        with adapters_for_step(groups):
+            step_adapters = StepAdapters.of(inputs.adapter_segments)
+        with adapters_for_step(step_adapters):
             hidden_states = self._forward(inputs.input_ids, inputs.positions, inputs.attn_metadata)
         if isinstance(self.proposer, DraftModelProposer):
             self.proposer.follow(inputs.input_ids, inputs.positions, inputs.attn_metadata)

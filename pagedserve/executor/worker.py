@@ -21,7 +21,8 @@ from pagedserve.layers import cpu_kernels
 from pagedserve.layers.attention import Attention, select_attention_backend
 from pagedserve.layers.attention.kv_quant import NO_STATIC_SCALES, KVFormat, kv_format
 from pagedserve.layers.fused_moe import FusedMoE
-from pagedserve.layers.linear import kv_heads_of_rank, onednn_available
+from pagedserve.layers.gemm import onednn_available
+from pagedserve.layers.linear import kv_heads_of_rank
 from pagedserve.lora_request import LoRARequest
 from pagedserve.model_info import ModelInfo
 from pagedserve.models.gguf_blocks import load_quantized_blocks

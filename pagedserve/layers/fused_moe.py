@@ -16,7 +16,8 @@ from torch import nn
 
 from pagedserve.distributed.parallel_state import rank_info, tp_all_reduce
 from pagedserve.layers.activation import SiluAndMul
-from pagedserve.layers.linear import GGUF_BLOCK_VALUES, QuantizedWeight, pack_weight, packed_linear, split_evenly
+from pagedserve.layers.gemm import pack_weight, packed_linear
+from pagedserve.layers.linear import GGUF_BLOCK_VALUES, QuantizedWeight, split_evenly
 
 # Checkpoint names of an expert's three matrices -> which of ours: Mixtral's w1/w3/w2, and the gate/up/down of others.
 EXPERT_PARTS = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}

@@ -18,46 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.distributed.parallel_state import tp_all_reduce, tp_rank, tp_size
+from pagedserve.layers.gemm import pack_weight, packed_linear
 from pagedserve.layers.lora import LinearLoRA
-
-# Batch size oneDNN's weight layout is tuned for: a typical decode batch.
-_PACKING_BATCH_HINT = 32
-
-
-def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
-
-
-def onednn_packs(dtype: torch.dtype) -> bool:
-    """Whether oneDNN multiplies weights of dtype here: float32 always, bfloat16 where the processor has the
-    instructions its bfloat16 kernels need (elsewhere such weights run through torch's own GEMM)."""
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
-def pack_weight(weight: torch.Tensor, dtype: torch.dtype = torch.float32, onednn: bool = True) -> torch.Tensor:
-    """weight in dtype, reordered for oneDNN where it multiplies that dtype (and onednn is asked for), else as a
-    plain tensor for torch's own GEMM."""
-    weight = weight.detach().to(dtype)
-    return torch.ops.mkldnn._reorder_linear_weight(weight, _PACKING_BATCH_HINT) if onednn and onednn_packs(dtype) else weight.contiguous()
-
-
-def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
-                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x @ packed_weight.T (+ bias) in out_dtype (default: x's). A weight in a narrower dtype (bfloat16) multiplies x
-    rounded to it, with float32 accumulation inside the GEMM; its output is widened to out_dtype and the bias added
-    in it."""
-    out_dtype = out_dtype or x.dtype
-    low = x if packed_weight.dtype == x.dtype else x.to(packed_weight.dtype)
-    fused_bias = bias if out_dtype == packed_weight.dtype else None
-    if packed_weight.is_mkldnn:
-        out = torch.ops.mkldnn._linear_pointwise(low, packed_weight, fused_bias, "none", [], "")
-    else:
-        out = F.linear(low, packed_weight, fused_bias)
-    if out.dtype == out_dtype:
-        return out
-    out = out.to(out_dtype)
-    return out if bias is None else out + bias
-
 
 # Rows up to which a GEMM runs on the GGUF blocks until measured on the machine (executor/gemm_choice.py): few-row
 # steps are bound by reading the weights, 7x the bytes in float32; from 3 rows the kernel runs a broadcast GEMM on an

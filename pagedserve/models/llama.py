@@ -22,6 +22,7 @@ from torch import nn
 from pagedserve.distributed.parallel_state import rank_info, tp_size
 from pagedserve.layers.attention import Attention, AttentionBackend, AttentionMetadata
 from pagedserve.layers.fused_moe import FusedMoE
+from pagedserve.layers.gemm import pack_weight, packed_linear
 from pagedserve.layers.layernorm import RMSNorm, SplitRMSNorm
 from pagedserve.layers.linear import (
     BlocksOrDense,
@@ -29,8 +30,6 @@ from pagedserve.layers.linear import (
     QKVParallelLinear,
     QuantizedWeight,
     RowParallelLinear,
-    pack_weight,
-    packed_linear,
 )
 from pagedserve.layers.rotary import RotaryEmbedding
 from pagedserve.layers.vocab_embedding import VocabParallelEmbedding, gather_logits
