@@ -349,7 +349,7 @@ def test_lora_adapters_are_peft_directories_the_engine_and_peft_agree_on(tmp_pat
     assert record["rank"] == 8 and len(record["adapters"]) == 2 and "lora-0=" in stdout
     # Two layers of q, k, v, o (64 -> 64, 64 -> 32 twice, 64 -> 64) and gate, up, down (64 <-> 128), float32.
     assert record["bytes_per_adapter"] == 2 * 8 * (128 + 96 + 96 + 128 + 3 * 192) * 4
-    llm = LLM(str(tiny_models["llama"]), enable_lora=True, max_loras=2, max_lora_rank=8, kv_cache_memory=2**22)
+    llm = LLM(str(tiny_models["llama"]), enable_lora=True, max_loras=2, max_lora_rank=8, kv_cache_memory=2**22, dtype="float32")
     prompt = list(range(40, 60))
     for index, path in enumerate(record["adapters"]):
         output = llm.generate({"prompt_token_ids": prompt}, greedy(8), lora_request=LoRARequest(f"lora-{index}", index + 1, path),

@@ -46,7 +46,8 @@ def expected(tiny_models, adapters, name: str | None, prompts, max_tokens: int =
 
 
 def lora_llm(tiny_models, **kwargs):
-    settings = {"enable_lora": True, "max_loras": 4, "max_lora_rank": 16, "kv_cache_memory": 2**22} | kwargs
+    # float32: the mode whose outputs equal transformers' (peft's) token for token.
+    settings = {"enable_lora": True, "max_loras": 4, "max_lora_rank": 16, "kv_cache_memory": 2**22, "dtype": "float32"} | kwargs
     return LLM(str(tiny_models["llama"]), **settings)
 
 
@@ -112,6 +113,36 @@ def test_chunked_prefill_preemption_and_n_samples_with_adapters(tiny_models, ada
     for output, name, prompt in zip(outputs, names, prompts):
         reference = expected(tiny_models, adapters, name, [prompt], 24)[0]
         assert [list(sample.token_ids) for sample in output.outputs] == [reference, reference], name
+
+
+def test_speculative_decoding_with_adapters_keeps_each_adapters_greedy_tokens(tiny_models, adapters):
+    """n-gram drafts verified in one step run several positions of a request through its adapter (a chunk's rows):
+    repetitive prompts make drafts that are accepted, and the tokens stay those of peft's greedy decoding."""
+    drafting = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
+    llm = lora_llm(tiny_models, speculative_config=drafting)
+    names = ["a1", "a2", None]
+    prompts = [[7, 8, 9, 10] * 6, [21, 22, 23] * 8, [5, 6] * 10]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(16),
+                           lora_request=[lora(adapters, n) if n else None for n in names], use_tqdm=False)
+    assert engine_core_of(llm).scheduler.get_stats().spec.num_draft_tokens > 0
+    for output, name, prompt in zip(outputs, names, prompts):
+        assert list(output.outputs[0].token_ids) == expected(tiny_models, adapters, name, [prompt], 16)[0], name
+
+
+def test_an_adapter_of_the_default_model_equals_peft_and_its_output_follows_a_structure(default_model_dir, tokenizer, tmp_path):
+    """A peft adapter of SmolLM2 (its GEMMs on the GGUF blocks and on oneDNN, the adapter's beside them), and a structured
+    output under an adapter: the grammar's mask applies to the adapter's logits."""
+    from pagedserve import SamplingParams, StructuredOutputsParams
+
+    adapter = make_adapter(default_model_dir, tmp_path / "smol", 8, ["q_proj", "v_proj", "o_proj", "down_proj"], 11)
+    llm = LLM(str(default_model_dir), enable_lora=True, max_lora_rank=8, kv_cache_memory=2**26, max_model_len=512, dtype="float32")
+    smol = LoRARequest("smol", 1, str(adapter))
+    prompt = tokenizer("The capital of France is").input_ids
+    output = llm.generate({"prompt_token_ids": prompt}, greedy(12), lora_request=smol, use_tqdm=False)[0]
+    assert list(output.outputs[0].token_ids) == hf_greedy(default_model_dir, [prompt], 12, adapter_dir=adapter)[0]
+    lowercase = SamplingParams(temperature=0.0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex="[a-z ]+"))
+    structured = llm.generate({"prompt_token_ids": prompt}, lowercase, lora_request=smol, use_tqdm=False)[0].outputs[0].text
+    assert structured and all(character.islower() or character == " " for character in structured)
 
 
 def test_adapters_let_go_for_room_are_read_again_when_needed(tiny_models, adapters):
@@ -216,8 +247,9 @@ def test_adapters_split_over_ranks_as_their_layers_match_the_single_process_engi
 def lora_server(tiny_models, adapters):
     from server_utils import RemoteServer
 
-    server = RemoteServer("--model", str(tiny_models["llama"]), "--kv-cache-memory", str(2**22), "--enable-lora", "--max-loras", "2",
-                          "--lora-modules", f"a1={adapters['a1']}", json.dumps({"name": "a2", "path": str(adapters["a2"])}),
+    server = RemoteServer("--model", str(tiny_models["llama"]), "--kv-cache-memory", str(2**22), "--dtype", "float32", "--enable-lora",
+                          "--max-loras", "2", "--lora-modules", f"a1={adapters['a1']}",
+                          json.dumps({"name": "a2", "path": str(adapters["a2"])}),
                           "--allow-runtime-lora-updating", api_key="lora-key")
     yield server
     server.stop()
