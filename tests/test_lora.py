@@ -165,6 +165,24 @@ def test_adapters_are_added_and_removed_at_run_time(tiny_models, adapters):
     assert engine.list_loras() == []
 
 
+def test_an_adapter_removed_while_its_requests_run_serves_them_to_the_end(tiny_models, adapters, tmp_path):
+    """remove_lora refuses new requests at once; the ranks keep the weights for the requests already running, whose
+    directory may be deleted meanwhile, and let them go when the last one ends."""
+    copy = shutil.copytree(adapters["a2"], tmp_path / "a2-copy")
+    llm = lora_llm(tiny_models)
+    engine, core = llm.llm_engine, engine_core_of(llm)
+    engine.add_request("running", {"prompt_token_ids": PROMPTS[1]}, greedy(12), lora_request=LoRARequest("a2", 2, str(copy)))
+    outputs = [output for _ in range(3) for output in engine.step()]
+    assert engine.remove_lora(2) is True and engine.list_loras() == []
+    shutil.rmtree(copy)
+    assert core.executor.collective_rpc("list_loras") == [[2]]  # still held for the running request
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    final = [output for output in outputs if output.finished][0]
+    assert list(final.outputs[0].token_ids) == expected(tiny_models, adapters, "a2", [PROMPTS[1]], 12)[0]
+    assert core.executor.collective_rpc("list_loras") == [[]]
+
+
 def _broken_copies(adapters, tmp_path):
     """(directory, what the error must say) for each way an adapter can be wrong."""
     cases = []

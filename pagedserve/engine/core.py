@@ -44,6 +44,7 @@ class EngineCore:
         self.batch_queue: deque[tuple[SchedulerOutput, float]] | None = deque() if self.executor.max_concurrent_batches > 1 else None
         self.last_step: StepRecord | None = None  # the step whose outputs step() returned last
         self.loras: dict[int, LoRARequest] = {}  # the adapters registered, by id
+        self._loras_to_drop: set[int] = set()  # removed while requests still run with them
         info = self.model_info
         self.structured_output = StructuredOutputManager(
             grammar_compiler(config.tokenizer or info.model_dir, info.vocab_size, tuple(info.eos_token_ids)))
@@ -107,8 +108,12 @@ class EngineCore:
         self.last_step = None
         if not self.has_work():
             return []
-        if self.batch_queue is not None:
-            return self._step_with_batch_queue()
+        outputs = self._step_with_batch_queue() if self.batch_queue is not None else self._step()
+        if self._loras_to_drop:
+            self._drop_unused_loras()
+        return outputs
+
+    def _step(self) -> list[EngineCoreOutput]:
         scheduler_output = self.scheduler.schedule()
         start = time.perf_counter()
         runner_output = self.executor.execute_model(scheduler_output)
@@ -162,6 +167,7 @@ class EngineCore:
         lora = LoRARequest(lora_name, lora_int_id, lora_path)
         if not self.config.enable_lora:
             raise ValueError("LoRA adapters are not enabled; start the engine with enable_lora")
+        self._loras_to_drop.discard(lora_int_id)  # registered again before its last request ended
         known = self.loras.get(lora_int_id)
         if known is not None:
             if known != lora:
@@ -175,11 +181,19 @@ class EngineCore:
         return True
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        """Forget an adapter; requests still running with it keep it until they end."""
+        """Forget an adapter: no new request may name it; the ranks let its weights go once the requests that run with
+        it have ended (their directory may be gone by then)."""
         if self.loras.pop(lora_int_id, None) is None:
             return False
-        self.executor.collective_rpc("remove_lora", lora_int_id)
+        self._loras_to_drop.add(lora_int_id)
+        self._drop_unused_loras()
         return True
+
+    def _drop_unused_loras(self) -> None:
+        in_use = {request.lora_id for request in self.scheduler.requests.values()}
+        for lora_int_id in self._loras_to_drop - in_use:
+            self.executor.collective_rpc("remove_lora", lora_int_id)
+        self._loras_to_drop &= in_use
 
     def list_loras(self) -> list[int]:
         return sorted(self.loras)
