@@ -90,6 +90,12 @@ class EngineConfig:
     max_lora_rank: int = field(default=16, metadata={"help": "highest rank of an adapter the engine takes"})
     max_cpu_loras: int | None = field(
         default=None, metadata={"help": "adapters held in memory, least recently used let go first (default: max_loras; at least it)"})
+    kv_transfer_config: dict | None = field(
+        default=None,
+        metadata={"help": "a KV connector, as JSON: {\"kv_connector\": \"SharedStorageConnector\", \"kv_role\": \"kv_both\", "
+                  "\"kv_connector_extra_config\": {\"shared_storage_path\": DIR, \"max_bytes\": N}}: full blocks of KV saved "
+                  "under DIR by their prefix, loaded by any engine that shares it (default: off)"},
+    )
     structured_outputs_compile_timeout: float = field(
         default=10.0,
         metadata={"help": "seconds a request's structure (JSON schema, regex, choice, grammar) may take to compile before the "
@@ -119,6 +125,7 @@ class EngineConfig:
     # Parsed from the fields above, once, by validate(): what the engine reads.
     decode_stall: DecodeStallLimit | None = field(init=False, repr=False, default=None)
     speculative: SpeculativeConfig | None = field(init=False, repr=False, default=None)
+    kv_transfer: KVTransferConfig | None = field(init=False, repr=False, default=None)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -157,6 +164,7 @@ class EngineConfig:
             _require(self.world_size == 1, "distributed_executor_backend", "mp or ray with more than one rank (uni runs one)",
                      self.distributed_executor_backend)
         self.speculative = SpeculativeConfig.from_dict(self.speculative_config)
+        self.kv_transfer = KVTransferConfig.from_dict(self.kv_transfer_config)
         if self.speculative is not None and self.world_size > 1:
             raise ValueError("speculative_config runs with one rank (tensor_parallel_size and pipeline_parallel_size 1)")
         if self.pp_layer_partition is not None:
@@ -191,6 +199,25 @@ class EngineConfig:
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         return cls(**kwargs)
+
+
+def _json_object(values: dict | str | None, name: str, fields_of) -> dict | None:
+    """A setting given as a JSON object (a dict, or its text on the command line), with only the fields of the
+    dataclass fields_of; ValueError naming the setting otherwise."""
+    if values is None:
+        return None
+    if isinstance(values, str):
+        try:
+            values = json.loads(values)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{name} must be a JSON object, got {values!r}: {exc}") from exc
+    if not isinstance(values, dict):
+        raise ValueError(f"{name} must be a JSON object, got {values!r}")
+    known = {f.name for f in dataclasses.fields(fields_of)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"{name} has unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    return values
 
 
 def _require(ok: bool, name: str, allowed: str, value) -> None:
@@ -245,19 +272,9 @@ class SpeculativeConfig:
 
     @classmethod
     def from_dict(cls, values: dict | str | None) -> SpeculativeConfig | None:
+        values = _json_object(values, "speculative_config", cls)
         if values is None:
             return None
-        if isinstance(values, str):
-            try:
-                values = json.loads(values)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"speculative_config must be a JSON object, got {values!r}: {exc}") from exc
-        if not isinstance(values, dict):
-            raise ValueError(f"speculative_config must be a JSON object, got {values!r}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"speculative_config has unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         if "method" not in values or "num_speculative_tokens" not in values:
             raise ValueError("speculative_config needs method (ngram or draft_model) and num_speculative_tokens")
         config = cls(**values)
@@ -282,3 +299,47 @@ class SpeculativeConfig:
                      self.model)
         else:
             _require(self.model is None, name + "model", "unset for method ngram", self.model)
+
+
+KV_CONNECTORS = ("SharedStorageConnector",)
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """A KV connector (vLLM's field names): how this engine saves the KV it computes and loads KV computed elsewhere.
+    SharedStorageConnector: kv_connector_extra_config {"shared_storage_path": DIR, "max_bytes": N (default: no bound)}."""
+
+    kv_connector: str
+    kv_role: str = "kv_both"  # kv_producer: saves; kv_consumer: loads; kv_both: both
+    kv_connector_extra_config: dict = field(default_factory=dict)
+    engine_id: str | None = None
+
+    @classmethod
+    def from_dict(cls, values: dict | str | None) -> KVTransferConfig | None:
+        values = _json_object(values, "kv_transfer_config", cls)
+        if values is None:
+            return None
+        if "kv_connector" not in values:
+            raise ValueError(f"kv_transfer_config needs kv_connector ({', '.join(KV_CONNECTORS)})")
+        config = cls(**values)
+        name = "kv_transfer_config."
+        _require(config.kv_connector in KV_CONNECTORS, name + "kv_connector", ", ".join(KV_CONNECTORS), config.kv_connector)
+        _require(config.kv_role in KV_ROLES, name + "kv_role", ", ".join(KV_ROLES), config.kv_role)
+        _require(isinstance(config.kv_connector_extra_config, dict), name + "kv_connector_extra_config", "a JSON object",
+                 config.kv_connector_extra_config)
+        extra = config.kv_connector_extra_config
+        _require(isinstance(extra.get("shared_storage_path"), str) and extra["shared_storage_path"] != "",
+                 name + "kv_connector_extra_config.shared_storage_path", "a directory", extra.get("shared_storage_path"))
+        max_bytes = extra.get("max_bytes")
+        _require(max_bytes is None or isinstance(max_bytes, int) and max_bytes > 0, name + "kv_connector_extra_config.max_bytes",
+                 "an integer > 0 (bytes)", max_bytes)
+        return config
+
+    @property
+    def saves(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def loads(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")

@@ -355,3 +355,10 @@ def test_lora_adapters_are_peft_directories_the_engine_and_peft_agree_on(tmp_pat
         output = llm.generate({"prompt_token_ids": prompt}, greedy(8), lora_request=LoRARequest(f"lora-{index}", index + 1, path),
                               use_tqdm=False)[0]
         assert list(output.outputs[0].token_ids) == hf_greedy(tiny_models["llama"], [prompt], 8, adapter_dir=path)[0]
+
+
+def test_kv_store_loads_a_prompt_a_fresh_engine_would_compute(tmp_path, tiny_models):
+    record, stdout = bench(tmp_path, "kv-store", "--model", str(tiny_models["llama"]), "--prompt-len", "200",
+                           "--kv-cache-memory", str(2**22), "--dtype", "float32")
+    assert record["loaded_tokens"] == 192 and "loaded / computed" in stdout
+    assert record["ttft_loaded_s"] > 0 and record["ttft_computed_s"] > 0

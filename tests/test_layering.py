@@ -9,15 +9,18 @@ import pytest
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent / "pagedserve"
 SUBPACKAGES = ("core", "engine", "executor", "models", "layers", "entrypoints", "benchmarks", "distributed", "spec_decode",
-               "structured_output")
+               "structured_output", "kv_transfer")
 
 # package -> the packages it must not import (and whether torch is forbidden too)
 FORBIDDEN = {
     "core": {"models", "layers", "executor", "engine", "entrypoints", "benchmarks", "distributed", "spec_decode", "structured_output",
-             "torch"},
+             "kv_transfer", "torch"},
     "distributed": {"core", "models", "layers", "executor", "engine", "entrypoints", "benchmarks", "spec_decode", "structured_output"},
-    "layers": {"core", "engine", "executor", "entrypoints", "models", "benchmarks", "spec_decode", "structured_output"},
-    "models": {"core", "engine", "executor", "entrypoints", "benchmarks", "spec_decode", "structured_output"},
+    "layers": {"core", "engine", "executor", "entrypoints", "models", "benchmarks", "spec_decode", "structured_output", "kv_transfer"},
+    "models": {"core", "engine", "executor", "entrypoints", "benchmarks", "spec_decode", "structured_output", "kv_transfer"},
+    # Connectors see the step's contracts, requests and the KV cache's tensors, never the model or the engine.
+    "kv_transfer": {"models", "layers", "executor", "engine", "entrypoints", "benchmarks", "spec_decode", "structured_output",
+                    "distributed"},
     # Proposers and the rejection sampler see token lists and tensors, never requests or steps.
     "spec_decode": {"core", "engine", "executor", "entrypoints", "benchmarks", "distributed"},
     "executor": {"engine", "entrypoints", "benchmarks", "structured_output"},

@@ -59,6 +59,17 @@ class GrammarBitmask:
 
 
 @dataclass
+class KVConnectorMetadata:
+    """What the workers' KV connector does around a step's forward pass: load the KV of blocks found outside the
+    engine before it, save the KV of blocks it fills after it. Each block by its id in the cache and its key (the
+    connector's name for a block's content: its prompt prefix, the adapter it ran under)."""
+
+    loads: list[tuple[int, str]] = field(default_factory=list)
+    saves: list[tuple[int, str]] = field(default_factory=list)
+    load_from: str = ""  # where the connector put what the loads read, where it is not where the saves write
+
+
+@dataclass
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData]
     scheduled_running_reqs: list[RunningRequestData]  # only running requests that got new blocks
@@ -81,6 +92,7 @@ class SchedulerOutput:
     # known tokens), and the seconds the step was planned within (max_decode_stall; None where nothing bounded it).
     prompt_chunks: list[tuple[str, int, int, int]] = field(default_factory=list)
     stall_limit_s: float | None = None
+    kv_connector_metadata: KVConnectorMetadata | None = None  # with a KV connector
 
     @property
     def is_empty(self) -> bool:
@@ -157,6 +169,9 @@ class SchedulerStats:
     # LoRA adapter name -> its requests running, and waiting (adapters with none left out; empty without LoRA).
     lora_running: dict[str, int] = field(default_factory=dict)
     lora_waiting: dict[str, int] = field(default_factory=dict)
+    # With a KV connector, cumulative: prompt tokens whose KV was loaded from outside, and saved for others.
+    kv_received_tokens: int = 0
+    kv_sent_tokens: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float | None:

@@ -45,10 +45,12 @@ class Scheduler:
         structured_output=None,
         experts: ExpertRouting | None = None,
         max_loras: int | None = None,
+        kv_connector=None,
     ) -> None:
         """structured_output: the engine's grammar states (a StructuredOutputManager), None without structured outputs.
         experts: a mixture of experts' routing, which the step-time model prices; None for a dense model.
-        max_loras: most distinct LoRA adapters among the running requests (None: LoRA off)."""
+        max_loras: most distinct LoRA adapters among the running requests (None: LoRA off).
+        kv_connector: the scheduler's side of a KV connector (kv_transfer/base.KVConnectorScheduler), or None."""
         self.kv_cache_manager = kv_cache_manager
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -71,6 +73,7 @@ class Scheduler:
         self.drafts = DraftPolicy(speculative, max_model_len) if speculative else None
         self.structured_output = structured_output
         self.max_loras = max_loras
+        self.kv_connector = kv_connector
         # Requests ended by the engine itself before they ran (a grammar that failed to compile), told with the next
         # step's outputs.
         self._ended_unscheduled: list[EngineCoreOutput] = []
@@ -121,6 +124,8 @@ class Scheduler:
             spec=self.drafts.get_stats() if self.drafts else None,
             lora_running=_requests_per_adapter(self.running) if self.max_loras else {},
             lora_waiting=_requests_per_adapter(self.waiting) if self.max_loras else {},
+            kv_received_tokens=self.kv_connector.received_tokens if self.kv_connector else 0,
+            kv_sent_tokens=self.kv_connector.sent_tokens if self.kv_connector else 0,
         )
 
     def observe_step(self, shape: StepShape, seconds: float) -> None:
@@ -143,6 +148,8 @@ class Scheduler:
             propose_for = self.drafts.requests_to_draft_for(scheduled, len(self.running))
         output = plan.build(self.finished_req_ids, self.preempted_req_ids, propose_for)
         self.finished_req_ids, self.preempted_req_ids = set(), set()
+        if self.kv_connector is not None:
+            output.kv_connector_metadata = self.kv_connector.build_connector_meta(output, self.requests, self.kv_cache_manager.block_ids)
         if self.structured_output is not None and self.structured_output.has_constrained:
             output.grammar_bitmask = self.structured_output.bitmask(output, self.requests)
         return output
@@ -230,17 +237,23 @@ class Scheduler:
     def _admit(self, plan: StepPlan, request: Request) -> bool:
         """Start the waiting request at the head of the queue with its first chunk, if the step and the cache have
         room for it; returns whether they had."""
-        computed_blocks, num_computed_tokens = self.kv_cache_manager.get_computed_blocks(request)
+        computed_blocks, num_local_tokens = self.kv_cache_manager.get_computed_blocks(request)
+        num_external_tokens = 0  # found by the KV connector beyond the local hit, loaded by the workers in this step
+        if self.kv_connector is not None:
+            num_external_tokens = self.kv_connector.get_num_new_matched_tokens(request, num_local_tokens)[0] or 0
+        num_computed_tokens = num_local_tokens + num_external_tokens
         num_new_tokens = plan.chunk_size(request.num_tokens - num_computed_tokens, num_computed_tokens)
         if num_new_tokens == 0:  # no time left in this step
             return False
         lookahead = self.drafts.lookahead_slots(request, num_computed_tokens + num_new_tokens) if self.drafts else 0
-        if self.kv_cache_manager.allocate_slots(request, num_new_tokens, computed_blocks, lookahead) is None:
+        if self.kv_cache_manager.allocate_slots(request, num_external_tokens + num_new_tokens, computed_blocks, lookahead) is None:
             return False
         self.waiting.pop()
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_computed_tokens
         request.num_computed_tokens = num_computed_tokens
+        if self.kv_connector is not None:
+            self.kv_connector.update_state_after_alloc(request, self.kv_cache_manager.block_ids(request.request_id), num_external_tokens)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         plan.add_new_request(request, num_new_tokens, self.kv_cache_manager.block_ids(request.request_id),
@@ -299,6 +312,8 @@ class Scheduler:
         # only when the step produced any.
         outputs: list[EngineCoreOutput] = self._ended_unscheduled
         self._ended_unscheduled = []
+        if scheduler_output.kv_connector_metadata is not None:
+            self.kv_connector.step_done(scheduler_output.kv_connector_metadata)
         stopped: list[Request] = []
         structured = self.structured_output if self.structured_output is not None and self.structured_output.has_constrained else None
         get_request, get_sampled = self.requests.get, runner_output.sampled_token_ids.get
@@ -366,6 +381,8 @@ class Scheduler:
     def _free_request(self, request: Request) -> None:
         if self.structured_output is not None:
             self.structured_output.remove(request.request_id)
+        if self.kv_connector is not None:  # (its blocks stay allocated for none of this engine's connectors)
+            self.kv_connector.request_finished(request, self.kv_cache_manager.block_ids(request.request_id))
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         self.num_prompt_logprobs_sent.pop(request.request_id, None)

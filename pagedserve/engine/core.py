@@ -16,6 +16,7 @@ from pagedserve.engine.wire import EngineCoreRequest
 from pagedserve.executor import step_timings_cache
 from pagedserve.executor.abstract import Executor, WorkerCall
 from pagedserve.executor.selector import executor_class as select_executor_class
+from pagedserve.kv_transfer.factory import scheduler_connector
 from pagedserve.lora_request import LoRARequest
 from pagedserve.model_info import ModelInfo
 from pagedserve.processes import freeze_start_up_objects
@@ -61,6 +62,7 @@ class EngineCore:
             structured_output=self.structured_output,
             experts=ExpertRouting(info.num_experts, info.experts_per_token) if info.num_experts else None,
             max_loras=config.max_loras if config.enable_lora else None,
+            kv_connector=scheduler_connector(config),
         )
         for num_seqs, seq_len, context, seconds in warm_up_timings:  # a first fit of the step-time model
             self.scheduler.observe_step(uniform_step_shape(num_seqs, seq_len, context), seconds)

@@ -63,6 +63,8 @@ class EngineMetrics:
             "pagedserve:moe_expert_tokens", "Tokens routed to each expert of each mixture-of-experts layer",
             [*labels, "engine", "layer", "expert"], registry=self.registry)
         self._expert_tokens_seen: dict[tuple[int, int], list[int]] = {}  # (engine, layer) -> counts already added
+        self.kv_received_tokens = counter("kv_transfer_received_tokens", "Prompt tokens whose KV a KV connector loaded")
+        self.kv_sent_tokens = counter("kv_transfer_sent_tokens", "Prompt tokens whose KV a KV connector saved for others")
         self.lora_running = Gauge("pagedserve:lora_requests_running", "Requests running with each LoRA adapter",
                                   [*labels, "engine", "lora_name"], registry=self.registry)
         self.lora_waiting = Gauge("pagedserve:lora_requests_waiting", "Requests waiting with each LoRA adapter",
@@ -151,6 +153,8 @@ class EngineMetrics:
         self.prefix_cache_queries[engine].inc(max(stats.prefix_cache_queries - last.prefix_cache_queries, 0))
         self.prefix_cache_hits[engine].inc(max(stats.prefix_cache_hits - last.prefix_cache_hits, 0))
         self.preemptions[engine].inc(max(stats.num_preemptions - last.num_preemptions, 0))
+        self.kv_received_tokens[engine].inc(max(stats.kv_received_tokens - last.kv_received_tokens, 0))
+        self.kv_sent_tokens[engine].inc(max(stats.kv_sent_tokens - last.kv_sent_tokens, 0))
         if stats.spec is not None:
             self._record_spec_stats(stats.spec, last.spec, engine)
         for gauge, counts, before in ((self.lora_running, stats.lora_running, last.lora_running),

@@ -144,6 +144,10 @@ def register(sub) -> None:
     loras.add_argument("--count", type=_positive_int, default=4)
     loras.add_argument("--rank", type=_positive_int, default=16)
 
+    kv_store = _workload(workloads, "kv-store", "TTFT of a long prompt loaded from a SharedStorageConnector store vs computed",
+                         engine=True)
+    kv_store.add_argument("--prompt-len", type=_positive_int, default=2048)
+
     plot = workloads.add_parser("plot", help="PNG plots from `bench serve --json` records")
     plot.add_argument("records", nargs="+", help="JSON records written by `bench serve --json` (one per server)")
     plot.add_argument("--out-dir", default="docs/img", help="where the PNG files go")
@@ -192,6 +196,7 @@ def run_bench(args) -> int:
         kv_accuracy,
         kv_sched,
         kv_speed,
+        kv_store,
         lora_adapters,
         machine,
         moe_model,
@@ -201,7 +206,7 @@ def run_bench(args) -> int:
         throughput,
     )
 
-    if args.workload in ("throughput", "prefix", "interference", "executor"):
+    if args.workload in ("throughput", "prefix", "interference", "executor", "kv-store"):
         defaults = {f.name: f.default for f in EngineConfig.settings()}
         # Engine settings the user changed, passed on to LLM(...); the model travels separately.
         args.engine_overrides = {name: getattr(args, name) for name in defaults if name != "model" and hasattr(args, name)
@@ -211,6 +216,6 @@ def run_bench(args) -> int:
     runners = {"throughput": throughput.run, "serve": serve.run, "prefix": prefix.run, "interference": interference.run,
                "kv": kv_sched.run_kv, "sched": kv_sched.run_sched, "executor": executor.run, "spec": spec.run,
                "machine": machine.run, "kv-accuracy": kv_accuracy.run, "kv-speed": kv_speed.run,
-               "moe-model": moe_model.run, "lora-adapters": lora_adapters.run}
+               "moe-model": moe_model.run, "lora-adapters": lora_adapters.run, "kv-store": kv_store.run}
     runners[args.workload](args)
     return 0

@@ -12,6 +12,7 @@ from pagedserve.distributed.parallel_state import rank_info, receive_from_previo
 from pagedserve.executor.input_batch import ModelInputs, RunnerRequests, RunnerRequestState, dummy_layout, prepare_inputs
 from pagedserve.executor.lora_manager import LoRAManager
 from pagedserve.executor.sampling_inputs import SamplingInputs
+from pagedserve.kv_transfer.base import KVConnectorWorker
 from pagedserve.layers.attention import AttentionBackend
 from pagedserve.layers.lora import StepAdapters, adapters_for_step
 from pagedserve.layers.sampler import Sampler, apply_token_bitmask_, gather_logprobs
@@ -39,6 +40,7 @@ class ModelRunner:
         self.sampling_inputs = SamplingInputs(device, self.draw_keys)
         self.requests = RunnerRequests()
         self.lora_manager: LoRAManager | None = None  # set by the worker where LoRA adapters are enabled
+        self.kv_connector: KVConnectorWorker | None = None  # set by the worker where a KV connector is configured
         self.proposer = proposer  # speculative decoding: drafts tokens after each step
         # A draft model's distributions behind each request's pending drafts (sampled requests only).
         self._draft_probabilities: dict[str, torch.Tensor] = {}
@@ -55,8 +57,13 @@ class ModelRunner:
         if inputs.adapters:
             lora_manager.prepare_step(inputs.adapters)
             step_adapters = StepAdapters.of(inputs.adapter_segments)
+        transfers = scheduler_output.kv_connector_metadata if self.kv_connector is not None else None
+        if transfers is not None and transfers.loads:
+            self.kv_connector.start_load_kv(transfers)
         with adapters_for_step(step_adapters):
             hidden_states = self._forward(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        if transfers is not None and transfers.saves:
+            self.kv_connector.wait_for_save(transfers)
         if isinstance(self.proposer, DraftModelProposer):
             self.proposer.follow(inputs.input_ids, inputs.positions, inputs.attn_metadata)
         output = ModelRunnerOutput(sampled_token_ids={})

@@ -17,6 +17,8 @@ from pagedserve.distributed.parallel_state import rank_info
 from pagedserve.executor import cpu_host, gemm_choice
 from pagedserve.executor.lora_manager import LoRAManager
 from pagedserve.executor.model_runner import ModelRunner
+from pagedserve.kv_transfer.factory import worker_connector
+from pagedserve.kv_transfer.shared_storage import rank_tag
 from pagedserve.layers import cpu_kernels
 from pagedserve.layers.attention import Attention, select_attention_backend
 from pagedserve.layers.attention.kv_quant import NO_STATIC_SCALES, KVFormat, kv_format
@@ -266,6 +268,10 @@ class Worker:
                                         self.cpu_kernels, self._make_proposer())
         if config.enable_lora:
             self.model_runner.lora_manager = LoRAManager(self.model, config.max_lora_rank, config.held_loras)
+        connector = worker_connector(config, rank_tag(rank_info().tp_rank, rank_info().pp_rank))
+        if connector is not None:
+            connector.register_kv_caches(self.kv_caches)
+            self.model_runner.kv_connector = connector
         if self.on_cpu and config.prefault_kv_cache:
             self.kv_prefault = cpu_host.KVCachePrefault(self.kv_caches + self.draft_kv_caches)
         logger.info(
