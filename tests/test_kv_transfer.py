@@ -87,6 +87,17 @@ def test_loaded_blocks_survive_chunked_prefill_preemption_and_n_samples(tiny_mod
     assert any(output.num_cached_tokens >= 32 for output in outputs)
 
 
+def test_speculative_decoding_over_loaded_blocks_keeps_the_greedy_tokens(tiny_models, tmp_path):
+    drafting = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
+    prompt = {"prompt_token_ids": [5, 6] * 75}  # its continuation repeats: the n-gram proposer drafts
+    expected = token_ids_of(engine(tiny_models).generate(prompt, greedy(24), use_tqdm=False))
+    engine(tiny_models, storage(tmp_path), speculative_config=drafting).generate(prompt, greedy(24), use_tqdm=False)
+    loading = engine(tiny_models, storage(tmp_path), speculative_config=drafting)
+    output = loading.generate(prompt, greedy(24), use_tqdm=False)[0]
+    assert output.num_cached_tokens == 144 and token_ids_of([output]) == expected
+    assert loading.llm_engine.get_stats().spec.num_draft_tokens > 0
+
+
 def test_the_store_stays_within_max_bytes_least_recently_used_out_first(tiny_models, tmp_path, monkeypatch):
     from pagedserve.kv_transfer import shared_storage
 
@@ -146,9 +157,11 @@ def test_bad_settings_are_refused_by_name():
 
 
 @pytest.mark.slow
-def test_tensor_parallel_ranks_each_save_and_load_their_share(tiny_models, tmp_path):
+@pytest.mark.parametrize("settings", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"])
+def test_parallel_ranks_each_save_and_load_their_share(tiny_models, tmp_path, settings):
+    """Tensor-parallel ranks hold their heads of a block, pipeline stages their layers: each rank its own file."""
     expected = token_ids_of(engine(tiny_models).generate({"prompt_token_ids": PROMPT}, greedy(12), use_tqdm=False))
-    settings = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+    settings = settings | {"distributed_executor_backend": "mp"}
     for round_ in range(2):
         llm = engine(tiny_models, storage(tmp_path), **settings)
         try:
