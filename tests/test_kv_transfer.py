@@ -130,20 +130,30 @@ def test_a_block_written_twice_at_once_is_one_whole_file(tmp_path):
     assert store.read("ab" * 20, "tp0-pp0") == data
 
 
-def test_blocks_are_keyed_by_prefix_and_adapter():
+def test_blocks_are_keyed_by_prefix_and_by_the_adapters_weights(tmp_path):
+    """A block's key names its prefix and the adapter's files, not the adapter's id, which is one engine's name for it:
+    after a restart the same id may name other weights, and other engines may give the same weights another id."""
     from pagedserve.config import EngineConfig
     from pagedserve.kv_transfer.shared_storage import SharedStorageScheduler
-    from pagedserve.lora_request import LoRARequest
+    from pagedserve.lora_request import CONFIG_FILE, WEIGHTS_FILE, LoRARequest
     from pagedserve.request import Request
 
-    config = EngineConfig(model="unused", kv_transfer_config=storage("/tmp/unused"))
-    connector = SharedStorageScheduler(config)
-    params = greedy(1)
-    base = connector._keys_of(Request("a", PROMPT, params))
-    same = connector._keys_of(Request("b", PROMPT[:48] + [7] * 32, params))
-    adapted = connector._keys_of(Request("c", PROMPT, params, lora_request=LoRARequest("x", 3, "/x")))
-    assert len(base) == 12 and base[:3] == same[:3] and base[3] != same[3]
-    assert not set(adapted) & set(base)
+    for name, content in (("sql", b"1"), ("chat", b"2")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / CONFIG_FILE).write_bytes(b"{}")
+        (tmp_path / name / WEIGHTS_FILE).write_bytes(content)
+
+    def keys(prompt, lora=None):
+        connector = SharedStorageScheduler(EngineConfig(model="unused", kv_transfer_config=storage(tmp_path / "store")))
+        return connector._keys_of(Request("r", prompt, greedy(1), lora_request=lora))
+
+    base = keys(PROMPT)
+    same_prefix = keys(PROMPT[:48] + [7] * 32)
+    assert len(base) == 12 and base[:3] == same_prefix[:3] and base[3] != same_prefix[3]
+    sql = keys(PROMPT, LoRARequest("sql", 1, str(tmp_path / "sql")))
+    assert keys(PROMPT, LoRARequest("sql-again", 5, str(tmp_path / "sql"))) == sql  # the same weights under another id
+    assert not set(keys(PROMPT, LoRARequest("chat", 1, str(tmp_path / "chat")))) & set(sql)  # the same id, other weights
+    assert not set(sql) & set(base)
 
 
 def test_bad_settings_are_refused_by_name():

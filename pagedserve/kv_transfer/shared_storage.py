@@ -1,6 +1,6 @@
 """SharedStorageConnector: full blocks of prompt KV saved as files under a directory, named by their prefix (a SHA-256
-chain over the prompt's tokens and the LoRA adapter they ran under), and loaded by any engine of the same model and
-layout that shares the directory: a prefix cache that survives restarts and is shared by replicas.
+chain over the prompt's tokens and the files of the LoRA adapter they ran under), and loaded by any engine of the same
+model and layout that shares the directory: a prefix cache that survives restarts and is shared by replicas.
 
 Layout: DIR/<layout>/<key[:2]>/<key>.<rank>. The layout names what makes two engines' blocks interchangeable (the
 model, the KV cache's dtype, the block size, the parallel split); each rank writes its own share of a block (its heads,
@@ -23,6 +23,7 @@ from pathlib import Path
 from pagedserve.config import EngineConfig
 from pagedserve.core.contracts import KVConnectorMetadata, SchedulerOutput
 from pagedserve.kv_transfer.base import KVConnectorScheduler, KVConnectorWorker
+from pagedserve.lora_request import CONFIG_FILE, WEIGHTS_FILE
 from pagedserve.request import Request
 
 GRACE_S = 60.0
@@ -120,6 +121,7 @@ class SharedStorageScheduler(KVConnectorScheduler):
         self._keys: dict[str, list[str]] = {}  # request id -> the keys of its full prompt blocks
         self._handled: dict[str, int] = {}  # request id -> its first prompt block not yet loaded, saved, or found locally
         self._loads: list[tuple[int, str]] = []  # for the next step's metadata
+        self._adapter_digests: dict[tuple[int, str], bytes] = {}
         self._pins = self.store.directory / ".pins" / uuid.uuid4().hex  # this engine's
         _remove_stale_pins(self.store.directory / ".pins")
 
@@ -174,10 +176,11 @@ class SharedStorageScheduler(KVConnectorScheduler):
         return False, None
 
     def _keys_of(self, request: Request) -> list[str]:
-        """Each full prompt block's key: a SHA-256 chain from the adapter through every token up to the block's end."""
+        """Each full prompt block's key: a SHA-256 chain from the adapter's weights through every token up to the block's
+        end."""
         keys = self._keys.get(request.request_id)
         if keys is None:
-            digest = hashlib.sha256(f"lora {request.lora_id}".encode()).digest()
+            digest = self._adapter_digest(request)
             tokens, size = request.prompt_token_ids, self.block_size
             keys = []
             for start in range(0, len(tokens) - size + 1, size):
@@ -185,6 +188,25 @@ class SharedStorageScheduler(KVConnectorScheduler):
                 keys.append(digest.hex()[:40])
             self._keys[request.request_id] = keys
         return keys
+
+
+    def _adapter_digest(self, request: Request) -> bytes:
+        """What a block's key starts from: the adapter's files' contents (an adapter id is only this engine's name for
+        it, and another engine, or this one after a restart, may give the same id to other weights)."""
+        lora = request.lora_request
+        if lora is None:
+            return hashlib.sha256(b"base model").digest()
+        digest = self._adapter_digests.get((lora.lora_int_id, lora.lora_path))
+        if digest is None:
+            content = hashlib.sha256(b"lora")
+            try:
+                for name in (CONFIG_FILE, WEIGHTS_FILE):
+                    with open(Path(lora.lora_path) / name, "rb") as file:
+                        content.update(hashlib.file_digest(file, "sha256").digest())
+            except OSError:  # its files are gone (the workers hold its weights): its blocks are this engine's alone
+                content.update(uuid.uuid4().bytes)
+            digest = self._adapter_digests[(lora.lora_int_id, lora.lora_path)] = content.digest()
+        return digest
 
 
 class SharedStorageWorker(KVConnectorWorker):

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
+from pagedserve.lora_request import CONFIG_FILE, WEIGHTS_FILE
+
 _PREFIX = "base_model.model."
 _A, _B = ".lora_A.weight", ".lora_B.weight"
 # adapter_config.json settings that change what an adapter computes beyond A and B, with the value that means "off".
