@@ -159,10 +159,13 @@ def test_adapters_are_added_and_removed_at_run_time(tiny_models, adapters):
     engine = llm.llm_engine
     assert engine.add_lora(lora(adapters, "a2")) is True and engine.add_lora(lora(adapters, "a2")) is False
     assert engine.list_loras() == [2]
-    with pytest.raises(ValueError, match="lora_int_id 2 already names LoRA adapter 'a2'"):
+    with pytest.raises(ValueError, match="lora_int_id 2 names LoRA adapter 'a2' at .* in this engine"):
         engine.add_lora(LoRARequest("other", 2, str(adapters["a1"])))
     assert engine.remove_lora(2) is True and engine.remove_lora(2) is False
     assert engine.list_loras() == []
+    with pytest.raises(ValueError, match="lora_int_id 2 names LoRA adapter 'a2'"):  # removed, an id still means its weights
+        engine.add_lora(LoRARequest("other", 2, str(adapters["a1"])))
+    assert engine.add_lora(lora(adapters, "a2")) is True and engine.list_loras() == [2]
 
 
 def test_an_adapter_removed_while_its_requests_run_serves_them_to_the_end(tiny_models, adapters, tmp_path):

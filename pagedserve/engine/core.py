@@ -46,6 +46,7 @@ class EngineCore:
         self.last_step: StepRecord | None = None  # the step whose outputs step() returned last
         self.loras: dict[int, LoRARequest] = {}  # the adapters registered, by id
         self._loras_to_drop: set[int] = set()  # removed while requests still run with them
+        self._lora_ids: dict[int, LoRARequest] = {}  # every id ever registered, and its adapter
         info = self.model_info
         self.structured_output = StructuredOutputManager(
             grammar_compiler(config.tokenizer or info.model_dir, info.vocab_size, tuple(info.eos_token_ids)))
@@ -169,17 +170,18 @@ class EngineCore:
         lora = LoRARequest(lora_name, lora_int_id, lora_path)
         if not self.config.enable_lora:
             raise ValueError("LoRA adapters are not enabled; start the engine with enable_lora")
+        named = self._lora_ids.get(lora_int_id, lora)
+        if named != lora:  # removed or not, an id keeps its weights: the prefix cache keys blocks by it
+            raise ValueError(f"lora_int_id {lora_int_id} names LoRA adapter {named.lora_name!r} at {named.lora_path} in this "
+                             "engine; give another adapter another id")
         self._loras_to_drop.discard(lora_int_id)  # registered again before its last request ended
-        known = self.loras.get(lora_int_id)
-        if known is not None:
-            if known != lora:
-                raise ValueError(f"lora_int_id {lora_int_id} already names LoRA adapter {known.lora_name!r} at {known.lora_path}")
+        if lora_int_id in self.loras:
             return False
         problems = [problem for problem in self.executor.collective_rpc("add_lora", lora) if problem]
         if problems:
             self.executor.collective_rpc("remove_lora", lora_int_id)  # from the ranks that took it
             raise ValueError(problems[0])
-        self.loras[lora_int_id] = lora
+        self.loras[lora_int_id] = self._lora_ids[lora_int_id] = lora
         return True
 
     def remove_lora(self, lora_int_id: int) -> bool:
