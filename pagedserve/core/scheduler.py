@@ -209,7 +209,7 @@ class Scheduler:
     def _schedule_waiting(self, plan: StepPlan) -> None:
         """Waiting requests in policy order, while the budget, the cache, max_num_seqs and max_loras allow."""
         skipped = []
-        adapters = self._running_adapters()
+        adapters: set[int] | None = None  # the running requests' adapters, gathered once a waiting request names one
         while len(self.waiting) > 0 and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
             must_wait = self._sibling_is_prefilling(request) or not self._grammar_ready(request)
@@ -220,19 +220,19 @@ class Scheduler:
                 # Wait for the sibling's prompt blocks (then reuse them from the prefix cache), or for the grammar.
                 skipped.append(self.waiting.pop())
                 continue
-            if request.lora_id and request.lora_id not in adapters and len(adapters) >= (self.max_loras or 0):
-                # The requests after it wait too, as behind a prompt that does not fit: the running adapters' requests
-                # end, and its adapter then joins, however many more requests the running ones keep receiving.
-                break
+            if request.lora_id:
+                if adapters is None:
+                    adapters = {running.lora_id for running in self.running if running.lora_id}
+                if request.lora_id not in adapters and len(adapters) >= (self.max_loras or 0):
+                    # The requests after it wait too, as behind a prompt that does not fit: the running adapters'
+                    # requests end, and its adapter then joins, however many more requests the running ones receive.
+                    break
             if not self._admit(plan, request):
                 break
             if request.lora_id:
                 adapters.add(request.lora_id)
         for request in reversed(skipped):
             self.waiting.add_front(request)
-
-    def _running_adapters(self) -> set[int]:
-        return {request.lora_id for request in self.running if request.lora_id} if self.max_loras else set()
 
     def _admit(self, plan: StepPlan, request: Request) -> bool:
         """Start the waiting request at the head of the queue with its first chunk, if the step and the cache have
@@ -252,11 +252,12 @@ class Scheduler:
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_computed_tokens
         request.num_computed_tokens = num_computed_tokens
+        block_ids = self.kv_cache_manager.block_ids(request.request_id)
         if self.kv_connector is not None:
-            self.kv_connector.update_state_after_alloc(request, self.kv_cache_manager.block_ids(request.request_id), num_external_tokens)
+            self.kv_connector.update_state_after_alloc(request, block_ids, num_external_tokens)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-        plan.add_new_request(request, num_new_tokens, self.kv_cache_manager.block_ids(request.request_id),
+        plan.add_new_request(request, num_new_tokens, block_ids,
                              self.num_prompt_logprobs_sent.get(request.request_id, 0))
         return True
 

@@ -86,8 +86,8 @@ class EngineCore:
         return timings
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        if request.lora_request is not None:
-            lora = request.lora_request
+        lora = request.lora_request
+        if lora is not None and self.loras.get(lora.lora_int_id) != lora:  # not registered yet (or another adapter's id)
             self.add_lora(lora.lora_name, lora.lora_int_id, lora.lora_path)
         self.scheduler.add_request(
             Request(

@@ -149,8 +149,8 @@ class SharedStorageScheduler(KVConnectorScheduler):
     def build_connector_meta(self, scheduler_output: SchedulerOutput, requests: dict[str, Request],
                              block_ids_of) -> KVConnectorMetadata:
         saves = []
-        if self.transfer.saves:
-            for request_id in scheduler_output.num_scheduled_tokens:
+        if self.transfer.saves:  # the step's prompt chunks fill prompt blocks; its decodes fill none
+            for request_id, _, _, _ in scheduler_output.prompt_chunks:
                 request = requests[request_id]
                 done = min(request.num_computed_tokens, request.num_prompt_tokens) // self.block_size
                 start = self._handled.get(request_id, 0)

@@ -93,7 +93,7 @@ class AdapterProduct:
 
 @dataclass
 class _Packed:
-    """A product ready to multiply: A, and B over the layer's output, packed as the layer's own weight is."""
+    """A product: A, and B over the layer's output (each part's B in its rows and columns)."""
 
     a: torch.Tensor  # [columns, in_features]
     b: torch.Tensor  # [out_features, columns]
@@ -107,18 +107,18 @@ class LinearLoRA:
         self.out_features = out_features
         self.gemm_dtype = gemm_dtype
         self.onednn = onednn
-        self.adapters: dict[int, AdapterProduct] = {}
-        self._packed: dict[int, _Packed] = {}
+        self._weights: dict[int, _Packed] = {}  # each adapter's A and B over the layer's output, float32, to stack
+        self._packed: dict[int, _Packed] = {}  # and packed for the GEMM
         self._stack_key: tuple[int, ...] | None = None  # the adapters _stack was built for (a step's set repeats)
         self._stack: tuple[_Packed, torch.Tensor] | None = None  # and, per column, the index of its adapter among them
 
     def set_adapter(self, adapter_id: int, product: AdapterProduct) -> None:
-        self.adapters[adapter_id] = product
-        self._packed[adapter_id] = self._pack(product.a, self._b_over_output(product))
+        weights = self._weights[adapter_id] = _Packed(product.a, self._b_over_output(product))
+        self._packed[adapter_id] = self._pack(weights.a, weights.b)
         self._stack_key = None
 
     def remove_adapter(self, adapter_id: int) -> None:
-        del self.adapters[adapter_id]
+        del self._weights[adapter_id]
         del self._packed[adapter_id]
         self._stack_key = None
 
@@ -146,12 +146,12 @@ class LinearLoRA:
         out[:rows] += packed_linear(down, packed.b, None, out.dtype)
 
     def _build_stack(self, adapter_ids: tuple[int, ...]) -> tuple[_Packed, torch.Tensor] | None:
-        present = [(slot, self.adapters[adapter_id]) for slot, adapter_id in enumerate(adapter_ids) if adapter_id in self.adapters]
+        present = [(slot, self._weights[adapter_id]) for slot, adapter_id in enumerate(adapter_ids) if adapter_id in self._weights]
         if not present:
             return None
-        slots = [slot for slot, product in present for _ in range(product.a.shape[0])]
-        a = torch.cat([product.a for _, product in present])
-        b = torch.cat([self._b_over_output(product) for _, product in present], dim=1)
+        slots = [slot for slot, weights in present for _ in range(weights.a.shape[0])]
+        a = torch.cat([weights.a for _, weights in present])
+        b = torch.cat([weights.b for _, weights in present], dim=1)
         return self._pack(a, b), torch.tensor(slots, dtype=torch.long).unsqueeze(0)
 
     def _b_over_output(self, product: AdapterProduct) -> torch.Tensor:
