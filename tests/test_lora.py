@@ -12,6 +12,7 @@ import torch
 from conftest import assert_matches, engine_core_of, greedy, hf_greedy, token_ids_of
 
 from pagedserve import LLM, LoRARequest
+from pagedserve.layers.lora import AdapterProduct, PartProduct
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # name -> (rank, targets, seed): ranks and targets differ so that one batch mixes them.
@@ -51,9 +52,11 @@ def lora_llm(tiny_models, **kwargs):
     return LLM(str(tiny_models["llama"]), **settings)
 
 
-def test_each_row_of_a_batch_mixing_adapters_and_the_base_model_equals_peft(tiny_models, adapters):
-    """Three adapters of ranks 8, 4 and 16 over different projections, and the base model, in the same steps."""
-    llm = lora_llm(tiny_models)
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["kernel", "torch"])
+def test_each_row_of_a_batch_mixing_adapters_and_the_base_model_equals_peft(tiny_models, adapters, cpu_kernels):
+    """Three adapters of ranks 8, 4 and 16 over different projections, and the base model, in the same steps; through
+    the C++ kernel and through torch's products."""
+    llm = lora_llm(tiny_models, cpu_kernels=cpu_kernels)
     names = ["a1", "a2", "a3", None]
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy(10),
                            lora_request=[lora(adapters, n) if n else None for n in names], use_tqdm=False)
@@ -61,6 +64,64 @@ def test_each_row_of_a_batch_mixing_adapters_and_the_base_model_equals_peft(tiny
         assert list(output.outputs[0].token_ids) == expected(tiny_models, adapters, name, [prompt])[0], name
     base = token_ids_of(llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:3]], greedy(10), use_tqdm=False))
     assert all(list(output.outputs[0].token_ids) != list(b) for output, b in zip(outputs[:3], base))  # adapters change them
+
+
+def _random_product(in_features: int, part_sizes: list[int], rank: int, generator: torch.Generator) -> AdapterProduct:
+    parts, out_start = [], 0
+    for index, size in enumerate(part_sizes):
+        parts.append(PartProduct(out_start, size, index * rank, rank, 0.1 * torch.randn(size, rank, generator=generator)))
+        out_start += size
+    return AdapterProduct(0.1 * torch.randn(rank * len(part_sizes), in_features, generator=generator), parts)
+
+
+def _reference_add(out: torch.Tensor, x: torch.Tensor, segments, products) -> torch.Tensor:
+    """out plus each segment's product with its adapter, row by row in float64."""
+    out, row = out.double(), 0
+    for adapter_id, num_rows in segments:
+        product = products.get(adapter_id)
+        if product is not None:
+            down = x[row:row + num_rows].double() @ product.a.double().t()
+            for part in product.parts:
+                columns = down[:, part.rank_start:part.rank_start + part.rank_len]
+                out[row:row + num_rows, part.out_start:part.out_start + part.out_len] += columns @ part.b.double().t()
+        row += num_rows
+    return out
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                    (torch.bfloat16, torch.bfloat16)], ids=["float32", "bfloat16-out", "bfloat16"])
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_a_layers_products_add_each_rows_own_adapter(dtypes, path):
+    """One layer (a fused qkv of 3 parts, 37 inputs) in a step of decodes of three adapters, an adapter this layer
+    lacks and the base model, then prompt chunks (two of one adapter side by side, then another); ranks 3, 16 and 20
+    (not whole vectors)."""
+    from pagedserve.layers.cpu_kernels import load
+    from pagedserve.layers.lora import LinearLoRA, StepAdapters, adapters_for_step
+
+    kernels = load() if path == "kernel" else None
+    if path == "kernel" and kernels is None:
+        pytest.fail("the C++ kernels did not build")
+    x_dtype, out_dtype = dtypes
+    generator = torch.Generator().manual_seed(0)
+    products = {1: _random_product(37, [24, 8, 8], 3, generator), 2: _random_product(37, [24, 8, 8], 16, generator),
+                5: _random_product(37, [24, 8, 8], 20, generator)}
+    layer = LinearLoRA(40, kernels=kernels)
+    for adapter_id, product in products.items():
+        layer.set_adapter(adapter_id, product)
+    segments = [(1, 1), (0, 1), (2, 1), (9, 1), (5, 1), (1, 1), (2, 1), (2, 1), (2, 5), (2, 3), (0, 4), (5, 6)]
+    rows = sum(num_rows for _, num_rows in segments)
+    x = torch.randn(rows, 37, generator=generator).to(x_dtype)
+    out = torch.randn(rows, 40, generator=generator).to(out_dtype)
+    expected_out = _reference_add(out, x, segments, products)
+    with adapters_for_step(StepAdapters.of(segments)):
+        layer.add_to(out, x)
+    tolerance = 1e-5 if out_dtype == torch.float32 else 2e-2  # bfloat16 keeps 8 bits
+    torch.testing.assert_close(out.double(), expected_out, atol=tolerance, rtol=tolerance)
+    layer.remove_adapter(2)  # its rows now keep the layer's output
+    before = out.clone()
+    with adapters_for_step(StepAdapters.of([(2, 1), (1, 1)])):
+        layer.add_to(out[:2], x[:2])
+    assert torch.equal(out[0], before[0]) and not torch.equal(out[1], before[1])
 
 
 def test_a_step_holds_at_most_max_loras_adapters_and_every_request_finishes(tiny_models, adapters):

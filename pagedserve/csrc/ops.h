@@ -32,3 +32,6 @@ at::Tensor dequantize_kv_rows(const at::Tensor& rows, int64_t kv_format);
 int64_t prefill_lanes();
 void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache, at::Tensor value_cache,
                     const at::Tensor& slot_mapping, int64_t kv_format, double k_scale, double v_scale);
+// out[rows[i]] += x[rows[i]] · A · B for each row listed, with the A and B of its group's adapter (lora.cpp).
+void lora_add_(at::Tensor out, const at::Tensor& x, const at::Tensor& rows, const at::Tensor& groups, const at::Tensor& a,
+               const at::Tensor& b, const at::Tensor& adapters, const at::Tensor& parts);

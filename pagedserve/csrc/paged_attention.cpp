@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "vec_lanes.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -80,39 +81,21 @@ inline int64_t row_width(int64_t head_dim, int64_t kv_format) { return head_dim 
 // reading memory bounds them, wider loops gained little, and their sums stay in the order they have been measured in
 // (docs/benchmarks.md).
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-struct Lanes8 {
-  using Vec = __m256;
-  static constexpr int kWidth = 8;
-  static Vec zero() { return _mm256_setzero_ps(); }
-  static Vec broadcast(float x) { return _mm256_set1_ps(x); }
-  static Vec load(const float* p) { return _mm256_loadu_ps(p); }
+struct Lanes8 : Floats8 {
   template <typename T>
   static Vec widen(const T* p) { return load8(p); }
-  static Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-  static void store(float* p, Vec a) { _mm256_storeu_ps(p, a); }
-  static __m256 fold(Vec a) { return a; }  // to 8 lanes, for the horizontal sums
 };
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
 #define PAGEDSERVE_LANES16 1
-struct Lanes16 {
-  using Vec = __m512;
-  static constexpr int kWidth = 16;
-  static Vec zero() { return _mm512_setzero_ps(); }
-  static Vec broadcast(float x) { return _mm512_set1_ps(x); }
-  static Vec load(const float* p) { return _mm512_loadu_ps(p); }
+struct Lanes16 : Floats16 {
   // 16 values of an 8-bit row, not yet scaled, as load8 widens 8.
   static Vec widen(const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes(p))); }
   static Vec widen(const c10::Float8_e5m2* p) { return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes(p)), 8)); }
   static Vec widen(const c10::Float8_e4m3fn* p) {
     const __m256i widened = _mm256_cvtepi8_epi16(bytes(p));
     return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(widened, 7), _mm256_set1_epi16(static_cast<short>(0xBFFF))));
-  }
-  static Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-  static void store(float* p, Vec a) { _mm512_storeu_ps(p, a); }
-  static __m256 fold(Vec a) {
-    return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
   }
   static __m128i bytes(const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); }
 };

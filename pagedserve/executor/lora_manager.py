@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from pagedserve.layers.linear import Linear, RowParallelLinear
-from pagedserve.layers.lora import AdapterProduct, LinearLoRA, PartProduct
+from pagedserve.layers.lora import KERNEL_DTYPES, AdapterProduct, LinearLoRA, PartProduct
 from pagedserve.lora_request import LoRARequest
 from pagedserve.models.llama import STACKED_PARAMS, MissingLayer
 from pagedserve.models.lora_checkpoint import ModuleLoRA, read_peft_adapter
@@ -21,13 +21,14 @@ logger = logging.getLogger(__name__)
 
 
 class LoRAManager:
-    def __init__(self, model: nn.Module, max_lora_rank: int, max_cpu_loras: int) -> None:
+    def __init__(self, model: nn.Module, max_lora_rank: int, max_cpu_loras: int, kernels=None) -> None:
         self.model = model
         self.max_lora_rank = max_lora_rank
         self.max_cpu_loras = max_cpu_loras
         self.linears: dict[str, Linear] = {name: module for name, module in model.named_modules() if isinstance(module, Linear)}
         for linear in self.linears.values():
-            linear.lora = LinearLoRA(linear.out_features, *_gemm_of(linear))
+            kernel = kernels if linear.weight.dtype in KERNEL_DTYPES else None
+            linear.lora = LinearLoRA(linear.out_features, *_gemm_of(linear), kernels=kernel)
         self.held: OrderedDict[int, LoRARequest] = OrderedDict()  # least recently used first
         self._attached: dict[int, list[LinearLoRA]] = {}
 

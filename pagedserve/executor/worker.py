@@ -267,7 +267,7 @@ class Worker:
         self.model_runner = ModelRunner(self.model, self.kv_caches, config.block_size, self.device, config.seed, self.attn_backend,
                                         self.cpu_kernels, self._make_proposer())
         if config.enable_lora:
-            self.model_runner.lora_manager = LoRAManager(self.model, config.max_lora_rank, config.held_loras)
+            self.model_runner.lora_manager = LoRAManager(self.model, config.max_lora_rank, config.held_loras, self.cpu_kernels)
         connector = worker_connector(config, rank_tag(rank_info().tp_rank, rank_info().pp_rank))
         if connector is not None:
             connector.register_kv_caches(self.kv_caches)

@@ -30,8 +30,8 @@ from pagedserve.envs import cache_root
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
-_SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "quantized_linear.cpp", "sampling.cpp", "bindings.cpp")
-_HEADERS = ("ops.h",)
+_SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "quantized_linear.cpp", "sampling.cpp", "lora.cpp", "bindings.cpp")
+_HEADERS = ("ops.h", "vec_lanes.h")
 
 
 class UsesCPUKernels:

@@ -1,11 +1,13 @@
 """LoRA products added to a linear layer's output, each row with its own adapter.
 
 A step's flat batch holds its decodes first (one row each, of many requests and adapters), then each prompt chunk's
-rows together (one request, one adapter). A chunk's rows take their adapter's product on a slice of the batch: x·Aᵀ,
-then one GEMM with the adapter's B laid out over the layer's output (each part of a fused layer in its own columns).
-The decode rows, few and mixed, take the product of every adapter among them in two GEMMs: the adapters' A stacked,
-each row keeping only its own adapter's columns (a mask), then their B side by side; the scheduler bounds a step's
-adapters by max_loras, which bounds the stack. Base-model rows get nothing; a step without adapters costs nothing."""
+rows together (one request, one adapter). Where the engine runs the C++ kernels, one call per layer adds every
+adapted row's product (csrc/lora.cpp): the rows grouped by adapter, each group through its own adapter's A and B.
+Elsewhere torch computes them: a chunk's rows take their adapter's product on a slice of the batch (x·Aᵀ, then one
+GEMM with the adapter's B laid out over the layer's output, each part of a fused layer in its own columns); the decode
+rows, few and mixed, take the product of every adapter among them in two GEMMs: the adapters' A stacked, each row
+keeping only its own adapter's columns (a mask), then their B side by side. The scheduler bounds a step's adapters by
+max_loras, which bounds the stack. Base-model rows get nothing; a step without adapters costs nothing."""
 
 from __future__ import annotations
 
@@ -30,6 +32,10 @@ class StepAdapters:
     decode_slots: torch.Tensor | None
     # (first row, end row, adapter id) of the prompt chunks with an adapter, one span for chunks side by side of one adapter
     chunks: tuple[tuple[int, int, int], ...]
+    # For the kernel: every adapted row, grouped by adapter (int32), and the groups, (first index into rows, end
+    # index, the adapter's index in adapter_ids) each ([groups, 3] int32).
+    rows: torch.Tensor
+    groups: torch.Tensor
 
     @classmethod
     def of(cls, segments: list[tuple[int, int]]) -> StepAdapters | None:
@@ -49,13 +55,31 @@ class StepAdapters:
         adapter_ids = tuple(sorted({adapter_id for adapter_id, _ in segments} - {0}))
         if not adapter_ids:
             return None
+        slot = {adapter_id: index for index, adapter_id in enumerate(adapter_ids)}
+        rows, groups = _grouped_rows(decode_ids, chunks, slot)
         if not any(decode_ids):
-            return cls(adapter_ids, 0, None, tuple(chunks))
+            return cls(adapter_ids, 0, None, tuple(chunks), rows, groups)
         slots = None
         if len(adapter_ids) > 1 or 0 in decode_ids:
-            slot = {adapter_id: index for index, adapter_id in enumerate(adapter_ids)}
             slots = torch.tensor([slot.get(adapter_id, -1) for adapter_id in decode_ids], dtype=torch.long).unsqueeze(1)
-        return cls(adapter_ids, num_decodes, slots, tuple(chunks))
+        return cls(adapter_ids, num_decodes, slots, tuple(chunks), rows, groups)
+
+
+def _grouped_rows(decode_ids: list[int], chunks: list[tuple[int, int, int]], slot: dict[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's rows and groups: the decode rows of each adapter together, then each chunk span."""
+    by_adapter: dict[int, list[int]] = {}
+    for row, adapter_id in enumerate(decode_ids):
+        if adapter_id:
+            by_adapter.setdefault(adapter_id, []).append(row)
+    rows: list[int] = []
+    groups: list[tuple[int, int, int]] = []
+    for adapter_id, adapter_rows in by_adapter.items():
+        groups.append((len(rows), len(rows) + len(adapter_rows), slot[adapter_id]))
+        rows.extend(adapter_rows)
+    for start, end, adapter_id in chunks:
+        groups.append((len(rows), len(rows) + end - start, slot[adapter_id]))
+        rows.extend(range(start, end))
+    return torch.tensor(rows, dtype=torch.int32), torch.tensor(groups, dtype=torch.int32).view(-1, 3)
 
 
 # The step's adapters while the model runner's forward pass runs; None between passes and in passes without adapters
@@ -99,32 +123,86 @@ class _Packed:
     b: torch.Tensor  # [out_features, columns]
 
 
-class LinearLoRA:
-    """The products of the adapters a worker holds, for one linear layer (this rank's share of them), multiplied in
-    the dtype and through the GEMM the layer's own weight is (bfloat16 GEMMs where the engine runs them)."""
+# The activations the kernel takes (and the outputs it adds to).
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+# The kernel reads an adapter's Aᵀ in whole vectors of its widest build (16 floats): its columns are padded to this.
+_KERNEL_COLUMNS = 16
 
-    def __init__(self, out_features: int, gemm_dtype: torch.dtype = torch.float32, onednn: bool = False) -> None:
+
+class _KernelWeights:
+    """Every held adapter's weights for one layer as the kernel reads them: each adapter's Aᵀ ([in_features, its
+    columns padded], float32) and each part's B ([its columns, its outputs], float32) in two flat tensors; per
+    adapter its entry of the kernel's adapter table, (offset of its Aᵀ, padded columns, first part, end part); and the
+    part table, (first column, end column, first output, end output, offset of its B) per part."""
+
+    def __init__(self, products: dict[int, AdapterProduct]) -> None:
+        a_blocks, b_blocks, parts = [], [], []
+        self.entries: dict[int, tuple[int, int, int, int]] = {}
+        a_offset = b_offset = 0
+        for adapter_id, product in products.items():
+            columns, in_features = product.a.shape
+            padded = -(-columns // _KERNEL_COLUMNS) * _KERNEL_COLUMNS
+            a_t = torch.zeros(in_features, padded)
+            a_t[:, :columns] = product.a.t()
+            a_blocks.append(a_t.flatten())
+            self.entries[adapter_id] = (a_offset, padded, len(parts), len(parts) + len(product.parts))
+            a_offset += a_t.numel()
+            for part in product.parts:
+                b_t = part.b.t().contiguous()  # [its columns, its outputs]
+                b_blocks.append(b_t.flatten())
+                parts.append((part.rank_start, part.rank_start + part.rank_len, part.out_start, part.out_start + part.out_len, b_offset))
+                b_offset += b_t.numel()
+        self.a = torch.cat(a_blocks) if a_blocks else torch.zeros(0)
+        self.b = torch.cat(b_blocks) if b_blocks else torch.zeros(0)
+        self.parts = torch.tensor(parts, dtype=torch.int32).view(-1, 5)
+
+    def table(self, adapter_ids: tuple[int, ...]) -> torch.Tensor:
+        """The adapter table of a step's adapters, in their order ([adapters, 4] int32; zero columns for an adapter
+        that leaves this layer as it is)."""
+        return torch.tensor([self.entries.get(adapter_id, (0, 0, 0, 0)) for adapter_id in adapter_ids], dtype=torch.int32)
+
+
+class LinearLoRA:
+    """The products of the adapters a worker holds, for one linear layer (this rank's share of them): through the C++
+    kernel where given one, else multiplied in the dtype and through the GEMM the layer's own weight is (bfloat16
+    GEMMs where the engine runs them)."""
+
+    def __init__(self, out_features: int, gemm_dtype: torch.dtype = torch.float32, onednn: bool = False, kernels=None) -> None:
         self.out_features = out_features
         self.gemm_dtype = gemm_dtype
         self.onednn = onednn
+        self.kernels = kernels
+        self._products: dict[int, AdapterProduct] = {}
         self._weights: dict[int, _Packed] = {}  # each adapter's A and B over the layer's output, float32, to stack
         self._packed: dict[int, _Packed] = {}  # and packed for the GEMM
         self._stack_key: tuple[int, ...] | None = None  # the adapters _stack was built for (a step's set repeats)
         self._stack: tuple[_Packed, torch.Tensor] | None = None  # and, per column, the index of its adapter among them
+        self._kernel_weights: _KernelWeights | None = None  # built when a step first needs it after a change
+        self._kernel_table: torch.Tensor | None = None  # for the adapters of _stack_key
 
     def set_adapter(self, adapter_id: int, product: AdapterProduct) -> None:
-        weights = self._weights[adapter_id] = _Packed(product.a, self._b_over_output(product))
-        self._packed[adapter_id] = self._pack(weights.a, weights.b)
-        self._stack_key = None
+        self._products[adapter_id] = product
+        if self.kernels is None:
+            weights = self._weights[adapter_id] = _Packed(product.a, self._b_over_output(product))
+            self._packed[adapter_id] = self._pack(weights.a, weights.b)
+        self._changed()
 
     def remove_adapter(self, adapter_id: int) -> None:
-        del self._weights[adapter_id]
-        del self._packed[adapter_id]
+        del self._products[adapter_id]
+        self._weights.pop(adapter_id, None)
+        self._packed.pop(adapter_id, None)
+        self._changed()
+
+    def _changed(self) -> None:
         self._stack_key = None
+        self._kernel_weights = None
 
     def add_to(self, out: torch.Tensor, x: torch.Tensor) -> None:
         step = _step
         if step is None:
+            return
+        if self.kernels is not None:
+            self._add_by_kernel(out, x, step)
             return
         if step.num_decode_rows:
             self._add_decodes(out, x, step)
@@ -132,6 +210,14 @@ class LinearLoRA:
             packed = self._packed.get(adapter_id)
             if packed is not None:  # else this adapter leaves the layer as it is
                 out[start:end] += packed_linear(packed_linear(x[start:end], packed.a, None), packed.b, None, out.dtype)
+
+    def _add_by_kernel(self, out: torch.Tensor, x: torch.Tensor, step: StepAdapters) -> None:
+        if self._kernel_weights is None:
+            self._kernel_weights = _KernelWeights(self._products)
+        weights = self._kernel_weights
+        if self._stack_key != step.adapter_ids:
+            self._kernel_table, self._stack_key = weights.table(step.adapter_ids), step.adapter_ids
+        self.kernels.lora_add_(out, x, step.rows, step.groups, weights.a, weights.b, self._kernel_table, weights.parts)
 
     def _add_decodes(self, out: torch.Tensor, x: torch.Tensor, step: StepAdapters) -> None:
         if self._stack_key != step.adapter_ids:

@@ -1,0 +1,32 @@
+// Vectors of floats for the kernels' loops: 8 lanes where the build has AVX2 and FMA, 16 where it has AVX-512.
+#pragma once
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+struct Floats8 {
+  using Vec = __m256;
+  static constexpr int kWidth = 8;
+  static Vec zero() { return _mm256_setzero_ps(); }
+  static Vec broadcast(float x) { return _mm256_set1_ps(x); }
+  static Vec load(const float* p) { return _mm256_loadu_ps(p); }
+  static Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store(float* p, Vec a) { _mm256_storeu_ps(p, a); }
+  static __m256 fold(Vec a) { return a; }  // to 8 lanes, for the horizontal sums
+};
+#endif
+
+#if defined(__AVX512F__)
+struct Floats16 {
+  using Vec = __m512;
+  static constexpr int kWidth = 16;
+  static Vec zero() { return _mm512_setzero_ps(); }
+  static Vec broadcast(float x) { return _mm512_set1_ps(x); }
+  static Vec load(const float* p) { return _mm512_loadu_ps(p); }
+  static Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store(float* p, Vec a) { _mm512_storeu_ps(p, a); }
+  static __m256 fold(Vec a) {
+    return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+  }
+};
+#endif
