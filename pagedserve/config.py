@@ -122,6 +122,9 @@ class EngineConfig:
                   "default BLAS), or auto (onednn where torch has it)"},
     )
 
+    # Set by the data-parallel client on each core's copy when expert parallelism spans the cores; not a user's setting.
+    data_parallel_place: DataParallelPlace | None = field(default=None, repr=False, metadata={"internal": True})
+
     # Parsed from the fields above, once, by validate(): what the engine reads.
     decode_stall: DecodeStallLimit | None = field(init=False, repr=False, default=None)
     speculative: SpeculativeConfig | None = field(init=False, repr=False, default=None)
@@ -167,6 +170,13 @@ class EngineConfig:
         self.kv_transfer = KVTransferConfig.from_dict(self.kv_transfer_config)
         if self.speculative is not None and self.world_size > 1:
             raise ValueError("speculative_config runs with one rank (tensor_parallel_size and pipeline_parallel_size 1)")
+        if self.enable_expert_parallel and self.data_parallel_size > 1:
+            if self.pipeline_parallel_size > 1:
+                raise ValueError("enable_expert_parallel with data_parallel_size > 1 spreads the experts over the data-parallel "
+                                 "engine cores, which step together; pipeline_parallel_size must then be 1")
+            if self.speculative is not None and self.speculative.method == "draft_model":
+                raise ValueError("enable_expert_parallel with data_parallel_size > 1 runs with ngram speculation only: a draft "
+                                 "model's passes would not step with the other engine cores")
         if self.pp_layer_partition is not None:
             parts = self.pp_layer_partition.split(",")
             _require(len(parts) == self.pipeline_parallel_size and all(p.strip().isdigit() and int(p) > 0 for p in parts),
@@ -189,8 +199,8 @@ class EngineConfig:
 
     @classmethod
     def settings(cls) -> list[dataclasses.Field]:
-        """The fields a user sets (the rest are parsed from them)."""
-        return [f for f in dataclasses.fields(cls) if f.init]
+        """The fields a user sets (the rest are parsed from them, or set by the engine for its own processes)."""
+        return [f for f in dataclasses.fields(cls) if f.init and not f.metadata.get("internal")]
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
@@ -303,6 +313,22 @@ class SpeculativeConfig:
 
 KV_CONNECTORS = ("SharedStorageConnector",)
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
+@dataclass(frozen=True)
+class DataParallelPlace:
+    """An engine core's place among data-parallel cores whose ranks share a mixture's experts (expert parallelism over
+    data parallelism): its index, the number of cores, and the address of the store (host:port) where their processes
+    meet to form the groups they step together in."""
+
+    rank: int
+    size: int
+    store_address: str
+
+    @property
+    def store_host_port(self) -> tuple[str, int]:
+        host, _, port = self.store_address.rpartition(":")
+        return host, int(port)
 
 
 @dataclass(frozen=True)

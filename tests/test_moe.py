@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import engine_core_of, worker_of
+from conftest import engine_core_of, greedy, worker_of
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.layers.activation import SiluAndMul
@@ -119,7 +119,7 @@ def test_a_split_the_mixture_cannot_take_is_refused_at_start(tiny_models, tmp_pa
     (odd / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"the experts' intermediate size \(33\) is not divisible by tensor_parallel_size \(2\)"):
         LLM(str(odd), tensor_parallel_size=2, kv_cache_memory=2**22)
-    with pytest.raises(ValueError, match=r"num_experts \(8\) is not divisible by tensor_parallel_size \(3\) \(expert parallelism"):
+    with pytest.raises(ValueError, match=r"num_experts \(8\) is not divisible by tensor_parallel_size \(3\): expert parallelism"):
         LLM(str(tiny_models["qwen2_moe"]), tensor_parallel_size=3, enable_expert_parallel=True, kv_cache_memory=2**22)
 
 
@@ -184,6 +184,80 @@ def test_metrics_report_the_tokens_routed_to_each_expert(tiny_models):
         named = dict(re.findall(r'(\w+)="([^"]*)"', labels))
         counts[named["layer"], int(named["expert"])] = float(value)
     assert {layer for layer, _ in counts} == {"1"} and sum(counts.values()) == 2 * (6 + 9 - 1)
+
+
+def _routed_tokens(metrics_text: str) -> dict[str, float]:
+    """engine -> tokens routed to any expert of any layer, from /metrics."""
+    import re
+
+    routed: dict[str, float] = {}
+    for labels, value in re.findall(r"^pagedserve:moe_expert_tokens_total\{(.*)\} (\S+)$", metrics_text, re.MULTILINE):
+        engine = dict(re.findall(r'(\w+)="([^"]*)"', labels))["engine"]
+        routed[engine] = routed.get(engine, 0.0) + float(value)
+    return routed
+
+
+@pytest.mark.parametrize("flags", [["-dp", "2"], ["-dp", "2", "-tp", "2"]], ids=["dp2", "dp2-tp2"])
+def test_expert_parallelism_over_data_parallel_cores_equals_one_engine(tiny_models, flags):
+    """The experts spread over every rank of two engine cores (4 or 2 of 8 each): greedy outputs as one engine gives
+    them, whether both cores have requests or one runs alone while the other joins its steps without tokens; each
+    core counts the tokens it routed, and joining another's step routes none."""
+    import asyncio
+
+    from server_utils import RemoteServer
+
+    model = str(tiny_models["qwen2_moe"])
+    prompts = [[5 + index, 6, 7, 8, 9] for index in range(6)]
+    expected = [output.outputs[0].text for output in LLM(model, kv_cache_memory=2**22, dtype="float32").generate(
+        [{"prompt_token_ids": p} for p in prompts], greedy(12), use_tqdm=False)]
+    server = RemoteServer("--model", model, "--served-model-name", "tiny", "--kv-cache-memory", str(2**22), "--dtype", "float32",
+                          "--enable-expert-parallel", *flags)
+    try:
+        async def main():
+            client = server.async_openai()
+
+            async def complete(prompt):
+                answer = await client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0.0,
+                                                         extra_body={"ignore_eos": True})
+                return answer.choices[0].text
+
+            together = await asyncio.gather(*(complete(p) for p in prompts))
+            alone = [await complete(p) for p in prompts[:2]]
+            return together, alone
+
+        together, alone = asyncio.run(main())
+        routed = _routed_tokens(server.get("/metrics").text)
+        log = server.log_text()
+    finally:
+        assert server.stop() == 0
+    assert together == expected and alone == expected[:2]
+    experts_each = 4 if "-tp" not in flags else 2
+    assert f"expert parallelism over 2 data-parallel engine cores: this rank holds {experts_each} of the 8 experts" in log
+    # One mixture layer, top-2: (prompt + generated - 1) tokens of each request through it, on its own core only.
+    assert set(routed) == {"0", "1"} and all(count > 0 for count in routed.values())
+    assert sum(routed.values()) == 2 * (5 + 12 - 1) * (len(prompts) + 2)
+
+
+def test_expert_parallelism_over_cores_refuses_what_would_not_step_with_the_other_cores():
+    from pagedserve.config import EngineConfig
+
+    with pytest.raises(ValueError, match="pipeline_parallel_size must then be 1"):
+        EngineConfig(enable_expert_parallel=True, data_parallel_size=2, pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="runs with ngram speculation only"):
+        EngineConfig(enable_expert_parallel=True, data_parallel_size=2,
+                     speculative_config={"method": "draft_model", "model": "draft", "num_speculative_tokens": 2})
+    EngineConfig(enable_expert_parallel=True, data_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+def test_expert_parallelism_over_cores_the_experts_do_not_divide_is_refused_naming_the_numbers(tiny_models):
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--model", str(tiny_models["qwen2_moe"]),
+                             "--kv-cache-memory", str(2**22), "--enable-expert-parallel", "-dp", "3"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "num_experts (8) is not divisible by tensor_parallel_size (1) x data_parallel_size (3)" in result.stderr
 
 
 def test_speculation_over_a_mixture_equals_decoding_without_it(tiny_models):

@@ -6,10 +6,17 @@ layers call them unconditionally."""
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from pagedserve.config import DataParallelPlace
+
+# How long a process waits for the others to form a group, or for one collective of a group (a core that died
+# ends the others' waits sooner: their connections close).
+_GROUP_TIMEOUT = datetime.timedelta(minutes=10)
 
 
 @dataclass(frozen=True)
@@ -122,3 +129,54 @@ def receive_from_previous_stage(shapes: list[tuple[int, ...]], dtype: torch.dtyp
     for tensor in tensors:
         dist.recv(tensor, src=_previous_stage)
     return tensors
+
+
+def stateless_group(place: DataParallelPlace, name: str, rank: int, size: int) -> dist.ProcessGroupGloo:
+    """A gloo group of its own (not torch.distributed's default one, which a process has at most one of), formed by
+    the processes that name it at the data-parallel cores' store."""
+    host, port = place.store_host_port
+    store = dist.TCPStore(host, port, is_master=False, timeout=_GROUP_TIMEOUT)
+    return dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, size, _GROUP_TIMEOUT)
+
+
+class ExpertGroups:
+    """Expert parallelism over data-parallel engine cores: every rank of every core holds num_experts / (cores x
+    tensor-parallel ranks) experts. A mixture layer gathers the tokens of every core (over `peers`: the ranks of the
+    same tensor-parallel index, one per core, which hold the same tokens as their core's other ranks), applies its
+    experts to all of them, and sums the partial outputs over every rank (`world`)."""
+
+    def __init__(self, place: DataParallelPlace, info: RankInfo) -> None:
+        self.core, self.cores = place.rank, place.size
+        self.size = place.size * info.tp_size
+        self.rank = place.rank * info.tp_size + info.tp_rank
+        self.world = stateless_group(place, "experts", self.rank, self.size)
+        self.peers = stateless_group(place, f"experts-tp{info.tp_rank}", place.rank, place.size)
+
+    def gather_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Every core's rows (2-D, float32) in core order, and where this core's start among them."""
+        counts = [torch.zeros(1, dtype=torch.int64) for _ in range(self.cores)]
+        self.peers.allgather([counts], [torch.tensor([rows.shape[0]])]).wait()
+        counts = [int(count) for count in counts]
+        padded = rows.new_zeros(max(counts), rows.shape[1])  # gloo gathers equal shapes
+        padded[: rows.shape[0]] = rows
+        parts = [torch.empty_like(padded) for _ in range(self.cores)]
+        self.peers.allgather([parts], [padded]).wait()
+        return torch.cat([part[:count] for part, count in zip(parts, counts)]), sum(counts[: self.core])
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over every rank of every core, in place."""
+        self.world.allreduce([tensor]).wait()
+        return tensor
+
+
+_expert_groups: ExpertGroups | None = None
+
+
+def init_expert_groups(place: DataParallelPlace) -> None:
+    """Join the groups of expert parallelism over the data-parallel cores (every rank of every core calls this)."""
+    global _expert_groups
+    _expert_groups = ExpertGroups(place, _info)
+
+
+def expert_groups() -> ExpertGroups | None:
+    return _expert_groups

@@ -35,6 +35,9 @@ class EngineCore:
             num_blocks = self.executor.determine_num_blocks()
             self.executor.initialize_cache(num_blocks)
             self.model_info: ModelInfo = self.executor.model_info()
+            # Expert parallelism over data-parallel cores: every core's model passes join the same collectives, so the
+            # cores step together (engine/core_proc.py), their warm-ups included.
+            self.steps_with_other_cores = config.data_parallel_place is not None and bool(self.model_info.num_experts)
             warm_up_timings = self._warm_up()
         except BaseException:
             self.executor.shutdown()
@@ -75,7 +78,9 @@ class EngineCore:
         machine with these settings stored them, else timed now and stored."""
         start = time.monotonic()
         path = step_timings_cache.timings_file(self.config, self.model_info)
-        timings = step_timings_cache.load(path)
+        # Cores that step together run the same warm-up passes, which a stored file read by one and not another would
+        # not give.
+        timings = None if self.steps_with_other_cores else step_timings_cache.load(path)
         if timings is not None:
             self.executor.collective_rpc("warm_up", False)
             logger.info("warm-up steps ran in %.1f s (step timings of an earlier start: %s)", time.monotonic() - start, path)
@@ -116,13 +121,23 @@ class EngineCore:
             self._drop_unused_loras()
         return outputs
 
+    def step_with_other_cores(self) -> list[EngineCoreOutput]:
+        """A step all data-parallel cores take together (steps_with_other_cores): this core's, or, with nothing to run
+        here, an empty one, in which the runner joins the others' passes."""
+        self.last_step = None
+        outputs = self._step()
+        if self._loras_to_drop:
+            self._drop_unused_loras()
+        return outputs
+
     def _step(self) -> list[EngineCoreOutput]:
         scheduler_output = self.scheduler.schedule()
         start = time.perf_counter()
         runner_output = self.executor.execute_model(scheduler_output)
         seconds = time.perf_counter() - start
-        self.scheduler.observe_step(scheduler_output.shape, seconds)
-        self.last_step = StepRecord.of(scheduler_output, seconds, time.time())
+        if not scheduler_output.is_empty:  # an empty step's time is another core's, or nothing
+            self.scheduler.observe_step(scheduler_output.shape, seconds)
+            self.last_step = StepRecord.of(scheduler_output, seconds, time.time())
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def _step_with_batch_queue(self) -> list[EngineCoreOutput]:

@@ -179,6 +179,10 @@ class AsyncMPClient(EngineCoreClient):
         for request in requests:
             await self.input_socket.send(encode_request(RequestType.ADD, request))
 
+    async def wake_async(self) -> None:
+        if self.is_alive():
+            await self.input_socket.send(encode_request(RequestType.WAKE, None))
+
     async def abort_requests_async(self, request_ids: list[str]) -> None:
         if request_ids and self.is_alive():
             await self.input_socket.send(encode_request(RequestType.ABORT, list(request_ids)))

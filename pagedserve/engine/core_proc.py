@@ -9,7 +9,7 @@ import traceback
 import zmq
 
 from pagedserve import log
-from pagedserve.config import EngineConfig
+from pagedserve.config import DataParallelPlace, EngineConfig
 from pagedserve.engine.wire import (
     EngineCoreOutputs,
     EngineFailed,
@@ -63,6 +63,27 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     exit_process(0)
 
 
+class CoreMeeting:
+    """The data-parallel cores that step together, met once per iteration of their loops over a gloo group of their own."""
+
+    def __init__(self, place: DataParallelPlace) -> None:
+        import torch.distributed as dist
+
+        from pagedserve.distributed.parallel_state import stateless_group
+
+        self.group = stateless_group(place, "engine-cores", place.rank, place.size)
+        self._max = dist.AllreduceOptions()
+        self._max.reduceOp = dist.ReduceOp.MAX
+
+    def any_of(self, busy: bool, stopping: bool) -> tuple[bool, bool]:
+        """(whether any core is busy, whether any is stopping)."""
+        import torch
+
+        flags = torch.tensor([busy, stopping], dtype=torch.int32)
+        self.group.allreduce([flags], self._max).wait()
+        return bool(flags[0]), bool(flags[1])
+
+
 class EngineCoreProc:
     def __init__(self, config: EngineConfig, input_socket, output_socket) -> None:
         from pagedserve.engine.core import EngineCore
@@ -71,17 +92,42 @@ class EngineCoreProc:
         self.input_socket = input_socket
         self.output_socket = output_socket
         self.running = True
+        place = config.data_parallel_place
+        # The other data-parallel cores this one steps with (CoreMeeting), where their ranks share a mixture's experts.
+        self.meeting = CoreMeeting(place) if place is not None and self.engine_core.steps_with_other_cores else None
         self.output_socket.send(encode_output(EngineReady(self.engine_core.model_info)))
 
     def run_busy_loop(self) -> None:
+        if self.meeting is not None:
+            self._run_with_other_cores()
+            return
         engine_core = self.engine_core
         while self.running:
             self._handle_inputs(block=not engine_core.has_work())
             if not self.running:
                 break
             if engine_core.has_work():
-                outputs = engine_core.step()
-                self.output_socket.send(encode_output(EngineCoreOutputs(outputs, engine_core.get_stats(), engine_core.last_step)))
+                self._send_step(engine_core.step())
+
+    def _run_with_other_cores(self) -> None:
+        """Every core runs the same iterations: take its inputs, learn with the others whether any has work or is
+        stopping, then all step together (a core without work here joins with an empty step) or all stop. While all
+        are idle each waits for input at most _IDLE_POLL_MS before the meeting, so a message to one core (an abort, a
+        utility call) reaches a meeting the others join; a new request wakes the others at once (RequestType.WAKE)."""
+        engine_core, any_busy = self.engine_core, False
+        while True:
+            self._handle_inputs(block=not (engine_core.has_work() or any_busy))
+            any_busy, any_stopping = self.meeting.any_of(engine_core.has_work(), not self.running)
+            if any_stopping:
+                return
+            if any_busy:
+                outputs = engine_core.step_with_other_cores()
+                if outputs or engine_core.last_step is not None:
+                    self._send_step(outputs)
+
+    def _send_step(self, outputs) -> None:
+        engine_core = self.engine_core
+        self.output_socket.send(encode_output(EngineCoreOutputs(outputs, engine_core.get_stats(), engine_core.last_step)))
 
     def _handle_inputs(self, block: bool) -> None:
         if block and not self.input_socket.poll(_IDLE_POLL_MS):
@@ -112,3 +158,4 @@ class EngineCoreProc:
             self.output_socket.send(encode_output(result))
         elif kind == RequestType.SHUTDOWN:
             self.running = False
+        # RequestType.WAKE: nothing to do; receiving it ended the wait for input

@@ -13,7 +13,7 @@ import asyncio
 import dataclasses
 from collections import OrderedDict
 
-from pagedserve.config import EngineConfig
+from pagedserve.config import DataParallelPlace, EngineConfig
 from pagedserve.engine.core_client import AsyncMPClient, EngineCoreClient
 from pagedserve.engine.wire import EngineCoreOutputs, EngineCoreRequest
 from pagedserve.executor.cpu_host import threads_per_rank
@@ -25,15 +25,29 @@ AFFINITY_SLACK = 8
 _AFFINITY_ENTRIES = 65536
 
 
+# Where the cores' processes meet (expert parallelism over them): this machine's loopback.
+_STORE_HOST = "127.0.0.1"
+
+
+def _group_store():
+    """A torch.distributed store on a free port, served by this process for as long as the cores run."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(_STORE_HOST, 0, is_master=True, wait_for_workers=False)
+
+
 class DPAsyncMPClient(EngineCoreClient):
     def __init__(self, config: EngineConfig, while_starting=None, on_model_located=None) -> None:
         size = config.data_parallel_size
         # Each core's ranks get their share of the machine's threads, as the one rule for all ranks says.
         per_core = dataclasses.replace(config, data_parallel_size=1, num_threads=threads_per_rank(config))
         self.clients: list[AsyncMPClient] = []
+        # Expert parallelism over the cores: their processes meet at a store this process holds to form their groups.
+        self._store = _group_store() if config.enable_expert_parallel else None
         try:
-            for _ in range(size):  # all start at once; then each is waited for
-                self.clients.append(AsyncMPClient(per_core, wait=False))
+            for rank in range(size):  # all start at once; then each is waited for
+                place = None if self._store is None else DataParallelPlace(rank, size, f"{_STORE_HOST}:{self._store.port}")
+                self.clients.append(AsyncMPClient(dataclasses.replace(per_core, data_parallel_place=place), wait=False))
             self.clients[0].wait_ready(while_starting, on_model_located)
             for client in self.clients[1:]:
                 client.wait_ready()
@@ -68,6 +82,10 @@ class DPAsyncMPClient(EngineCoreClient):
             self.core_of[request.request_id] = core
         self.sent_since_step[core] += len(requests)
         await self.clients[core].add_requests_async(requests)
+        if self._store is not None:  # cores that step together: the others start stepping now, not at their next meeting
+            for other, client in enumerate(self.clients):
+                if other != core:
+                    await client.wake_async()
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
         by_core: dict[int, list[str]] = {}

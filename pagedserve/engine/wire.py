@@ -46,6 +46,7 @@ class RequestType(enum.Enum):
     ABORT = "abort"
     UTILITY = "utility"
     SHUTDOWN = "shutdown"
+    WAKE = "wake"  # nothing to do: a core stepping with others learns that one of them got work (engine/core_proc.py)
 
 
 @dataclass

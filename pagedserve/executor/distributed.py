@@ -56,7 +56,7 @@ class DistributedExecutor(Executor):
         hf_config = load_hf_config(resolve_model_dir(config.model))
         validate_parallel_shape(hf_config, config.tensor_parallel_size, config.pipeline_parallel_size, self.infos[0].layer_partition,
                                 config.enable_expert_parallel)
-        if config.enable_expert_parallel:
+        if config.enable_expert_parallel and config.data_parallel_place is None:  # over data-parallel cores: the workers say
             log_expert_parallelism(hf_config, config.tensor_parallel_size)
         self.output_rank = next(info.rank for info in self.infos if info.is_output_rank)
         self.max_concurrent_batches = config.pipeline_parallel_size

@@ -14,6 +14,7 @@ from pagedserve.executor.lora_manager import LoRAManager
 from pagedserve.executor.sampling_inputs import SamplingInputs
 from pagedserve.kv_transfer.base import KVConnectorWorker
 from pagedserve.layers.attention import AttentionBackend
+from pagedserve.layers.fused_moe import FusedMoE
 from pagedserve.layers.lora import StepAdapters, adapters_for_step
 from pagedserve.layers.sampler import Sampler, apply_token_bitmask_, gather_logprobs
 from pagedserve.layers.sampling_rule import DrawKeys
@@ -42,6 +43,9 @@ class ModelRunner:
         self.lora_manager: LoRAManager | None = None  # set by the worker where LoRA adapters are enabled
         self.kv_connector: KVConnectorWorker | None = None  # set by the worker where a KV connector is configured
         self.proposer = proposer  # speculative decoding: drafts tokens after each step
+        # Expert parallelism over data-parallel cores: the mixture layers, which join the other cores' steps even in a
+        # step without tokens here.
+        self.steps_with_other_cores: list[FusedMoE] = []
         # A draft model's distributions behind each request's pending drafts (sampled requests only).
         self._draft_probabilities: dict[str, torch.Tensor] = {}
 
@@ -49,6 +53,8 @@ class ModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
+            for layer in self.steps_with_other_cores:
+                layer.join_without_tokens()
             return ModelRunnerOutput(sampled_token_ids={})
         lora_manager = self.lora_manager
         inputs = prepare_inputs(self.requests, scheduler_output.num_scheduled_tokens, self.block_size, self.attn_backend, self.device,

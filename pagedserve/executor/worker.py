@@ -10,10 +10,10 @@ import numpy as np
 import torch
 
 from pagedserve import envs
-from pagedserve.config import EngineConfig
+from pagedserve.config import DataParallelPlace, EngineConfig
 from pagedserve.core.contracts import ModelRunnerOutput, SchedulerOutput
 from pagedserve.cpu_features import cpu_features
-from pagedserve.distributed.parallel_state import rank_info
+from pagedserve.distributed.parallel_state import expert_groups, init_expert_groups, rank_info
 from pagedserve.executor import cpu_host, gemm_choice
 from pagedserve.executor.lora_manager import LoRAManager
 from pagedserve.executor.model_runner import ModelRunner
@@ -37,7 +37,7 @@ from pagedserve.models.loader import (
     max_position_of,
 )
 from pagedserve.models.location import resolve_model_dir
-from pagedserve.models.moe import moe_shape
+from pagedserve.models.moe import moe_shape, parallel_shape_problems
 from pagedserve.spec_decode.draft_model import DraftModelProposer
 from pagedserve.spec_decode.ngram_proposer import NgramProposer
 from pagedserve.spec_decode.proposer import Proposer
@@ -148,6 +148,8 @@ class Worker:
         # Compiled now (the first time on a machine), not during the first request.
         self.cpu_kernels = cpu_kernels.load() if config.cpu_kernels and self.device.type == "cpu" else None
         self.attn_backend = select_attention_backend(config.attention_backend, self.device, self.dtype, self.cpu_kernels, self.kv_format)
+        if config.data_parallel_place is not None:
+            self._join_expert_groups(config.data_parallel_place)
         self.model = load_model(self.hf_config, self.model_dir, self.dtype, self.device, self.model_max_len, self.attn_backend)
         settle_static_kv_scales(self.model, self.kv_format, self.model_dir.name)
         cpu_kernels.attach(self.model, self.cpu_kernels)
@@ -241,6 +243,19 @@ class Worker:
     def _row_width(self, hf_config) -> int:  # of this engine's kv_cache_dtype
         return kv_cache_row_width(hf_config, self.config.kv_cache_dtype)
 
+    def _join_expert_groups(self, place: DataParallelPlace) -> None:
+        """Expert parallelism over the data-parallel cores: check the mixture divides over their ranks, then form the
+        groups with the other cores' ranks (a dense model has no experts to spread: nothing to form)."""
+        if moe_shape(self.hf_config) is None:
+            logger.warning("enable_expert_parallel changes nothing: the model has no experts")
+            return
+        problems = parallel_shape_problems(self.hf_config, self.config.tensor_parallel_size, True, place.size)
+        if problems:
+            raise ValueError("; ".join(problems))
+        init_expert_groups(place)
+        logger.info("expert parallelism over %d data-parallel engine cores: this rank holds %d of the %d experts", place.size,
+                    moe_shape(self.hf_config).num_experts // expert_groups().size, moe_shape(self.hf_config).num_experts)
+
     def determine_num_blocks(self) -> int:
         if self.config.num_gpu_blocks_override is not None:
             return self.config.num_gpu_blocks_override
@@ -266,6 +281,8 @@ class Worker:
             self.draft_kv_caches = [zeroed(draft_shape, self.kv_cache_dtype, self.device) for _ in range(num_draft_layers)]
         self.model_runner = ModelRunner(self.model, self.kv_caches, config.block_size, self.device, config.seed, self.attn_backend,
                                         self.cpu_kernels, self._make_proposer())
+        if expert_groups() is not None:
+            self.model_runner.steps_with_other_cores = list(self._mixtures().values())
         if config.enable_lora:
             self.model_runner.lora_manager = LoRAManager(self.model, config.max_lora_rank, config.held_loras, self.cpu_kernels)
         connector = worker_connector(config, rank_tag(rank_info().tp_rank, rank_info().pp_rank))

@@ -5,7 +5,12 @@ Under tensor parallelism every rank holds every expert's share of the intermedia
 splits them: gate and up by output rows, down by input columns); with expert parallelism instead, each rank of the
 tensor-parallel group holds some of the experts whole (expert_placement). Either way every rank routes every token
 (the group's ranks hold the same activations), runs what it holds of the experts those tokens chose, and the
-partial sums are all-reduced once after all experts ran: a token's hidden state is all that crosses between ranks."""
+partial sums are all-reduced once after all experts ran: a token's hidden state is all that crosses between ranks.
+
+Expert parallelism over data-parallel engine cores (distributed/parallel_state.py's ExpertGroups) spreads the experts
+over every rank of every core. Each core has tokens of its own, so a layer first gathers every core's tokens with
+their routing, runs its experts over all of them, sums the partial outputs over all ranks and keeps its core's rows;
+the cores step together, one that has no tokens joining with none (join_without_tokens)."""
 
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from pagedserve.distributed.parallel_state import rank_info, tp_all_reduce
+from pagedserve.distributed.parallel_state import expert_groups, rank_info, tp_all_reduce
 from pagedserve.layers.activation import SiluAndMul
 from pagedserve.layers.gemm import pack_weight, packed_linear
 from pagedserve.layers.linear import GGUF_BLOCK_VALUES, QuantizedWeight, split_evenly
@@ -90,8 +95,13 @@ class FusedMoE(nn.Module):
             raise ValueError(f"num_experts_per_tok ({top_k}) must be in [1, num_experts ({num_experts})]")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         info = rank_info()
-        self.expert_parallel = info.expert_parallel and info.tp_size > 1
-        if self.expert_parallel:
+        self.hidden_size = hidden_size
+        self.over_cores = expert_groups()
+        self.expert_parallel = self.over_cores is not None or (info.expert_parallel and info.tp_size > 1)
+        if self.over_cores is not None:
+            self.local_experts = expert_placement(num_experts, self.over_cores.size, self.over_cores.rank)
+            self.intermediate_range = (0, intermediate_size)
+        elif self.expert_parallel:
             self.local_experts = expert_placement(num_experts, info.tp_size, info.tp_rank)
             self.intermediate_range = (0, intermediate_size)
         else:
@@ -143,12 +153,32 @@ class FusedMoE(nn.Module):
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
         counts = torch.bincount(ids.reshape(-1), minlength=self.num_experts)  # once: for /metrics and for the grouping
         self.routed += counts
+        if self.over_cores is not None:
+            return self._forward_over_cores(x, weights, ids)
         held = counts.tolist()
         if self.expert_parallel:
             ids = self.local_ids[ids]
             held = [held[expert] for expert in self.local_experts]
         w13, w2 = self.packed or (self.w13, self.w2)
         return tp_all_reduce(fused_experts(x, w13, w2, weights, ids, self.act_fn, held))
+
+    def _forward_over_cores(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        groups, rows, k = self.over_cores, x.shape[0], self.top_k
+        # One gather for the tokens and their routing (expert ids are exact in float32).
+        gathered, first_row = groups.gather_rows(torch.cat([x.float(), weights, ids.float()], dim=1))
+        if gathered.shape[0] == 0:  # no core has tokens: every rank sees the same counts and skips the sum alike
+            return x
+        all_x, all_weights, all_ids = gathered.split([self.hidden_size, k, k], dim=1)
+        all_ids = all_ids.long()
+        counts = torch.bincount(all_ids.reshape(-1), minlength=self.num_experts).tolist()
+        held = [counts[expert] for expert in self.local_experts]
+        w13, w2 = self.packed or (self.w13, self.w2)
+        out = fused_experts(all_x.to(x.dtype), w13, w2, all_weights.contiguous(), self.local_ids[all_ids], self.act_fn, held)
+        return groups.all_reduce(out)[first_row:first_row + rows]
+
+    def join_without_tokens(self) -> None:
+        """This layer's part in a step of the other cores, on a core with no tokens of its own to run."""
+        self.forward(torch.empty(0, self.hidden_size), torch.empty(0, self.num_experts))
 
     def load_stacked(self, part: str, tensor: torch.Tensor, name: str) -> None:
         """Every expert's matrices at once, stacked as transformers (and its GGUF reader) hold them: gate_up

@@ -108,19 +108,26 @@ def expected_expert_loads(module_name: str, experts: FusedMoE) -> list[str]:
     return [expert_load_key(module_name, expert, part) for expert in experts.local_experts for part in ("gate", "up", "down")]
 
 
-def parallel_shape_problems(hf_config, tensor_parallel_size: int, expert_parallel: bool = False) -> list[str]:
+def parallel_shape_problems(hf_config, tensor_parallel_size: int, expert_parallel: bool = False,
+                            data_parallel_size: int = 1) -> list[str]:
     """What in the model's mixture a tensor-parallel split (of its experts' features, or with expert parallelism of
-    its experts) cannot divide."""
+    its experts, over the data-parallel cores' ranks too when data_parallel_size > 1) cannot divide."""
     shape = moe_shape(hf_config)
     problems = []
     if shape is None:
         return problems
-    split = [("shared_expert_intermediate_size", shape.shared_intermediate_size)]
-    split += [("num_experts", shape.num_experts)] if expert_parallel else [("the experts' intermediate size", shape.intermediate_size)]
-    for name, value in split:
-        if value % tensor_parallel_size:
-            problems.append(f"{name} ({value}) is not divisible by tensor_parallel_size ({tensor_parallel_size})"
-                            + (" (expert parallelism spreads the experts over the tensor-parallel ranks)" if name == "num_experts" else ""))
+    if shape.shared_intermediate_size % tensor_parallel_size:
+        problems.append(f"shared_expert_intermediate_size ({shape.shared_intermediate_size}) is not divisible by "
+                        f"tensor_parallel_size ({tensor_parallel_size})")
+    expert_ranks = tensor_parallel_size * data_parallel_size
+    if expert_parallel and shape.num_experts % expert_ranks:
+        ranks = f"tensor_parallel_size ({tensor_parallel_size})" + (
+            f" x data_parallel_size ({data_parallel_size})" if data_parallel_size > 1 else "")
+        problems.append(f"num_experts ({shape.num_experts}) is not divisible by {ranks}: expert parallelism spreads the "
+                        "experts over those ranks")
+    if not expert_parallel and shape.intermediate_size % tensor_parallel_size:
+        problems.append(f"the experts' intermediate size ({shape.intermediate_size}) is not divisible by tensor_parallel_size "
+                        f"({tensor_parallel_size})")
     if hf_config.model_type == "olmoe" and tensor_parallel_size > hf_config.num_key_value_heads:
         problems.append(f"OLMoE normalizes k across all KV heads, which tensor_parallel_size ({tensor_parallel_size}) above "
                         f"num_key_value_heads ({hf_config.num_key_value_heads}) would replicate")
