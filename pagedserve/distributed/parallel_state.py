@@ -143,30 +143,44 @@ class ExpertGroups:
     """Expert parallelism over data-parallel engine cores: every rank of every core holds num_experts / (cores x
     tensor-parallel ranks) experts. A mixture layer gathers the tokens of every core (over `peers`: the ranks of the
     same tensor-parallel index, one per core, which hold the same tokens as their core's other ranks), applies its
-    experts to all of them, and sums the partial outputs over every rank (`world`)."""
+    experts to all of them, and each core's rows of the partial outputs are summed over every rank (`world`)."""
 
     def __init__(self, place: DataParallelPlace, info: RankInfo) -> None:
-        self.core, self.cores = place.rank, place.size
+        self.core, self.cores, self.tp_size = place.rank, place.size, info.tp_size
         self.size = place.size * info.tp_size
         self.rank = place.rank * info.tp_size + info.tp_rank
         self.world = stateless_group(place, "experts", self.rank, self.size)
         self.peers = stateless_group(place, f"experts-tp{info.tp_rank}", place.rank, place.size)
+        self._counts: list[int] | None = None  # each core's tokens in the current pass
 
-    def gather_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """Every core's rows (2-D, float32) in core order, and where this core's start among them."""
+    def begin_pass(self, num_tokens: int) -> None:
+        """Learn how many tokens each core's model pass carries (its layers gather that many rows each)."""
         counts = [torch.zeros(1, dtype=torch.int64) for _ in range(self.cores)]
-        self.peers.allgather([counts], [torch.tensor([rows.shape[0]])]).wait()
-        counts = [int(count) for count in counts]
+        self.peers.allgather([counts], [torch.tensor([num_tokens])]).wait()
+        self._counts = [int(count) for count in counts]
+
+    def gather_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Every core's rows of this pass (2-D, float32) in core order."""
+        counts = self._counts
+        if counts is None or counts[self.core] != rows.shape[0]:
+            raise RuntimeError(f"a mixture layer gathers {rows.shape[0]} rows in a pass begun with {counts}")
         padded = rows.new_zeros(max(counts), rows.shape[1])  # gloo gathers equal shapes
         padded[: rows.shape[0]] = rows
         parts = [torch.empty_like(padded) for _ in range(self.cores)]
         self.peers.allgather([parts], [padded]).wait()
-        return torch.cat([part[:count] for part, count in zip(parts, counts)]), sum(counts[: self.core])
+        return torch.cat([part[:count] for part, count in zip(parts, counts)])
 
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum over every rank of every core, in place."""
-        self.world.allreduce([tensor]).wait()
-        return tensor
+    def sum_own_rows(self, partial: torch.Tensor) -> torch.Tensor:
+        """This core's rows of partial ([every core's rows of this pass, ...], in core order) summed over every rank:
+        each rank sends each core's ranks that core's rows (an all-to-all, which moves each row only to where it is
+        summed and costs gloo less time than an all-reduce of every row)."""
+        counts, mine = self._counts, self._counts[self.core]
+        blocks = partial.split(counts)
+        send = torch.cat([block for block in blocks for _ in range(self.tp_size)]) if self.tp_size > 1 else partial.contiguous()
+        received = partial.new_empty((self.size * mine, *partial.shape[1:]))
+        self.world.alltoall_base(received, send, [mine] * self.size, [count for count in counts for _ in range(self.tp_size)],
+                                 dist.AllToAllOptions()).wait()
+        return received.view(self.size, mine, *partial.shape[1:]).sum(0)
 
 
 _expert_groups: ExpertGroups | None = None

@@ -8,7 +8,7 @@ import time
 import torch
 
 from pagedserve.core.contracts import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
-from pagedserve.distributed.parallel_state import rank_info, receive_from_previous_stage, send_to_next_stage
+from pagedserve.distributed.parallel_state import expert_groups, rank_info, receive_from_previous_stage, send_to_next_stage
 from pagedserve.executor.input_batch import ModelInputs, RunnerRequests, RunnerRequestState, dummy_layout, prepare_inputs
 from pagedserve.executor.lora_manager import LoRAManager
 from pagedserve.executor.sampling_inputs import SamplingInputs
@@ -53,8 +53,10 @@ class ModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
-            for layer in self.steps_with_other_cores:
-                layer.join_without_tokens()
+            if self.steps_with_other_cores:
+                expert_groups().begin_pass(0)
+                for layer in self.steps_with_other_cores:
+                    layer.join_without_tokens()
             return ModelRunnerOutput(sampled_token_ids={})
         lora_manager = self.lora_manager
         inputs = prepare_inputs(self.requests, scheduler_output.num_scheduled_tokens, self.block_size, self.attn_backend, self.device,
@@ -91,6 +93,9 @@ class ModelRunner:
         """This stage's part of the forward pass: the final hidden states on the last (or only) stage; on the
         others None, their output having gone to the next stage."""
         stage = rank_info()
+        groups = expert_groups()
+        if groups is not None:  # expert parallelism over data-parallel cores: the cores' token counts, once a pass
+            groups.begin_pass(input_ids.shape[0])
         intermediate = None
         if not stage.is_first_stage:  # the previous stage's hidden states and residual, for these tokens
             shape = (input_ids.shape[0], self.model.config.hidden_size)
