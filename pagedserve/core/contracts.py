@@ -116,6 +116,9 @@ class ModelRunnerOutput:
     # token; and the drafts proposed for the next step.
     accepted_token_ids: dict[str, list[int]] = field(default_factory=dict)
     proposed_drafts: dict[str, list[int]] = field(default_factory=dict)
+    # Seconds of the step spent waiting for other data-parallel cores' passes (expert parallelism over them): not
+    # this core's own cost, which its step-time model learns.
+    waited_for_other_cores_s: float = 0.0
 
 
 # ---- scheduler -> engine core (and on to the front end) -------------------------------------

@@ -134,7 +134,7 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         start = time.perf_counter()
         runner_output = self.executor.execute_model(scheduler_output)
-        seconds = time.perf_counter() - start
+        seconds = time.perf_counter() - start - runner_output.waited_for_other_cores_s
         if not scheduler_output.is_empty:  # an empty step's time is another core's, or nothing
             self.scheduler.observe_step(scheduler_output.shape, seconds)
             self.last_step = StepRecord.of(scheduler_output, seconds, time.time())

@@ -69,9 +69,11 @@ class CoreMeeting:
     def __init__(self, place: DataParallelPlace) -> None:
         import torch.distributed as dist
 
-        from pagedserve.distributed.parallel_state import stateless_group
+        from pagedserve.distributed.parallel_state import place_store, stateless_exchange, stateless_group
 
-        self.group = stateless_group(place, "engine-cores", place.rank, place.size)
+        store = place_store(place)
+        self.group = stateless_group(store, "engine-cores", place.rank, place.size)
+        self.shared = stateless_exchange(store, "engine-cores", place.rank, place.size)  # None: the gloo group
         self._max = dist.AllreduceOptions()
         self._max.reduceOp = dist.ReduceOp.MAX
 
@@ -80,7 +82,10 @@ class CoreMeeting:
         import torch
 
         flags = torch.tensor([busy, stopping], dtype=torch.int32)
-        self.group.allreduce([flags], self._max).wait()
+        if self.shared is not None:
+            flags = torch.stack(self.shared.exchange(flags)).amax(dim=0)
+        else:
+            self.group.allreduce([flags], self._max).wait()
         return bool(flags[0]), bool(flags[1])
 
 

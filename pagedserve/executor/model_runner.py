@@ -68,6 +68,8 @@ class ModelRunner:
         transfers = scheduler_output.kv_connector_metadata if self.kv_connector is not None else None
         if transfers is not None and transfers.loads:
             self.kv_connector.start_load_kv(transfers)
+        groups = expert_groups()
+        waited_before = groups.waited_s if groups is not None else 0.0
         with adapters_for_step(step_adapters):
             hidden_states = self._forward(inputs.input_ids, inputs.positions, inputs.attn_metadata)
         if transfers is not None and transfers.saves:
@@ -75,6 +77,8 @@ class ModelRunner:
         if isinstance(self.proposer, DraftModelProposer):
             self.proposer.follow(inputs.input_ids, inputs.positions, inputs.attn_metadata)
         output = ModelRunnerOutput(sampled_token_ids={})
+        if groups is not None:
+            output.waited_for_other_cores_s = groups.waited_s - waited_before
         if hidden_states is not None and inputs.sampling_req_ids:
             self._sample(inputs, hidden_states, output, scheduler_output.grammar_bitmask)
         if hidden_states is not None and inputs.prompt_logprobs:
