@@ -164,8 +164,9 @@ class FusedMoE(nn.Module):
 
     def _forward_over_cores(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         groups, k = self.over_cores, self.top_k
-        # One gather for the tokens and their routing (expert ids are exact in float32).
-        gathered = groups.gather_rows(torch.cat([x.float(), weights, ids.float()], dim=1))
+        # One gather for the tokens and their routing (expert ids are exact in float32). The cores' exchanges run on
+        # the host (shared memory, or gloo): a device's rows go through it.
+        gathered = groups.gather_rows(torch.cat([x.float(), weights, ids.float()], dim=1).cpu()).to(x.device)
         if gathered.shape[0] == 0:  # no core has tokens: every rank sees the same counts and skips the sum alike
             return x
         all_x, all_weights, all_ids = gathered.split([self.hidden_size, k, k], dim=1)
@@ -174,7 +175,7 @@ class FusedMoE(nn.Module):
         held = [counts[expert] for expert in self.local_experts]
         w13, w2 = self.packed or (self.w13, self.w2)
         out = fused_experts(all_x.to(x.dtype), w13, w2, all_weights.contiguous(), self.local_ids[all_ids], self.act_fn, held)
-        return groups.sum_own_rows(out)
+        return groups.sum_own_rows(out.cpu()).to(x.device)
 
     def join_without_tokens(self) -> None:
         """This layer's part in a step of the other cores, on a core with no tokens of its own to run."""
