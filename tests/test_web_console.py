@@ -336,7 +336,9 @@ def test_the_engine_view_follows_a_burst_of_requests(server, browser):
         driver.save_screenshot(str(OUTPUT_DIR / "engine.png"))
         assert list(statuses) == [200] * 8
     _wait_for(lambda: running.text == "0", timeout_s=10, what="the running count to fall back to zero")
-    numbers = [int(row.find_element(By.TAG_NAME, "td").text) for row in driver.find_elements(By.CSS_SELECTOR, "#steps tbody tr")]
+    # Read in one script: the page redraws the table with each sample, which would leave row elements stale between calls.
+    numbers = driver.execute_script(
+        "return [...document.querySelectorAll('#steps tbody tr')].map((row) => Number(row.querySelector('td').textContent))")
     assert len(numbers) == 40 and numbers == sorted(numbers, reverse=True)  # the latest steps, newest first
     # The page holds each request's prompt chunks (8 prompts of 56 to 161 tokens, in chunks of the 64-token budget).
     chunks = driver.execute_script("return steps.flatMap((step) => step.chunks)")
