@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import zlib
 
 from pagedserve.core.contracts import ModelRunnerOutput, SchedulerOutput
 from pagedserve.core.kv_cache_manager import KVCacheManager
@@ -20,7 +21,10 @@ def make_scheduler(num_blocks=64, block_size=4, max_model_len=256, budget=32, ma
 
 
 def make_request(request_id, prompt_len=None, max_tokens=8, prompt=None, priority=0, arrival=None, group=None, eos=False):
-    prompt = prompt if prompt is not None else [100 + (hash(request_id) + i) % 50 for i in range(prompt_len)]
+    # Tokens from a stable digest of the id (str's hash changes from process to process, and two ids whose prompts came
+    # out equal would share prefix-cache blocks in some runs and not in others).
+    start = zlib.crc32(request_id.encode())
+    prompt = prompt if prompt is not None else [100 + (start + i) % 50 for i in range(prompt_len)]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, eos_token_ids=[EOS] if eos else [])
     return Request(request_id, prompt, params, arrival_time=arrival, priority=priority, group_id=group)
 
