@@ -64,7 +64,8 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
 
 
 class CoreMeeting:
-    """The data-parallel cores that step together, met once per iteration of their loops over a gloo group of their own."""
+    """The data-parallel cores that step together, met once per iteration of their loops: through shared memory, or,
+    where /dev/shm has no room, a gloo group of their own (every core learns which from the first core's choice)."""
 
     def __init__(self, place: DataParallelPlace) -> None:
         import torch.distributed as dist
@@ -72,8 +73,8 @@ class CoreMeeting:
         from pagedserve.distributed.parallel_state import place_store, stateless_exchange, stateless_group
 
         store = place_store(place)
-        self.group = stateless_group(store, "engine-cores", place.rank, place.size)
-        self.shared = stateless_exchange(store, "engine-cores", place.rank, place.size)  # None: the gloo group
+        self.shared = stateless_exchange(store, "engine-cores", place.rank, place.size)
+        self.group = stateless_group(store, "engine-cores", place.rank, place.size) if self.shared is None else None
         self._max = dist.AllreduceOptions()
         self._max.reduceOp = dist.ReduceOp.MAX
 

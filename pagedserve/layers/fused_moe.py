@@ -9,8 +9,8 @@ partial sums are all-reduced once after all experts ran: a token's hidden state 
 
 Expert parallelism over data-parallel engine cores (distributed/parallel_state.py's ExpertGroups) spreads the experts
 over every rank of every core. Each core has tokens of its own, so a layer first gathers every core's tokens with
-their routing, runs its experts over all of them, sums the partial outputs over all ranks and keeps its core's rows;
-the cores step together, one that has no tokens joining with none (join_without_tokens)."""
+their routing, runs its experts over all of them, and each core's rows of the partial outputs are summed over all
+ranks; the cores step together, one that has no tokens joining with none (join_without_tokens)."""
 
 from __future__ import annotations
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -22,20 +23,15 @@ from pagedserve.layers.gemm import pack_weight, packed_linear
 
 @dataclass(frozen=True)
 class StepAdapters:
-    """Which rows of a step run with which adapter."""
+    """Which rows of a step run with which adapter. What each way of computing the products reads is derived once a
+    step, on first use (the kernel's row groups, or the torch path's decode slots), and shared by every layer."""
 
     # The adapters of the step, sorted: the decode rows' product stacks them all, so that the stack changes only when
     # an adapter's first request joins or its last one leaves, not with each step's mix of decodes and chunks.
     adapter_ids: tuple[int, ...]
-    num_decode_rows: int  # 0 when no decode row runs with an adapter
-    # Each decode row's index in adapter_ids (-1: the base model); None when every decode row runs with the one adapter.
-    decode_slots: torch.Tensor | None
+    decode_ids: tuple[int, ...]  # each decode row's adapter (0: the base model), in row order
     # (first row, end row, adapter id) of the prompt chunks with an adapter, one span for chunks side by side of one adapter
     chunks: tuple[tuple[int, int, int], ...]
-    # For the kernel: every adapted row, grouped by adapter (int32), and the groups, (first index into rows, end
-    # index, the adapter's index in adapter_ids) each ([groups, 3] int32).
-    rows: torch.Tensor
-    groups: torch.Tensor
 
     @classmethod
     def of(cls, segments: list[tuple[int, int]]) -> StepAdapters | None:
@@ -44,7 +40,6 @@ class StepAdapters:
         num_decodes = 0
         while num_decodes < len(segments) and segments[num_decodes][1] == 1:
             num_decodes += 1
-        decode_ids = [adapter_id for adapter_id, _ in segments[:num_decodes]]
         chunks, row = [], num_decodes
         for adapter_id, num_rows in segments[num_decodes:]:
             if adapter_id and chunks and chunks[-1][1] == row and chunks[-1][2] == adapter_id:
@@ -55,31 +50,44 @@ class StepAdapters:
         adapter_ids = tuple(sorted({adapter_id for adapter_id, _ in segments} - {0}))
         if not adapter_ids:
             return None
-        slot = {adapter_id: index for index, adapter_id in enumerate(adapter_ids)}
-        rows, groups = _grouped_rows(decode_ids, chunks, slot)
-        if not any(decode_ids):
-            return cls(adapter_ids, 0, None, tuple(chunks), rows, groups)
-        slots = None
-        if len(adapter_ids) > 1 or 0 in decode_ids:
-            slots = torch.tensor([slot.get(adapter_id, -1) for adapter_id in decode_ids], dtype=torch.long).unsqueeze(1)
-        return cls(adapter_ids, num_decodes, slots, tuple(chunks), rows, groups)
+        return cls(adapter_ids, tuple(adapter_id for adapter_id, _ in segments[:num_decodes]), tuple(chunks))
 
+    @cached_property
+    def num_decode_rows(self) -> int:
+        """The decode rows the torch path multiplies: 0 when none runs with an adapter."""
+        return len(self.decode_ids) if any(self.decode_ids) else 0
 
-def _grouped_rows(decode_ids: list[int], chunks: list[tuple[int, int, int]], slot: dict[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's rows and groups: the decode rows of each adapter together, then each chunk span."""
-    by_adapter: dict[int, list[int]] = {}
-    for row, adapter_id in enumerate(decode_ids):
-        if adapter_id:
-            by_adapter.setdefault(adapter_id, []).append(row)
-    rows: list[int] = []
-    groups: list[tuple[int, int, int]] = []
-    for adapter_id, adapter_rows in by_adapter.items():
-        groups.append((len(rows), len(rows) + len(adapter_rows), slot[adapter_id]))
-        rows.extend(adapter_rows)
-    for start, end, adapter_id in chunks:
-        groups.append((len(rows), len(rows) + end - start, slot[adapter_id]))
-        rows.extend(range(start, end))
-    return torch.tensor(rows, dtype=torch.int32), torch.tensor(groups, dtype=torch.int32).view(-1, 3)
+    @cached_property
+    def decode_slots(self) -> torch.Tensor | None:
+        """Each decode row's index in adapter_ids (-1: the base model), [rows, 1]; None when every decode row runs with
+        the one adapter."""
+        if len(self.adapter_ids) == 1 and 0 not in self.decode_ids:
+            return None
+        slot = {adapter_id: index for index, adapter_id in enumerate(self.adapter_ids)}
+        return torch.tensor([slot.get(adapter_id, -1) for adapter_id in self.decode_ids], dtype=torch.long).unsqueeze(1)
+
+    @cached_property
+    def row_groups(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernel's rows and groups: every adapted row (int32), the decode rows of each adapter together, then
+        each chunk span; and per group (first index into rows, end index, the adapter's index in adapter_ids), [groups,
+        3] int32."""
+        slot = {adapter_id: index for index, adapter_id in enumerate(self.adapter_ids)}
+        by_adapter: dict[int, list[int]] = {}
+        for row, adapter_id in enumerate(self.decode_ids):
+            if adapter_id:
+                by_adapter.setdefault(adapter_id, []).append(row)
+        pieces: list[torch.Tensor] = []
+        groups: list[tuple[int, int, int]] = []
+        count = 0
+        for adapter_id, adapter_rows in by_adapter.items():
+            pieces.append(torch.tensor(adapter_rows, dtype=torch.int32))
+            groups.append((count, count + len(adapter_rows), slot[adapter_id]))
+            count += len(adapter_rows)
+        for start, end, adapter_id in self.chunks:
+            pieces.append(torch.arange(start, end, dtype=torch.int32))
+            groups.append((count, count + end - start, slot[adapter_id]))
+            count += end - start
+        return torch.cat(pieces), torch.tensor(groups, dtype=torch.int32)
 
 
 # The step's adapters while the model runner's forward pass runs; None between passes and in passes without adapters
@@ -217,7 +225,8 @@ class LinearLoRA:
         weights = self._kernel_weights
         if self._stack_key != step.adapter_ids:
             self._kernel_table, self._stack_key = weights.table(step.adapter_ids), step.adapter_ids
-        self.kernels.lora_add_(out, x, step.rows, step.groups, weights.a, weights.b, self._kernel_table, weights.parts)
+        rows, groups = step.row_groups
+        self.kernels.lora_add_(out, x, rows, groups, weights.a, weights.b, self._kernel_table, weights.parts)
 
     def _add_decodes(self, out: torch.Tensor, x: torch.Tensor, step: StepAdapters) -> None:
         if self._stack_key != step.adapter_ids:
