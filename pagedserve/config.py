@@ -168,6 +168,9 @@ class EngineConfig:
                      self.distributed_executor_backend)
         self.speculative = SpeculativeConfig.from_dict(self.speculative_config)
         self.kv_transfer = KVTransferConfig.from_dict(self.kv_transfer_config)
+        if self.kv_transfer is not None and self.kv_transfer.kv_connector == "P2pConnector" and self.data_parallel_size > 1:
+            raise ValueError("kv_transfer_config's P2pConnector serves one engine core's blocks on its ports: with "
+                             "data_parallel_size > 1, start one instance per core and put `pagedserve proxy` in front of them")
         if self.speculative is not None and self.world_size > 1:
             raise ValueError("speculative_config runs with one rank (tensor_parallel_size and pipeline_parallel_size 1)")
         if self.enable_expert_parallel and self.data_parallel_size > 1:
@@ -311,7 +314,10 @@ class SpeculativeConfig:
             _require(self.model is None, name + "model", "unset for method ngram", self.model)
 
 
-KV_CONNECTORS = ("SharedStorageConnector",)
+KV_CONNECTORS = ("SharedStorageConnector", "P2pConnector")
+KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
+# P2pConnector's kv_connector_extra_config where a field is not given.
+P2P_DEFAULTS = {"kv_host": "127.0.0.1", "kv_port": 14579, "kv_lease_seconds": 120.0, "trusted_producers": None}
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 
 
@@ -334,12 +340,18 @@ class DataParallelPlace:
 @dataclass(frozen=True)
 class KVTransferConfig:
     """A KV connector (vLLM's field names): how this engine saves the KV it computes and loads KV computed elsewhere.
-    SharedStorageConnector: kv_connector_extra_config {"shared_storage_path": DIR, "max_bytes": N (default: no bound)}."""
+    SharedStorageConnector: kv_connector_extra_config {"shared_storage_path": DIR, "max_bytes": N (default: no bound)}.
+    P2pConnector: kv_connector_extra_config {"kv_host": the address its transfer sockets listen on (default 127.0.0.1),
+    "kv_port": the first of its ports (the engine's, then one per rank), "kv_lease_seconds": how long a finished
+    request's blocks wait for a decode instance to pull them, "trusted_producers": ["host:port", ...] the prefill
+    instances a decode instance pulls from (default: those on this machine's loopback)}. kv_load_failure_policy: what a
+    decode instance does when KV cannot be loaded: compute the prompt itself (recompute) or end the request (fail)."""
 
     kv_connector: str
     kv_role: str = "kv_both"  # kv_producer: saves; kv_consumer: loads; kv_both: both
     kv_connector_extra_config: dict = field(default_factory=dict)
     engine_id: str | None = None
+    kv_load_failure_policy: str = "recompute"
 
     @classmethod
     def from_dict(cls, values: dict | str | None) -> KVTransferConfig | None:
@@ -352,15 +364,21 @@ class KVTransferConfig:
         name = "kv_transfer_config."
         _require(config.kv_connector in KV_CONNECTORS, name + "kv_connector", ", ".join(KV_CONNECTORS), config.kv_connector)
         _require(config.kv_role in KV_ROLES, name + "kv_role", ", ".join(KV_ROLES), config.kv_role)
+        _require(config.kv_load_failure_policy in KV_LOAD_FAILURE_POLICIES, name + "kv_load_failure_policy",
+                 ", ".join(KV_LOAD_FAILURE_POLICIES), config.kv_load_failure_policy)
+        _require(config.engine_id is None or isinstance(config.engine_id, str) and config.engine_id != "", name + "engine_id",
+                 "a non-empty string", config.engine_id)
         _require(isinstance(config.kv_connector_extra_config, dict), name + "kv_connector_extra_config", "a JSON object",
                  config.kv_connector_extra_config)
-        extra = config.kv_connector_extra_config
-        _require(isinstance(extra.get("shared_storage_path"), str) and extra["shared_storage_path"] != "",
-                 name + "kv_connector_extra_config.shared_storage_path", "a directory", extra.get("shared_storage_path"))
-        max_bytes = extra.get("max_bytes")
-        _require(max_bytes is None or isinstance(max_bytes, int) and max_bytes > 0, name + "kv_connector_extra_config.max_bytes",
-                 "an integer > 0 (bytes)", max_bytes)
+        if config.kv_connector == "SharedStorageConnector":
+            _check_shared_storage(config.kv_connector_extra_config, name + "kv_connector_extra_config.")
+        else:
+            _check_p2p(config.kv_connector_extra_config, name + "kv_connector_extra_config.")
         return config
+
+    def p2p_setting(self, name: str):
+        """P2pConnector's kv_connector_extra_config field, or its default."""
+        return self.kv_connector_extra_config.get(name, P2P_DEFAULTS[name])
 
     @property
     def saves(self) -> bool:
@@ -369,3 +387,31 @@ class KVTransferConfig:
     @property
     def loads(self) -> bool:
         return self.kv_role in ("kv_consumer", "kv_both")
+
+
+def _check_shared_storage(extra: dict, name: str) -> None:
+    _known(extra, name, ("shared_storage_path", "max_bytes"))
+    _require(isinstance(extra.get("shared_storage_path"), str) and extra["shared_storage_path"] != "", name + "shared_storage_path",
+             "a directory", extra.get("shared_storage_path"))
+    max_bytes = extra.get("max_bytes")
+    _require(max_bytes is None or isinstance(max_bytes, int) and max_bytes > 0, name + "max_bytes", "an integer > 0 (bytes)", max_bytes)
+
+
+def _check_p2p(extra: dict, name: str) -> None:
+    _known(extra, name, tuple(P2P_DEFAULTS))
+    extra = P2P_DEFAULTS | extra
+    host = extra["kv_host"]
+    _require(isinstance(host, str) and host != "", name + "kv_host", "an address to listen on", host)
+    port = extra["kv_port"]
+    _require(isinstance(port, int) and 1024 <= port <= 65000, name + "kv_port", "an integer in [1024, 65000]", port)
+    lease = extra["kv_lease_seconds"]
+    _require(isinstance(lease, (int, float)) and lease > 0, name + "kv_lease_seconds", "a number > 0 (seconds)", lease)
+    trusted = extra["trusted_producers"]
+    _require(trusted is None or isinstance(trusted, list) and all(isinstance(t, str) and ":" in t for t in trusted),
+             name + "trusted_producers", 'a list of "host:port"', trusted)
+
+
+def _known(values: dict, name: str, known: tuple[str, ...]) -> None:
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ValueError(f"{name.rstrip('.')} has unknown field(s) {', '.join(unknown)}; known: {', '.join(known)}")

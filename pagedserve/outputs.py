@@ -57,3 +57,4 @@ class RequestOutput:
     finished: bool
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
+    kv_transfer_params: dict | None = None  # with a KV connector: what the request's KV transfer tells the client

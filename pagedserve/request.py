@@ -13,6 +13,7 @@ class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
+    WAITING_FOR_REMOTE_KVS = enum.auto()  # admitted, its blocks allocated, its prompt's KV arriving from outside
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()

@@ -120,6 +120,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
+    # With a P2pConnector: what a prefill instance and a decode instance say to each other about the request's KV
+    # (vLLM's fields: do_remote_decode, do_remote_prefill, remote_engine_id, remote_block_ids, remote_host, ...).
+    kv_transfer_params: dict | None = None
     # Filled by the engine: the model's EOS ids, checked unless ignore_eos.
     eos_token_ids: list[int] = field(default_factory=list, repr=False)
 
@@ -167,6 +170,8 @@ class SamplingParams:
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings", self.stop)
         valid_ids = all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids)
         _check(valid_ids, "stop_token_ids", "non-negative token ids", self.stop_token_ids)
+        _check(self.kv_transfer_params is None or isinstance(self.kv_transfer_params, dict), "kv_transfer_params", "a JSON object",
+               self.kv_transfer_params)
         if self.structured_outputs is not None:
             # The grammar decides where the output ends (it allows only EOS there): nothing may overrule that.
             _check(self.min_tokens == 0, "min_tokens", "0 with structured_outputs (the structure decides where the output ends)",

@@ -59,14 +59,40 @@ class GrammarBitmask:
 
 
 @dataclass
+class KVPull:
+    """A prompt's KV one decode instance's workers pull from a prefill instance that holds it: each rank from the rank
+    of the same place there (its port: port + 1 + rank), remote_block_ids into block_ids, in order. token: what the
+    prefill instance gave the request's holder (it serves a hold's blocks to no one else). Each rank tells
+    notify_address when it is done."""
+
+    request_id: str
+    host: str
+    port: int
+    remote_request_id: str
+    token: str
+    remote_block_ids: list[int]
+    block_ids: list[int]
+    notify_address: str
+
+
+@dataclass
 class KVConnectorMetadata:
     """What the workers' KV connector does around a step's forward pass: load the KV of blocks found outside the
     engine before it, save the KV of blocks it fills after it. Each block by its id in the cache and its key (the
-    connector's name for a block's content: its prompt prefix, the adapter it ran under)."""
+    connector's name for a block's content: its prompt prefix, the adapter it ran under). A connector that moves KV
+    between instances also has the workers serve held blocks to the instance that pulls them (holds: request id,
+    token, block ids), stop serving them (releases), and pull KV from other instances (pulls)."""
 
     loads: list[tuple[int, str]] = field(default_factory=list)
     saves: list[tuple[int, str]] = field(default_factory=list)
     load_from: str = ""  # where the connector put what the loads read, where it is not where the saves write
+    holds: list[tuple[str, str, list[int]]] = field(default_factory=list)
+    releases: list[str] = field(default_factory=list)
+    pulls: list[KVPull] = field(default_factory=list)
+
+    @property
+    def acts_before_forward(self) -> bool:
+        return bool(self.loads or self.holds or self.releases or self.pulls)
 
 
 @dataclass
@@ -136,6 +162,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    kv_transfer_params: dict | None = None  # with a KV connector, on a finished request's last output
 
     @property
     def finished(self) -> bool:
@@ -175,6 +202,11 @@ class SchedulerStats:
     # With a KV connector, cumulative: prompt tokens whose KV was loaded from outside, and saved for others.
     kv_received_tokens: int = 0
     kv_sent_tokens: int = 0
+    kv_received_bytes: int = 0
+    kv_sent_bytes: int = 0
+    kv_load_failures: int = 0  # prompts whose KV could not be loaded from outside (computed here instead, or ended)
+    # Seconds of each load from another instance that ended since the previous stats (a histogram's observations).
+    kv_transfer_seconds: list[float] = field(default_factory=list)
 
     @property
     def prefix_cache_hit_rate(self) -> float | None:

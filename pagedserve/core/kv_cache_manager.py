@@ -66,10 +66,12 @@ class KVCacheManager:
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] | None = None,
-        num_lookahead_tokens: int = 0,
+        num_lookahead_tokens: int = 0, cache_prompt_blocks: bool = True,
     ) -> list[KVCacheBlock] | None:
         """Make room for num_new_tokens more tokens after the computed ones, and num_lookahead_tokens more slots
-        beyond them (a draft model's proposals write there). None if the pool can't."""
+        beyond them (a draft model's proposals write there). None if the pool can't. cache_prompt_blocks=False: the
+        new tokens' KV is not in place before the step's forward pass (it arrives from outside later), so their
+        blocks are not offered to other requests yet."""
         request_id, block_size, block_pool = request.request_id, self.block_size, self.block_pool
         if not new_computed_blocks:
             if request.num_computed_tokens + num_new_tokens + num_lookahead_tokens <= self.slot_capacity.get(request_id, -1):
@@ -93,8 +95,9 @@ class KVCacheManager:
         req_blocks.extend(new_blocks)
         # Blocks of the prompt are cached as they are computed: other requests may share them at once (a system
         # prompt, the other samples of the request). Blocks of generated tokens are cached when the request is freed.
-        if num_computed_tokens < request.num_prompt_tokens and self.enable_caching and not request.skips_prefix_cache:
-            self._cache_full_blocks(request, num_computed_tokens + num_new_tokens)
+        caches = cache_prompt_blocks and self.enable_caching and not request.skips_prefix_cache
+        if caches and num_computed_tokens < request.num_prompt_tokens:
+            self.cache_full_blocks(request, num_computed_tokens + num_new_tokens)
         self.slot_capacity[request_id] = len(req_blocks) * block_size
         return new_blocks
 
@@ -110,14 +113,21 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Give back the request's blocks, those full of its computed tokens cached first (those its decodes filled are
         cached only now)."""
+        self.free_blocks(self.detach(request))
+
+    def detach(self, request: Request) -> list[KVCacheBlock]:
+        """Take the request's blocks from it, still allocated, its full computed blocks cached first (free gives them
+        back at once; a KV connector's remote reader reads them until free_blocks does)."""
         if request.request_id in self.req_to_blocks and self.enable_caching and not request.skips_prefix_cache:
-            self._cache_full_blocks(request, request.num_computed_tokens)
-        blocks = self.req_to_blocks.pop(request.request_id, [])
-        self.block_pool.free_blocks(reversed(blocks))
+            self.cache_full_blocks(request, request.num_computed_tokens)
         self.num_cached_blocks.pop(request.request_id, None)
         self.slot_capacity.pop(request.request_id, None)
         if request.is_finished:
             self.req_to_block_hashes.pop(request.request_id, None)
+        return self.req_to_blocks.pop(request.request_id, [])
+
+    def free_blocks(self, blocks: list[KVCacheBlock]) -> None:
+        self.block_pool.free_blocks(reversed(blocks))
 
     def block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request_id, [])]
@@ -137,7 +147,7 @@ class KVCacheManager:
             hashes.append(hash_block(parent, tuple(tokens[start:start + self.block_size]), extra_keys))
         return hashes
 
-    def _cache_full_blocks(self, request: Request, num_tokens_after_step: int) -> None:
+    def cache_full_blocks(self, request: Request, num_tokens_after_step: int) -> None:
         # Only blocks full of known tokens: a step's draft tokens are not known until verified.
         num_full_blocks = min(num_tokens_after_step, request.num_tokens) // self.block_size
         num_cached = self.num_cached_blocks.get(request.request_id, 0)

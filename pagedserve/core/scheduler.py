@@ -18,6 +18,7 @@ from pagedserve.config import DecodeStallLimit, SpeculativeConfig
 from pagedserve.core.contracts import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from pagedserve.core.draft_policy import DraftPolicy
 from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.remote_kv import RemoteKV
 from pagedserve.core.request_queue import make_waiting_queue
 from pagedserve.core.stall_bound import DecodeStallBound
 from pagedserve.core.step_plan import StepPlan
@@ -74,6 +75,8 @@ class Scheduler:
         self.structured_output = structured_output
         self.max_loras = max_loras
         self.kv_connector = kv_connector
+        # Requests whose KV the connector loads while others run, and blocks it holds for other instances.
+        self.remote_kv = RemoteKV(kv_cache_manager, kv_connector, kv_connector.transfer.kv_load_failure_policy) if kv_connector else None
         # Requests ended by the engine itself before they ran (a grammar that failed to compile), told with the next
         # step's outputs.
         self._ended_unscheduled: list[EngineCoreOutput] = []
@@ -81,7 +84,7 @@ class Scheduler:
     # ---- requests in and out -------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or self.remote_kv is not None and request.request_id in self.remote_kv.loading:
             raise ValueError(f"request_id {request.request_id!r} is already in use by a running request")
         self.requests[request.request_id] = request
         self.waiting.add(request)
@@ -97,7 +100,7 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
-            else:
+            elif request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
                 self.waiting.remove(request)
             request.status = status
             self._free_request(request)
@@ -109,14 +112,14 @@ class Scheduler:
 
     def has_news_for_runner(self) -> bool:
         """Whether the runner must hear of finished or preempted requests even if nothing runs (as the next
-        SchedulerOutput.needs_runner says)."""
-        return bool(self.finished_req_ids or self.preempted_req_ids)
+        SchedulerOutput.needs_runner says), or the KV connector has news (loads that ended, holds to give back)."""
+        return bool(self.finished_req_ids or self.preempted_req_ids) or self.kv_connector is not None and self.kv_connector.has_news()
 
     def get_stats(self) -> SchedulerStats:
         prefix = self.kv_cache_manager.prefix_cache_stats
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            num_waiting=len(self.waiting) + (len(self.remote_kv.loading) if self.remote_kv else 0),
             kv_cache_usage=self.kv_cache_manager.usage(),
             prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits,
@@ -124,8 +127,7 @@ class Scheduler:
             spec=self.drafts.get_stats() if self.drafts else None,
             lora_running=_requests_per_adapter(self.running) if self.max_loras else {},
             lora_waiting=_requests_per_adapter(self.waiting) if self.max_loras else {},
-            kv_received_tokens=self.kv_connector.received_tokens if self.kv_connector else 0,
-            kv_sent_tokens=self.kv_connector.sent_tokens if self.kv_connector else 0,
+            **(self.kv_connector.stats() if self.kv_connector else {}),
         )
 
     def observe_step(self, shape: StepShape, seconds: float) -> None:
@@ -135,6 +137,8 @@ class Scheduler:
     # ---- one step --------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        if self.remote_kv is not None:
+            self._take_remote_kv_news()
         plan = StepPlan(self.max_num_batched_tokens, self.stall_bound.allowance(self.running, len(self.waiting), self.max_num_seqs),
                         self.long_prefill_token_threshold, self.send_last_tokens)
         if self.drafts:
@@ -153,6 +157,15 @@ class Scheduler:
         if self.structured_output is not None and self.structured_output.has_constrained:
             output.grammar_bitmask = self.structured_output.bitmask(output, self.requests)
         return output
+
+    def _take_remote_kv_news(self) -> None:
+        ready, failed = self.remote_kv.take_news()
+        for request in reversed(ready):  # they waited for their KV: they go first
+            self.waiting.add_front(request)
+        for request in failed:
+            request.status = RequestStatus.FINISHED_ABORTED
+            self._free_request(request)
+            self._ended_unscheduled.append(self.remote_kv.failed_output(request))
 
     def _schedule_running(self, plan: StepPlan) -> bool:
         """Running requests in order, each its next token or chunk, preempting the least important when the cache
@@ -236,12 +249,22 @@ class Scheduler:
 
     def _admit(self, plan: StepPlan, request: Request) -> bool:
         """Start the waiting request at the head of the queue with its first chunk, if the step and the cache have
-        room for it; returns whether they had."""
-        computed_blocks, num_local_tokens = self.kv_cache_manager.get_computed_blocks(request)
-        num_external_tokens = 0  # found by the KV connector beyond the local hit, loaded by the workers in this step
-        if self.kv_connector is not None:
-            num_external_tokens = self.kv_connector.get_num_new_matched_tokens(request, num_local_tokens)[0] or 0
-        num_computed_tokens = num_local_tokens + num_external_tokens
+        room for it (or, with its KV to load while others run, let it wait for that); returns whether they had."""
+        computed_blocks, num_external_tokens = None, 0  # external: found by the KV connector beyond the local hit
+        if self.remote_kv is not None and self.remote_kv.holds_blocks(request):
+            num_computed_tokens = request.num_computed_tokens  # its KV arrived from outside into its blocks
+        else:
+            computed_blocks, num_local_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            load_async = False
+            if self.kv_connector is not None:
+                num_external_tokens, load_async = self.kv_connector.get_num_new_matched_tokens(request, num_local_tokens)
+                num_external_tokens = num_external_tokens or 0
+            if load_async and num_external_tokens:
+                if not self.remote_kv.admit(request, computed_blocks, num_local_tokens, num_external_tokens):
+                    return False
+                self.waiting.pop()
+                return True
+            num_computed_tokens = num_local_tokens + num_external_tokens
         num_new_tokens = plan.chunk_size(request.num_tokens - num_computed_tokens, num_computed_tokens)
         if num_new_tokens == 0:  # no time left in this step
             return False
@@ -315,7 +338,7 @@ class Scheduler:
         self._ended_unscheduled = []
         if scheduler_output.kv_connector_metadata is not None:
             self.kv_connector.step_done(scheduler_output.kv_connector_metadata)
-        stopped: list[Request] = []
+        stopped: list[tuple[Request, int]] = []  # each with the index its last output gets (a finishing request has new tokens)
         structured = self.structured_output if self.structured_output is not None and self.structured_output.has_constrained else None
         get_request, get_sampled = self.requests.get, runner_output.sampled_token_ids.get
         logprobs, prompt_logprobs_of = runner_output.logprobs, runner_output.prompt_logprobs
@@ -339,7 +362,7 @@ class Scheduler:
             if structured is not None and new_token_ids and not structured.accept(request_id, new_token_ids):
                 finish_reason = self._end_off_grammar(request, new_token_ids)
             if finish_reason is not None:
-                stopped.append(request)
+                stopped.append((request, len(outputs)))
             elif proposed_drafts and token_id is not None:
                 self.drafts.proposed(request, proposed_drafts.get(request_id))
             prompt_logprobs = prompt_logprobs_of.get(request_id) if prompt_logprobs_of else None
@@ -352,9 +375,11 @@ class Scheduler:
                 token_logprobs = token_logprobs.head(len(new_token_ids))
             outputs.append(EngineCoreOutput(request_id, new_token_ids, token_logprobs, prompt_logprobs, finish_reason, request.stop_reason,
                                             request.num_cached_tokens))
-        for request in stopped:
+        for request, index in stopped:
             self.running.remove(request)
-            self._free_request(request)
+            kv_transfer_params = self._free_request(request)
+            if kv_transfer_params is not None:
+                outputs[index].kv_transfer_params = kv_transfer_params
         return outputs
 
     def _append_verified(self, request: Request, drafts: list[int], runner_output: ModelRunnerOutput,
@@ -379,17 +404,22 @@ class Scheduler:
         request.status = RequestStatus.FINISHED_ABORTED
         return request.status.finish_reason
 
-    def _free_request(self, request: Request) -> None:
+    def _free_request(self, request: Request) -> dict | None:
+        """Forget a finished request; returns the kv_transfer_params its client gets (with a KV connector)."""
         if self.structured_output is not None:
             self.structured_output.remove(request.request_id)
-        if self.kv_connector is not None:  # (its blocks stay allocated for none of this engine's connectors)
-            self.kv_connector.request_finished(request, self.kv_cache_manager.block_ids(request.request_id))
-        self.kv_cache_manager.free(request)
+        params = None
+        if self.kv_connector is not None:
+            hold, params = self.kv_connector.request_finished(request, self.kv_cache_manager.block_ids(request.request_id))
+            self.remote_kv.free(request, hold)
+        else:
+            self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         self.num_prompt_logprobs_sent.pop(request.request_id, None)
         if self.drafts:
             self.drafts.finished(request.request_id)
         del self.requests[request.request_id]
+        return params
 
 
 def _requests_per_adapter(requests) -> dict[str, int]:

@@ -109,6 +109,10 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids)
 
+    def wake_sockets(self) -> list:
+        """Sockets whose messages give an idle core work (its KV connector's), beside its input."""
+        return self.scheduler.kv_connector.wake_sockets() if self.scheduler.kv_connector is not None else []
+
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self.scheduler.has_news_for_runner() or bool(self.batch_queue)
 
@@ -165,6 +169,8 @@ class EngineCore:
     def shutdown(self) -> None:
         self.structured_output.shutdown()
         self.executor.shutdown()
+        if self.scheduler.kv_connector is not None:
+            self.scheduler.kv_connector.close()
 
     # ---- utility calls (by name, from either client) -------------------------------------------
 

@@ -136,7 +136,7 @@ class EngineCoreProc:
         self.output_socket.send(encode_output(EngineCoreOutputs(outputs, engine_core.get_stats(), engine_core.last_step)))
 
     def _handle_inputs(self, block: bool) -> None:
-        if block and not self.input_socket.poll(_IDLE_POLL_MS):
+        if block and not self._wait_for_news():
             return
         while True:
             try:
@@ -144,6 +144,17 @@ class EngineCoreProc:
             except zmq.Again:
                 return
             self._handle(*decode_request(frame))
+
+    def _wait_for_news(self) -> bool:
+        """Up to _IDLE_POLL_MS for input, or for news of the KV connector (a load that ended, a hold given back);
+        whether input came."""
+        wake_sockets = self.engine_core.wake_sockets()
+        if not wake_sockets:
+            return bool(self.input_socket.poll(_IDLE_POLL_MS))
+        poller = zmq.Poller()
+        for socket in (self.input_socket, *wake_sockets):
+            poller.register(socket, zmq.POLLIN)
+        return self.input_socket in dict(poller.poll(_IDLE_POLL_MS))
 
     def _handle(self, kind: RequestType, payload) -> None:
         if kind == RequestType.ADD:

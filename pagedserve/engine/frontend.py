@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedserve.config import EngineConfig
+from pagedserve.config import EngineConfig, KVTransferConfig
 from pagedserve.core.contracts import EngineCoreOutput
 from pagedserve.engine.output_processor import OutputProcessor, ProcessedOutputs
 from pagedserve.engine.processor import ProcessedPrompt, Processor, PromptType
@@ -40,6 +40,7 @@ class FrontEnd:
         self.grammars = grammar_compiler(tokenizer_dir, model_info.vocab_size, tuple(model_info.eos_token_ids))
         self.structure_time_limit_s = config.structured_outputs_compile_timeout
         self.enable_lora = config.enable_lora
+        self.kv_transfer = config.kv_transfer
         self.processor = Processor(self.tokenizer, model_info)
         self.output_processor = OutputProcessor(self.tokenizer)
 
@@ -67,6 +68,8 @@ class FrontEnd:
         """Tokenize and validate; touches no state, so it may run in a worker thread."""
         if lora_request is not None and not self.enable_lora:
             raise ValueError("lora_request names an adapter, but LoRA adapters are not enabled (enable_lora)")
+        if params.kv_transfer_params is not None:
+            check_kv_transfer_params(params, self.kv_transfer)
         processed = self.processor.tokenize_prompt(prompt)
         params, engine_requests = self.processor.process(request_id, processed, params, priority, lora_request=lora_request)
         if params.structured_outputs is not None:
@@ -113,3 +116,17 @@ class FrontEndAccess:
     @property
     def max_model_len(self) -> int:
         return self.front_end.max_model_len
+
+
+def check_kv_transfer_params(params: SamplingParams, kv_transfer: KVTransferConfig | None) -> None:
+    """A request's kv_transfer_params ask for what this engine's connector does (ValueError naming the field)."""
+    if kv_transfer is None or kv_transfer.kv_connector != "P2pConnector":
+        raise ValueError("kv_transfer_params needs an engine started with --kv-transfer-config naming the P2pConnector")
+    kv_params = params.kv_transfer_params
+    if kv_params.get("do_remote_decode"):
+        if not kv_transfer.saves:
+            raise ValueError(f"kv_transfer_params.do_remote_decode needs kv_role kv_producer or kv_both, not {kv_transfer.kv_role}")
+        if params.n != 1:
+            raise ValueError(f"kv_transfer_params.do_remote_decode holds one sample's KV: n must be 1, got {params.n}")
+    if kv_params.get("do_remote_prefill") and not kv_transfer.loads:
+        raise ValueError(f"kv_transfer_params.do_remote_prefill needs kv_role kv_consumer or kv_both, not {kv_transfer.kv_role}")

@@ -32,6 +32,7 @@ class RequestState:
     prompt_logprobs: list[PositionLogprobs | None] | None
     num_cached_tokens: int = 0
     prompt_logprobs_sent: bool = False
+    kv_transfer_params: dict | None = None
 
     @property
     def finished(self) -> bool:
@@ -114,6 +115,8 @@ class OutputProcessor:
     def _apply(self, state: RequestState, sample: SampleState, output: EngineCoreOutput) -> bool:
         """Fold one engine output into the sample; True if a stop string ended it here."""
         state.num_cached_tokens = output.num_cached_tokens
+        if output.kv_transfer_params is not None:
+            state.kv_transfer_params = output.kv_transfer_params
         if output.new_prompt_logprobs is not None and state.prompt_logprobs is not None:
             state.prompt_logprobs.extend(self._to_position_logprobs(output.new_prompt_logprobs))
         if output.new_logprobs is not None and sample.logprobs is not None:
@@ -163,6 +166,7 @@ class OutputProcessor:
             finished=finished,
             prompt_logprobs=prompt_logprobs,
             num_cached_tokens=state.num_cached_tokens,
+            kv_transfer_params=state.kv_transfer_params,
         )
 
     def _completion(self, sample: SampleState, delta: bool) -> CompletionOutput:

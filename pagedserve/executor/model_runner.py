@@ -52,6 +52,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(scheduler_output)
+        transfers = scheduler_output.kv_connector_metadata if self.kv_connector is not None else None
+        if transfers is not None and transfers.acts_before_forward:  # in a step without tokens too: holds, releases, pulls
+            self.kv_connector.start_load_kv(transfers)
         if scheduler_output.is_empty:
             if self.steps_with_other_cores:
                 expert_groups().begin_pass(0)
@@ -65,9 +68,6 @@ class ModelRunner:
         if inputs.adapters:
             lora_manager.prepare_step(inputs.adapters)
             step_adapters = StepAdapters.of(inputs.adapter_segments)
-        transfers = scheduler_output.kv_connector_metadata if self.kv_connector is not None else None
-        if transfers is not None and transfers.loads:
-            self.kv_connector.start_load_kv(transfers)
         groups = expert_groups()
         waited_before = groups.waited_s if groups is not None else 0.0
         with adapters_for_step(step_adapters):

@@ -36,4 +36,4 @@ class UniprocExecutor(Executor):
         self.worker.wait_for_kv_cache_mapping(timeout_s)
 
     def shutdown(self) -> None:
-        pass  # the worker's memory goes with the executor
+        self.worker.close()  # its memory goes with the executor; its KV connector's threads and ports do not

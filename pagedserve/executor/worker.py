@@ -18,7 +18,6 @@ from pagedserve.executor import cpu_host, gemm_choice
 from pagedserve.executor.lora_manager import LoRAManager
 from pagedserve.executor.model_runner import ModelRunner
 from pagedserve.kv_transfer.factory import worker_connector
-from pagedserve.kv_transfer.shared_storage import rank_tag
 from pagedserve.layers import cpu_kernels
 from pagedserve.layers.attention import Attention, select_attention_backend
 from pagedserve.layers.attention.kv_quant import NO_STATIC_SCALES, KVFormat, kv_format
@@ -285,7 +284,7 @@ class Worker:
             self.model_runner.steps_with_other_cores = list(self._mixtures().values())
         if config.enable_lora:
             self.model_runner.lora_manager = LoRAManager(self.model, config.max_lora_rank, config.held_loras, self.cpu_kernels)
-        connector = worker_connector(config, rank_tag(rank_info().tp_rank, rank_info().pp_rank))
+        connector = worker_connector(config, rank_info().tp_rank, rank_info().pp_rank)
         if connector is not None:
             connector.register_kv_caches(self.kv_caches)
             self.model_runner.kv_connector = connector
@@ -337,6 +336,11 @@ class Worker:
     def is_output_rank(self) -> bool:
         """Whether this rank's step output goes back to the engine core (the last stage's first tensor-parallel rank)."""
         return rank_info().is_output_rank
+
+    def close(self) -> None:
+        """Stop what runs beside the steps (a KV connector's serving and pulling)."""
+        if self.model_runner is not None and self.model_runner.kv_connector is not None:
+            self.model_runner.kv_connector.close()
 
     def warm_up(self, timed: bool = True) -> list[tuple[int, int, int, float]]:
         timings = self.model_runner.warm_up(self.max_model_len, timed)

@@ -1,16 +1,23 @@
 """The connector interface, each side's methods as vLLM V1 names them. The workers' side loads before the forward
 pass and saves after it; a connector that moves KV while the layers run (vLLM's wait_for_layer_load and save_kv_layer)
-adds per-layer calls to this seam."""
+adds per-layer calls to this seam.
+
+A connector that moves KV between instances while the engines run (P2pConnector) also has news between steps, which
+the scheduler takes before it plans one: loads that ended (a request waiting for its KV may run, or must compute it),
+and held blocks nobody reads any more (given back to the pool). Its sockets wake an idle engine core when news
+arrives."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+from pagedserve.config import KVTransferConfig
 from pagedserve.core.contracts import KVConnectorMetadata, SchedulerOutput
 from pagedserve.request import Request
 
 
 class KVConnectorScheduler(ABC):
+    transfer: KVTransferConfig
     # Prompt tokens whose KV the workers loaded from outside, and saved for others, since start.
     received_tokens: int = 0
     sent_tokens: int = 0
@@ -37,6 +44,30 @@ class KVConnectorScheduler(ABC):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         """(whether its blocks stay allocated for a remote reader, the kv_transfer_params returned to the client)."""
 
+    def has_news(self) -> bool:
+        """Whether loads ended or held blocks may be given back since the last take_* calls."""
+        return False
+
+    def take_finished_loads(self) -> list[tuple[str, bool]]:
+        """(request id, whether its KV arrived whole) of each asynchronous load that ended."""
+        return []
+
+    def take_released_holds(self) -> list[str]:
+        """The requests whose held blocks no remote reader needs any more (read, or their lease ran out)."""
+        return []
+
+    def wake_sockets(self) -> list:
+        """ZMQ sockets whose messages are news: an idle engine core polls them with its input."""
+        return []
+
+    def stats(self) -> dict:
+        """What it moved since start (SchedulerStats' kv_* fields)."""
+        return {"kv_received_tokens": self.received_tokens, "kv_sent_tokens": self.sent_tokens}
+
+    def close(self) -> None:
+        """Stop listening (the engine is shutting down)."""
+        return None
+
 
 class KVConnectorWorker(ABC):
     @abstractmethod
@@ -50,3 +81,7 @@ class KVConnectorWorker(ABC):
     @abstractmethod
     def wait_for_save(self, metadata: KVConnectorMetadata) -> None:
         """Return once the step's saves are done, after the forward pass."""
+
+    def close(self) -> None:
+        """Stop serving and pulling (the worker is shutting down)."""
+        return None

@@ -1,0 +1,169 @@
+"""P2pConnector: a prefill instance holds a finished prompt's blocks; a decode instance given its kv_transfer_params
+pulls them over TCP and continues the request as if it had computed the prompt itself. Engines here run in this
+process; the servers and the proxy are tested in test_pd_proxy.py."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+from conftest import greedy, token_ids_of
+
+from pagedserve import LLM
+
+PROMPT = list(range(1000, 1200))  # 12 full blocks of 16, and 8 tokens
+
+
+def free_port_pair() -> int:
+    """A port p with p .. p + 3 free (the engine's, and its ranks')."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        if port + 4 < 65000 and all(_free(port + offset) for offset in range(1, 4)):
+            return port
+    raise RuntimeError("no free ports")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def p2p(role: str, port: int, **extra) -> dict:
+    return {"kv_connector": "P2pConnector", "kv_role": role, "kv_connector_extra_config": {"kv_port": port, **extra}}
+
+
+def engine(tiny_models, config=None, **settings) -> LLM:
+    return LLM(str(tiny_models["llama"]), kv_cache_memory=2**22, dtype="float32", kv_transfer_config=config, **settings)
+
+
+def params(max_tokens: int, kv_transfer_params: dict):
+    return greedy(max_tokens, kv_transfer_params=kv_transfer_params)
+
+
+def settle(llm: LLM, until, timeout_s: float = 30.0) -> None:
+    """Step an idle engine (as a server's engine core loop does) until `until()` holds."""
+    deadline = time.monotonic() + timeout_s
+    while not until():
+        assert time.monotonic() < deadline, "the engine did not settle"
+        llm.llm_engine.client.engine_core.step()
+        time.sleep(0.005)
+
+
+def used_blocks(llm: LLM) -> float:
+    return llm.llm_engine.get_stats().kv_cache_usage
+
+
+@pytest.fixture
+def pair(tiny_models):
+    port = free_port_pair()
+    producer = engine(tiny_models, p2p("kv_producer", port))
+    consumer = engine(tiny_models, p2p("kv_consumer", port + 10))
+    yield producer, consumer
+    producer.llm_engine.shutdown()
+    consumer.llm_engine.shutdown()
+
+
+def test_the_decode_instance_continues_from_the_prefill_instances_kv(tiny_models, pair):
+    """The prefill instance's answer carries where the blocks are; the decode instance pulls all of them (nothing in its
+    prefix cache), computes only the prompt's last token, and its greedy tokens equal one engine's; both instances give
+    every block back once the transfer is done."""
+    producer, consumer = pair
+    expected = token_ids_of(engine(tiny_models).generate({"prompt_token_ids": PROMPT}, greedy(12), use_tqdm=False))
+    first = producer.generate({"prompt_token_ids": PROMPT}, params(1, {"do_remote_decode": True}), use_tqdm=False)[0]
+    handoff = first.kv_transfer_params
+    assert handoff["do_remote_prefill"] is True and len(handoff["remote_block_ids"]) == 13
+    assert used_blocks(producer) > 0  # held for the decode instance
+    settle(producer, lambda: not producer.llm_engine.client.engine_core.has_work())  # its workers learn of the hold
+    output = consumer.generate({"prompt_token_ids": PROMPT}, params(12, handoff), use_tqdm=False)[0]
+    assert token_ids_of([output]) == expected
+    settle(producer, lambda: used_blocks(producer) == 0)
+    stats = consumer.llm_engine.get_stats()
+    assert stats.kv_received_tokens == 200 and stats.kv_received_bytes > 0 and stats.kv_load_failures == 0
+    assert producer.llm_engine.get_stats().kv_sent_tokens == 200
+    assert used_blocks(consumer) == 0
+
+
+def test_only_blocks_missing_from_the_decode_instances_prefix_cache_move(tiny_models, pair):
+    producer, consumer = pair
+    consumer.generate({"prompt_token_ids": PROMPT[:100]}, greedy(1), use_tqdm=False)  # 6 full blocks cached there
+    handoff = producer.generate({"prompt_token_ids": PROMPT}, params(1, {"do_remote_decode": True}), use_tqdm=False)[0].kv_transfer_params
+    settle(producer, lambda: not producer.llm_engine.client.engine_core.has_work())
+    expected = token_ids_of(engine(tiny_models).generate({"prompt_token_ids": PROMPT}, greedy(8), use_tqdm=False))
+    output = consumer.generate({"prompt_token_ids": PROMPT}, params(8, handoff), use_tqdm=False)[0]
+    assert token_ids_of([output]) == expected and output.num_cached_tokens == 96
+    assert consumer.llm_engine.get_stats().kv_received_tokens == 200 - 96
+
+
+@pytest.mark.parametrize("forge", ["unknown_blocks", "wrong_token", "other_prompt", "untrusted_host", "garbled"])
+def test_a_load_that_cannot_happen_is_computed_here_and_frees_everything(tiny_models, pair, forge, monkeypatch):
+    """Forged or stale parameters never give another request's KV: the decode instance computes the prompt itself
+    (kv_load_failure_policy recompute), counts the failure, and holds no block afterwards."""
+    from pagedserve.kv_transfer import block_transport
+
+    monkeypatch.setattr(block_transport, "UNKNOWN_HOLD_WAIT_S", 1.0)  # a hold announced late is not tested here
+    producer, consumer = pair
+    handoff = producer.generate({"prompt_token_ids": PROMPT}, params(1, {"do_remote_decode": True}), use_tqdm=False)[0].kv_transfer_params
+    settle(producer, lambda: not producer.llm_engine.client.engine_core.has_work())
+    forged = dict(handoff)
+    if forge == "unknown_blocks":
+        forged["remote_request_id"] = "someone-else"
+    elif forge == "wrong_token":
+        forged["remote_token"] = "0" * 32
+    elif forge == "other_prompt":
+        forged["remote_prompt_digest"] = "0" * 32
+    elif forge == "untrusted_host":
+        forged["remote_host"] = "192.0.2.1"
+    else:
+        forged["remote_block_ids"] = "not a list"
+    prompt = PROMPT
+    expected = token_ids_of(engine(tiny_models).generate({"prompt_token_ids": prompt}, greedy(6), use_tqdm=False))
+    start = time.monotonic()
+    output = consumer.generate({"prompt_token_ids": prompt}, params(6, forged), use_tqdm=False)[0]
+    assert token_ids_of([output]) == expected
+    assert consumer.llm_engine.get_stats().kv_load_failures == 1 and consumer.llm_engine.get_stats().kv_received_tokens == 0
+    assert used_blocks(consumer) == 0
+    assert time.monotonic() - start < 10
+
+
+def test_fail_policy_ends_the_request_and_frees_its_blocks(tiny_models, monkeypatch):
+    """A prefill instance that is gone (nothing answers): under kv_load_failure_policy fail the request ends."""
+    from pagedserve.kv_transfer import p2p as p2p_module
+
+    monkeypatch.setattr(p2p_module, "PULL_TIMEOUT_S", 1.0)
+    port = free_port_pair()
+    consumer = engine(tiny_models, p2p("kv_consumer", port) | {"kv_load_failure_policy": "fail"})
+    try:
+        gone = {"do_remote_prefill": True, "remote_engine_id": "x", "remote_request_id": "r", "remote_host": "127.0.0.1",
+                "remote_port": free_port_pair(), "remote_token": "t", "remote_block_ids": list(range(13)), "remote_num_tokens": 200,
+                "remote_prompt_digest": _digest(PROMPT), "remote_world_size": 1}
+        output = consumer.generate({"prompt_token_ids": PROMPT}, params(6, gone), use_tqdm=False)[0]
+        assert output.outputs[0].finish_reason == "abort" and output.outputs[0].token_ids == []
+        assert used_blocks(consumer) == 0 and consumer.llm_engine.get_stats().kv_load_failures == 1
+    finally:
+        consumer.llm_engine.shutdown()
+
+
+def _digest(tokens: list[int]) -> str:
+    from pagedserve.kv_transfer.p2p import prompt_digest
+
+    return prompt_digest(tokens)
+
+
+def test_kv_transfer_params_are_refused_where_the_engine_cannot_act_on_them(tiny_models):
+    plain = engine(tiny_models)
+    with pytest.raises(ValueError, match="kv_transfer_params needs an engine started with --kv-transfer-config"):
+        plain.generate({"prompt_token_ids": PROMPT}, params(1, {"do_remote_decode": True}), use_tqdm=False)
+    port = free_port_pair()
+    consumer = engine(tiny_models, p2p("kv_consumer", port))
+    try:
+        with pytest.raises(ValueError, match="do_remote_decode needs kv_role kv_producer or kv_both"):
+            consumer.generate({"prompt_token_ids": PROMPT}, params(1, {"do_remote_decode": True}), use_tqdm=False)
+    finally:
+        consumer.llm_engine.shutdown()
