@@ -20,12 +20,14 @@ def free_port() -> int:
 
 
 class RemoteServer:
-    def __init__(self, *args: str, api_key: str | None = None, startup_timeout_s: float = 240.0) -> None:
+    """`pagedserve serve ARGS` (or another subcommand that serves HTTP on --port, such as proxy)."""
+
+    def __init__(self, *args: str, api_key: str | None = None, startup_timeout_s: float = 240.0, subcommand: str = "serve") -> None:
         self.port = free_port()
         self.api_key = api_key
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="pagedserve-server-", suffix=".log", delete=False)
-        command = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--port", str(self.port), *args]
+        command = [sys.executable, "-m", "pagedserve.entrypoints.cli", subcommand, "--port", str(self.port), *args]
         if api_key:
             command += ["--api-key", api_key]
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})

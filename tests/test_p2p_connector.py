@@ -132,6 +132,29 @@ def test_a_load_that_cannot_happen_is_computed_here_and_frees_everything(tiny_mo
     assert time.monotonic() - start < 10
 
 
+def test_a_hold_nobody_pulls_is_given_back_when_its_lease_ends(tiny_models):
+    producer = engine(tiny_models, p2p("kv_producer", free_port_pair(), kv_lease_seconds=0.5))
+    try:
+        producer.generate({"prompt_token_ids": PROMPT}, params(1, {"do_remote_decode": True}), use_tqdm=False)
+        assert used_blocks(producer) > 0
+        settle(producer, lambda: used_blocks(producer) == 0, timeout_s=10)
+    finally:
+        producer.llm_engine.shutdown()
+
+
+def test_a_request_aborted_while_its_kv_arrives_gives_its_blocks_back_once_the_load_ends(tiny_models, pair):
+    producer, consumer = pair
+    handoff = producer.generate({"prompt_token_ids": PROMPT}, params(1, {"do_remote_decode": True}), use_tqdm=False)[0].kv_transfer_params
+    settle(producer, lambda: not producer.llm_engine.client.engine_core.has_work())
+    core = consumer.llm_engine.client.engine_core
+    consumer.llm_engine.add_request("leaving", {"prompt_token_ids": PROMPT}, params(4, handoff))
+    core.step()  # admitted: its blocks allocated, its pull begun
+    assert core.scheduler.remote_kv.loading and used_blocks(consumer) > 0
+    consumer.llm_engine.abort_request("leaving")
+    settle(consumer, lambda: not core.scheduler.remote_kv.loading and used_blocks(consumer) == 0)
+    settle(producer, lambda: used_blocks(producer) == 0)
+
+
 def test_fail_policy_ends_the_request_and_frees_its_blocks(tiny_models, monkeypatch):
     """A prefill instance that is gone (nothing answers): under kv_load_failure_policy fail the request ends."""
     from pagedserve.kv_transfer import p2p as p2p_module
@@ -158,12 +181,12 @@ def _digest(tokens: list[int]) -> str:
 
 def test_kv_transfer_params_are_refused_where_the_engine_cannot_act_on_them(tiny_models):
     plain = engine(tiny_models)
-    with pytest.raises(ValueError, match="kv_transfer_params needs an engine started with --kv-transfer-config"):
+    with pytest.raises(ValueError, match="kv_transfer_params must be left out: this engine was not started with --kv-transfer-config"):
         plain.generate({"prompt_token_ids": PROMPT}, params(1, {"do_remote_decode": True}), use_tqdm=False)
     port = free_port_pair()
     consumer = engine(tiny_models, p2p("kv_consumer", port))
     try:
-        with pytest.raises(ValueError, match="do_remote_decode needs kv_role kv_producer or kv_both"):
+        with pytest.raises(ValueError, match="do_remote_decode must be false on an engine with kv_role kv_consumer"):
             consumer.generate({"prompt_token_ids": PROMPT}, params(1, {"do_remote_decode": True}), use_tqdm=False)
     finally:
         consumer.llm_engine.shutdown()

@@ -300,11 +300,13 @@ class Scheduler:
             return False
 
     def _sibling_is_prefilling(self, request: Request) -> bool:
-        """True while another sample of the same request has prompt tokens left after this step
+        """True while another sample of the same request has prompt tokens left after this step, or waits for them to load
         (counts already include this step; blocks computed within it are cached, as K/V are written
         before attention reads them)."""
         if request.group_id is None or not self.kv_cache_manager.enable_caching:
             return False
+        if self.remote_kv is not None and any(other.group_id == request.group_id for other in self.remote_kv.loading.values()):
+            return True  # its prompt's KV is arriving from outside for a sibling
         return any(
             other.group_id == request.group_id and other.num_computed_tokens < other.num_prompt_tokens for other in self.running
         )

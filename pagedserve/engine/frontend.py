@@ -121,12 +121,15 @@ class FrontEndAccess:
 def check_kv_transfer_params(params: SamplingParams, kv_transfer: KVTransferConfig | None) -> None:
     """A request's kv_transfer_params ask for what this engine's connector does (ValueError naming the field)."""
     if kv_transfer is None or kv_transfer.kv_connector != "P2pConnector":
-        raise ValueError("kv_transfer_params needs an engine started with --kv-transfer-config naming the P2pConnector")
+        raise ValueError("kv_transfer_params must be left out: this engine was not started with --kv-transfer-config naming the "
+                         "P2pConnector")
     kv_params = params.kv_transfer_params
     if kv_params.get("do_remote_decode"):
         if not kv_transfer.saves:
-            raise ValueError(f"kv_transfer_params.do_remote_decode needs kv_role kv_producer or kv_both, not {kv_transfer.kv_role}")
+            raise ValueError(f"kv_transfer_params.do_remote_decode must be false on an engine with kv_role {kv_transfer.kv_role} "
+                             "(holding KV for a decode instance needs kv_producer or kv_both)")
         if params.n != 1:
-            raise ValueError(f"kv_transfer_params.do_remote_decode holds one sample's KV: n must be 1, got {params.n}")
+            raise ValueError(f"n must be 1 with kv_transfer_params.do_remote_decode (it holds one sample's KV), got {params.n}")
     if kv_params.get("do_remote_prefill") and not kv_transfer.loads:
-        raise ValueError(f"kv_transfer_params.do_remote_prefill needs kv_role kv_consumer or kv_both, not {kv_transfer.kv_role}")
+        raise ValueError(f"kv_transfer_params.do_remote_prefill must be false on an engine with kv_role {kv_transfer.kv_role} "
+                         "(loading KV from a prefill instance needs kv_consumer or kv_both)")

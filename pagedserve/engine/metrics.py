@@ -65,6 +65,10 @@ class EngineMetrics:
         self._expert_tokens_seen: dict[tuple[int, int], list[int]] = {}  # (engine, layer) -> counts already added
         self.kv_received_tokens = counter("kv_transfer_received_tokens", "Prompt tokens whose KV a KV connector loaded")
         self.kv_sent_tokens = counter("kv_transfer_sent_tokens", "Prompt tokens whose KV a KV connector saved for others")
+        self.kv_received_bytes = counter("kv_transfer_received_bytes", "Bytes of KV a KV connector loaded from other instances")
+        self.kv_sent_bytes = counter("kv_transfer_sent_bytes", "Bytes of KV other instances read from this one's KV connector")
+        self.kv_load_failures = counter("kv_transfer_load_failures", "Prompts whose KV could not be loaded from another instance")
+        self.kv_transfer_time = histogram("kv_transfer_seconds", "Time to load a prompt's KV from another instance")
         self.lora_running = Gauge("pagedserve:lora_requests_running", "Requests running with each LoRA adapter",
                                   [*labels, "engine", "lora_name"], registry=self.registry)
         self.lora_waiting = Gauge("pagedserve:lora_requests_waiting", "Requests waiting with each LoRA adapter",
@@ -155,6 +159,11 @@ class EngineMetrics:
         self.preemptions[engine].inc(max(stats.num_preemptions - last.num_preemptions, 0))
         self.kv_received_tokens[engine].inc(max(stats.kv_received_tokens - last.kv_received_tokens, 0))
         self.kv_sent_tokens[engine].inc(max(stats.kv_sent_tokens - last.kv_sent_tokens, 0))
+        self.kv_received_bytes[engine].inc(max(stats.kv_received_bytes - last.kv_received_bytes, 0))
+        self.kv_sent_bytes[engine].inc(max(stats.kv_sent_bytes - last.kv_sent_bytes, 0))
+        self.kv_load_failures[engine].inc(max(stats.kv_load_failures - last.kv_load_failures, 0))
+        for seconds in stats.kv_transfer_seconds:
+            self.kv_transfer_time.observe(seconds)
         if stats.spec is not None:
             self._record_spec_stats(stats.spec, last.spec, engine)
         for gauge, counts, before in ((self.lora_running, stats.lora_running, last.lora_running),

@@ -159,6 +159,10 @@ class P2pScheduler(KVConnectorScheduler):
             remote = _Remote.of(params)
             if (remote.engine_id, remote.request_id) in self._pulled:
                 return None  # another sample of the request pulled it: its blocks are in the prefix cache, or gone
+            if request.skips_prefix_cache:  # prompt logprobs: every position is computed here; the hold is not needed
+                self._pulled.add((remote.engine_id, remote.request_id))
+                self._release(remote, 0, 0)
+                return None
             self._check(remote, request)
         except ValueError as exc:
             logger.warning("request %s computes its prompt: its KV cannot be loaded: %s", request.request_id, exc)

@@ -126,7 +126,7 @@ class SharedStorageScheduler(KVConnectorScheduler):
         _remove_stale_pins(self.store.directory / ".pins")
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        if not self.transfer.loads:
+        if not self.transfer.loads or request.skips_prefix_cache:  # prompt logprobs: every position is computed here
             return 0, False
         keys = self._keys_of(request)
         first = num_computed_tokens // self.block_size

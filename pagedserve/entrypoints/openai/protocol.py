@@ -213,6 +213,8 @@ class ExtraSamplingFields(RequestBody):
     guided_regex: NonEmpty[str] | None = None
     guided_choice: NonEmpty[list[NonEmpty[str]]] | None = None
     guided_grammar: NonEmpty[str] | None = None
+    # Disaggregated prefill and decode (vLLM's field): what this request's KV transfer asks of a P2pConnector engine.
+    kv_transfer_params: dict[str, Any] | None = None
 
     def structure_field(self) -> str | None:
         """The request field that gives the output's structure, if any; more than one is a ValueError."""
@@ -266,6 +268,7 @@ class ExtraSamplingFields(RequestBody):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=self.structure(),
+            kv_transfer_params=self.kv_transfer_params,
         )
 
 
@@ -421,6 +424,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill instance's: where the decode instance finds the KV
 
 
 class TopLogprob(BaseModel):
@@ -472,6 +476,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill instance's: where the decode instance finds the KV
 
 
 class DeltaMessage(BaseModel):

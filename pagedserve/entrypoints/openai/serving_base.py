@@ -59,6 +59,13 @@ class ServingBase:
         """Admit every prompt or none: -> [(sub-request id, queue)]. structure_field: the request field that gave the
         output's structure (the one a structure that does not compile is blamed on)."""
         self.check_n(params.n)
+        if params.kv_transfer_params and params.kv_transfer_params.get("do_remote_decode"):
+            if stream:
+                raise APIError(400, "kv_transfer_params.do_remote_decode answers once, with the KV's whereabouts: stream must be false",
+                               param="kv_transfer_params")
+            if len(prompts) > 1:
+                raise APIError(400, "kv_transfer_params.do_remote_decode holds one prompt's KV: give one prompt",
+                               param="kv_transfer_params")
         params.output_kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         added = []
         try:

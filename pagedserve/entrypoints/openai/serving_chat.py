@@ -81,7 +81,7 @@ class OpenAIServingChat(ServingBase):
                                                 logprobs=self._logprobs(c.token_ids, c.logprobs, request),
                                                 finish_reason=reply.finish_reason, stop_reason=c.stop_reason))
         return ChatCompletionResponse(id=request_id, model=self.models.response_name(request.model), choices=choices,
-                                      usage=usage_of([output]))
+                                      usage=usage_of([output]), kv_transfer_params=output.kv_transfer_params)
 
     async def _stream_events(self, request: ChatCompletionRequest, request_id: str, added, tools: ToolPlan) -> AsyncIterator[str]:
         created = int(time.time())

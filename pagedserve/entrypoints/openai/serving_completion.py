@@ -44,7 +44,8 @@ class OpenAIServingCompletion(ServingBase):
             for prompt_index, output in enumerate(outputs)
             for c in output.outputs
         ]
-        return CompletionResponse(id=request_id, model=self.models.response_name(request.model), choices=choices, usage=usage_of(outputs))
+        return CompletionResponse(id=request_id, model=self.models.response_name(request.model), choices=choices, usage=usage_of(outputs),
+                                  kv_transfer_params=outputs[0].kv_transfer_params)
 
     def _reject_unsupported(self, request: CompletionRequest) -> None:
         if request.suffix is not None:
