@@ -47,6 +47,13 @@ def params(max_tokens: int, kv_transfer_params: dict):
     return greedy(max_tokens, kv_transfer_params=kv_transfer_params)
 
 
+def hand_off(producer: LLM, prompt_token_ids: list[int]) -> dict:
+    """The prefill instance's kv_transfer_params for the prompt, once its workers serve the blocks."""
+    output = producer.generate({"prompt_token_ids": prompt_token_ids}, params(1, {"do_remote_decode": True}), use_tqdm=False)[0]
+    settle(producer, lambda: not producer.llm_engine.client.engine_core.has_work())
+    return output.kv_transfer_params
+
+
 def settle(llm: LLM, until, timeout_s: float = 30.0) -> None:
     """Step an idle engine (as a server's engine core loop does) until `until()` holds."""
     deadline = time.monotonic() + timeout_s
@@ -93,8 +100,7 @@ def test_the_decode_instance_continues_from_the_prefill_instances_kv(tiny_models
 def test_only_blocks_missing_from_the_decode_instances_prefix_cache_move(tiny_models, pair):
     producer, consumer = pair
     consumer.generate({"prompt_token_ids": PROMPT[:100]}, greedy(1), use_tqdm=False)  # 6 full blocks cached there
-    handoff = producer.generate({"prompt_token_ids": PROMPT}, params(1, {"do_remote_decode": True}), use_tqdm=False)[0].kv_transfer_params
-    settle(producer, lambda: not producer.llm_engine.client.engine_core.has_work())
+    handoff = hand_off(producer, PROMPT)
     expected = token_ids_of(engine(tiny_models).generate({"prompt_token_ids": PROMPT}, greedy(8), use_tqdm=False))
     output = consumer.generate({"prompt_token_ids": PROMPT}, params(8, handoff), use_tqdm=False)[0]
     assert token_ids_of([output]) == expected and output.num_cached_tokens == 96
@@ -109,8 +115,7 @@ def test_a_load_that_cannot_happen_is_computed_here_and_frees_everything(tiny_mo
 
     monkeypatch.setattr(block_transport, "UNKNOWN_HOLD_WAIT_S", 1.0)  # a hold announced late is not tested here
     producer, consumer = pair
-    handoff = producer.generate({"prompt_token_ids": PROMPT}, params(1, {"do_remote_decode": True}), use_tqdm=False)[0].kv_transfer_params
-    settle(producer, lambda: not producer.llm_engine.client.engine_core.has_work())
+    handoff = hand_off(producer, PROMPT)
     forged = dict(handoff)
     if forge == "unknown_blocks":
         forged["remote_request_id"] = "someone-else"
@@ -144,8 +149,7 @@ def test_a_hold_nobody_pulls_is_given_back_when_its_lease_ends(tiny_models):
 
 def test_a_request_aborted_while_its_kv_arrives_gives_its_blocks_back_once_the_load_ends(tiny_models, pair):
     producer, consumer = pair
-    handoff = producer.generate({"prompt_token_ids": PROMPT}, params(1, {"do_remote_decode": True}), use_tqdm=False)[0].kv_transfer_params
-    settle(producer, lambda: not producer.llm_engine.client.engine_core.has_work())
+    handoff = hand_off(producer, PROMPT)
     core = consumer.llm_engine.client.engine_core
     consumer.llm_engine.add_request("leaving", {"prompt_token_ids": PROMPT}, params(4, handoff))
     core.step()  # admitted: its blocks allocated, its pull begun
@@ -189,4 +193,47 @@ def test_kv_transfer_params_are_refused_where_the_engine_cannot_act_on_them(tiny
         with pytest.raises(ValueError, match="do_remote_decode must be false on an engine with kv_role kv_consumer"):
             consumer.generate({"prompt_token_ids": PROMPT}, params(1, {"do_remote_decode": True}), use_tqdm=False)
     finally:
+        consumer.llm_engine.shutdown()
+
+
+@pytest.mark.slow
+def test_three_tensor_parallel_ranks_pull_from_three(default_model_dir):
+    """Both instances split the default model's 3 KV heads over 3 ranks: each rank pulls its share of every block from
+    the rank of the same place, and the decode instance's greedy tokens equal one engine's."""
+    prompt = {"prompt": "Here is a short story about a robot who learns to paint. It begins on a grey morning when"}
+    expected = token_ids_of(LLM(max_model_len=256, kv_cache_memory=2**26).generate(prompt, greedy(8), use_tqdm=False))
+    port = free_port_pair()
+    producer = LLM(max_model_len=256, kv_cache_memory=2**26, tensor_parallel_size=3, kv_transfer_config=p2p("kv_producer", port))
+    consumer = LLM(max_model_len=256, kv_cache_memory=2**26, tensor_parallel_size=3,
+                   kv_transfer_config=p2p("kv_consumer", free_port_pair()))
+    try:
+        handoff = producer.generate(prompt, params(1, {"do_remote_decode": True}), use_tqdm=False)[0].kv_transfer_params
+        assert handoff["remote_world_size"] == 3
+        settle(producer, lambda: not producer.llm_engine.client.engine_core.has_work())
+        assert token_ids_of(consumer.generate(prompt, params(8, handoff), use_tqdm=False)) == expected
+        assert consumer.llm_engine.get_stats().kv_load_failures == 0
+        settle(producer, lambda: used_blocks(producer) == 0)
+    finally:
+        producer.llm_engine.shutdown()
+        consumer.llm_engine.shutdown()
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
+
+
+@pytest.mark.parametrize("settings", [{"max_num_batched_tokens": 32}, {"speculative_config": NGRAM}], ids=["chunked_prefill", "ngram"])
+def test_the_decode_instance_keeps_its_features_over_loaded_kv(tiny_models, settings):
+    """A decode instance that chunks its prompts, or verifies n-gram drafts, continues from pulled KV to the tokens one
+    engine computes."""
+    port = free_port_pair()
+    producer = engine(tiny_models, p2p("kv_producer", port))
+    consumer = engine(tiny_models, p2p("kv_consumer", free_port_pair()), **settings)
+    try:
+        repetitive = PROMPT[:40] * 4
+        expected = token_ids_of(engine(tiny_models).generate({"prompt_token_ids": repetitive}, greedy(24), use_tqdm=False))
+        handoff = hand_off(producer, repetitive)
+        assert token_ids_of(consumer.generate({"prompt_token_ids": repetitive}, params(24, handoff), use_tqdm=False)) == expected
+        assert consumer.llm_engine.get_stats().kv_received_tokens == len(repetitive)
+    finally:
+        producer.llm_engine.shutdown()
         consumer.llm_engine.shutdown()
