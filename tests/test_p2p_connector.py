@@ -4,35 +4,20 @@ process; the servers and the proxy are tested in test_pd_proxy.py."""
 
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
 from conftest import greedy, token_ids_of
 
 from pagedserve import LLM
+from pagedserve.ports import free_port_range
 
 PROMPT = list(range(1000, 1200))  # 12 full blocks of 16, and 8 tokens
 
 
 def free_port_pair() -> int:
-    """A port p with p .. p + 3 free (the engine's, and its ranks')."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        if port + 4 < 65000 and all(_free(port + offset) for offset in range(1, 4)):
-            return port
-    raise RuntimeError("no free ports")
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as probe:
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
+    """A kv_port for an engine of up to three ranks (its own port, then one per rank)."""
+    return free_port_range(4)
 
 
 def p2p(role: str, port: int, **extra) -> dict:

@@ -13,7 +13,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from pagedserve import envs
 from pagedserve.benchmarks.datasets import BenchRequest, chat_requests, mixed_requests, random_requests
 from pagedserve.benchmarks.health_probe import health_probe
 from pagedserve.benchmarks.report import mean, percentile, print_table, write_json
+from pagedserve.ports import free_port
 
 
 @dataclass
@@ -205,13 +205,15 @@ def median_summary(repeats: list[dict]) -> dict:
 
 
 @contextlib.contextmanager
-def own_server(model: str, extra_args: list[str]):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--port", str(port), "--model", model,
-               "--log-level", "warning", *extra_args]
-    process = subprocess.Popen(command, env={**os.environ, envs.PAGEDSERVE_LOG_LEVEL: "WARNING"})
+def own_server(model: str | None, extra_args: list[str], subcommand: str = "serve", cpus: set[int] | None = None):
+    """A `pagedserve serve` (or another HTTP subcommand: proxy) of its own, on a free port; cpus: the only processors
+    it and its children may run on."""
+    port = free_port()
+    command = [sys.executable, "-m", "pagedserve.entrypoints.cli", subcommand, "--port", str(port), *extra_args]
+    if subcommand == "serve":
+        command += ["--model", model, "--log-level", "warning"]
+    process = subprocess.Popen(command, env={**os.environ, envs.PAGEDSERVE_LOG_LEVEL: "WARNING"},
+                               preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(url, process)

@@ -128,6 +128,20 @@ def register(sub) -> None:
     spec.add_argument("--output-len", type=int, default=128)
     spec.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="extra flags for both servers (last)")
 
+    pd = _workload(workloads, "pd", "disaggregated prefill and decode (proxy + P2pConnector, a core share each) against one "
+                                    "instance: streams decoding while long prompts arrive", prompt_seed=None)
+    pd.add_argument("--model", default=EngineConfig.model)
+    pd.add_argument("--num-streams", type=_positive_int, default=16)
+    pd.add_argument("--stream-input-len", type=_positive_int, default=64)
+    pd.add_argument("--stream-output-len", type=_positive_int, default=256)
+    pd.add_argument("--num-long", type=_positive_int, default=4, help="long prompts, arriving while the streams decode")
+    pd.add_argument("--long-prompt-len", type=_positive_int, default=2048)
+    pd.add_argument("--long-output-len", type=_positive_int, default=16)
+    pd.add_argument("--first-long-after", type=float, default=3.0, help="seconds after the streams start")
+    pd.add_argument("--long-interval", type=float, default=5.0, help="seconds between long prompts")
+    pd.add_argument("--vocab-size", type=int, default=49152, help="random prompt ids are drawn below this")
+    pd.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="extra flags for every server (last)")
+
     moe = _workload(workloads, "moe-model", "write a random-weight mixture of experts (or its dense equal) for bench throughput")
     moe.add_argument("--out", required=True, help="directory to write the HF model into")
     moe.add_argument("--dense", action="store_true", help="the dense model with the same active parameters per token instead")
@@ -200,6 +214,7 @@ def run_bench(args) -> int:
         lora_adapters,
         machine,
         moe_model,
+        pd,
         prefix,
         serve,
         spec,
@@ -216,6 +231,7 @@ def run_bench(args) -> int:
     runners = {"throughput": throughput.run, "serve": serve.run, "prefix": prefix.run, "interference": interference.run,
                "kv": kv_sched.run_kv, "sched": kv_sched.run_sched, "executor": executor.run, "spec": spec.run,
                "machine": machine.run, "kv-accuracy": kv_accuracy.run, "kv-speed": kv_speed.run,
-               "moe-model": moe_model.run, "lora-adapters": lora_adapters.run, "kv-store": kv_store.run}
+               "moe-model": moe_model.run, "lora-adapters": lora_adapters.run, "kv-store": kv_store.run,
+               "pd": pd.run}
     runners[args.workload](args)
     return 0

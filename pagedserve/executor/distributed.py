@@ -4,7 +4,6 @@ any worker starts, the start-up calls made on every rank, and the process a rank
 from __future__ import annotations
 
 import logging
-import socket
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.contracts import ModelRunnerOutput, SchedulerOutput
@@ -18,12 +17,6 @@ logger = logging.getLogger(__name__)
 
 class WorkerDiedError(RuntimeError):
     pass
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def rank_infos(config: EngineConfig) -> list[RankInfo]:

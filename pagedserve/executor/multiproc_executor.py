@@ -34,8 +34,9 @@ from pagedserve.core.contracts import ModelRunnerOutput, SchedulerOutput
 from pagedserve.distributed.parallel_state import RankInfo
 from pagedserve.executor import rank_messages
 from pagedserve.executor.abstract import WorkerCall
-from pagedserve.executor.distributed import DistributedExecutor, WorkerDiedError, WorkerProcess, free_port
+from pagedserve.executor.distributed import DistributedExecutor, WorkerDiedError, WorkerProcess
 from pagedserve.executor.shm_ring import RingReader, RingSpec, RingWriter, close_ring, create_ring
+from pagedserve.ports import free_port
 from pagedserve.processes import (
     UNGUARDED_MAIN_EXIT_CODE,
     UNGUARDED_MAIN_MESSAGE,

@@ -36,7 +36,7 @@ class RayWorker:
         """Where torch.distributed's ranks meet: this node's address and a free port."""
         import ray
 
-        from pagedserve.executor.distributed import free_port
+        from pagedserve.ports import free_port
 
         return f"tcp://{ray.util.get_node_ip_address()}:{free_port()}"
 
