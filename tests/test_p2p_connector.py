@@ -144,6 +144,14 @@ def test_a_request_aborted_while_its_kv_arrives_gives_its_blocks_back_once_the_l
     settle(producer, lambda: used_blocks(producer) == 0)
 
 
+def test_a_request_aborted_before_it_loads_lets_the_prefill_instance_give_its_blocks_back_at_once(tiny_models, pair):
+    producer, consumer = pair
+    handoff = hand_off(producer, PROMPT)
+    consumer.llm_engine.add_request("impatient", {"prompt_token_ids": PROMPT}, params(4, handoff))
+    consumer.llm_engine.abort_request("impatient")  # still waiting: it never asked for the blocks
+    settle(producer, lambda: used_blocks(producer) == 0, timeout_s=10)  # long before the lease's 120 s
+
+
 def test_fail_policy_ends_the_request_and_frees_its_blocks(tiny_models, monkeypatch):
     """A prefill instance that is gone (nothing answers): under kv_load_failure_policy fail the request ends."""
     from pagedserve.kv_transfer import p2p as p2p_module

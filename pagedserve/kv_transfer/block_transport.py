@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 
 import msgspec
 import torch
@@ -142,7 +143,9 @@ def _write(kv_caches: list[torch.Tensor], block_ids: list[int], answer: _Answer,
     if answer.shape != expected or answer.dtype != dtype:
         raise TransferError(f"KV of shape {answer.shape} ({answer.dtype}) does not fit this instance's {expected} ({dtype}): "
                             "the two instances must run the same model with the same KV cache layout and parallel split")
-    blocks = torch.frombuffer(bytearray(data.buffer), dtype=torch.uint8).view(cache.dtype).view(expected)
+    with warnings.catch_warnings():  # the message's buffer is read-only, and only read here
+        warnings.simplefilter("ignore", UserWarning)
+        blocks = torch.frombuffer(data.buffer, dtype=torch.uint8).view(cache.dtype).view(expected)
     index = torch.tensor(block_ids, dtype=torch.long)
     for layer, part in zip(kv_caches, blocks):
         layer.index_copy_(1, index, part)

@@ -159,16 +159,20 @@ class P2pScheduler(KVConnectorScheduler):
             remote = _Remote.of(params)
             if (remote.engine_id, remote.request_id) in self._pulled:
                 return None  # another sample of the request pulled it: its blocks are in the prefix cache, or gone
-            if request.skips_prefix_cache:  # prompt logprobs: every position is computed here; the hold is not needed
-                self._pulled.add((remote.engine_id, remote.request_id))
-                self._release(remote, 0, 0)
-                return None
             self._check(remote, request)
         except ValueError as exc:
             logger.warning("request %s computes its prompt: its KV cannot be loaded: %s", request.request_id, exc)
             self._fail(request.request_id)
             return None
+        if request.skips_prefix_cache:  # prompt logprobs: every position is computed here; the hold is not needed
+            self._give_up(remote)
+            return None
         return remote
+
+    def _give_up(self, remote: _Remote) -> None:
+        """Tell a trusted prefill instance its hold will not be read from here."""
+        self._pulled.add((remote.engine_id, remote.request_id))
+        self._release(remote, 0, 0)
 
     def _check(self, remote: _Remote, request: Request) -> None:
         if self.trusted is None and remote.host not in _LOOPBACK or self.trusted is not None and remote.address not in self.trusted:
@@ -240,8 +244,11 @@ class P2pScheduler(KVConnectorScheduler):
     # ---- a prefill instance: holds --------------------------------------------------------------
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        failed = request.request_id in self._failed
         self._failed.discard(request.request_id)
         params = request.sampling_params.kv_transfer_params
+        if params and params.get("do_remote_prefill") and not failed and request.request_id not in self._loads:
+            self._release_unread(request, params)
         if (not params or not params.get("do_remote_decode") or not self.transfer.saves or request.status == RequestStatus.FINISHED_ABORTED
                 or request.num_computed_tokens < request.num_prompt_tokens):
             return False, None
@@ -255,6 +262,17 @@ class P2pScheduler(KVConnectorScheduler):
             "remote_port": self.port, "remote_token": token, "remote_num_tokens": request.num_prompt_tokens,
             "remote_prompt_digest": prompt_digest(request.prompt_token_ids), "remote_world_size": self.world_size,
         }
+
+    def _release_unread(self, request: Request, params: dict) -> None:
+        """A request that ended before it loaded its KV (aborted while it waited): the prefill instance may give the
+        hold back now rather than at its lease's end."""
+        try:
+            remote = _Remote.of(params)
+            if (remote.engine_id, remote.request_id) not in self._pulled:
+                self._check(remote, request)
+                self._give_up(remote)
+        except ValueError:
+            pass  # parameters this instance would not have used: nothing to tell anyone
 
     def _advertised_host(self) -> str:
         return socket_module.gethostname() if self.host in ("0.0.0.0", "*") else self.host
