@@ -230,3 +230,38 @@ def test_the_decode_instance_keeps_its_features_over_loaded_kv(tiny_models, sett
     finally:
         producer.llm_engine.shutdown()
         consumer.llm_engine.shutdown()
+
+
+def test_a_transfer_cut_half_way_fails_and_reads_nothing_after_the_cut(monkeypatch):
+    """The prefill instance gives a hold back while its blocks are being pulled: the rest is refused (the server never
+    reads a released hold's blocks, which the engine may already write again) and the pull fails, so the decode
+    instance computes the prompt itself."""
+    import torch
+
+    from pagedserve.kv_transfer import block_transport
+    from pagedserve.ports import free_port
+
+    monkeypatch.setattr(block_transport, "_BLOCKS_PER_MESSAGE", 2)
+    monkeypatch.setattr(block_transport, "UNKNOWN_HOLD_WAIT_S", 0.2)
+    source = [torch.randn(2, 16, 4, 2, 8) for _ in range(3)]
+    target = [torch.zeros_like(layer) for layer in source]
+    address = f"tcp://127.0.0.1:{free_port()}"
+    server = block_transport.BlockServer(source, address)
+    answered = []
+    answer = server._answer
+
+    def answer_then_release(ask):
+        result = answer(ask)
+        answered.append(ask.block_ids)
+        server.release("r")  # the lease ran out after the first message
+        return result
+
+    monkeypatch.setattr(server, "_answer", answer_then_release)
+    server.hold("r", "token", list(range(8)))
+    try:
+        with pytest.raises(block_transport.TransferError, match="holds no blocks"):
+            block_transport.pull_blocks(target, address, "r", "token", list(range(8)), list(range(8, 16)), timeout_s=5)
+    finally:
+        server.close()
+    assert answered[0] == [0, 1] and all(torch.equal(t[:, 8:10], s[:, 0:2]) for t, s in zip(target, source))
+    assert all(not t[:, 10:16].any() for t in target)

@@ -94,11 +94,14 @@ def _disaggregated(args, seed: int) -> dict:
         proxy = stack.enter_context(own_server(None, ["--prefill", urls[0], "--decode", urls[1]], subcommand="proxy"))
         streams, longs, seconds = asyncio.run(_load(proxy, args, random.Random(seed)))
         figures = _figures(streams, longs, seconds)
+        # Every request's prompt moves (the streams' too); a load's time runs from its admission, queueing included.
         received = _metric(urls[1], "pagedserve:kv_transfer_received_tokens_total")
         transfer_s = _metric(urls[1], "pagedserve:kv_transfer_seconds_sum")
         figures["transferred_tokens"] = received
+        figures["loads"] = _metric(urls[1], "pagedserve:kv_transfer_seconds_count")
         figures["transfer_ms_per_prompt_token"] = 1000 * transfer_s / received if received else float("nan")
         figures["transferred_bytes"] = _metric(urls[1], "pagedserve:kv_transfer_received_bytes_total")
+        figures["transfer_mb_per_s"] = figures["transferred_bytes"] / transfer_s / 1e6 if transfer_s else float("nan")
     return figures
 
 
@@ -118,7 +121,9 @@ def run(args) -> dict:
                  (f"{name}: long prompt TTFT p50 / p99 s", f"{figures['long_ttft_p50_s']:.2f} / {figures['long_ttft_p99_s']:.2f}"),
                  (f"{name}: the streams' output tokens/s", figures["stream_output_tokens_per_s"]),
                  (f"{name}: failures", figures["failures"])]
-    rows += [("disaggregated: KV transfer ms per prompt token", pd["transfer_ms_per_prompt_token"]),
+    rows += [("disaggregated: KV loads, prompt tokens moved", f"{pd['loads']:.0f}, {pd['transferred_tokens']:.0f}"),
+             ("disaggregated: KV transfer ms per prompt token (MB/s)",
+              f"{pd['transfer_ms_per_prompt_token']:.3f} ({pd['transfer_mb_per_s']:.0f})"),
              ("disaggregated / one instance: long TTFT p50", record["long_ttft_p50_ratio"]),
              ("disaggregated / one instance: the streams' output tokens/s", record["stream_output_tokens_per_s_ratio"])]
     print_table(f"disaggregated prefill and decode ({args.num_streams} streams of {args.stream_input_len} in / "
