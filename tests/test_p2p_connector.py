@@ -265,3 +265,25 @@ def test_a_transfer_cut_half_way_fails_and_reads_nothing_after_the_cut(monkeypat
         server.close()
     assert answered[0] == [0, 1] and all(torch.equal(t[:, 8:10], s[:, 0:2]) for t, s in zip(target, source))
     assert all(not t[:, 10:16].any() for t in target)
+
+
+def test_bad_settings_are_refused_by_name(tiny_models):
+    extra = "kv_transfer_config.kv_connector_extra_config."
+    for config, message in [(p2p("kv_producer", 80), extra + "kv_port must be an integer in"),
+                            (p2p("kv_producer", 20000, kv_lease_seconds=0), extra + "kv_lease_seconds must be a number > 0"),
+                            (p2p("kv_consumer", 20000, trusted_producers="me"), extra + "trusted_producers must be a list"),
+                            (p2p("kv_consumer", 20000, shared_storage_path="/tmp"), "unknown field"),
+                            (p2p("kv_consumer", 20000) | {"kv_load_failure_policy": "retry"},
+                             "kv_load_failure_policy must be recompute, fail")]:
+        with pytest.raises(ValueError, match=message):
+            LLM(str(tiny_models["llama"]), kv_transfer_config=config)
+    with pytest.raises(ValueError, match="P2pConnector serves one engine core's blocks"):
+        LLM(str(tiny_models["llama"]), kv_transfer_config=p2p("kv_producer", 20000), data_parallel_size=2)
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ValueError, match=f"cannot listen on tcp://127.0.0.1:{port}.*choose another kv_host or kv_port"):
+            engine(tiny_models, p2p("kv_producer", port))

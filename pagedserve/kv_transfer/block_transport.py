@@ -43,6 +43,16 @@ class TransferError(Exception):
     """A pull that cannot complete: the server refused it, did not answer in time, or sent KV of another layout."""
 
 
+def bind(socket: zmq.Socket, address: str) -> None:
+    """Bind, or say which setting names an address that cannot be had."""
+    try:
+        socket.bind(address)
+    except zmq.ZMQError as exc:
+        socket.close(linger=0)
+        raise ValueError(f"kv_transfer_config.kv_connector_extra_config: cannot listen on {address} ({exc}); choose another "
+                         "kv_host or kv_port (an engine uses kv_port, and each of its ranks the ports after it)") from None
+
+
 class BlockServer:
     """Serves this rank's held blocks to pulling ranks until close()."""
 
@@ -55,7 +65,7 @@ class BlockServer:
         self._closing = threading.Event()
         self._socket = zmq.Context.instance().socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.bind(address)
+        bind(self._socket, address)
         self._thread = threading.Thread(target=self._serve, name="kv-block-server", daemon=True)
         self._thread.start()
 

@@ -32,7 +32,7 @@ import zmq
 from pagedserve.config import EngineConfig
 from pagedserve.core.contracts import KVConnectorMetadata, KVPull, SchedulerOutput
 from pagedserve.kv_transfer.base import KVConnectorScheduler, KVConnectorWorker
-from pagedserve.kv_transfer.block_transport import BlockServer, TransferError, pull_blocks
+from pagedserve.kv_transfer.block_transport import BlockServer, TransferError, bind, pull_blocks
 from pagedserve.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 # request computes its prompt (or ends) rather than wait longer.
 PULL_TIMEOUT_S = 10.0
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
+_PULLED_REMEMBERED = 65536
 
 
 def prompt_digest(token_ids: list[int]) -> str:
@@ -131,12 +132,14 @@ class P2pScheduler(KVConnectorScheduler):
         self._new_pulls: list[KVPull] = []
         self._finished_loads: list[tuple[str, bool]] = []
         self._failed: set[str] = set()  # requests that compute their prompt themselves
-        self._pulled: set[tuple[str, str]] = set()  # (engine, request) of holds read: their blocks are given back
+        # (engine, request) of holds read or given up, most recent last: their blocks are given back. Bounded: a request
+        # that outlives many later ones and is preempted pulls again, fails, and computes its prompt.
+        self._pulled: dict[tuple[str, str], None] = {}
 
     def _bind_pull(self, address: str) -> zmq.Socket:
         socket = self._context.socket(zmq.PULL)
         socket.setsockopt(zmq.LINGER, 0)
-        socket.bind(address)
+        bind(socket, address)
         return socket
 
     # ---- a decode instance: loads ---------------------------------------------------------------
@@ -171,8 +174,13 @@ class P2pScheduler(KVConnectorScheduler):
 
     def _give_up(self, remote: _Remote) -> None:
         """Tell a trusted prefill instance its hold will not be read from here."""
-        self._pulled.add((remote.engine_id, remote.request_id))
+        self._remember_pulled(remote)
         self._release(remote, 0, 0)
+
+    def _remember_pulled(self, remote: _Remote) -> None:
+        self._pulled[(remote.engine_id, remote.request_id)] = None
+        if len(self._pulled) > _PULLED_REMEMBERED:
+            del self._pulled[next(iter(self._pulled))]
 
     def _check(self, remote: _Remote, request: Request) -> None:
         if self.trusted is None and remote.host not in _LOOPBACK or self.trusted is not None and remote.address not in self.trusted:
@@ -210,7 +218,7 @@ class P2pScheduler(KVConnectorScheduler):
         tokens = load.num_tokens if ok else 0
         self._release(load.remote, tokens, moved)  # read, or unreadable: either way the prefill instance may give them back
         if ok:
-            self._pulled.add((load.remote.engine_id, load.remote.request_id))
+            self._remember_pulled(load.remote)
             self.received_bytes += moved
             self.received_tokens += tokens
             self._transfer_seconds.append(time.monotonic() - load.started)
