@@ -287,3 +287,39 @@ def test_bad_settings_are_refused_by_name(tiny_models):
         port = taken.getsockname()[1]
         with pytest.raises(ValueError, match=f"cannot listen on tcp://127.0.0.1:{port}.*choose another kv_host or kv_port"):
             engine(tiny_models, p2p("kv_producer", port))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("settings", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"])
+def test_parallel_ranks_pull_their_share(tiny_models, settings):
+    """Tensor-parallel ranks hold their heads of a block, pipeline stages their layers: each pulls its share from the
+    prefill instance's rank of the same place."""
+    settings = settings | {"distributed_executor_backend": "mp"}
+    expected = token_ids_of(engine(tiny_models).generate({"prompt_token_ids": PROMPT}, greedy(10), use_tqdm=False))
+    producer = engine(tiny_models, p2p("kv_producer", free_port_pair()), **settings)
+    consumer = engine(tiny_models, p2p("kv_consumer", free_port_pair()), **settings)
+    try:
+        handoff = hand_off(producer, PROMPT)
+        assert token_ids_of(consumer.generate({"prompt_token_ids": PROMPT}, params(10, handoff), use_tqdm=False)) == expected
+        assert consumer.llm_engine.get_stats().kv_received_tokens == len(PROMPT)
+        settle(producer, lambda: used_blocks(producer) == 0)
+    finally:
+        producer.llm_engine.shutdown()
+        consumer.llm_engine.shutdown()
+
+
+def test_a_load_waits_for_room_in_a_full_cache(tiny_models):
+    """Two handed-off prompts whose blocks do not fit together: the second waits (holding nothing) until the first
+    ends, then loads; both equal one engine's tokens."""
+    prompts = [PROMPT, PROMPT[::-1]]
+    expected = token_ids_of(engine(tiny_models).generate([{"prompt_token_ids": p} for p in prompts], greedy(24), use_tqdm=False))
+    producer = engine(tiny_models, p2p("kv_producer", free_port_pair()))
+    consumer = engine(tiny_models, p2p("kv_consumer", free_port_pair()), num_gpu_blocks_override=20)
+    try:
+        handoffs = [hand_off(producer, prompt) for prompt in prompts]
+        outputs = consumer.generate([{"prompt_token_ids": p} for p in prompts], [params(24, h) for h in handoffs], use_tqdm=False)
+        assert token_ids_of(outputs) == expected
+        assert consumer.llm_engine.get_stats().kv_received_tokens == 2 * len(PROMPT)
+    finally:
+        producer.llm_engine.shutdown()
+        consumer.llm_engine.shutdown()

@@ -126,8 +126,10 @@ class SchedulerOutput:
 
     @property
     def needs_runner(self) -> bool:
-        """Tokens to run, or requests the runner must forget."""
-        return bool(self.total_num_scheduled_tokens or self.finished_req_ids or self.preempted_req_ids)
+        """Tokens to run, requests the runner must forget, or a KV connector's work for the workers (holds to serve or
+        drop, KV to pull)."""
+        return bool(self.total_num_scheduled_tokens or self.finished_req_ids or self.preempted_req_ids
+                    or self.kv_connector_metadata is not None and self.kv_connector_metadata.acts_before_forward)
 
 
 # ---- runner -> scheduler -------------------------------------------------------------------
