@@ -15,10 +15,10 @@ from test_p2p_connector import free_port_pair
 MODEL = "tiny"
 
 
-def p2p_server(tiny_models, role: str, port: int, *extra: str, **connector) -> RemoteServer:
-    config = {"kv_connector": "P2pConnector", "kv_role": role, "kv_connector_extra_config": {"kv_port": port, **connector}}
+def p2p_server(tiny_models, role: str, port: int) -> RemoteServer:
+    config = {"kv_connector": "P2pConnector", "kv_role": role, "kv_connector_extra_config": {"kv_port": port}}
     return RemoteServer("--model", str(tiny_models["llama"]), "--served-model-name", MODEL, "--dtype", "float32",
-                        "--kv-cache-memory", str(8 * 1024**2), "--kv-transfer-config", json.dumps(config), *extra)
+                        "--kv-cache-memory", str(8 * 1024**2), "--kv-transfer-config", json.dumps(config))
 
 
 @pytest.fixture(scope="module")
