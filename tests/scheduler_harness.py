@@ -59,12 +59,15 @@ def check_block_accounting(scheduler: Scheduler) -> None:
     assert len(free_ids) + len(used) == pool.num_blocks, "free + used != total"
     assert not any(b.block_id in free_ids for b in used), "a block is both free and referenced"
     assert all(b.ref_cnt >= 0 for b in pool.blocks)
+    remote = scheduler.remote_kv
+    held = list(remote.held.values()) if remote is not None else []  # blocks a KV connector holds for another instance
     refs = {}
-    for blocks in kv.req_to_blocks.values():
+    for blocks in (*kv.req_to_blocks.values(), *held):
         for b in blocks:
             refs[b.block_id] = refs.get(b.block_id, 0) + 1
     assert all(pool.blocks[i].ref_cnt == n for i, n in refs.items()), "ref counts disagree with the owners"
     assert sum(refs.values()) == sum(b.ref_cnt for b in pool.blocks)
-    assert set(kv.req_to_blocks) <= set(scheduler.requests)
+    # Requests whose KV is still arriving keep their blocks, aborted or not.
+    assert set(kv.req_to_blocks) <= set(scheduler.requests) | (set(remote.loading) if remote is not None else set())
     assert kv.slot_capacity == {request_id: len(blocks) * kv.block_size for request_id, blocks in kv.req_to_blocks.items()}, \
         "the decode path's capacities disagree with the blocks held"

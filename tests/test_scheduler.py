@@ -503,3 +503,116 @@ def test_a_step_names_its_prompt_chunks_and_the_time_it_was_planned_within():
         covered += num_tokens
     decode_step, _ = step(scheduler)
     assert decode_step.prompt_chunks == [] and decode_step.stall_limit_s is None  # no prompt work to bound
+
+
+class AsyncLoadingConnector:
+    """A KV connector's scheduler side as P2pConnector drives the scheduler, with the transfers made up: a request whose
+    id starts with "pull" finds its prompt outside and loads it while others run (each load ends after a random number
+    of steps, whole or failed); a request whose id starts with "hold" has its blocks held when it finishes normally,
+    for a random number of steps."""
+
+    def __init__(self, rng: random.Random, failure_policy: str) -> None:
+        from pagedserve.config import KVTransferConfig
+
+        self.transfer = KVTransferConfig("P2pConnector", kv_load_failure_policy=failure_policy)
+        self.rng, self.received_tokens, self.sent_tokens = rng, 0, 0
+        self.loads: dict[str, int] = {}  # request id -> steps until its load ends
+        self.holds: dict[str, int] = {}
+        self.gave_up: set[str] = set()
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        if not request.request_id.startswith("pull") or request.request_id in self.gave_up:
+            return 0, False
+        return request.num_prompt_tokens - num_computed_tokens, True
+
+    def update_state_after_alloc(self, request, block_ids, num_external_tokens):
+        if num_external_tokens:
+            self.loads[request.request_id] = self.rng.randint(0, 4)
+
+    def build_connector_meta(self, scheduler_output, requests, block_ids_of):
+        from pagedserve.core.contracts import KVConnectorMetadata
+
+        return KVConnectorMetadata()
+
+    def step_done(self, metadata) -> None:
+        self.loads = {request_id: steps - 1 for request_id, steps in self.loads.items()}
+        self.holds = {request_id: steps - 1 for request_id, steps in self.holds.items()}
+
+    def request_finished(self, request, block_ids):
+        self.gave_up.discard(request.request_id)
+        if request.request_id.startswith("hold") and request.status != RequestStatus.FINISHED_ABORTED:
+            self.holds[request.request_id] = self.rng.randint(0, 5)
+            return True, {"remote_block_ids": block_ids}
+        return False, None
+
+    def has_news(self) -> bool:
+        return any(steps <= 0 for steps in (*self.loads.values(), *self.holds.values()))
+
+    def take_finished_loads(self):
+        ended = [request_id for request_id, steps in self.loads.items() if steps <= 0]
+        results = [(request_id, self.rng.random() < 0.7) for request_id in ended]
+        for request_id, ok in results:
+            del self.loads[request_id]
+            if not ok:
+                self.gave_up.add(request_id)
+        return results
+
+    def take_released_holds(self):
+        released = [request_id for request_id, steps in self.holds.items() if steps <= 0]
+        for request_id in released:
+            del self.holds[request_id]
+        return released
+
+    def stats(self) -> dict:
+        return {}
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=operations, num_blocks=st.integers(12, 40), budget=st.integers(4, 48), caching=st.booleans(),
+       seed=st.integers(0, 1000), failure_policy=st.sampled_from(["recompute", "fail"]))
+def test_loads_while_others_run_and_held_blocks_never_leak(ops, num_blocks, budget, caching, seed, failure_policy):
+    """Requests that wait for their KV (admitted with their blocks, then run with their prompt computed, or compute it or
+    end when the load fails), requests whose blocks are held after they finish, aborts at any point: the blocks' owners
+    always agree with their reference counts, a request runs only with its KV in place, and every block comes back."""
+    rng = random.Random(seed)
+    sched = make_scheduler(num_blocks=num_blocks, block_size=4, max_model_len=48, budget=budget, caching=caching)
+    connector = AsyncLoadingConnector(rng, failure_policy)
+    from pagedserve.core.remote_kv import RemoteKV
+
+    sched.kv_connector, sched.remote_kv = connector, RemoteKV(sched.kv_cache_manager, connector, failure_policy)
+    added, counter = [], 0
+
+    def run_step():
+        output = sched.schedule()
+        for request_id in output.num_scheduled_tokens:
+            request = sched.requests[request_id]
+            assert request.status == RequestStatus.RUNNING and request_id not in sched.remote_kv.loading
+        for request in sched.remote_kv.loading.values():
+            assert request.request_id not in output.num_scheduled_tokens
+        sched.update_from_output(output, fake_run(output, sched, rng))
+        check_block_accounting(sched)
+
+    for op in ops:
+        if op[0] == "add":
+            _, prompt_len, max_tokens, priority = op
+            prompt = [rng.randrange(60, 200) for _ in range(min(prompt_len, 40))]
+            kind = rng.choice(["pull", "hold", "plain"])
+            request = make_request(f"{kind}{counter}", prompt=prompt, max_tokens=min(max_tokens, 48 - len(prompt)) or 1, eos=True)
+            counter += 1
+            sched.add_request(request)
+            added.append(request)
+        elif op[0] == "abort" and added:
+            sched.finish_requests([added[op[1] % len(added)].request_id])
+            check_block_accounting(sched)
+        else:
+            for _ in range(op[1]):
+                run_step()
+    for _ in range(3000):
+        if not (sched.has_unfinished_requests() or sched.remote_kv.loading or sched.remote_kv.held):
+            break
+        run_step()
+    assert not sched.has_unfinished_requests() and not sched.remote_kv.loading and not sched.remote_kv.held
+    assert all(r.is_finished for r in added)
+    if failure_policy == "recompute":
+        assert all(r.status.finish_reason in ("stop", "length", "abort") for r in added)
+    assert sched.kv_cache_manager.num_free_blocks == num_blocks

@@ -7,7 +7,9 @@ prompt work while streams decode (core/stall_bound.py) and speculative decoding'
 (core/draft_policy.py). Structured outputs plug in as the engine's grammar states
 (structured_output/manager.py): a constrained request waits until its grammar has compiled, its drafts are cut to
 what its grammar allows, each step carries the masks of the tokens it may sample, and its grammar follows the tokens
-it gains.
+it gains. A KV connector plugs in at admission (how much of a prompt it finds outside) and when a request ends (whether
+its blocks stay for another instance to read); one that loads while the engine runs parks the request and its
+blocks in core/remote_kv.py until the load ends, and the scheduler takes that news before it plans each step.
 """
 
 from __future__ import annotations
