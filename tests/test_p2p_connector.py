@@ -15,7 +15,7 @@ from pagedserve.ports import free_port_range
 PROMPT = list(range(1000, 1200))  # 12 full blocks of 16, and 8 tokens
 
 
-def free_port_pair() -> int:
+def free_kv_port() -> int:
     """A kv_port for an engine of up to three ranks (its own port, then one per rank)."""
     return free_port_range(4)
 
@@ -54,7 +54,7 @@ def used_blocks(llm: LLM) -> float:
 
 @pytest.fixture
 def pair(tiny_models):
-    port = free_port_pair()
+    port = free_kv_port()
     producer = engine(tiny_models, p2p("kv_producer", port))
     consumer = engine(tiny_models, p2p("kv_consumer", port + 10))
     yield producer, consumer
@@ -123,7 +123,7 @@ def test_a_load_that_cannot_happen_is_computed_here_and_frees_everything(tiny_mo
 
 
 def test_a_hold_nobody_pulls_is_given_back_when_its_lease_ends(tiny_models):
-    producer = engine(tiny_models, p2p("kv_producer", free_port_pair(), kv_lease_seconds=0.5))
+    producer = engine(tiny_models, p2p("kv_producer", free_kv_port(), kv_lease_seconds=0.5))
     try:
         producer.generate({"prompt_token_ids": PROMPT}, params(1, {"do_remote_decode": True}), use_tqdm=False)
         assert used_blocks(producer) > 0
@@ -157,11 +157,11 @@ def test_fail_policy_ends_the_request_and_frees_its_blocks(tiny_models, monkeypa
     from pagedserve.kv_transfer import p2p as p2p_module
 
     monkeypatch.setattr(p2p_module, "PULL_TIMEOUT_S", 1.0)
-    port = free_port_pair()
+    port = free_kv_port()
     consumer = engine(tiny_models, p2p("kv_consumer", port) | {"kv_load_failure_policy": "fail"})
     try:
         gone = {"do_remote_prefill": True, "remote_engine_id": "x", "remote_request_id": "r", "remote_host": "127.0.0.1",
-                "remote_port": free_port_pair(), "remote_token": "t", "remote_block_ids": list(range(13)), "remote_num_tokens": 200,
+                "remote_port": free_kv_port(), "remote_token": "t", "remote_block_ids": list(range(13)), "remote_num_tokens": 200,
                 "remote_prompt_digest": _digest(PROMPT), "remote_world_size": 1}
         output = consumer.generate({"prompt_token_ids": PROMPT}, params(6, gone), use_tqdm=False)[0]
         assert output.outputs[0].finish_reason == "abort" and output.outputs[0].token_ids == []
@@ -180,7 +180,7 @@ def test_kv_transfer_params_are_refused_where_the_engine_cannot_act_on_them(tiny
     plain = engine(tiny_models)
     with pytest.raises(ValueError, match="kv_transfer_params must be left out: this engine was not started with --kv-transfer-config"):
         plain.generate({"prompt_token_ids": PROMPT}, params(1, {"do_remote_decode": True}), use_tqdm=False)
-    port = free_port_pair()
+    port = free_kv_port()
     consumer = engine(tiny_models, p2p("kv_consumer", port))
     try:
         with pytest.raises(ValueError, match="do_remote_decode must be false on an engine with kv_role kv_consumer"):
@@ -195,10 +195,10 @@ def test_three_tensor_parallel_ranks_pull_from_three(default_model_dir):
     the rank of the same place, and the decode instance's greedy tokens equal one engine's."""
     prompt = {"prompt": "Here is a short story about a robot who learns to paint. It begins on a grey morning when"}
     expected = token_ids_of(LLM(max_model_len=256, kv_cache_memory=2**26).generate(prompt, greedy(8), use_tqdm=False))
-    port = free_port_pair()
+    port = free_kv_port()
     producer = LLM(max_model_len=256, kv_cache_memory=2**26, tensor_parallel_size=3, kv_transfer_config=p2p("kv_producer", port))
     consumer = LLM(max_model_len=256, kv_cache_memory=2**26, tensor_parallel_size=3,
-                   kv_transfer_config=p2p("kv_consumer", free_port_pair()))
+                   kv_transfer_config=p2p("kv_consumer", free_kv_port()))
     try:
         handoff = producer.generate(prompt, params(1, {"do_remote_decode": True}), use_tqdm=False)[0].kv_transfer_params
         assert handoff["remote_world_size"] == 3
@@ -218,9 +218,9 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
 def test_the_decode_instance_keeps_its_features_over_loaded_kv(tiny_models, settings):
     """A decode instance that chunks its prompts, or verifies n-gram drafts, continues from pulled KV to the tokens one
     engine computes."""
-    port = free_port_pair()
+    port = free_kv_port()
     producer = engine(tiny_models, p2p("kv_producer", port))
-    consumer = engine(tiny_models, p2p("kv_consumer", free_port_pair()), **settings)
+    consumer = engine(tiny_models, p2p("kv_consumer", free_kv_port()), **settings)
     try:
         repetitive = PROMPT[:40] * 4
         expected = token_ids_of(engine(tiny_models).generate({"prompt_token_ids": repetitive}, greedy(24), use_tqdm=False))
@@ -296,8 +296,8 @@ def test_parallel_ranks_pull_their_share(tiny_models, settings):
     prefill instance's rank of the same place."""
     settings = settings | {"distributed_executor_backend": "mp"}
     expected = token_ids_of(engine(tiny_models).generate({"prompt_token_ids": PROMPT}, greedy(10), use_tqdm=False))
-    producer = engine(tiny_models, p2p("kv_producer", free_port_pair()), **settings)
-    consumer = engine(tiny_models, p2p("kv_consumer", free_port_pair()), **settings)
+    producer = engine(tiny_models, p2p("kv_producer", free_kv_port()), **settings)
+    consumer = engine(tiny_models, p2p("kv_consumer", free_kv_port()), **settings)
     try:
         handoff = hand_off(producer, PROMPT)
         assert token_ids_of(consumer.generate({"prompt_token_ids": PROMPT}, params(10, handoff), use_tqdm=False)) == expected
@@ -313,8 +313,8 @@ def test_a_load_waits_for_room_in_a_full_cache(tiny_models):
     ends, then loads; both equal one engine's tokens."""
     prompts = [PROMPT, PROMPT[::-1]]
     expected = token_ids_of(engine(tiny_models).generate([{"prompt_token_ids": p} for p in prompts], greedy(24), use_tqdm=False))
-    producer = engine(tiny_models, p2p("kv_producer", free_port_pair()))
-    consumer = engine(tiny_models, p2p("kv_consumer", free_port_pair()), num_gpu_blocks_override=20)
+    producer = engine(tiny_models, p2p("kv_producer", free_kv_port()))
+    consumer = engine(tiny_models, p2p("kv_consumer", free_kv_port()), num_gpu_blocks_override=20)
     try:
         handoffs = [hand_off(producer, prompt) for prompt in prompts]
         outputs = consumer.generate([{"prompt_token_ids": p} for p in prompts], [params(24, h) for h in handoffs], use_tqdm=False)

@@ -10,7 +10,7 @@ import time
 import pytest
 import requests
 from server_utils import RemoteServer, free_port, metric_value
-from test_p2p_connector import free_port_pair
+from test_p2p_connector import free_kv_port
 
 MODEL = "tiny"
 
@@ -23,8 +23,8 @@ def p2p_server(tiny_models, role: str, port: int) -> RemoteServer:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_models):
-    prefill = p2p_server(tiny_models, "kv_producer", free_port_pair())
-    decode = p2p_server(tiny_models, "kv_consumer", free_port_pair())
+    prefill = p2p_server(tiny_models, "kv_producer", free_kv_port())
+    decode = p2p_server(tiny_models, "kv_consumer", free_kv_port())
     proxy = RemoteServer("--prefill", prefill.url, "--decode", decode.url, subcommand="proxy")
     yield prefill, decode, proxy
     for server in (proxy, decode, prefill):
@@ -119,7 +119,7 @@ def test_params_of_a_prefill_instance_that_is_gone_are_computed_on_the_decode_in
     """The decode instance computes the prompt itself when the blocks cannot be pulled (the prefill instance was
     killed after answering; params naming blocks its request does not hold), and gives every block back on both sides."""
     prefill, decode, _ = cluster
-    doomed = p2p_server(tiny_models, "kv_producer", free_port_pair())
+    doomed = p2p_server(tiny_models, "kv_producer", free_kv_port())
     try:
         expected = completion(doomed, prompt=PROMPT, max_tokens=8)
         params = completion(doomed, prompt=PROMPT, max_tokens=1, kv_transfer_params={"do_remote_decode": True})["kv_transfer_params"]

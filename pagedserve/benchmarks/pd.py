@@ -10,11 +10,9 @@ import contextlib
 import json
 import os
 import random
-import re
-import urllib.request
 
 from pagedserve.benchmarks.report import percentile, print_table, write_json
-from pagedserve.benchmarks.serve import RequestResult, own_server, prompt_seed, send_one
+from pagedserve.benchmarks.serve import RequestResult, own_server, prompt_seed, send_one, server_metrics
 from pagedserve.ports import free_port_range
 
 MODEL_NAME = "pd"
@@ -66,13 +64,6 @@ def _figures(streams: list[RequestResult], longs: list[RequestResult], seconds: 
     return figures
 
 
-def _metric(url: str, name: str) -> float:
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
-        text = response.read().decode()
-    match = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
-    return float(match.group(1)) if match else 0.0
-
-
 def _one_instance(args, seed: int) -> dict:
     with own_server(args.model, ["--served-model-name", MODEL_NAME, *args.server_args]) as url:
         streams, longs, seconds = asyncio.run(_load(url, args, random.Random(seed)))
@@ -95,12 +86,12 @@ def _disaggregated(args, seed: int) -> dict:
         streams, longs, seconds = asyncio.run(_load(proxy, args, random.Random(seed)))
         figures = _figures(streams, longs, seconds)
         # Every request's prompt moves (the streams' too); a load's time runs from its admission, queueing included.
-        received = _metric(urls[1], "pagedserve:kv_transfer_received_tokens_total")
-        transfer_s = _metric(urls[1], "pagedserve:kv_transfer_seconds_sum")
+        metrics = server_metrics(urls[1])
+        received, transfer_s = metrics["pagedserve:kv_transfer_received_tokens_total"], metrics["pagedserve:kv_transfer_seconds_sum"]
         figures["transferred_tokens"] = received
-        figures["loads"] = _metric(urls[1], "pagedserve:kv_transfer_seconds_count")
+        figures["loads"] = metrics["pagedserve:kv_transfer_seconds_count"]
         figures["transfer_ms_per_prompt_token"] = 1000 * transfer_s / received if received else float("nan")
-        figures["transferred_bytes"] = _metric(urls[1], "pagedserve:kv_transfer_received_bytes_total")
+        figures["transferred_bytes"] = metrics["pagedserve:kv_transfer_received_bytes_total"]
         figures["transfer_mb_per_s"] = figures["transferred_bytes"] / transfer_s / 1e6 if transfer_s else float("nan")
     return figures
 

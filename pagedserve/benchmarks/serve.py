@@ -17,6 +17,7 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 
 from tqdm.auto import tqdm
@@ -224,8 +225,6 @@ def own_server(model: str | None, extra_args: list[str], subcommand: str = "serv
 
 
 def _wait_healthy(url: str, process, timeout_s: float = 600) -> None:
-    import urllib.request
-
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -306,6 +305,20 @@ def run(args) -> dict:
 def _probing(url: str, interval_s: float):
     """The /health probe during one run, when an interval is set."""
     return health_probe(url, interval_s) if interval_s > 0 else contextlib.nullcontext(None)
+
+
+def server_metrics(url: str) -> dict[str, float]:
+    """The server's /metrics: each sample's name (a counter's with its _total) -> its value, summed over label sets (a
+    data-parallel server's engines)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals
 
 
 def first_model(url: str, api_key: str | None) -> str:

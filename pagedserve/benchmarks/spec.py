@@ -6,26 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
-import urllib.request
 
 from pagedserve.benchmarks.datasets import copy_requests, random_requests
 from pagedserve.benchmarks.report import print_table, write_json
-from pagedserve.benchmarks.serve import Sampling, first_model, own_server, run_load, summarize
+from pagedserve.benchmarks.serve import Sampling, first_model, own_server, run_load, server_metrics, summarize
 from pagedserve.benchmarks.throughput import run_pagedserve
-
-_SPEC_COUNTER = re.compile(r'^pagedserve:spec_decode_num_(drafts|accepted_tokens)_total\{[^}]*\} ([0-9.e+]+)$', re.MULTILINE)
 
 
 def spec_counters(url: str) -> tuple[float, float]:
     """(drafts, accepted tokens) so far, from the server's /metrics (zeros without speculation)."""
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
-        text = response.read().decode()
-    totals = {"drafts": 0.0, "accepted_tokens": 0.0}
-    for name, value in _SPEC_COUNTER.findall(text):
-        totals[name] += float(value)
-    return totals["drafts"], totals["accepted_tokens"]
+    metrics = server_metrics(url)
+    return metrics.get("pagedserve:spec_decode_num_drafts_total", 0.0), metrics.get("pagedserve:spec_decode_num_accepted_tokens_total", 0.0)
 
 
 def mean_accepted_length(before: tuple[float, float], after: tuple[float, float]) -> float | None:

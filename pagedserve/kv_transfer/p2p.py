@@ -16,6 +16,7 @@ request ("fail").
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import queue
 import secrets
@@ -131,6 +132,7 @@ class P2pScheduler(KVConnectorScheduler):
         self._loads: dict[str, _Load] = {}
         self._new_pulls: list[KVPull] = []
         self._finished_loads: list[tuple[str, bool]] = []
+        self._checked: dict[str, _Remote] = {}  # waiting requests' prefill instances, checked, until they load
         self._failed: set[str] = set()  # requests that compute their prompt themselves
         # (engine, request) of holds read or given up, most recent last: their blocks are given back. Bounded: a request
         # that outlives many later ones and is preempted pulls again, fails, and computes its prompt.
@@ -154,10 +156,13 @@ class P2pScheduler(KVConnectorScheduler):
 
     def _remote_of(self, request: Request) -> _Remote | None:
         """The prefill instance holding the request's prompt KV, where it may be pulled from; None otherwise (a refused
-        one counts as a failed load)."""
+        one counts as a failed load). Checked once: a request the cache has no room for yet is asked about every step."""
         params = request.sampling_params.kv_transfer_params
         if not params or not params.get("do_remote_prefill") or not self.transfer.loads or request.request_id in self._failed:
             return None
+        remote = self._checked.get(request.request_id)
+        if remote is not None:
+            return remote if (remote.engine_id, remote.request_id) not in self._pulled else None
         try:
             remote = _Remote.of(params)
             if (remote.engine_id, remote.request_id) in self._pulled:
@@ -170,6 +175,7 @@ class P2pScheduler(KVConnectorScheduler):
         if request.skips_prefix_cache:  # prompt logprobs: every position is computed here; the hold is not needed
             self._give_up(remote)
             return None
+        self._checked[request.request_id] = remote
         return remote
 
     def _give_up(self, remote: _Remote) -> None:
@@ -195,7 +201,7 @@ class P2pScheduler(KVConnectorScheduler):
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
         if not num_external_tokens:
             return
-        remote = _Remote.of(request.sampling_params.kv_transfer_params)
+        remote = self._checked.pop(request.request_id)
         first, end = request.num_computed_tokens // self.block_size, -(-request.num_prompt_tokens // self.block_size)
         self._loads[request.request_id] = _Load(remote, num_external_tokens, time.monotonic())
         self._new_pulls.append(KVPull(request.request_id, remote.host, remote.port, remote.request_id, remote.token,
@@ -254,14 +260,16 @@ class P2pScheduler(KVConnectorScheduler):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         failed = request.request_id in self._failed
         self._failed.discard(request.request_id)
+        checked = self._checked.pop(request.request_id, None)
         params = request.sampling_params.kv_transfer_params
         if params and params.get("do_remote_prefill") and not failed and request.request_id not in self._loads:
-            self._release_unread(request, params)
+            self._release_unread(request, params, checked)
         if (not params or not params.get("do_remote_decode") or not self.transfer.saves or request.status == RequestStatus.FINISHED_ABORTED
                 or request.num_computed_tokens < request.num_prompt_tokens):
             return False, None
         token = secrets.token_hex(16)
         blocks = block_ids[: -(-request.num_prompt_tokens // self.block_size)]
+        self._holds.pop(request.request_id, None)  # the same id held before: the new hold goes last, in lease order
         self._holds[request.request_id] = (token, time.monotonic() + self.lease_s)
         self._new_holds.append((request.request_id, token, blocks))
         return True, {
@@ -271,13 +279,14 @@ class P2pScheduler(KVConnectorScheduler):
             "remote_prompt_digest": prompt_digest(request.prompt_token_ids), "remote_world_size": self.world_size,
         }
 
-    def _release_unread(self, request: Request, params: dict) -> None:
+    def _release_unread(self, request: Request, params: dict, checked: _Remote | None) -> None:
         """A request that ended before it loaded its KV (aborted while it waited): the prefill instance may give the
         hold back now rather than at its lease's end."""
         try:
-            remote = _Remote.of(params)
+            remote = checked or _Remote.of(params)
             if (remote.engine_id, remote.request_id) not in self._pulled:
-                self._check(remote, request)
+                if checked is None:
+                    self._check(remote, request)
                 self._give_up(remote)
         except ValueError:
             pass  # parameters this instance would not have used: nothing to tell anyone
@@ -296,8 +305,9 @@ class P2pScheduler(KVConnectorScheduler):
                 self.sent_tokens += release.tokens
                 self.sent_bytes += release.bytes
                 self._end_hold(release.request_id)
+        # Every hold has the same lease, so the oldest (first in the dict) ends first: only expired ones are looked at.
         now = time.monotonic()
-        for request_id in [request_id for request_id, (_, lease_end) in self._holds.items() if lease_end < now]:
+        for request_id in [request_id for request_id, _ in itertools.takewhile(lambda hold: hold[1][1] < now, self._holds.items())]:
             logger.warning("request %s: no decode instance pulled its KV within %.0f s; its blocks are given back", request_id,
                            self.lease_s)
             self._end_hold(request_id)
