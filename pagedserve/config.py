@@ -13,6 +13,8 @@ DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
 ATTENTION_BACKENDS = ("auto", "cpu", "torch")
 GEMM_BACKENDS = ("auto", "onednn", "torch")
 # 32- and 16-bit caches, and the 8-bit formats of layers/attention/kv_quant.py (fp8 is fp8_e4m3).
+# Quantizations applied at load (None: the weights as the checkpoint has them).
+QUANTIZATIONS = (None, "int8")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
@@ -25,6 +27,10 @@ class EngineConfig:
     dtype: str = field(default="auto", metadata={
         "help": "float32, bfloat16, float16, or auto (bfloat16 on accelerators and on CPUs with bfloat16 matrix instructions, "
                 "else float32). On CPU, bfloat16 runs the GEMMs in bfloat16 between float32 activations; float32 is exact"})
+    quantization: str | None = field(default=None, metadata={
+        "help": "int8: run the linear layers' GEMMs in int8 on CPU (W8A8: weights per output channel at load, activations per "
+                "row at run time; fastest where the CPU has int8 dot products, avx512_vnni or amx_int8); unset: the weights "
+                "as loaded"})
     device: str = field(default="auto", metadata={"help": "cpu, cuda, or auto"})
     seed: int = field(default=0, metadata={"help": "seed of the sampler for requests without their own seed"})
     max_model_len: int | None = field(default=None, metadata={"help": "context length (default: the model's, capped by the KV cache)"})
@@ -147,6 +153,7 @@ class EngineConfig:
         _require(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold", ">= 0", self.long_prefill_token_threshold)
         _require(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy", "'fcfs' or 'priority'", self.scheduling_policy)
         _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", "auto, float32, bfloat16, float16", self.dtype)
+        _require(self.quantization in QUANTIZATIONS, "quantization", "int8 or unset", self.quantization)
         _require(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", ", ".join(KV_CACHE_DTYPES), self.kv_cache_dtype)
         _require(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device", "auto, cpu, cuda", self.device)
         _require(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", ", ".join(ATTENTION_BACKENDS),

@@ -10,8 +10,8 @@ from functools import lru_cache
 from pathlib import Path
 
 # Instruction-set extensions pagedserve chooses paths by, as Linux names them in /proc/cpuinfo's flags.
-_ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16",
-              "amx_int8")
+_ISA_FLAGS = ("avx2", "fma", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_tile",
+              "amx_bf16", "amx_int8")
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,11 @@ class CPUFeatures:
         """Whether the processor multiplies bfloat16 in hardware (AVX-512 BF16 dot products or AMX tiles), where
         bfloat16 GEMMs run several times the float32 rate rather than converting to float32 first."""
         return "avx512_bf16" in self.flags or "amx_bf16" in self.flags
+
+    @property
+    def has_int8_matrix(self) -> bool:
+        """Whether the processor has int8 dot products (VNNI, or AMX tiles), which oneDNN's int8 GEMMs run on."""
+        return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & self.flags)
 
     @property
     def identity(self) -> str:

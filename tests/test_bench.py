@@ -307,6 +307,16 @@ def test_kv_capacity_per_dtype_and_kv_accuracy_against_float32(tmp_path, tiny_mo
     assert int8["perplexity"] > 1 and int8["max_logprob_diff"] >= 0 and len(int8["tokens_before_divergence"]) == 2
 
 
+def test_gemm_accuracy_measures_int8_gemms_against_float32(tmp_path, tiny_models):
+    """bench gemm-accuracy: float32 GEMMs measured against themselves are exact; int8 GEMMs round, and have their figures."""
+    record, stdout = bench(tmp_path, "gemm-accuracy", "--model", str(tiny_models["llama"]), "--variants", "int8", "--window", "64",
+                           "--chunk", "32", "--num-prompts", "2", "--output-len", "8")
+    exact, int8 = record["results"]["float32"], record["results"]["int8"]
+    assert exact["max_logprob_diff"] == 0 and exact["identical_answers"] == 2 and exact["perplexity_change_pct"] == 0
+    assert int8["max_logprob_diff"] > 0 and len(int8["tokens_before_divergence"]) == 2
+    assert "int8: perplexity vs float32 %" in stdout
+
+
 def test_kv_speed_times_a_decode_step_for_each_dtype(tmp_path, tiny_models):
     """bench kv-speed: each dtype's bare decode step over its contexts, and its ratio to bfloat16's in the same run."""
     record, stdout = bench(tmp_path, "kv-speed", "--model", str(tiny_models["llama"]), "--kv-cache-dtype", "bfloat16", "fp8",

@@ -1,7 +1,8 @@
 """How far an 8-bit (or 16-bit) KV cache takes the model from a float32 one, each cache on the same attention
-backend: perplexity over the shipped English passages (prefilled in chunks, so that most positions attend to context
-read back from the cache), the largest difference of those positions' logprobs from float32's, and greedy agreement
-over the chat prompts of the benchmark data (tokens before the first divergence from float32's answer)."""
+backend (and, through compare, how far any engine settings take it from others'): perplexity over the shipped English
+passages (prefilled in chunks, so that most positions attend to context read back from the cache), the largest
+difference of those positions' logprobs from float32's, and greedy agreement over the chat prompts of the benchmark
+data (tokens before the first divergence from float32's answer)."""
 
 from __future__ import annotations
 
@@ -16,13 +17,20 @@ REFERENCE = "float32"
 
 
 def run(args) -> dict:
+    dtypes = [REFERENCE] + [dtype for dtype in args.kv_cache_dtype if dtype != REFERENCE]
+    variants = {dtype: {"kv_cache_dtype": dtype, "attention_backend": "torch", "max_num_batched_tokens": args.chunk,
+                        "long_prefill_token_threshold": args.chunk} for dtype in dtypes}
+    return compare(args, variants, "kv-accuracy", "KV cache accuracy", {"chunk": args.chunk})
+
+
+def compare(args, variants: dict[str, dict], benchmark: str, title: str, settings: dict) -> dict:
+    """Each variant's engine (settings as LLM keywords, without prefix caching) against the first one's: perplexity over
+    the passages, logprob differences at each of their positions, and greedy agreement over the chat prompts."""
     from pagedserve.engine.llm import LLM
 
-    dtypes = [REFERENCE] + [dtype for dtype in args.kv_cache_dtype if dtype != REFERENCE]
     results, reference = {}, None
-    for dtype in dtypes:
-        llm = LLM(args.model, kv_cache_dtype=dtype, attention_backend="torch",
-                  max_num_batched_tokens=args.chunk, long_prefill_token_threshold=args.chunk, enable_prefix_caching=False)
+    for label, engine_settings in variants.items():
+        llm = LLM(args.model, enable_prefix_caching=False, **engine_settings)
         tokenizer = llm.get_tokenizer()
         windows = text_windows(tokenizer, args.window)
         logprobs = prompt_logprobs(llm, windows)
@@ -33,18 +41,20 @@ def run(args) -> dict:
         llm.llm_engine.shutdown()
         if reference is None:
             reference = (logprobs, answers)
-        results[dtype] = summarize(logprobs, answers, *reference)
-    record = {"benchmark": "kv-accuracy", "model": args.model, "window": args.window, "chunk": args.chunk,
+        results[label] = summarize(logprobs, answers, *reference)
+    record = {"benchmark": benchmark, "model": args.model, "window": args.window, **settings,
               "num_prompts": args.num_prompts, "output_len": args.output_len, "num_text_tokens": len(reference[0]),
               "results": results}
+    first = next(iter(variants))
     rows = []
-    for dtype, result in results.items():
-        rows += [(f"{dtype}: perplexity", result["perplexity"]),
-                 (f"{dtype}: perplexity vs float32 %", result["perplexity_change_pct"]),
-                 (f"{dtype}: largest logprob difference", result["max_logprob_diff"]),
-                 (f"{dtype}: greedy answers identical", f"{result['identical_answers']} of {args.num_prompts}"),
-                 (f"{dtype}: tokens before divergence (mean)", result["mean_tokens_before_divergence"])]
-    print_table(f"KV cache accuracy ({record['num_text_tokens']} tokens of text, {args.num_prompts} chat prompts)", rows)
+    for label, result in results.items():
+        rows += [(f"{label}: perplexity", result["perplexity"]),
+                 (f"{label}: perplexity vs {first} %", result["perplexity_change_pct"]),
+                 (f"{label}: largest logprob difference", result["max_logprob_diff"]),
+                 (f"{label}: mean logprob difference", result["mean_logprob_diff"]),
+                 (f"{label}: greedy answers identical", f"{result['identical_answers']} of {args.num_prompts}"),
+                 (f"{label}: tokens before divergence (mean)", result["mean_tokens_before_divergence"])]
+    print_table(f"{title} ({record['num_text_tokens']} tokens of text, {args.num_prompts} chat prompts)", rows)
     write_json(args.json, record)
     return record
 

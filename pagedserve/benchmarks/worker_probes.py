@@ -29,15 +29,20 @@ def gemm_work(worker, decode_rows: int) -> dict:
     through every GEMM but the lm_head and of one row through the lm_head, and the bytes of weights a decode step of
     decode_rows rows reads (each GEMM's GGUF blocks where it takes them for that many rows, else its dense weight)."""
     model = worker.model
-    gemms = [(module.in_features * module.out_features, module.quantized, module.packed_weight, module.weight)
+    gemms = [(module.in_features * module.out_features, module.quantized, _dense_weight(module), module.weight)
              for module in model.modules() if hasattr(module, "quantized") and hasattr(module, "packed_weight")]
     decode_bytes = sum(_bytes_read(decode_rows, blocks, packed, weight) for _, blocks, packed, weight in gemms)
     lm_head_flops = 0
     if model.lm_head is not None:
         lm_head_flops = 2 * model.lm_head.weight.numel()
         decode_bytes += _bytes_read(decode_rows, model.quantized_lm_head, model.packed_lm_head, model.lm_head.weight)
-    return {"gemm_dtype": str(worker.gemm_dtype).removeprefix("torch."), "flops_per_token": 2 * sum(size for size, *_ in gemms),
+    return {"gemm_dtype": str(worker.dense_gemm_dtype).removeprefix("torch."), "flops_per_token": 2 * sum(size for size, *_ in gemms),
             "lm_head_flops_per_row": lm_head_flops, "decode_weight_bytes": decode_bytes}
+
+
+def _dense_weight(module):
+    """What a linear layer's dense product reads: its int8 values, its packed copy, or None (the weight itself)."""
+    return module.int8_weight.values if module.int8_weight is not None else module.packed_weight
 
 
 def _bytes_read(rows: int, blocks, packed, weight) -> int:

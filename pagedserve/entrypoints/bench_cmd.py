@@ -90,6 +90,16 @@ def register(sub) -> None:
     kv_accuracy.add_argument("--num-prompts", type=_positive_int, default=16, help="chat prompts (greedy agreement)")
     kv_accuracy.add_argument("--output-len", type=_positive_int, default=64, help="greedy tokens per chat prompt")
 
+    gemm_accuracy = _workload(workloads, "gemm-accuracy", "bfloat16 and int8 GEMMs against float32 ones: perplexity over the "
+                                                          "shipped English text, logprob differences, greedy agreement")
+    gemm_accuracy.add_argument("--model", default=EngineConfig.model)
+    gemm_accuracy.add_argument("--variants", nargs="+", default=["bfloat16", "int8", "int8, bfloat16"],
+                               choices=["bfloat16", "int8", "int8, bfloat16"], help="what is measured against float32 GEMMs")
+    gemm_accuracy.add_argument("--window", type=_positive_int, default=1024, help="tokens of text per prompt (perplexity)")
+    gemm_accuracy.add_argument("--chunk", type=_positive_int, default=256, help="prompt tokens per step")
+    gemm_accuracy.add_argument("--num-prompts", type=_positive_int, default=32, help="chat prompts (greedy agreement)")
+    gemm_accuracy.add_argument("--output-len", type=_positive_int, default=64, help="greedy tokens per chat prompt")
+
     kv_speed = _workload(workloads, "kv-speed", "the bare decode step over long contexts for each KV cache dtype, the dtypes "
                                                 "in turn")
     kv_speed.add_argument("--model", default=EngineConfig.model)
@@ -206,6 +216,7 @@ def run_plot(args) -> int:
 def run_bench(args) -> int:
     from pagedserve.benchmarks import (
         executor,
+        gemm_accuracy,
         interference,
         kv_accuracy,
         kv_sched,
@@ -230,7 +241,8 @@ def run_bench(args) -> int:
         args.num_prompts = 64 if args.dataset == "mixed" else 32
     runners = {"throughput": throughput.run, "serve": serve.run, "prefix": prefix.run, "interference": interference.run,
                "kv": kv_sched.run_kv, "sched": kv_sched.run_sched, "executor": executor.run, "spec": spec.run,
-               "machine": machine.run, "kv-accuracy": kv_accuracy.run, "kv-speed": kv_speed.run,
+               "machine": machine.run, "kv-accuracy": kv_accuracy.run,
+               "gemm-accuracy": gemm_accuracy.run, "kv-speed": kv_speed.run,
                "moe-model": moe_model.run, "lora-adapters": lora_adapters.run, "kv-store": kv_store.run,
                "pd": pd.run}
     runners[args.workload](args)

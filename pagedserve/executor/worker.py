@@ -14,7 +14,7 @@ from pagedserve.config import DataParallelPlace, EngineConfig
 from pagedserve.core.contracts import ModelRunnerOutput, SchedulerOutput
 from pagedserve.cpu_features import cpu_features
 from pagedserve.distributed.parallel_state import expert_groups, init_expert_groups, rank_info
-from pagedserve.executor import cpu_host, gemm_choice
+from pagedserve.executor import cpu_host, gemm_choice, int8_calibration
 from pagedserve.executor.lora_manager import LoRAManager
 from pagedserve.executor.model_runner import ModelRunner
 from pagedserve.kv_transfer.factory import worker_connector
@@ -74,6 +74,21 @@ def activation_and_gemm_dtypes(dtype: torch.dtype, device: torch.device) -> tupl
     if device.type == "cpu" and dtype == torch.bfloat16:
         return torch.float32, torch.bfloat16
     return dtype, dtype
+
+
+def int8_gemms_wanted(config: EngineConfig, device: torch.device, kernels) -> bool:
+    """Whether the linear layers run W8A8 int8 GEMMs (quantization int8): on CPU, through the C++ kernels. A processor
+    without int8 dot products runs them, but slower than float32: the log says so."""
+    if config.quantization != "int8":
+        return False
+    if device.type != "cpu":
+        raise ValueError(f"quantization 'int8' runs on CPU; the device is {device.type}")
+    if kernels is None:
+        raise ValueError("quantization 'int8' needs the C++ CPU kernels (cpu_kernels on, and a compiler to build them)")
+    if not cpu_features().has_int8_matrix:
+        logger.warning("quantization int8: this CPU has no int8 dot products (avx512_vnni, avx_vnni or amx_int8), so its int8 "
+                       "GEMMs run slower than float32 ones")
+    return True
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -146,6 +161,7 @@ class Worker:
         self.generation_defaults = generation_defaults_of(config, self.model_dir)
         # Compiled now (the first time on a machine), not during the first request.
         self.cpu_kernels = cpu_kernels.load() if config.cpu_kernels and self.device.type == "cpu" else None
+        self.int8_gemms = int8_gemms_wanted(config, self.device, self.cpu_kernels)
         self.attn_backend = select_attention_backend(config.attention_backend, self.device, self.dtype, self.cpu_kernels, self.kv_format)
         if config.data_parallel_place is not None:
             self._join_expert_groups(config.data_parallel_place)
@@ -155,7 +171,8 @@ class Worker:
         if config.gguf_quantized_weights and self.cpu_kernels is not None and self.dtype == torch.float32:
             self._use_gguf_blocks()
         self._pack_gemm_weights(self.model)
-        self._choose_gemm_paths()
+        if not self.int8_gemms:  # else once the int8 GEMMs exist (initialize_cache)
+            self._choose_gemm_paths()
         self.draft_model, self.draft_config = self._load_draft_model() if config.speculative else (None, None)
         self.num_blocks = 0
         self.max_model_len = 0
@@ -163,8 +180,15 @@ class Worker:
         self.draft_kv_caches: list[torch.Tensor] = []
         self.model_runner: ModelRunner | None = None
         self.kv_prefault: cpu_host.KVCachePrefault | None = None  # maps the KV cache's pages while the engine is idle
-        dtypes = _name(self.dtype) if self.gemm_dtype == self.dtype else f"{_name(self.dtype)} activations, {_name(self.gemm_dtype)} GEMMs"
+        gemms = self.dense_gemm_dtype
+        dtypes = _name(self.dtype) if gemms == self.dtype else f"{_name(self.dtype)} activations, {_name(gemms)} GEMMs"
         logger.info("model %s on %s (%s), attention backend %s", self.model_dir.name, self.device, dtypes, self.attn_backend.name)
+
+    @property
+    def dense_gemm_dtype(self) -> torch.dtype:
+        """What the linear layers' dense products multiply in: int8 under quantization int8, else gemm_dtype (the lm_head,
+        LoRA adapters and experts of a mixture stay in gemm_dtype)."""
+        return torch.int8 if self.int8_gemms else self.gemm_dtype
 
     def _pack_gemm_weights(self, model: torch.nn.Module) -> None:
         onednn = self._packs_for_onednn()
@@ -172,10 +196,10 @@ class Worker:
             model.pack_gemm_weights(self.gemm_dtype, onednn, self.dtype)
 
     def _choose_gemm_paths(self) -> None:
-        rows = gemm_choice.choose(self.model, self.gemm_dtype)
+        rows = gemm_choice.choose(self.model, self.dense_gemm_dtype)
         if rows:
             logger.info("GEMMs on the GGUF blocks up to these row counts, on %s weights beyond (measured on this machine): %s",
-                        _name(self.gemm_dtype), ", ".join(f"{shape} {count}" for shape, count in rows.items()))
+                        _name(self.dense_gemm_dtype), ", ".join(f"{shape} {count}" for shape, count in rows.items()))
 
     def _packs_for_onednn(self) -> bool:
         available = onednn_available(self.device, self.dtype)
@@ -288,6 +312,10 @@ class Worker:
         if connector is not None:
             connector.register_kv_caches(self.kv_caches)
             self.model_runner.kv_connector = connector
+        if self.int8_gemms:
+            layers = int8_calibration.pack_int8_gemms(self.model, self.model_runner, self.cpu_kernels, self.dtype, self.max_model_len)
+            logger.info("quantization int8: %d linear layers run smoothed int8 GEMMs (calibrated on this model now)", layers)
+            self._choose_gemm_paths()
         if self.on_cpu and config.prefault_kv_cache:
             self.kv_prefault = cpu_host.KVCachePrefault(self.kv_caches + self.draft_kv_caches)
         logger.info(

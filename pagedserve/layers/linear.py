@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.distributed.parallel_state import tp_all_reduce, tp_rank, tp_size
-from pagedserve.layers.gemm import pack_weight, packed_linear
+from pagedserve.layers.gemm import Int8Weight, pack_weight, packed_linear
 from pagedserve.layers.lora import LinearLoRA
 
 # Rows up to which a GEMM runs on the GGUF blocks until measured on the machine (executor/gemm_choice.py): few-row
@@ -66,6 +66,10 @@ class Linear(nn.Linear):
     it. A fused layer (qkv, gate-up) lists its parts' output sizes in shard_sizes."""
 
     packed_weight: torch.Tensor | None = None
+    int8_weight: Int8Weight | None = None  # the dense product's weight where GEMMs run in int8 (W8A8)
+    # A router's scores pick experts: rounding its input to 8 bits would move tokens between experts, so a router keeps
+    # the float GEMM where the other layers run in int8.
+    routes = False
     # What the dense product returns: None for its input's dtype. A GEMM whose consumers take bfloat16 (the MLP's
     # gate-up, read by SiLU-and-mul and the down projection) keeps its bfloat16 output rather than widening it.
     output_dtype: torch.dtype | None = None
@@ -78,6 +82,13 @@ class Linear(nn.Linear):
 
     def pack(self, dtype: torch.dtype = torch.float32, onednn: bool = True, output_dtype: torch.dtype | None = None) -> None:
         self.packed_weight = pack_weight(self.weight, dtype, onednn)
+        self.output_dtype = output_dtype
+
+    def pack_int8(self, kernels, output_dtype: torch.dtype, smoothing: torch.Tensor | None = None) -> None:
+        """Run the dense product in int8 (W8A8, smoothed by the factors given: Int8Weight) from now on, returning
+        output_dtype."""
+        self.int8_weight = Int8Weight(self.weight, kernels, smoothing)
+        self.packed_weight = None
         self.output_dtype = output_dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -93,7 +104,9 @@ class Linear(nn.Linear):
         return out
 
     def dense_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """The product on the dense weight (packed where pack() ran), whatever the blocks would take."""
+        """The product on the dense weight (packed where pack() or pack_int8() ran), whatever the blocks would take."""
+        if self.int8_weight is not None:
+            return self.int8_weight.linear(x, bias, self.output_dtype or x.dtype)
         if self.packed_weight is not None:
             return packed_linear(x, self.packed_weight, bias, self.output_dtype)
         return F.linear(x, self.weight, bias)

@@ -60,11 +60,13 @@ class MoEBlock(nn.Module):
         super().__init__()
         hidden = hf_config.hidden_size
         self.gate = Linear(hidden, shape.num_experts, bias=False)  # every rank routes every token itself
+        self.gate.routes = True
         self.experts = FusedMoE(shape.num_experts, shape.top_k, hidden, shape.intermediate_size, shape.renormalize)
         self.shared_expert = None
         if shape.shared_intermediate_size:
             self.shared_expert = GatedMLP(hidden, shape.shared_intermediate_size, hf_config.hidden_act)
             self.shared_expert_gate = Linear(hidden, 1, bias=False)
+            self.shared_expert_gate.routes = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.experts(x, self.gate(x))
