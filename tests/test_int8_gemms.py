@@ -83,11 +83,15 @@ def test_smoothing_takes_an_outlier_feature_off_the_rows_step(kernels):
 def test_the_setting_is_checked(kernels):
     with pytest.raises(ValueError, match="quantization must be int8 or unset, got 'fp8'"):
         EngineConfig(quantization="fp8")
+    cpu, int8 = torch.device("cpu"), EngineConfig(quantization="int8")
     with pytest.raises(ValueError, match="quantization 'int8' runs on CPU"):
-        int8_gemms_wanted(EngineConfig(quantization="int8"), torch.device("cuda"), kernels)
+        int8_gemms_wanted(int8, torch.device("cuda"), torch.float32, kernels)
+    with pytest.raises(ValueError, match="quantization 'int8' takes dtype float32, bfloat16 or auto; got float16"):
+        int8_gemms_wanted(int8, cpu, torch.float16, kernels)
     with pytest.raises(ValueError, match="needs the C\\+\\+ CPU kernels"):
-        int8_gemms_wanted(EngineConfig(quantization="int8"), torch.device("cpu"), None)
-    assert not int8_gemms_wanted(EngineConfig(), torch.device("cpu"), kernels)
+        int8_gemms_wanted(int8, cpu, torch.float32, None)
+    assert int8_gemms_wanted(int8, cpu, torch.bfloat16, kernels)
+    assert not int8_gemms_wanted(EngineConfig(), cpu, torch.float32, kernels)
 
 
 @pytest.fixture(scope="module")

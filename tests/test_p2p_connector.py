@@ -282,9 +282,9 @@ def test_bad_settings_are_refused_by_name(tiny_models):
     import socket
 
     with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
+        port = free_port_range(2)  # the engine's port taken here; its rank's, the next, free
+        taken.bind(("127.0.0.1", port))
         taken.listen()
-        port = taken.getsockname()[1]
         with pytest.raises(ValueError, match=f"cannot listen on tcp://127.0.0.1:{port}.*choose another kv_host or kv_port"):
             engine(tiny_models, p2p("kv_producer", port))
 

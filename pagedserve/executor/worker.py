@@ -76,13 +76,16 @@ def activation_and_gemm_dtypes(dtype: torch.dtype, device: torch.device) -> tupl
     return dtype, dtype
 
 
-def int8_gemms_wanted(config: EngineConfig, device: torch.device, kernels) -> bool:
-    """Whether the linear layers run W8A8 int8 GEMMs (quantization int8): on CPU, through the C++ kernels. A processor
-    without int8 dot products runs them, but slower than float32: the log says so."""
+def int8_gemms_wanted(config: EngineConfig, device: torch.device, dtype: torch.dtype, kernels) -> bool:
+    """Whether the linear layers run W8A8 int8 GEMMs (quantization int8): on CPU, between float32 or bfloat16
+    activations, through the C++ kernels. A processor without int8 dot products runs them, but slower than float32:
+    the log says so."""
     if config.quantization != "int8":
         return False
     if device.type != "cpu":
         raise ValueError(f"quantization 'int8' runs on CPU; the device is {device.type}")
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"quantization 'int8' takes dtype float32, bfloat16 or auto; got {_name(dtype)}")
     if kernels is None:
         raise ValueError("quantization 'int8' needs the C++ CPU kernels (cpu_kernels on, and a compiler to build them)")
     if not cpu_features().has_int8_matrix:
@@ -161,7 +164,7 @@ class Worker:
         self.generation_defaults = generation_defaults_of(config, self.model_dir)
         # Compiled now (the first time on a machine), not during the first request.
         self.cpu_kernels = cpu_kernels.load() if config.cpu_kernels and self.device.type == "cpu" else None
-        self.int8_gemms = int8_gemms_wanted(config, self.device, self.cpu_kernels)
+        self.int8_gemms = int8_gemms_wanted(config, self.device, self.dtype, self.cpu_kernels)
         self.attn_backend = select_attention_backend(config.attention_backend, self.device, self.dtype, self.cpu_kernels, self.kv_format)
         if config.data_parallel_place is not None:
             self._join_expert_groups(config.data_parallel_place)
