@@ -60,6 +60,18 @@ def test_int8_linear_computes_the_scheme(kernels, rows, smoothed, with_bias):
     torch.testing.assert_close(packed.linear(x, bias, torch.bfloat16).float(), expected, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("rows", [1, 40])
+def test_a_gate_up_product_can_come_out_activated(kernels, rows):
+    """silu(gate) * up applied as the sums are scaled: the same values as the float32 SiLU-and-mul of the product."""
+    torch.manual_seed(rows)
+    weight, x, smoothing = torch.randn(2 * 48, 96) * 0.1, torch.randn(rows, 96), torch.rand(96) + 0.5
+    packed = Int8Weight(weight, kernels, smoothing)
+    product = packed.linear(x, None, torch.float32)
+    assert torch.equal(packed.silu_and_mul(x), kernels.silu_and_mul(product))
+    gate, up = reference_w8a8(x, weight, smoothing).chunk(2, dim=-1)
+    torch.testing.assert_close(packed.silu_and_mul(x), torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-5)
+
+
 def test_a_row_of_zeros_gives_zeros(kernels):
     packed = Int8Weight(torch.randn(16, 32), kernels)
     out = packed.linear(torch.zeros(2, 32), None, torch.float32)

@@ -46,5 +46,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "at scales of their own and int32 sums (W8A8)",
         py::arg("x"), py::arg("weight"), py::arg("weight_scales"), py::arg("bias") = py::none(), py::arg("out_dtype"),
         py::arg("input_multipliers") = py::none());
+  m.def("int8_linear_silu_and_mul", &int8_linear_silu_and_mul,
+        "silu(gate) * up in float32 of int8_linear's product with a gate-up weight (gate's features, then up's), applied as "
+        "its sums are scaled",
+        py::arg("x"), py::arg("weight"), py::arg("weight_scales"), py::arg("input_multipliers") = py::none());
   m.def("quantized_block_bytes", &quantized_block_bytes, "bytes per 32-value block of a GGUF type (0: unsupported)");
 }

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "silu_row.h"
 
 namespace {
 
@@ -70,6 +71,35 @@ void scale_sums(const at::Tensor& sums, const at::Tensor& row_scales, const at::
   });
 }
 
+// out[r, :] = silu(gate) * up of row r's scaled sums, gate the first half of its columns and up the second.
+void scale_sums_silu_and_mul(const at::Tensor& sums, const at::Tensor& row_scales, const at::Tensor& col_scales, at::Tensor& out) {
+  const int64_t rows = sums.size(0), n = sums.size(1), half = n / 2;
+  const int32_t* acc = sums.data_ptr<int32_t>();
+  const float *rs = row_scales.data_ptr<float>(), *cs = col_scales.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+    std::vector<float> scaled(n);  // one row's gate and up, kept in cache between the two passes
+    for (int64_t r = begin; r < end; ++r) {
+      const int32_t* a = acc + r * n;
+      const float row = rs[r];
+#pragma omp simd
+      for (int64_t c = 0; c < n; ++c) scaled[c] = static_cast<float>(a[c]) * row * cs[c];
+      silu_and_mul_row(o + r * half, scaled.data(), scaled.data() + half, half);
+    }
+  });
+}
+
+// x's rows rounded to int8 (times the multipliers) and multiplied by weight into int32 sums.
+std::tuple<at::Tensor, at::Tensor> int8_sums(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scales,
+                                             const c10::optional<at::Tensor>& input_multipliers) {
+  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2, "weight must be int8 [out_features, in_features]");
+  TORCH_CHECK(weight_scales.scalar_type() == at::kFloat && weight_scales.numel() == weight.size(0),
+              "weight_scales must be float32, one per output feature");
+  TORCH_CHECK(x.size(-1) == weight.size(1), "x's last dimension (", x.size(-1), ") must be weight's in_features (", weight.size(1), ")");
+  auto [q, row_scales] = quantize_rows_int8(x.reshape({-1, weight.size(1)}), input_multipliers);
+  return {at::_int_mm(q, weight.t()), row_scales};
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x, const c10::optional<at::Tensor>& multipliers) {
@@ -95,16 +125,10 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x, const
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scales,
                        const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype,
                        const c10::optional<at::Tensor>& input_multipliers) {
-  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2, "weight must be int8 [out_features, in_features]");
-  TORCH_CHECK(weight_scales.scalar_type() == at::kFloat && weight_scales.numel() == weight.size(0),
-              "weight_scales must be float32, one per output feature");
-  TORCH_CHECK(x.size(-1) == weight.size(1), "x's last dimension (", x.size(-1), ") must be weight's in_features (", weight.size(1), ")");
   TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16, "out_dtype must be float32 or bfloat16");
-  const int64_t in_features = weight.size(1), out_features = weight.size(0);
-  auto flat = x.reshape({-1, in_features});
-  auto [q, row_scales] = quantize_rows_int8(flat, input_multipliers);
-  auto sums = at::_int_mm(q, weight.t());
-  auto out = at::empty({flat.size(0), out_features}, flat.options().dtype(out_dtype));
+  auto [sums, row_scales] = int8_sums(x, weight, weight_scales, input_multipliers);
+  const int64_t out_features = weight.size(0);
+  auto out = at::empty({sums.size(0), out_features}, x.options().dtype(out_dtype));
   at::Tensor bias_values;
   if (bias.has_value() && bias->defined()) bias_values = bias->to(at::kFloat).contiguous();
   const float* bias_ptr = bias_values.defined() ? bias_values.data_ptr<float>() : nullptr;
@@ -116,5 +140,17 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   }
   auto out_shape = x.sizes().vec();
   out_shape.back() = out_features;
+  return out.view(out_shape);
+}
+
+at::Tensor int8_linear_silu_and_mul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scales,
+                                    const c10::optional<at::Tensor>& input_multipliers) {
+  TORCH_CHECK(weight.size(0) % 2 == 0, "a gate-up weight has an even number of output features (gate, then up)");
+  auto [sums, row_scales] = int8_sums(x, weight, weight_scales, input_multipliers);
+  const int64_t width = weight.size(0) / 2;
+  auto out = at::empty({sums.size(0), width}, x.options().dtype(at::kFloat));
+  scale_sums_silu_and_mul(sums, row_scales, weight_scales.contiguous(), out);
+  auto out_shape = x.sizes().vec();
+  out_shape.back() = width;
   return out.view(out_shape);
 }

@@ -12,6 +12,7 @@
 #include <limits>
 
 #include "ops.h"
+#include "silu_row.h"
 
 namespace {
 
@@ -91,11 +92,8 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   const float* in_ptr = input.data_ptr<float>();
   float* out_ptr = out.data_ptr<float>();
   at::parallel_for(0, input.size(0), grain_rows(2 * width), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      // silu(g) * u = g / (1 + exp(-g)) * u, as torch computes silu
-      at::vec::map2<float>([](Vec g, Vec u) { return g / (Vec(1.f) + g.neg().exp()) * u; }, out_ptr + r * width,
-                           in_ptr + r * 2 * width, in_ptr + r * 2 * width + width, width);
-    }
+    for (int64_t r = begin; r < end; ++r)
+      silu_and_mul_row(out_ptr + r * width, in_ptr + r * 2 * width, in_ptr + r * 2 * width + width, width);
   });
   auto sizes = gate_up.sizes().vec();
   sizes.back() = width;

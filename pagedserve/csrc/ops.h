@@ -40,3 +40,6 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x, const
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scales,
                        const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype,
                        const c10::optional<at::Tensor>& input_multipliers);
+// silu(gate) * up of the int8 product of a gate-up weight (gate's output features first, then up's), in float32.
+at::Tensor int8_linear_silu_and_mul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scales,
+                                    const c10::optional<at::Tensor>& input_multipliers);

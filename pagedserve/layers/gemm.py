@@ -46,9 +46,15 @@ class Int8Weight:
         self.scales = (weight.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
         self.values = torch.round(weight / self.scales[:, None]).to(torch.int8).contiguous()
         self._kernel = kernels.int8_linear  # looked up once, not per call
+        self._silu_kernel = kernels.int8_linear_silu_and_mul
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
         return self._kernel(x, self.values, self.scales, bias, out_dtype, self.input_multipliers)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up (float32) of the product with a gate-up weight, applied as the sums are scaled: the widest
+        activation of an MLP is never written out."""
+        return self._silu_kernel(x, self.values, self.scales, self.input_multipliers)
 
 
 def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,

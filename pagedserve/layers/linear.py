@@ -103,6 +103,14 @@ class Linear(nn.Linear):
             self.lora.add_to(out, x)
         return out
 
+    def int8_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """For a gate-up layer: silu(gate) * up of its product in one int8 pass, where x's rows take the int8 GEMM (not the
+        blocks) and nothing adds to its output first (a bias, adapters); else None."""
+        on_blocks = self.quantized is not None and self.quantized.takes(x)
+        if self.int8_weight is None or self.bias is not None or self.lora is not None or on_blocks:
+            return None
+        return self.int8_weight.silu_and_mul(x)
+
     def dense_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The product on the dense weight (packed where pack() or pack_int8() ran), whatever the blocks would take."""
         if self.int8_weight is not None:

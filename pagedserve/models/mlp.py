@@ -20,4 +20,7 @@ class GatedMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x):
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        activated = self.gate_up_proj.int8_silu_and_mul(x)
+        if activated is None:
+            activated = self.act_fn(self.gate_up_proj(x))
+        return self.down_proj(activated)
