@@ -1,8 +1,8 @@
 // int8 GEMMs with dynamic activation scales (W8A8): each row of the activations (times a per-column multiplier where
-// the weight was smoothed, SmoothQuant's x / s) is rounded to int8 with a scale of its own, multiplied by int8 weights (a scale per output channel) into int32 sums by oneDNN's integer kernels
-// (AVX-512 VNNI / AMX int8 where the processor has them), and the sums are scaled back by row and column in one
-// pass. Rounding and scaling here rather than in torch ops saves the passes over memory that each torch op makes
-// (a [rows, out] int32 tensor read three times becomes read once).
+// the weight was smoothed, SmoothQuant's x / s) is rounded to int8 with a scale of its own, multiplied by int8 weights
+// (a scale per output channel) into int32 sums by oneDNN's integer kernels (AVX-512 VNNI / AMX int8 where the
+// processor has them), and the sums are scaled back by row and column in one pass. Rounding and scaling here rather
+// than in torch ops spares the passes over memory that each torch op makes.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
