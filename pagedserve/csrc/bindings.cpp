@@ -37,10 +37,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("interleave_gguf_rows", &interleave_gguf_rows, "the copy of GGUF blocks (8 rows interleaved) read for steps of 3+ rows");
   m.def("dequantize_gguf", &dequantize_gguf, "float32 values of GGUF Q4_0/Q4_1/Q8_0 blocks");
   m.def("lora_add_", &lora_add_, "add each listed row's LoRA product (its group's adapter) to out, in place");
-  m.def("quantize_rows_int8", &quantize_rows_int8,
-        "(int8 rows, float32 scales) of a [rows, n] float32 or bfloat16 tensor times the column multipliers (if given): each "
-        "row rounded to int8 at max |row| / 127",
-        py::arg("x"), py::arg("multipliers") = py::none());
   m.def("int8_linear", &int8_linear,
         "(x * input_multipliers) @ (weight * weight_scales[:, None]).T (+ bias) in out_dtype, with the rows rounded to int8 "
         "at scales of their own and int32 sums (W8A8)",

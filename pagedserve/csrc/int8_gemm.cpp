@@ -11,14 +11,10 @@
 #include <vector>
 
 #include "ops.h"
+#include "parallel_rows.h"
 #include "silu_row.h"
 
 namespace {
-
-// Rows go to other threads only when there is enough work to pay for waking them.
-constexpr int64_t kParallelGrainElements = 1 << 15;
-
-int64_t grain_rows(int64_t row_elements) { return std::max<int64_t>(1, kParallelGrainElements / std::max<int64_t>(1, row_elements)); }
 
 // q = round(x * m / scale), scale = max |x * m| / 127 (symmetric: int8's -128 is never used, so -q is always
 // representable); m: the column multipliers, or none.
@@ -89,20 +85,8 @@ void scale_sums_silu_and_mul(const at::Tensor& sums, const at::Tensor& row_scale
   });
 }
 
-// x's rows rounded to int8 (times the multipliers) and multiplied by weight into int32 sums.
-std::tuple<at::Tensor, at::Tensor> int8_sums(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scales,
-                                             const c10::optional<at::Tensor>& input_multipliers) {
-  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2, "weight must be int8 [out_features, in_features]");
-  TORCH_CHECK(weight_scales.scalar_type() == at::kFloat && weight_scales.numel() == weight.size(0),
-              "weight_scales must be float32, one per output feature");
-  TORCH_CHECK(x.size(-1) == weight.size(1), "x's last dimension (", x.size(-1), ") must be weight's in_features (", weight.size(1), ")");
-  auto [q, row_scales] = quantize_rows_int8(x.reshape({-1, weight.size(1)}), input_multipliers);
-  return {at::_int_mm(q, weight.t()), row_scales};
-}
-
-}  // namespace
-
-std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x, const c10::optional<at::Tensor>& multipliers) {
+// x's rows (times the column multipliers, if given) rounded to int8 at max |row| / 127: (int8 rows, float32 scales).
+std::tuple<at::Tensor, at::Tensor> round_rows(const at::Tensor& x, const c10::optional<at::Tensor>& multipliers) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "x must be a 2-D CPU tensor");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
   auto input = x.contiguous();
@@ -121,6 +105,19 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x, const
   }
   return {q, scales};
 }
+
+// x's rows rounded to int8 (times the multipliers) and multiplied by weight into int32 sums.
+std::tuple<at::Tensor, at::Tensor> int8_sums(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scales,
+                                             const c10::optional<at::Tensor>& input_multipliers) {
+  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2, "weight must be int8 [out_features, in_features]");
+  TORCH_CHECK(weight_scales.scalar_type() == at::kFloat && weight_scales.numel() == weight.size(0),
+              "weight_scales must be float32, one per output feature");
+  TORCH_CHECK(x.size(-1) == weight.size(1), "x's last dimension (", x.size(-1), ") must be weight's in_features (", weight.size(1), ")");
+  auto [q, row_scales] = round_rows(x.reshape({-1, weight.size(1)}), input_multipliers);
+  return {at::_int_mm(q, weight.t()), row_scales};
+}
+
+}  // namespace
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scales,
                        const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype,

@@ -12,16 +12,12 @@
 #include <limits>
 
 #include "ops.h"
+#include "parallel_rows.h"
 #include "silu_row.h"
 
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
-
-// Rows go to other threads only when there is enough work to pay for waking them.
-constexpr int64_t kParallelGrainElements = 1 << 15;
-
-int64_t grain_rows(int64_t row_elements) { return std::max<int64_t>(1, kParallelGrainElements / std::max<int64_t>(1, row_elements)); }
 
 void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a float32 CPU tensor");

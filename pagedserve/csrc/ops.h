@@ -36,7 +36,6 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor k
 void lora_add_(at::Tensor out, const at::Tensor& x, const at::Tensor& rows, const at::Tensor& groups, const at::Tensor& a,
                const at::Tensor& b, const at::Tensor& adapters, const at::Tensor& parts);
 // int8 GEMMs with a scale per activation row and per weight row (int8_gemm.cpp).
-std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x, const c10::optional<at::Tensor>& multipliers);
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scales,
                        const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype,
                        const c10::optional<at::Tensor>& input_multipliers);

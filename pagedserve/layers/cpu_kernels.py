@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
 _SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "quantized_linear.cpp", "sampling.cpp", "lora.cpp", "int8_gemm.cpp", "bindings.cpp")
-_HEADERS = ("ops.h", "vec_lanes.h", "silu_row.h")
+_HEADERS = ("ops.h", "vec_lanes.h", "silu_row.h", "parallel_rows.h")
 
 
 class UsesCPUKernels:
