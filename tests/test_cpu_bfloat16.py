@@ -25,7 +25,12 @@ def test_bfloat16_gemms_run_between_float32_activations_on_the_float32_kernels(b
     assert worker.attn_backend.name == "cpu" and worker.cpu_kernels is not None
     linears = [m for m in worker.model.modules() if isinstance(m, Linear)]
     assert linears and all(m.packed_weight.dtype == torch.bfloat16 for m in linears)
-    assert worker.model.packed_lm_head.dtype == torch.float32  # the logits stay float32
+    model = worker.model
+    if worker.cpu_kernels.bf16_dot_products():  # the lm_head multiplies in bfloat16 too, its sums kept in float32
+        assert model.bfloat16_lm_head is not None and model.packed_lm_head is None
+    else:
+        assert model.bfloat16_lm_head is None and model.packed_lm_head.dtype == torch.float32
+    assert model.compute_logits(torch.randn(3, model.config.hidden_size)).dtype == torch.float32  # the logits stay float32
     assert all(p.dtype == torch.float32 for p in worker.model.parameters())  # norms and embeddings stay float32
     # Inside the MLP the gate-up output stays bfloat16 for SiLU-and-mul and the down projection; the MLP returns float32.
     mlp = worker.model.model.layers[0].mlp
@@ -135,7 +140,7 @@ def test_default_model_in_bfloat16_gives_a_request_the_same_output_alone_and_in_
 
     llm = LLM(dtype="bfloat16", max_model_len=512, kv_cache_memory=64 * 1024**2)
     model = worker_of(llm).model
-    assert model.packed_lm_head.dtype == torch.float32  # the logits stay float32
+    assert model.compute_logits(torch.randn(2, model.config.hidden_size)).dtype == torch.float32  # the logits stay float32
     if cpu_features().has_bfloat16_matrix:
         for gemm in model.blocks_and_dense_gemms():
             gemm.blocks.max_rows = 1

@@ -35,7 +35,7 @@ def gemm_work(worker, decode_rows: int) -> dict:
     lm_head_flops = 0
     if model.lm_head is not None:
         lm_head_flops = 2 * model.lm_head.weight.numel()
-        decode_bytes += _bytes_read(decode_rows, model.quantized_lm_head, model.packed_lm_head, model.lm_head.weight)
+        decode_bytes += _bytes_read(decode_rows, model.quantized_lm_head, _dense_lm_head(model), model.lm_head.weight)
     return {"gemm_dtype": str(worker.dense_gemm_dtype).removeprefix("torch."), "flops_per_token": 2 * sum(size for size, *_ in gemms),
             "lm_head_flops_per_row": lm_head_flops, "decode_weight_bytes": decode_bytes}
 
@@ -43,6 +43,11 @@ def gemm_work(worker, decode_rows: int) -> dict:
 def _dense_weight(module):
     """What a linear layer's dense product reads: its int8 values, its packed copy, or None (the weight itself)."""
     return module.int8_weight.values if module.int8_weight is not None else module.packed_weight
+
+
+def _dense_lm_head(model):
+    """What the lm_head's dense product reads: its bfloat16 pairs, its packed copy, or None (the weight itself)."""
+    return model.bfloat16_lm_head.packed if model.bfloat16_lm_head is not None else model.packed_lm_head
 
 
 def _bytes_read(rows: int, blocks, packed, weight) -> int:

@@ -42,3 +42,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
 // silu(gate) * up of the int8 product of a gate-up weight (gate's output features first, then up's), in float32.
 at::Tensor int8_linear_silu_and_mul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scales,
                                     const c10::optional<at::Tensor>& input_multipliers);
+// x @ W.T in float32 from bfloat16 products, W packed once into pairs along k (bf16_gemm.cpp).
+bool bf16_dot_products();
+at::Tensor pack_bf16_pairs(const at::Tensor& weight);
+at::Tensor bf16_pairs_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features);

@@ -30,7 +30,8 @@ from pagedserve.envs import cache_root
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
-_SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "quantized_linear.cpp", "sampling.cpp", "lora.cpp", "int8_gemm.cpp", "bindings.cpp")
+_SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "quantized_linear.cpp", "sampling.cpp", "lora.cpp", "int8_gemm.cpp", "bf16_gemm.cpp",
+            "bindings.cpp")
 _HEADERS = ("ops.h", "vec_lanes.h", "silu_row.h", "parallel_rows.h")
 
 

@@ -57,6 +57,25 @@ class Int8Weight:
         return self._silu_kernel(x, self.values, self.scales, self.input_multipliers)
 
 
+class BFloat16ProductsWeight:
+    """A weight for a GEMM that multiplies in bfloat16 and returns float32 sums as they are (csrc/bf16_gemm.cpp): the
+    lm_head's where the other GEMMs multiply in bfloat16. oneDNN's bfloat16 GEMMs return bfloat16, which would round the
+    logits to steps of 1/8 at their usual size and tie tokens that are not tied. Only where the kernels' build has
+    bfloat16 dot products (`offered`): elsewhere the loop that stands in for them is slower than float32 GEMMs."""
+
+    def __init__(self, weight: torch.Tensor, kernels) -> None:
+        self.out_features = weight.shape[0]
+        self.packed = kernels.pack_bf16_pairs(weight)
+        self._kernel = kernels.bf16_pairs_linear  # looked up once, not per call
+
+    @staticmethod
+    def offered(kernels) -> bool:
+        return kernels is not None and kernels.bf16_dot_products()
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        return self._kernel(x, self.packed, self.out_features)
+
+
 def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x @ packed_weight.T (+ bias) in out_dtype (default: x's). A weight in a narrower dtype (bfloat16) multiplies x

@@ -22,7 +22,7 @@ from torch import nn
 from pagedserve.distributed.parallel_state import rank_info, tp_size
 from pagedserve.layers.attention import Attention, AttentionBackend, AttentionMetadata
 from pagedserve.layers.fused_moe import FusedMoE
-from pagedserve.layers.gemm import pack_weight, packed_linear
+from pagedserve.layers.gemm import BFloat16ProductsWeight, pack_weight, packed_linear
 from pagedserve.layers.layernorm import RMSNorm, SplitRMSNorm
 from pagedserve.layers.linear import (
     BlocksOrDense,
@@ -36,8 +36,8 @@ from pagedserve.layers.vocab_embedding import VocabParallelEmbedding, gather_log
 from pagedserve.models.mlp import GatedMLP
 from pagedserve.models.moe import checkpoint_alias, expected_expert_loads, expert_load_key, expert_tensor, layer_mlp
 
-# What the lm_head multiplies in, whatever the other GEMMs do: the logits are what sampling and logprobs read, and
-# bfloat16 would round them to steps of 1/8 at their usual size, tying tokens that are not tied.
+# What the logits come in, whatever the other GEMMs return: sampling and logprobs read them, and bfloat16 would round
+# them to steps of 1/8 at their usual size, tying tokens that are not tied.
 LOGITS_DTYPE = torch.float32
 
 # checkpoint name piece -> (our fused parameter, shard index)
@@ -175,6 +175,9 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(hf_config, max_position, attn_backend)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.packed_lm_head: torch.Tensor | None = None
+        # Where GEMMs multiply in bfloat16 and the kernels have bfloat16 dot products: the lm_head's weight, multiplied
+        # in bfloat16 with float32 sums.
+        self.bfloat16_lm_head: BFloat16ProductsWeight | None = None
         self.quantized_lm_head: QuantizedWeight | None = None
         if not rank_info().is_last_stage:
             self.lm_head = None
@@ -196,14 +199,17 @@ class LlamaForCausalLM(nn.Module):
 
     def dense_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """This rank's logits on the dense lm_head (packed where pack_gemm_weights ran), whatever the blocks would take."""
+        if self.bfloat16_lm_head is not None:
+            return self.bfloat16_lm_head.linear(hidden_states)
         if self.packed_lm_head is not None:
             return packed_linear(hidden_states, self.packed_lm_head, None)
         return F.linear(hidden_states, self.lm_head.weight)
 
-    def pack_gemm_weights(self, dtype: torch.dtype, onednn: bool, activation_dtype: torch.dtype) -> None:
-        """Run every dense GEMM but the lm_head's on a copy of its weight in dtype (float32, or bfloat16 multiplying
-        activations rounded to it), reordered for oneDNN where onednn; the originals stay for reading. GEMMs return
-        activation_dtype, but the MLP's gate-up, whose output SiLU-and-mul and the down projection read, keeps dtype."""
+    def pack_gemm_weights(self, dtype: torch.dtype, onednn: bool, activation_dtype: torch.dtype, kernels=None) -> None:
+        """Run every dense GEMM on a copy of its weight in dtype (float32, or bfloat16 multiplying activations rounded to
+        it), reordered for oneDNN where onednn; the originals stay for reading. GEMMs return activation_dtype, but the
+        MLP's gate-up, whose output SiLU-and-mul and the down projection read, keeps dtype. The lm_head returns
+        LOGITS_DTYPE: in bfloat16 on the kernels' bfloat16 dot products where they have them, else in float32."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack(dtype, onednn, activation_dtype)
@@ -212,7 +218,11 @@ class LlamaForCausalLM(nn.Module):
                 module.gate_up_proj.output_dtype = dtype
             elif isinstance(module, FusedMoE):
                 module.pack(dtype, onednn)
-        if self.lm_head is not None and onednn:
+        if self.lm_head is None:
+            return
+        if dtype == torch.bfloat16 and BFloat16ProductsWeight.offered(kernels):
+            self.bfloat16_lm_head = BFloat16ProductsWeight(self.lm_head.weight, kernels)
+        elif onednn:
             self.packed_lm_head = pack_weight(self.lm_head.weight, LOGITS_DTYPE)
 
     def blocks_and_dense_gemms(self) -> list[BlocksOrDense]:
