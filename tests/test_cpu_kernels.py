@@ -219,9 +219,9 @@ def test_quantized_linear_names_bad_input():
         kernels.quantized_linear(torch.zeros(4, 32), torch.zeros(8, 20, dtype=torch.uint8), 3, None, torch.zeros(10, dtype=torch.uint8))
 
 
-@pytest.mark.parametrize("rows,out_features,in_features", [(1, 16, 2), (7, 100, 33), (13, 37, 64), (64, 4100, 576), (200, 70, 96)])
+@pytest.mark.parametrize("rows,out_features,in_features", [(1, 16, 2), (7, 100, 33), (13, 37, 64), (64, 4100, 576), (250, 70, 96)])
 def test_bfloat16_products_linear_sums_the_bfloat16_products_in_float32(rows, out_features, in_features):
-    """Tiles of 6 rows x 4 blocks of 16 outputs and their remainders, an odd in_features (a half pair), chunks of 96
+    """Tiles of 6 rows x 4 blocks of 16 outputs and their remainders, an odd in_features (a half pair), chunks of 240
     rows: x and the weight rounded to bfloat16, their products summed in float32, and a row's sums do not depend on
     its batch."""
     kernels = built_kernels()
