@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import multiprocessing
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import torch
 
@@ -63,3 +65,17 @@ def test_a_tensor_over_capacity_or_not_on_cpu_does_not_fit():
     assert exchange.fits(torch.zeros(256))
     assert not exchange.fits(torch.zeros(257))
     assert not exchange.fits(torch.zeros(4, dtype=torch.complex64))
+
+
+def test_the_memory_keeps_working_once_its_name_is_released():
+    """The maker releases the name once every rank has attached, so processes that end without clean-up (killed) leave
+    nothing in /dev/shm; the ranks' exchanges go on through their mappings."""
+    owner = ShmExchange(0, 2, 1024)
+    peer = ShmExchange(1, 2, 1024, owner.name)
+    owner.release_name()
+    assert not (Path("/dev/shm") / owner.name.lstrip("/")).exists()
+    owner.release_name()  # twice (at exit too) is harmless
+    with ThreadPoolExecutor(1) as pool:
+        theirs = pool.submit(lambda: [part.clone() for part in peer.exchange(torch.full((3,), 2.0))])
+        mine = [part.clone() for part in owner.exchange(torch.full((3,), 1.0))]
+        assert [part.tolist() for part in theirs.result(timeout=30)] == [part.tolist() for part in mine] == [[1.0] * 3, [2.0] * 3]

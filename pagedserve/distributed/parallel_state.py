@@ -104,17 +104,23 @@ def init_distributed(info: RankInfo, init_method: str, backend: str) -> None:
 
 def _tp_shared_exchange(info: RankInfo) -> ShmExchange | None:
     """The tensor-parallel group's exchange through shared memory, where all its ranks run on one machine and
-    /dev/shm has room; its first rank makes it and tells the others its name."""
+    /dev/shm has room; its first rank makes it, tells the others its name and releases the name once all attached."""
     hosts: list = [None] * info.tp_size
     dist.all_gather_object(hosts, host_identity(), group=_tp_group)
     first = info.pp_rank * info.tp_size
+    name = [None]
     if info.tp_rank == 0:
         exchange = ShmExchange(0, info.tp_size, SHM_CAPACITY) if len(set(hosts)) == 1 and room_for(info.tp_size, SHM_CAPACITY) else None
-        dist.broadcast_object_list([exchange.name if exchange is not None else None], src=first, group=_tp_group)
-        return exchange
-    name = [None]
+        name = [exchange.name if exchange is not None else None]
     dist.broadcast_object_list(name, src=first, group=_tp_group)
-    return ShmExchange(info.tp_rank, info.tp_size, SHM_CAPACITY, name[0]) if name[0] is not None else None
+    if name[0] is None:
+        return None
+    if info.tp_rank != 0:
+        exchange = ShmExchange(info.tp_rank, info.tp_size, SHM_CAPACITY, name[0])
+    dist.barrier(group=_tp_group)
+    if info.tp_rank == 0:
+        exchange.release_name()
+    return exchange
 
 
 def host_identity() -> str:
@@ -182,14 +188,21 @@ def stateless_group(store: dist.Store, name: str, rank: int, size: int) -> dist.
 
 def stateless_exchange(store: dist.Store, name: str, rank: int, size: int) -> ShmExchange | None:
     """A shared-memory exchange among the processes that name it at store (all on the store's machine), made by rank
-    0; None where /dev/shm lacks room for it."""
+    0, which releases its name once the others have attached; None where /dev/shm lacks room for it."""
     key = f"{name}/shared-memory"
     if rank == 0:
         exchange = ShmExchange(0, size, SHM_CAPACITY) if room_for(size, SHM_CAPACITY) else None
         store.set(key, exchange.name if exchange is not None else "")
+        if exchange is not None:
+            store.wait([f"{key}/attached/{other}" for other in range(1, size)])
+            exchange.release_name()
         return exchange
     shm_name = store.get(key).decode()
-    return ShmExchange(rank, size, SHM_CAPACITY, shm_name) if shm_name else None
+    if not shm_name:
+        return None
+    exchange = ShmExchange(rank, size, SHM_CAPACITY, shm_name)
+    store.set(f"{key}/attached/{rank}", "1")
+    return exchange
 
 
 class ExpertGroups:

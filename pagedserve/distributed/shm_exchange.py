@@ -45,8 +45,8 @@ class ShmExchange:
         self.slot_bytes = _LINE + capacity
         total = size * _LINE + 2 * size * self.slot_bytes
         self.shm = shared_memory.SharedMemory(name=name, create=name is None, size=total if name is None else 0)
-        if name is None:
-            atexit.register(_unlink, self.shm)
+        if name is None:  # until every rank has attached (release_name), or should this process end before
+            atexit.register(self.release_name)
         self.posted = np.ndarray((size, _LINE // 8), np.int64, self.shm.buf, 0)
         if name is None:
             self.posted[:] = 0
@@ -57,6 +57,14 @@ class ShmExchange:
     @property
     def name(self) -> str:
         return self.shm.name
+
+    def release_name(self) -> None:
+        """Remove the memory's name once every rank has attached: the ranks keep their mappings, and the memory goes with
+        the last of them, however the processes end (killed ones run no clean-up)."""
+        try:
+            self.shm.unlink()
+        except FileNotFoundError:  # released already
+            pass
 
     def fits(self, tensor: torch.Tensor) -> bool:
         return tensor.device.type == "cpu" and tensor.dtype in _DTYPES and tensor.dim() <= 5 and \
@@ -102,13 +110,6 @@ class ShmExchange:
             now = time.monotonic()
         self.waited_s += now - start
         _fence()
-
-
-def _unlink(shm: shared_memory.SharedMemory) -> None:
-    try:
-        shm.unlink()
-    except FileNotFoundError:
-        pass
 
 
 def room_for(size: int, capacity: int) -> bool:
