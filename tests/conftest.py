@@ -98,11 +98,16 @@ def hf_greedy(model_dir, prompt_ids_list, max_new_tokens, dtype=torch.float32, a
     return results
 
 
-def hf_token_logprobs(model_dir, prompt_ids, output_ids, dtype=torch.float32):
-    """Reference log-probabilities of output_ids after prompt_ids, from one transformers forward pass in dtype."""
+def hf_token_logprobs(model_dir, prompt_ids, output_ids, dtype=torch.float32, adapter_dir=None):
+    """Reference log-probabilities of output_ids after prompt_ids, from one transformers forward pass in dtype; with
+    adapter_dir, through peft with that LoRA adapter."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    if adapter_dir is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapter_dir)).eval()
     with torch.inference_mode():
         ids = torch.tensor([prompt_ids + output_ids])
         logprobs = torch.log_softmax(model(ids).logits[0].float(), dim=-1)

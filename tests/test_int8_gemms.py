@@ -193,23 +193,47 @@ def transformers_in_w8a8(model_dir, calibration: torch.Tensor):
 def test_int8_logprobs_are_as_close_to_float32_as_the_scheme_in_transformers(arch, int8_llms, tiny_models):
     """Scored on the tokens float32 picks: the engine's int8 logprobs are off from float32 transformers' by no more, on the
     whole, than the same scheme run in torch over transformers' modules (whose only difference is float32 order)."""
-    model_dir = tiny_models[arch]
     llm = int8_llms[arch]
-    reference = transformers_in_w8a8(model_dir, calibration_ids(worker_of(llm)))
+    ours_off, theirs_off = distances_from_float32(llm, transformers_in_w8a8(tiny_models[arch], calibration_ids(worker_of(llm))),
+                                                  tiny_models[arch])
+    assert sum(theirs_off) > 0  # the scheme does round
+    assert sum(ours_off) <= 1.25 * sum(theirs_off), (max(ours_off), max(theirs_off))
+
+
+def test_lora_adapters_add_their_float_products_to_the_int8_layers(tiny_models, tmp_path):
+    """An adapter over every projection on an int8 engine: its logprobs are off from peft's float32 by no more, on the
+    whole, than peft's adapter over the scheme in transformers (the adapter's products stay float in both)."""
+    from peft import PeftModel
+    from test_lora import ALL_TARGETS, make_adapter
+
+    from pagedserve import LoRARequest
+
+    model_dir = tiny_models["llama"]
+    adapter_dir = make_adapter(model_dir, tmp_path / "adapter", 8, ALL_TARGETS, seed=1)
+    llm = LLM(str(model_dir), dtype="float32", quantization="int8", enable_lora=True, max_lora_rank=8, kv_cache_memory=16 * 1024**2)
+    reference = PeftModel.from_pretrained(transformers_in_w8a8(model_dir, calibration_ids(worker_of(llm))), str(adapter_dir)).eval()
+    ours_off, theirs_off = distances_from_float32(llm, reference, model_dir, adapter_dir, LoRARequest("adapter", 1, str(adapter_dir)))
+    assert sum(theirs_off) > 0
+    assert sum(ours_off) <= 1.25 * sum(theirs_off), (max(ours_off), max(theirs_off))
+
+
+def distances_from_float32(llm, reference, model_dir, adapter_dir=None, lora_request=None) -> tuple[list[float], list[float]]:
+    """How far the engine's logprobs and the reference model's are from float32 transformers' (with the adapter, peft's),
+    each token's, scored on the tokens float32 picks after four random prompts."""
     ours_off, theirs_off = [], []
     for seed in range(4):
         prompt = torch.randint(100, 40000, (40,), generator=torch.Generator().manual_seed(seed)).tolist()
-        tokens = hf_greedy(model_dir, [prompt], 10)[0]
-        exact, _ = hf_token_logprobs(model_dir, prompt, tokens)
+        tokens = hf_greedy(model_dir, [prompt], 10, adapter_dir=adapter_dir)[0]
+        exact, _ = hf_token_logprobs(model_dir, prompt, tokens, adapter_dir=adapter_dir)
         with torch.inference_mode():
             logits = reference(torch.tensor([prompt + tokens])).logits[0].float().log_softmax(-1)
         theirs = [logits[len(prompt) + i - 1, token].item() for i, token in enumerate(tokens)]
-        scored = llm.generate({"prompt_token_ids": prompt + tokens}, greedy(1, prompt_logprobs=0), use_tqdm=False)[0]
+        scored = llm.generate({"prompt_token_ids": prompt + tokens}, greedy(1, prompt_logprobs=0), lora_request=lora_request,
+                              use_tqdm=False)[0]
         ours = [scored.prompt_logprobs[len(prompt) + i][token].logprob for i, token in enumerate(tokens)]
         ours_off += [abs(a - b) for a, b in zip(ours, exact)]
         theirs_off += [abs(a - b) for a, b in zip(theirs, exact)]
-    assert sum(theirs_off) > 0  # the scheme does round
-    assert sum(ours_off) <= 1.25 * sum(theirs_off), (max(ours_off), max(theirs_off))
+    return ours_off, theirs_off
 
 
 def test_int8_greedy_output_does_not_depend_on_the_batch(int8_llms):
