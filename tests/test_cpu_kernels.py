@@ -233,6 +233,10 @@ def test_bfloat16_products_linear_sums_the_bfloat16_products_in_float32(rows, ou
     torch.testing.assert_close(actual.double(), expected, rtol=1e-5, atol=1e-5 * in_features**0.5)
     assert torch.equal(kernels.bf16_pairs_linear(x[-3:].contiguous(), packed, out_features), actual[-3:])
     assert torch.equal(kernels.bf16_pairs_linear(x.view(1, rows, in_features), packed, out_features), actual.view(1, rows, out_features))
+    out = torch.full((rows, out_features), float("nan"))
+    assert kernels.bf16_pairs_linear(x, packed, out_features, out).data_ptr() == out.data_ptr() and torch.equal(out, actual)
+    with pytest.raises(RuntimeError, match="out must be a contiguous float32 tensor"):
+        kernels.bf16_pairs_linear(x, packed, out_features, torch.empty(rows + 1, out_features))
     with pytest.raises(RuntimeError, match="out_features .* must be the packed weight's"):
         kernels.bf16_pairs_linear(x, packed, out_features + 16)
     with pytest.raises(RuntimeError, match="must be the packed weight's in_features"):

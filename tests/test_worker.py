@@ -37,6 +37,30 @@ def test_long_prefills_reuse_freed_host_memory(default_llm):
     assert sum(faulted_mb[1:]) < 100, faulted_mb
 
 
+def test_steps_of_many_rows_keep_their_logits_memory(tiny_models):
+    """Logits of 200 rows over a 49152-token vocabulary are past what glibc keeps when freed (host_memory.py): the runner
+    keeps one tensor for them, so decode steps of that many rows fault no pages in for them, and each request's tokens
+    are those it gets in smaller batches, on fresh logits."""
+    import random
+    import resource
+
+    from conftest import greedy, token_ids_of
+
+    from pagedserve import LLM
+
+    llm = LLM(str(tiny_models["llama"]), dtype="float32", kv_cache_memory=64 * 1024**2, max_num_seqs=256)
+    llm.llm_engine.call_utility("wait_for_kv_cache_mapping", 120)
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(4)]} for _ in range(200)]
+    token_ids_of(llm.generate(prompts, greedy(2), use_tqdm=False))  # the first steps of that many rows make what they keep
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    together = token_ids_of(llm.generate(prompts, greedy(8), use_tqdm=False))
+    faulted_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) * 4096 / 2**20
+    assert faulted_mb < 200 * 49152 * 4 / 2**20, faulted_mb  # one step's logits, 37.5 MiB: eight steps would fault 300
+    assert together == token_ids_of(llm.generate(prompts[:100], greedy(8), use_tqdm=False)) + \
+        token_ids_of(llm.generate(prompts[100:], greedy(8), use_tqdm=False))
+
+
 def resident_fraction(tensor: torch.Tensor) -> float:
     """Share of the tensor's whole pages that are mapped in (mincore)."""
     import ctypes

@@ -143,7 +143,7 @@ at::Tensor pack_bf16_pairs(const at::Tensor& weight) {
   return packed;
 }
 
-at::Tensor bf16_pairs_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
+at::Tensor bf16_pairs_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, const c10::optional<at::Tensor>& out) {
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kShort && packed.size(2) == 2 * kRowsPerBlock,
               "packed must come from pack_bf16_pairs");
   TORCH_CHECK(out_features > (packed.size(0) - 1) * kRowsPerBlock && out_features <= packed.size(0) * kRowsPerBlock,
@@ -154,8 +154,15 @@ at::Tensor bf16_pairs_linear(const at::Tensor& x, const at::Tensor& packed, int6
   const auto rows_in = x.reshape({-1, k}).to(at::kFloat).contiguous();
   const int64_t m = rows_in.size(0), blocks = packed.size(0);
   const auto pairs_of_x = input_pairs(rows_in.data_ptr<float>(), m, k, pairs);
-  auto out = at::empty({m, out_features}, rows_in.options());
-  float* o = out.data_ptr<float>();
+  at::Tensor sums;
+  if (out.has_value() && out->defined()) {
+    TORCH_CHECK(out->scalar_type() == at::kFloat && out->is_contiguous() && out->numel() == m * out_features,
+                "out must be a contiguous float32 tensor of ", m, " x ", out_features, " values");
+    sums = out->view({m, out_features});
+  } else {
+    sums = at::empty({m, out_features}, rows_in.options());
+  }
+  float* o = sums.data_ptr<float>();
   const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<int16_t>());
   const int64_t panels = (blocks + kTileBlocks - 1) / kTileBlocks, chunks = (m + kChunkRows - 1) / kChunkRows;
   at::parallel_for(0, chunks * panels, 1, [&](int64_t begin, int64_t end) {
@@ -173,5 +180,5 @@ at::Tensor bf16_pairs_linear(const at::Tensor& x, const at::Tensor& packed, int6
   });
   auto out_shape = x.sizes().vec();
   out_shape.back() = out_features;
-  return out.view(out_shape);
+  return sums.view(out_shape);
 }

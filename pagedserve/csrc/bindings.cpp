@@ -49,7 +49,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_dot_products", &bf16_dot_products, "whether this build multiplies bf16_pairs_linear on AVX-512 BF16 dot products");
   m.def("pack_bf16_pairs", &pack_bf16_pairs, "a [out_features, in_features] weight in bfloat16, packed for bf16_pairs_linear");
   m.def("bf16_pairs_linear", &bf16_pairs_linear,
-        "x @ W.T in float32: x and W rounded to bfloat16, their products summed in float32 (W from pack_bf16_pairs)",
-        py::arg("x"), py::arg("packed"), py::arg("out_features"));
+        "x @ W.T in float32: x and W rounded to bfloat16, their products summed in float32 (W from pack_bf16_pairs), into out "
+        "where given",
+        py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("out") = py::none());
   m.def("quantized_block_bytes", &quantized_block_bytes, "bytes per 32-value block of a GGUF type (0: unsupported)");
 }

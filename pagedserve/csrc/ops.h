@@ -45,4 +45,4 @@ at::Tensor int8_linear_silu_and_mul(const at::Tensor& x, const at::Tensor& weigh
 // x @ W.T in float32 from bfloat16 products, W packed once into pairs along k (bf16_gemm.cpp).
 bool bf16_dot_products();
 at::Tensor pack_bf16_pairs(const at::Tensor& weight);
-at::Tensor bf16_pairs_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features);
+at::Tensor bf16_pairs_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, const c10::optional<at::Tensor>& out);

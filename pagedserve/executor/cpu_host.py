@@ -6,7 +6,9 @@ the one rule for how many torch threads a rank runs.
 
 **malloc.** glibc maps large blocks straight from the OS and unmaps them on free, and trims the top
 of its heap; a long prefill step frees large activation buffers, which the next step would then
-page-fault back in. A fixed mmap threshold at glibc's maximum and no trimming keep them.
+page-fault back in. A fixed mmap threshold at glibc's maximum and no trimming keep them. Blocks above that
+maximum still come fresh each time (host_memory.py), so what would be one every step is kept instead (the model
+runner's logits of many rows).
 
 **KV cache pages.** The cache comes from calloc, so start-up does not pay for gigabytes of page
 faults; but a first touch of memory is slow on VMs, and without help the engine pays it inside its
@@ -32,6 +34,8 @@ import weakref
 from collections.abc import Callable
 from functools import lru_cache
 from typing import TYPE_CHECKING
+
+from pagedserve.host_memory import FRESH_PAGES_ABOVE_BYTES
 
 if TYPE_CHECKING:
     import torch
@@ -62,7 +66,6 @@ def limit_front_end_threads() -> None:
 # glibc <malloc.h> parameter ids.
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
-_MMAP_THRESHOLD_MAX = 32 * 1024**2  # glibc's upper bound on 64-bit systems
 
 
 @lru_cache(maxsize=1)
@@ -82,7 +85,7 @@ def keep_freed_memory() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     # c_int: the trim threshold is a size_t inside glibc; the largest int is plenty (2 GiB).
-    ok = mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) == 1 and mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1
+    ok = mallopt(_M_MMAP_THRESHOLD, FRESH_PAGES_ABOVE_BYTES) == 1 and mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1
     if not ok:
         logger.debug("mallopt refused the settings; freed memory goes back to the OS")
     return ok

@@ -12,6 +12,7 @@ from pagedserve.distributed.parallel_state import expert_groups, rank_info, rece
 from pagedserve.executor.input_batch import ModelInputs, RunnerRequests, RunnerRequestState, dummy_layout, prepare_inputs
 from pagedserve.executor.lora_manager import LoRAManager
 from pagedserve.executor.sampling_inputs import SamplingInputs
+from pagedserve.host_memory import FRESH_PAGES_ABOVE_BYTES
 from pagedserve.kv_transfer.base import KVConnectorWorker
 from pagedserve.layers.attention import AttentionBackend
 from pagedserve.layers.fused_moe import FusedMoE
@@ -48,6 +49,7 @@ class ModelRunner:
         self.steps_with_other_cores: list[FusedMoE] = []
         # A draft model's distributions behind each request's pending drafts (sampled requests only).
         self._draft_probabilities: dict[str, torch.Tensor] = {}
+        self._logits_buffer: torch.Tensor | None = None  # see _logits_out
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -192,7 +194,7 @@ class ModelRunner:
     def _sample(self, inputs: ModelInputs, hidden_states: torch.Tensor, output: ModelRunnerOutput,
                 grammar_bitmask: GrammarBitmask | None = None) -> None:
         states = self.requests.of(inputs.sampling_req_ids)
-        logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
+        logits = self.model.compute_logits(hidden_states[inputs.logits_indices], self._logits_out(len(inputs.logits_indices)))
         if grammar_bitmask is not None:
             self._apply_grammar_bitmask(states, logits, grammar_bitmask)
         if not any(state.num_drafts for state in states):
@@ -209,6 +211,17 @@ class ModelRunner:
             row += num_rows
         if plain_states:
             self._sample_rows(plain_states, logits[plain_rows], output)
+
+    def _logits_out(self, rows: int) -> torch.Tensor | None:
+        """Where a step's logits of this many rows go: on CPU, logits too large for the memory the allocator keeps
+        (FRESH_PAGES_ABOVE_BYTES) go into one tensor kept across steps, made anew only for more rows than it holds;
+        others into a new tensor. Nothing reads a step's logits once it has sampled."""
+        width = self.model.config.vocab_size
+        if self.device.type != "cpu" or rows * width * 4 <= FRESH_PAGES_ABOVE_BYTES:
+            return None
+        if self._logits_buffer is None or self._logits_buffer.shape[0] < rows:
+            self._logits_buffer = torch.empty(rows, width, dtype=torch.float32, device=self.device)
+        return self._logits_buffer[:rows]
 
     def _apply_grammar_bitmask(self, states: list[RunnerRequestState], logits: torch.Tensor, grammar_bitmask: GrammarBitmask) -> None:
         """Structured outputs: the tokens its grammar forbids at each position a constrained request samples (its last

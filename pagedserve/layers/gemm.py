@@ -4,8 +4,12 @@ linear layers, the experts of a mixture and the LoRA adapters' products."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
+
+from pagedserve.host_memory import FRESH_PAGES_ABOVE_BYTES
 
 # Batch size oneDNN's weight layout is tuned for: a typical decode batch.
 _PACKING_BATCH_HINT = 32
@@ -72,8 +76,18 @@ class BFloat16ProductsWeight:
     def offered(kernels) -> bool:
         return kernels is not None and kernels.bf16_dot_products()
 
-    def linear(self, x: torch.Tensor) -> torch.Tensor:
-        return self._kernel(x, self.packed, self.out_features)
+    def linear(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ weight.T in float32, into out where given."""
+        return self._kernel(x, self.packed, self.out_features, out)
+
+
+def linear_into(product: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = product(x) for a product that allocates its output, made over parts of x's rows whose outputs each stay
+    within FRESH_PAGES_ABOVE_BYTES (memory the allocator keeps), then copied into out."""
+    rows_per_part = max(1, FRESH_PAGES_ABOVE_BYTES // (out.shape[-1] * out.element_size()))
+    for start in range(0, x.shape[0], rows_per_part):
+        out[start : start + rows_per_part] = product(x[start : start + rows_per_part])
+    return out
 
 
 def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,

@@ -22,7 +22,7 @@ from torch import nn
 from pagedserve.distributed.parallel_state import rank_info, tp_size
 from pagedserve.layers.attention import Attention, AttentionBackend, AttentionMetadata
 from pagedserve.layers.fused_moe import FusedMoE
-from pagedserve.layers.gemm import BFloat16ProductsWeight, pack_weight, packed_linear
+from pagedserve.layers.gemm import BFloat16ProductsWeight, linear_into, pack_weight, packed_linear
 from pagedserve.layers.layernorm import RMSNorm, SplitRMSNorm
 from pagedserve.layers.linear import (
     BlocksOrDense,
@@ -189,21 +189,26 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, intermediate=None):
         return self.model(input_ids, positions, kv_caches, meta, intermediate)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Logits over the whole vocabulary (each tensor-parallel rank computes its share, then they are gathered)."""
+    def compute_logits(self, hidden_states: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits over the whole vocabulary (each tensor-parallel rank computes its share, then they are gathered). out: a
+        float32 [rows, vocabulary] tensor one rank's dense lm_head writes them into rather than a new one (gathered
+        shares make a new one); the logits are what returns."""
         if self.quantized_lm_head is not None and self.quantized_lm_head.takes(hidden_states):
             local = self.quantized_lm_head.linear(hidden_states)
         else:
-            local = self.dense_logits(hidden_states)
+            local = self.dense_logits(hidden_states, out if tp_size() == 1 else None)
         return gather_logits(local)
 
-    def dense_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """This rank's logits on the dense lm_head (packed where pack_gemm_weights ran), whatever the blocks would take."""
+    def dense_logits(self, hidden_states: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's logits on the dense lm_head (packed where pack_gemm_weights ran), whatever the blocks would take;
+        into out where given."""
         if self.bfloat16_lm_head is not None:
-            return self.bfloat16_lm_head.linear(hidden_states)
+            return self.bfloat16_lm_head.linear(hidden_states, out)
         if self.packed_lm_head is not None:
-            return packed_linear(hidden_states, self.packed_lm_head, None)
-        return F.linear(hidden_states, self.lm_head.weight)
+            product = partial(packed_linear, packed_weight=self.packed_lm_head, bias=None)
+        else:
+            product = partial(F.linear, weight=self.lm_head.weight)
+        return product(hidden_states) if out is None else linear_into(product, hidden_states, out)
 
     def pack_gemm_weights(self, dtype: torch.dtype, onednn: bool, activation_dtype: torch.dtype, kernels=None) -> None:
         """Run every dense GEMM on a copy of its weight in dtype (float32, or bfloat16 multiplying activations rounded to
