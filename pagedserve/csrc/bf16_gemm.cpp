@@ -148,6 +148,7 @@ at::Tensor bf16_pairs_linear(const at::Tensor& x, const at::Tensor& packed, int6
               "packed must come from pack_bf16_pairs");
   TORCH_CHECK(out_features > (packed.size(0) - 1) * kRowsPerBlock && out_features <= packed.size(0) * kRowsPerBlock,
               "out_features (", out_features, ") must be the packed weight's");
+  TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1, "x must be a CPU tensor");
   const int64_t pairs = packed.size(1);
   const int64_t k = x.size(-1);
   TORCH_CHECK((k + 1) / 2 == pairs, "x's last dimension (", k, ") must be the packed weight's in_features");

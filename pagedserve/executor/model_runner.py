@@ -215,9 +215,10 @@ class ModelRunner:
     def _logits_out(self, rows: int) -> torch.Tensor | None:
         """Where a step's logits of this many rows go: on CPU, logits too large for the memory the allocator keeps
         (FRESH_PAGES_ABOVE_BYTES) go into one tensor kept across steps, made anew only for more rows than it holds;
-        others into a new tensor. Nothing reads a step's logits once it has sampled."""
+        others, and the tensor-parallel ranks' (gathered into a new tensor), into a new one. Nothing reads a step's
+        logits once it has sampled."""
         width = self.model.config.vocab_size
-        if self.device.type != "cpu" or rows * width * 4 <= FRESH_PAGES_ABOVE_BYTES:
+        if self.device.type != "cpu" or rank_info().tp_size > 1 or rows * width * 4 <= FRESH_PAGES_ABOVE_BYTES:
             return None
         if self._logits_buffer is None or self._logits_buffer.shape[0] < rows:
             self._logits_buffer = torch.empty(rows, width, dtype=torch.float32, device=self.device)
