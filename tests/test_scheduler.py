@@ -567,6 +567,28 @@ class AsyncLoadingConnector:
         return {}
 
 
+def test_a_request_that_comes_back_with_outputs_loads_its_prompt_and_computes_its_outputs_again():
+    """A pulled request preempted after it decoded (it comes back with its output tokens) loads its prompt's KV again:
+    once loaded, its output tokens are what it still computes, in blocks it then allocates."""
+    from pagedserve.core.remote_kv import RemoteKV
+
+    sched = make_scheduler(num_blocks=32, block_size=4, max_model_len=64, budget=32)
+    connector = AsyncLoadingConnector(random.Random(0), "fail")
+    sched.kv_connector, sched.remote_kv = connector, RemoteKV(sched.kv_cache_manager, connector, "fail")
+    request = make_request("pull0", prompt_len=10, max_tokens=20)
+    for token in (61, 62, 63, 64, 65, 66):  # what it decoded before it was preempted
+        request.append_output_token(token, 64)
+    sched.add_request(request)
+    sched.update_from_output(step := sched.schedule(), fake_run(step, sched))
+    assert request.request_id in sched.remote_kv.loading and len(sched.kv_cache_manager.req_to_blocks["pull0"]) == 3
+    connector.loads["pull0"] = 0  # the load ends, whole
+    connector.rng = random.Random(1)  # whose first draw passes the connector's 0.7 bar: the load succeeds
+    step = sched.schedule()
+    assert step.num_scheduled_tokens == {"pull0": 6}  # its outputs, computed again after the loaded prompt
+    sched.update_from_output(step, fake_run(step, sched))
+    assert request.num_output_tokens == 7 and len(sched.kv_cache_manager.req_to_blocks["pull0"]) == 4
+
+
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=operations, num_blocks=st.integers(12, 40), budget=st.integers(4, 48), caching=st.booleans(),
        seed=st.integers(0, 1000), failure_policy=st.sampled_from(["recompute", "fail"]))

@@ -4,9 +4,10 @@ whose prompt KV is on its way, and blocks held for another instance to read.
 A request whose KV loads asynchronously is admitted with blocks for all of it, which are not offered to the prefix
 cache yet, and waits here (WAITING_FOR_REMOTE_KVS) while other requests run. When its load ends the request goes
 back to the head of the waiting queue: with its KV in place (all of its prompt computed but the last token, whose
-logits give its first output), or, if the load failed, to compute its prompt itself (kv_load_failure_policy
-"recompute") or to end ("fail"). Its blocks are never given back while a load may still write them: an aborted
-request's blocks wait for its load to end.
+logits give its first output; a preempted request that comes back loads its prompt and computes its output tokens
+again), or, if the load failed, to compute its prompt itself (kv_load_failure_policy "recompute") or to end ("fail").
+Its blocks are never given back while a load may still write them: an aborted request's blocks wait for its load to
+end.
 
 A finished request the connector holds (for a decode instance to read) gives its blocks here, still allocated, until
 the connector says nobody needs them any more.
@@ -30,6 +31,9 @@ class RemoteKV:
         self.connector = connector
         self.failure_policy = failure_policy
         self.loading: dict[str, Request] = {}
+        # Tokens a loading request has in place once its load ends: its local hit and what loads. A preempted request
+        # that comes back loads its prompt only; its output tokens are computed again.
+        self.loaded_upto: dict[str, int] = {}
         self.held: dict[str, list[KVCacheBlock]] = {}
 
     def admit(self, request: Request, computed_blocks: list, num_local_tokens: int, num_external_tokens: int) -> bool:
@@ -43,6 +47,7 @@ class RemoteKV:
         request.num_computed_tokens = num_local_tokens
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         self.loading[request.request_id] = request
+        self.loaded_upto[request.request_id] = num_local_tokens + num_external_tokens
         self.connector.update_state_after_alloc(request, kv.block_ids(request.request_id), num_external_tokens)
         return True
 
@@ -58,11 +63,12 @@ class RemoteKV:
             request = self.loading.pop(request_id, None)
             if request is None:
                 continue
+            loaded_upto = self.loaded_upto.pop(request_id)
             if request.is_finished:  # aborted while its KV arrived: its blocks could not be given back before
                 self.kv_cache_manager.free(request)
             elif ok:
-                # Its KV is in place: the prompt's last token is computed again for the logits of the first output.
-                request.num_computed_tokens = request.num_tokens - 1
+                # Its KV is in place: the last known token is computed again for the logits of the next output.
+                request.num_computed_tokens = min(loaded_upto, request.num_tokens - 1)
                 self.kv_cache_manager.cache_full_blocks(request, request.num_computed_tokens)
                 request.status = RequestStatus.WAITING
                 ready.append(request)
