@@ -523,7 +523,7 @@ class AsyncLoadingConnector:
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         if not request.request_id.startswith("pull") or request.request_id in self.gave_up:
             return 0, False
-        return request.num_prompt_tokens - num_computed_tokens, True
+        return max(0, request.num_prompt_tokens - num_computed_tokens), True  # as P2pConnector: prompt tokens only
 
     def update_state_after_alloc(self, request, block_ids, num_external_tokens):
         if num_external_tokens:
