@@ -153,7 +153,7 @@ def test_the_stats_stream_samples_at_its_interval_and_shows_a_prompt_prefilled_i
     submitted_at = time.time()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         started = time.monotonic()
-        samples_future = pool.submit(_events, server, 3.0, 0.2)
+        samples_future = pool.submit(_events, server, 6.0, 0.2)  # long enough for the whole request on a slow machine
         time.sleep(0.5)
         completion = server.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 48, "ignore_eos": True})
         samples = samples_future.result()
