@@ -11,6 +11,7 @@ import os
 import random
 import re
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -134,15 +135,18 @@ def test_the_page_is_open_and_forbids_inline_scripts_while_the_stats_need_the_ke
     assert "<script>" not in page and "http" not in page.replace("http-equiv", "")  # no inline script, nothing fetched elsewhere
 
 
-def _events(server, seconds: float, interval: float) -> list[dict]:
+def _events(server, seconds: float, interval: float, until: threading.Event | None = None) -> list[dict]:
+    """The stream's samples for `seconds`, or, given `until`, until `seconds` after it is set."""
     samples = []
     with requests.get(server.url + f"/console/stats?interval={interval}", headers=server.headers(), stream=True, timeout=30) as response:
         assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
-        deadline = time.monotonic() + seconds
+        deadline = None if until is not None else time.monotonic() + seconds
         for line in response.iter_lines():
             if line.startswith(b"data: "):
                 samples.append(json.loads(line[6:]))
-            if time.monotonic() > deadline:
+            if deadline is None and until.is_set():
+                deadline = time.monotonic() + seconds
+            if deadline is not None and time.monotonic() > deadline:
                 break
     return samples
 
@@ -153,9 +157,11 @@ def test_the_stats_stream_samples_at_its_interval_and_shows_a_prompt_prefilled_i
     submitted_at = time.time()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         started = time.monotonic()
-        samples_future = pool.submit(_events, server, 6.0, 0.2)  # long enough for the whole request on a slow machine
+        answered = threading.Event()  # the stream samples until a second after the request, however long it takes
+        samples_future = pool.submit(_events, server, 1.0, 0.2, answered)
         time.sleep(0.5)
         completion = server.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 48, "ignore_eos": True})
+        answered.set()
         samples = samples_future.result()
         elapsed = time.monotonic() - started
     assert completion.status_code == 200
