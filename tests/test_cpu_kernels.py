@@ -206,6 +206,58 @@ def test_interleaved_quantized_linear_matches_gguf_dequantization(type_name, row
                        kernels.quantized_linear(x, blocks, int(qtype), None, interleaved)[-3:])
 
 
+def q8_scheme(x: torch.Tensor, raw_blocks: np.ndarray, qtype) -> torch.Tensor:
+    """x @ W.T as quantized_linear_q8 defines it, in float64 over gguf's own layout: each 32 values of x rounded to
+    nearbyint(x * 127 / max|x|) at scale max|x| / 127, each weight value as d * c + offset (c: the nibble less 8 for Q4,
+    offset m + 8d for Q4_1, 0 otherwise; c: the byte for Q8_0), integer products of c and the rounded x, and the
+    offset times x's exact sum."""
+    from gguf import GGMLQuantizationType
+
+    rows, size = raw_blocks.shape[0], {2: 18, 3: 20, 8: 34}[int(qtype)]
+    raw = raw_blocks.reshape(rows, -1, size)
+    d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
+    offset = np.zeros_like(d)
+    if qtype == GGMLQuantizationType.Q8_0:
+        c = raw[..., 2:].view(np.int8).astype(np.float64)
+    else:
+        nibbles = raw[..., size - 16:]
+        c = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).astype(np.float64) - 8
+        if qtype == GGMLQuantizationType.Q4_1:
+            offset = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64) + 8 * d
+    xb = x.view(x.shape[0], -1, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    rounded = torch.round(xb * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))).double()  # torch rounds half to even
+    sums = torch.einsum("mbj,nbj->mnb", rounded, torch.from_numpy(c))
+    scales = (amax.squeeze(-1) / 127).double()[:, None, :] * torch.from_numpy(d)[None]
+    return (sums * scales).sum(-1) + xb.sum(-1).double() @ torch.from_numpy(offset).T
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows,out_features,in_features", [(1, 5, 32), (2, 33, 64), (3, 7, 96), (5, 13, 576), (9, 40, 160)])
+def test_q8_quantized_linear_computes_its_scheme(type_name, rows, out_features, in_features):
+    """Integer products of x rounded per 32 values: row tiles of 4 and their remainders, odd and even block counts."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    kernels = built_kernels()
+    qtype = GGMLQuantizationType[type_name]
+    rng = np.random.default_rng(rows * out_features)
+    raw = quantize(rng.standard_normal((out_features, in_features)).astype(np.float32), qtype)
+    blocks = torch.from_numpy(raw.copy())
+    x, bias = torch.randn(rows, in_features), torch.randn(out_features)
+    x[0, 32:64] = 0  # a block of zeros rounds to zeros (where there are two)
+    expected = q8_scheme(x, raw, qtype)
+    actual = kernels.quantized_linear_q8(x, blocks, int(qtype), bias)
+    torch.testing.assert_close(actual.double(), expected + bias.double(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(kernels.quantized_linear_q8(x, blocks, int(qtype)).double(), expected, rtol=1e-5, atol=1e-4)
+    # It departs from the float32 product only by the rounding of x: about 0.5% of it.
+    exact = x.double() @ torch.from_numpy(dequantize(raw, qtype)).double().T
+    assert 0 < (actual.double() - bias.double() - exact).norm() / exact.norm() < 0.03
+    # Each output's sum runs over the blocks in one order, whatever rows come with it.
+    for row in range(rows):
+        assert torch.equal(kernels.quantized_linear_q8(x[row : row + 1].contiguous(), blocks, int(qtype), bias), actual[row : row + 1])
+
+
 def test_quantized_linear_names_bad_input():
     kernels = built_kernels()
     blocks = torch.zeros(4, 20, dtype=torch.uint8)  # one Q4_1 block per row: 32 values
@@ -213,6 +265,10 @@ def test_quantized_linear_names_bad_input():
         kernels.quantized_linear(torch.zeros(2, 32), blocks, 12)
     with pytest.raises(RuntimeError, match="do not hold 64 values"):
         kernels.quantized_linear(torch.zeros(2, 64), blocks, 3)
+    with pytest.raises(RuntimeError, match="unsupported GGUF quantization type"):
+        kernels.quantized_linear_q8(torch.zeros(2, 32), blocks, 12)
+    with pytest.raises(RuntimeError, match="do not hold 64 values"):
+        kernels.quantized_linear_q8(torch.zeros(2, 64), blocks, 3)
     with pytest.raises(RuntimeError, match="multiple of 8 rows"):
         kernels.interleave_gguf_rows(blocks, 3)
     with pytest.raises(RuntimeError, match="interleaved weight does not match"):

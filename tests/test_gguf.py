@@ -202,3 +202,80 @@ def test_a_gguf_mixture_of_an_architecture_whose_experts_are_not_read_is_refused
     write_gguf(path, hf_model.state_dict(), config, "F32")
     with pytest.raises(ValueError, match="mixture of experts of architecture 'llama'; GGUF mixtures are read for qwen2moe"):
         LLM(str(path), kv_cache_memory=4 * 1024**2)
+
+
+@pytest.mark.parametrize("dtype,auto_in_environment,rounds", [
+    ("auto", None, True), ("auto", "float32", False), ("auto", "bfloat16", True), ("float32", None, False), ("bfloat16", None, True),
+])
+def test_block_products_round_their_input_unless_float32_is_asked_for(dtype, auto_in_environment, rounds, monkeypatch):
+    from pagedserve.config import EngineConfig
+    from pagedserve.executor.worker import block_products_round_activations
+
+    monkeypatch.delenv("PAGEDSERVE_CPU_AUTO_DTYPE", raising=False)
+    if auto_in_environment:
+        monkeypatch.setenv("PAGEDSERVE_CPU_AUTO_DTYPE", auto_in_environment)
+    assert block_products_round_activations(EngineConfig(dtype=dtype), torch.device("cpu")) == rounds
+    assert not block_products_round_activations(EngineConfig(dtype=dtype), torch.device("cuda"))
+
+
+def transformers_on_rounded_input(tiny_hf_llama, type_name: str):
+    """The tiny model in transformers with its weights as the GGUF file holds them, and the input of every linear layer
+    (the lm_head's too) rounded as llama.cpp rounds activations: to nearbyint(x * 127 / max|x|) per 32 values."""
+    import copy
+
+    import torch.nn.functional as F
+    from torch import nn
+
+    config, hf_model = tiny_hf_llama
+    model = copy.deepcopy(hf_model)
+
+    def rounded(x):
+        blocks = x.reshape(*x.shape[:-1], -1, 32)
+        amax = blocks.abs().amax(-1, keepdim=True)
+        return (torch.round(blocks * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))) * (amax / 127)).reshape(x.shape)
+
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                module.weight.copy_(torch.from_numpy(quantized_round_trip(module.weight.numpy(), type_name)))
+                module.forward = lambda x, m=module: F.linear(rounded(x), m.weight, m.bias)
+        embedding = model.get_input_embeddings().weight
+        embedding.copy_(torch.from_numpy(quantized_round_trip(embedding.numpy(), type_name)))
+    return model.eval()
+
+
+def test_auto_runs_the_blocks_on_input_rounded_to_8_bits(tiny_hf_llama, tmp_path, monkeypatch):
+    """dtype auto on a processor without bfloat16 matrix units: float32 everywhere but the products on GGUF blocks, whose
+    input is rounded to 8 bits per 32 values. Scored on the tokens the exact mode picks, its logprobs are off from the
+    exact mode's (transformers') by no more, on the whole, than rounding each linear layer's input in transformers."""
+    from pagedserve.cpu_features import CPUFeatures
+    from pagedserve.executor import worker as worker_module
+    from pagedserve.layers.linear import QUANTIZED_MAX_ROWS
+
+    path = tiny_gguf(tmp_path, tiny_hf_llama, "Q4_1")
+    exact = LLM(str(path), dtype="float32", kv_cache_memory=4 * 1024**2)
+    monkeypatch.delenv("PAGEDSERVE_CPU_AUTO_DTYPE")
+    monkeypatch.setattr(worker_module, "cpu_features", lambda: CPUFeatures("test CPU", frozenset({"avx2", "fma"})))
+    rounding = LLM(str(path), kv_cache_memory=4 * 1024**2)
+    worker = worker_of(rounding)
+    assert worker.dtype == worker.gemm_dtype == torch.float32
+    blocks = [gemm.blocks for gemm in worker.model.blocks_and_dense_gemms()]
+    assert blocks and all(b.rounds_activations and b.interleaved is None for b in blocks)
+    assert not any(gemm.blocks.rounds_activations for gemm in worker_of(exact).model.blocks_and_dense_gemms())
+    for b in blocks:
+        b.max_rows = QUANTIZED_MAX_ROWS  # prefills on the blocks too, whatever this machine measured
+    reference = transformers_on_rounded_input(tiny_hf_llama, "Q4_1")
+    scoring = greedy(1, prompt_logprobs=0)
+    ours_off, theirs_off = [], []
+    for seed in range(3):
+        prompt = torch.randint(10, 250, (24,), generator=torch.Generator().manual_seed(seed)).tolist()
+        ids = prompt + exact.generate({"prompt_token_ids": prompt}, greedy(8), use_tqdm=False)[0].outputs[0].token_ids
+        ours, exact_logprobs = (llm.generate({"prompt_token_ids": ids}, scoring, use_tqdm=False)[0].prompt_logprobs
+                                for llm in (rounding, exact))
+        with torch.inference_mode():
+            theirs = reference(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+        for i in range(len(prompt), len(ids)):
+            ours_off.append(abs(ours[i][ids[i]].logprob - exact_logprobs[i][ids[i]].logprob))
+            theirs_off.append(abs(theirs[i - 1, ids[i]].item() - exact_logprobs[i][ids[i]].logprob))
+    assert sum(theirs_off) > 0 and sum(ours_off) > 0  # both do round
+    assert sum(ours_off) <= 1.25 * sum(theirs_off), (sum(ours_off), sum(theirs_off))

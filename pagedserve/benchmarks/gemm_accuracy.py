@@ -1,13 +1,16 @@
-"""How far the GEMM precisions take the model from float32 GEMMs: bfloat16 GEMMs (dtype bfloat16) and int8 ones
-(quantization int8, between float32 or bfloat16 activations), measured as the KV cache dtypes are (kv_accuracy.compare):
-perplexity over the shipped English passages, logprob differences, greedy agreement over chat prompts."""
+"""How far the GEMM precisions take the model from float32 GEMMs: bfloat16 GEMMs (dtype bfloat16), int8 ones
+(quantization int8, between float32 or bfloat16 activations), and dtype auto (on a GGUF model, its blocks multiply input
+rounded to 8 bits per 32 values; bfloat16 GEMMs besides where the processor has them), measured as the KV cache dtypes
+are (kv_accuracy.compare): perplexity over the shipped English passages, logprob differences, greedy agreement over
+chat prompts. Prompt chunks larger than the row counts the blocks take run on the dense weights: a small --chunk scores
+the text on the blocks too."""
 
 from __future__ import annotations
 
 from pagedserve.benchmarks.kv_accuracy import compare
 
 # label -> engine settings; the first is the reference.
-VARIANTS = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"},
+VARIANTS = {"float32": {"dtype": "float32"}, "auto": {"dtype": "auto"}, "bfloat16": {"dtype": "bfloat16"},
             "int8": {"dtype": "float32", "quantization": "int8"}, "int8, bfloat16": {"dtype": "bfloat16", "quantization": "int8"}}
 
 

@@ -34,6 +34,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding", &rotary_embedding, "neox rotary embedding of query and key, in place");
   m.def("quantized_linear", &quantized_linear, "x @ W.T (+ bias) with W in GGUF Q4_0/Q4_1/Q8_0 blocks",
         py::arg("x"), py::arg("weight"), py::arg("qtype"), py::arg("bias") = py::none(), py::arg("interleaved") = py::none());
+  m.def("quantized_linear_q8", &quantized_linear_q8,
+        "x @ W.T (+ bias) with W in GGUF Q4_0/Q4_1/Q8_0 blocks and x rounded to 8 bits per block of 32 values (integer products)",
+        py::arg("x"), py::arg("weight"), py::arg("qtype"), py::arg("bias") = py::none());
   m.def("interleave_gguf_rows", &interleave_gguf_rows, "the copy of GGUF blocks (8 rows interleaved) read for steps of 3+ rows");
   m.def("dequantize_gguf", &dequantize_gguf, "float32 values of GGUF Q4_0/Q4_1/Q8_0 blocks");
   m.def("lora_add_", &lora_add_, "add each listed row's LoRA product (its group's adapter) to out, in place");

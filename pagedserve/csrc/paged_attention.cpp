@@ -285,14 +285,6 @@ void check_caches(const at::Tensor& key_cache, const at::Tensor& value_cache) {
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "contiguous caches only");
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-inline float sum_lanes(__m256 a) {
-  __m128 r = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-  return _mm_cvtss_f32(_mm_add_ss(r, _mm_shuffle_ps(r, r, 1)));
-}
-#endif
-
 inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
 #if defined(__AVX2__) && defined(__FMA__)
   if (n % 16 == 0) {
@@ -301,7 +293,7 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t n
       s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
       s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
     }
-    return sum_lanes(_mm256_add_ps(s0, s1));
+    return horizontal_sum(_mm256_add_ps(s0, s1));
   }
 #endif
   float sum = 0.f;
@@ -494,7 +486,7 @@ inline void score_keys(const float* q, const T* const* keys, int64_t dim, float*
       _mm_storeu_ps(scores + h * stride, _mm_mul_ps(sum_lanes4(L::fold(acc[h][0]), L::fold(acc[h][1]), L::fold(acc[h][2]), L::fold(acc[h][3])),
                                                     _mm_loadu_ps(key_scales)));
     else
-      scores[h * stride] = sum_lanes(L::fold(acc[h][0])) * key_scales[0];
+      scores[h * stride] = horizontal_sum(L::fold(acc[h][0])) * key_scales[0];
   }
 }
 

@@ -22,7 +22,9 @@
 #include <cstring>
 #include <vector>
 
+#include "gguf_block.h"
 #include "ops.h"
+#include "vec_lanes.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -30,9 +32,6 @@
 
 namespace {
 
-constexpr int64_t kBlockValues = 32;
-// gguf's GGMLQuantizationType ids.
-constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
 // Input rows x weight rows of one register tile: 4 x 3 accumulators plus three weight vectors and one
 // input vector fill the 16 AVX2 registers.
 constexpr int64_t kTileRows = 4;
@@ -41,24 +40,6 @@ constexpr int64_t kTileCols = 3;
 constexpr int64_t kRowsPerGroup = 4 * kTileCols;
 // Input rows per chunk: 64 rows of K <= 2048 floats stay in a 1 MiB L2.
 constexpr int64_t kChunkRows = 64;
-
-inline float half_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-#if defined(__F16C__)
-  return _cvtsh_ss(bits);
-#else
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-#endif
-}
-
-// The offset added to d * q in a block: Q4_1 stores it, Q4_0's is -8d (exact in float32), Q8_0 has none.
-inline float block_min(const uint8_t* block, int64_t qtype, float d) {
-  return qtype == kQ4_1 ? half_at(block + 2) : (qtype == kQ4_0 ? -8.f * d : 0.f);
-}
-
-// Where a Q4 block's 16 bytes of nibbles start.
-inline const uint8_t* nibbles_of(const uint8_t* block, int64_t qtype) { return block + (qtype == kQ4_1 ? 4 : 2); }
 
 #if defined(__AVX2__) && defined(__FMA__)
 // The 32 values of one block in four registers. Q4: nibble i of byte i is value i (low) or i + 16
@@ -125,15 +106,6 @@ void dequantize_row(const uint8_t* row, int64_t qtype, int64_t num_blocks, float
   const int64_t stride = quantized_block_bytes(qtype);
   for (int64_t b = 0; b < num_blocks; ++b) dequantize_block(row + b * stride, qtype, out + b * kBlockValues);
 }
-
-#if defined(__AVX2__) && defined(__FMA__)
-inline float horizontal_sum(__m256 v) {
-  __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-  r = _mm_add_ss(r, _mm_shuffle_ps(r, r, 1));
-  return _mm_cvtss_f32(r);
-}
-#endif
 
 // out[i * out_stride + j] = dot(x row i, w row j) + bias[j], for MR input rows and NR weight rows of length k.
 template <int MR, int NR>
@@ -396,18 +368,8 @@ int64_t quantized_block_bytes(int64_t qtype) {
 // bias [N] float32 or undefined. Returns x @ dequantized(weight).T + bias, [M, N].
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& weight, int64_t qtype, const c10::optional<at::Tensor>& bias,
                             const c10::optional<at::Tensor>& interleaved) {
-  const int64_t bytes = quantized_block_bytes(qtype);
-  TORCH_CHECK(bytes > 0, "unsupported GGUF quantization type id ", qtype, " (supported: Q4_0=2, Q4_1=3, Q8_0=8)");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be a contiguous float32 [M, K] tensor");
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.is_contiguous(), "weight must be contiguous uint8 blocks");
+  const float* bias_ptr = checked_linear_args(x, weight, qtype, bias);
   const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
-  TORCH_CHECK(k % kBlockValues == 0 && weight.size(1) == k / kBlockValues * bytes, "weight rows of ", weight.size(1),
-              " bytes do not hold ", k, " values of this type");
-  const float* bias_ptr = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == n && bias->is_contiguous(), "bias must be float32 [N]");
-    bias_ptr = bias->data_ptr<float>();
-  }
   auto out = at::empty({m, n}, x.options());
   const float* x_ptr = x.data_ptr<float>();
   const uint8_t* w_ptr = weight.data_ptr<uint8_t>();

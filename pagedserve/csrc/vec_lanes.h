@@ -14,6 +14,13 @@ struct Floats8 {
   static void store(float* p, Vec a) { _mm256_storeu_ps(p, a); }
   static __m256 fold(Vec a) { return a; }  // to 8 lanes, for the horizontal sums
 };
+
+// The sum of a vector's 8 lanes.
+inline float horizontal_sum(__m256 a) {
+  __m128 r = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+  return _mm_cvtss_f32(_mm_add_ss(r, _mm_shuffle_ps(r, r, 1)));
+}
 #endif
 
 #if defined(__AVX512F__)

@@ -90,11 +90,11 @@ def register(sub) -> None:
     kv_accuracy.add_argument("--num-prompts", type=_positive_int, default=16, help="chat prompts (greedy agreement)")
     kv_accuracy.add_argument("--output-len", type=_positive_int, default=64, help="greedy tokens per chat prompt")
 
-    gemm_accuracy = _workload(workloads, "gemm-accuracy", "bfloat16 and int8 GEMMs against float32 ones: perplexity over the "
-                                                          "shipped English text, logprob differences, greedy agreement")
+    gemm_accuracy = _workload(workloads, "gemm-accuracy", "dtype auto, bfloat16 and int8 GEMMs against float32 ones: perplexity "
+                                                          "over the shipped English text, logprob differences, greedy agreement")
     gemm_accuracy.add_argument("--model", default=EngineConfig.model)
     gemm_accuracy.add_argument("--variants", nargs="+", default=["bfloat16", "int8", "int8, bfloat16"],
-                               choices=["bfloat16", "int8", "int8, bfloat16"], help="what is measured against float32 GEMMs")
+                               choices=["auto", "bfloat16", "int8", "int8, bfloat16"], help="what is measured against float32 GEMMs")
     gemm_accuracy.add_argument("--window", type=_positive_int, default=1024, help="tokens of text per prompt (perplexity)")
     gemm_accuracy.add_argument("--chunk", type=_positive_int, default=256, help="prompt tokens per step")
     gemm_accuracy.add_argument("--num-prompts", type=_positive_int, default=32, help="chat prompts (greedy agreement)")

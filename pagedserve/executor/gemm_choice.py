@@ -87,7 +87,7 @@ def _fastest_passes(gemms: Sequence[BlocksOrDense], inputs: dict[str, torch.Tens
 
 def _key(gemms: Sequence[BlocksOrDense], dense_dtype: torch.dtype) -> list[str]:
     """Everything the measurement depends on: the kernels' build (which covers the processor, Python and torch), the
-    threads, pagedserve's version, the dense dtype, the shapes and block types."""
-    shapes = sorted({f"{gemm.shape}:{gemm.blocks.qtype}" for gemm in gemms})
+    threads, pagedserve's version, the dense dtype, the shapes, block types and whether the blocks round their input."""
+    shapes = sorted({f"{gemm.shape}:{gemm.blocks.qtype}{':q8' if gemm.blocks.rounds_activations else ''}" for gemm in gemms})
     return [cpu_kernels.build_key(), str(len(os.sched_getaffinity(0))), str(torch.get_num_threads()), __version__,
             str(dense_dtype), *shapes]

@@ -66,6 +66,14 @@ def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     return _DTYPES[envs.cpu_auto_dtype() or ("bfloat16" if cpu_features().has_bfloat16_matrix else "float32")]
 
 
+def block_products_round_activations(config: EngineConfig, device: torch.device) -> bool:
+    """Whether the GEMMs on GGUF blocks round their input to 8 bits per block of 32 values and multiply integers (as
+    llama.cpp's and vLLM's GGUF kernels do): on CPU unless float32, the exact mode, is asked for (by dtype, or for auto
+    by the environment: envs.cpu_auto_dtype)."""
+    asked = config.dtype if config.dtype != "auto" else envs.cpu_auto_dtype()
+    return device.type == "cpu" and asked != "float32"
+
+
 def activation_and_gemm_dtypes(dtype: torch.dtype, device: torch.device) -> tuple[torch.dtype, torch.dtype]:
     """(what activations are kept in, what GEMM weights are multiplied in). On CPU, bfloat16 means bfloat16 GEMMs
     between float32 activations: the weights and each GEMM's input are rounded to bfloat16 and products accumulate
@@ -242,10 +250,15 @@ class Worker:
 
     def _use_gguf_blocks(self) -> None:
         blocks = load_quantized_blocks(self.model_dir)
-        if blocks:
-            switched = self.model.use_quantized_weights(blocks, self.cpu_kernels)
-            logger.info("%d layers run on their GGUF blocks (%.0f MB)", switched,
-                        sum(b.numel() for b, _ in blocks.values()) / 1e6)
+        if not blocks:
+            return
+        switched = self.model.use_quantized_weights(blocks, self.cpu_kernels)
+        rounding = block_products_round_activations(self.config, self.device)
+        if rounding:
+            for gemm in self.model.blocks_and_dense_gemms():
+                gemm.blocks.round_activations()
+        logger.info("%d layers run on their GGUF blocks (%.0f MB)%s", switched, sum(b.numel() for b, _ in blocks.values()) / 1e6,
+                    ", multiplying their input rounded to 8 bits per 32 values (dtype float32 multiplies it exactly)" if rounding else "")
 
     # ---- KV cache ---------------------------------------------------------------------------------
 

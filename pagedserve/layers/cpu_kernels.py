@@ -30,9 +30,9 @@ from pagedserve.envs import cache_root
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
-_SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "quantized_linear.cpp", "sampling.cpp", "lora.cpp", "int8_gemm.cpp", "bf16_gemm.cpp",
-            "bindings.cpp")
-_HEADERS = ("ops.h", "vec_lanes.h", "silu_row.h", "parallel_rows.h")
+_SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "quantized_linear.cpp", "quantized_linear_q8.cpp", "sampling.cpp", "lora.cpp",
+            "int8_gemm.cpp", "bf16_gemm.cpp", "bindings.cpp")
+_HEADERS = ("ops.h", "gguf_block.h", "vec_lanes.h", "silu_row.h", "parallel_rows.h")
 
 
 class UsesCPUKernels:

@@ -30,18 +30,28 @@ QUANTIZED_MAX_ROWS = 64
 
 class QuantizedWeight:
     """A weight in GGUF blocks ([out_features, bytes per row] uint8) and its gguf type id; it runs steps of up to
-    max_rows rows (larger ones take the dense weight). Steps of 3+ rows read an interleaved copy of the blocks
-    (8 rows side by side, made here once) that the kernel's broadcast GEMM needs."""
+    max_rows rows (larger ones take the dense weight). Its products are float32 (exact: the blocks' values times x),
+    where steps of 3+ rows read an interleaved copy of the blocks (8 rows side by side, made here once) that the
+    kernel's broadcast GEMM needs; or, once round_activations() ran, integer products of x rounded to 8 bits."""
 
     def __init__(self, blocks: torch.Tensor, qtype: int, kernels) -> None:
         self.blocks = blocks.contiguous()
         self.qtype = qtype
         self.interleaved = kernels.interleave_gguf_rows(self.blocks, qtype) if blocks.shape[0] % 8 == 0 else None
-        self._kernel = kernels.quantized_linear  # looked up once, not per call
+        self._kernels = kernels
         self.max_rows = QUANTIZED_MAX_ROWS
+        self.rounds_activations = False
+
+    def round_activations(self) -> None:
+        """From now on, round x to 8 bits per block of 32 values and multiply integers (csrc/quantized_linear_q8.cpp),
+        as llama.cpp's and vLLM's GGUF kernels do: fewer instructions per block than widening it to float32."""
+        self.rounds_activations = True
+        self.interleaved = None  # only the float32 kernel reads it
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return self._kernel(x.contiguous(), self.blocks, self.qtype, bias, self.interleaved)
+        if self.rounds_activations:
+            return self._kernels.quantized_linear_q8(x.contiguous(), self.blocks, self.qtype, bias)
+        return self._kernels.quantized_linear(x.contiguous(), self.blocks, self.qtype, bias, self.interleaved)
 
     def takes(self, x: torch.Tensor) -> bool:
         return self.takes_rows(x.shape[0])

@@ -1,0 +1,51 @@
+// What the kernels reading GGUF Q4_0 / Q4_1 / Q8_0 blocks share: the types' ids, and where a block keeps its scale,
+// its offset and its values.
+#pragma once
+#include <ATen/ATen.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+constexpr int64_t kBlockValues = 32;
+// gguf's GGMLQuantizationType ids.
+constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
+
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(bits);
+#else
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
+}
+
+// The offset added to d * q in a block: Q4_1 stores it, Q4_0's is -8d (exact in float32), Q8_0 has none.
+inline float block_min(const uint8_t* block, int64_t qtype, float d) {
+  return qtype == kQ4_1 ? half_at(block + 2) : (qtype == kQ4_0 ? -8.f * d : 0.f);
+}
+
+// Where a Q4 block's 16 bytes of nibbles start (byte i: value i in the low nibble, value i + 16 in the high one).
+inline const uint8_t* nibbles_of(const uint8_t* block, int64_t qtype) { return block + (qtype == kQ4_1 ? 4 : 2); }
+
+int64_t quantized_block_bytes(int64_t qtype);
+
+// The checks of a linear layer's arguments on GGUF blocks: x [M, K] float32, weight [N, K / 32 * block bytes] uint8 of a
+// supported type, bias [N] float32 or none. Returns the bias's values, or nullptr.
+inline const float* checked_linear_args(const at::Tensor& x, const at::Tensor& weight, int64_t qtype, const c10::optional<at::Tensor>& bias) {
+  const int64_t bytes = quantized_block_bytes(qtype);
+  TORCH_CHECK(bytes > 0, "unsupported GGUF quantization type id ", qtype, " (supported: Q4_0=2, Q4_1=3, Q8_0=8)");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be a contiguous float32 [M, K] tensor");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.is_contiguous(), "weight must be contiguous uint8 blocks");
+  const int64_t k = x.size(1);
+  TORCH_CHECK(k % kBlockValues == 0 && weight.size(1) == k / kBlockValues * bytes, "weight rows of ", weight.size(1),
+              " bytes do not hold ", k, " values of this type");
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == weight.size(0) && bias->is_contiguous(), "bias must be float32 [N]");
+  return bias->data_ptr<float>();
+}
