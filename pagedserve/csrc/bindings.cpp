@@ -1,6 +1,18 @@
 #include <torch/extension.h>
 
+#include "decode_layers.h"
 #include "ops.h"
+
+namespace {
+
+// (blocks, qtype, interleaved or None, rounds_input), as models/native_decode.py passes a QuantizedWeight.
+using BlockLinearArgs = std::tuple<at::Tensor, int64_t, c10::optional<at::Tensor>, bool>;
+
+BlockLinear block_linear(const BlockLinearArgs& args) {
+  return {std::get<0>(args), std::get<1>(args), std::get<2>(args), std::get<3>(args)};
+}
+
+}  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
@@ -56,4 +68,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "where given",
         py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("out") = py::none());
   m.def("quantized_block_bytes", &quantized_block_bytes, "bytes per 32-value block of a GGUF type (0: unsupported)");
+  py::class_<LlamaDecodeLayers>(m, "LlamaDecodeLayers",
+                                "a Llama-family model's decoder layers on GGUF blocks for a step of decodes alone, in one call")
+      .def(py::init<int64_t, int64_t, int64_t, double, double, int64_t, at::Tensor, at::Tensor>(), py::arg("num_heads"),
+           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"), py::arg("kv_format"), py::arg("cos_cache"),
+           py::arg("sin_cache"))
+      .def(
+          "add_layer",
+          [](LlamaDecodeLayers& self, at::Tensor input_norm, at::Tensor post_norm, const BlockLinearArgs& qkv, const BlockLinearArgs& o,
+             const BlockLinearArgs& gate_up, const BlockLinearArgs& down, double k_scale, double v_scale) {
+            self.add_layer({std::move(input_norm), std::move(post_norm), block_linear(qkv), block_linear(o), block_linear(gate_up),
+                            block_linear(down), k_scale, v_scale});
+          },
+          "the next layer: its norms' weights, its linear layers as (blocks, qtype, interleaved or None, rounds_input), its "
+          "KV cache's static scales (0: each row's own)",
+          py::arg("input_norm"), py::arg("post_norm"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"),
+          py::arg("k_scale"), py::arg("v_scale"))
+      // Tensors only, converted before the call: the engine's other threads may run Python meanwhile.
+      .def("forward", &LlamaDecodeLayers::forward, "(hidden, residual) after every layer", py::arg("hidden"), py::arg("residual"),
+           py::arg("positions"), py::arg("kv_caches"), py::arg("slot_mapping"), py::arg("block_tables"), py::arg("seq_lens"),
+           py::call_guard<py::gil_scoped_release>());
 }

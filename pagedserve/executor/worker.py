@@ -332,6 +332,9 @@ class Worker:
             layers = int8_calibration.pack_int8_gemms(self.model, self.model_runner, self.cpu_kernels, self.dtype, self.max_model_len)
             logger.info("quantization int8: %d linear layers run smoothed int8 GEMMs (calibrated on this model now)", layers)
             self._choose_gemm_paths()
+        # After the row counts are chosen and the adapters' layers known: the native layers read both once.
+        if not config.enable_lora and self.model.use_native_decode(self.cpu_kernels):
+            logger.info("decode steps of up to %d rows run the decoder layers in one C++ call", self.model.model.native_decode.max_rows)
         if self.on_cpu and config.prefault_kv_cache:
             self.kv_prefault = cpu_host.KVCachePrefault(self.kv_caches + self.draft_kv_caches)
         logger.info(

@@ -35,6 +35,7 @@ from pagedserve.layers.rotary import RotaryEmbedding
 from pagedserve.layers.vocab_embedding import VocabParallelEmbedding, gather_logits
 from pagedserve.models.mlp import GatedMLP
 from pagedserve.models.moe import checkpoint_alias, expected_expert_loads, expert_load_key, expert_tensor, layer_mlp
+from pagedserve.models.native_decode import NativeDecodeLayers
 
 # What the logits come in, whatever the other GEMMs return: sampling and logprobs read them, and bfloat16 would round
 # them to steps of 1/8 at their usual size, tying tokens that are not tied.
@@ -152,6 +153,7 @@ class LlamaModel(nn.Module):
         ])
         if info.is_last_stage:
             self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self.native_decode: NativeDecodeLayers | None = None  # the layers in one C++ call, for the steps it takes
 
     def forward(self, input_ids, positions, kv_caches, meta, intermediate=None):
         """kv_caches: this stage's layers' caches. The last stage returns the final hidden states; the others
@@ -160,8 +162,12 @@ class LlamaModel(nn.Module):
             hidden_states, residual = self.embed_tokens(input_ids), None
         else:
             hidden_states, residual = intermediate
-        for index, kv_cache in zip(self.stage_layers, kv_caches):
-            hidden_states, residual = self.layers[index](positions, hidden_states, residual, kv_cache, meta)
+        native = self.native_decode
+        if native is not None and native.takes(meta, hidden_states.shape[0]):
+            hidden_states, residual = native.forward(hidden_states, residual, positions, kv_caches, meta)
+        else:
+            for index, kv_cache in zip(self.stage_layers, kv_caches):
+                hidden_states, residual = self.layers[index](positions, hidden_states, residual, kv_cache, meta)
         if not rank_info().is_last_stage:
             return hidden_states, residual
         hidden_states, _ = self.norm(hidden_states, residual)
@@ -229,6 +235,12 @@ class LlamaForCausalLM(nn.Module):
             self.bfloat16_lm_head = BFloat16ProductsWeight(self.lm_head.weight, kernels)
         elif onednn:
             self.packed_lm_head = pack_weight(self.lm_head.weight, LOGITS_DTYPE)
+
+    def use_native_decode(self, kernels) -> bool:
+        """Run steps of few decodes through the decoder layers in one C++ call (models/native_decode.py) where every
+        layer allows it; call once the GEMMs' row counts are chosen. Returns whether it does."""
+        self.model.native_decode = NativeDecodeLayers.of(self.model, kernels)
+        return self.model.native_decode is not None
 
     def blocks_and_dense_gemms(self) -> list[BlocksOrDense]:
         """Every GEMM that can run either on its GGUF blocks or on its dense weight, in the order a forward pass runs them."""

@@ -97,8 +97,11 @@ class CPUAttentionBackend(AttentionBackend):
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         kernels.write_kv_cache(key, value, key_cache, value_cache, meta.slot_mapping, kernel_format,
                                kv_scales.key or 0.0, kv_scales.value or 0.0)  # 0: each row's own scale
-        out = torch.empty_like(query)
         num_decodes = meta.num_decode_tokens
+        if num_decodes == query.shape[0]:  # a step of decodes alone: the kernel's output is the whole of it
+            return kernels.paged_decode_attention(query.contiguous(), key_cache, value_cache, meta.decode_block_tables,
+                                                  meta.decode_seq_lens, scale, kernel_format)
+        out = torch.empty_like(query)
         if num_decodes:
             out[:num_decodes] = kernels.paged_decode_attention(query[:num_decodes].contiguous(), key_cache, value_cache,
                                                                meta.decode_block_tables, meta.decode_seq_lens, scale, kernel_format)

@@ -1,0 +1,51 @@
+// The decoder layers of a Llama-family model for a step of decodes alone, in one call from Python: the same kernels on
+// the same arguments, in the same order, as the layers' modules run them (models/native_decode.py says which models
+// and steps), so the results are the same bits. A decode step of a few rows of a small model spends longer in the
+// interpreter between its kernels than in them on a slow core; here nothing runs between them but their own dispatch.
+#include "decode_layers.h"
+
+#include <utility>
+
+#include "ops.h"
+
+at::Tensor BlockLinear::operator()(const at::Tensor& x) const {
+  if (rounds_input) return quantized_linear_q8(x, blocks, qtype, c10::nullopt);
+  return quantized_linear(x, blocks, qtype, c10::nullopt, interleaved);
+}
+
+LlamaDecodeLayers::LlamaDecodeLayers(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
+                                     int64_t kv_format, at::Tensor cos_cache, at::Tensor sin_cache)
+    : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale), kv_format_(kv_format),
+      cos_cache_(std::move(cos_cache)), sin_cache_(std::move(sin_cache)) {}
+
+void LlamaDecodeLayers::add_layer(DecoderLayerWeights layer) { layers_.push_back(std::move(layer)); }
+
+std::tuple<at::Tensor, at::Tensor> LlamaDecodeLayers::forward(at::Tensor hidden, c10::optional<at::Tensor> residual,
+                                                              const at::Tensor& positions, const std::vector<at::Tensor>& kv_caches,
+                                                              const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                                                              const at::Tensor& seq_lens) const {
+  TORCH_CHECK(kv_caches.size() == layers_.size(), "one KV cache per layer: ", layers_.size(), " layers, ", kv_caches.size(), " caches");
+  const int64_t rows = hidden.size(0), q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+  at::Tensor sum = residual.has_value() ? *residual : at::Tensor();
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const DecoderLayerWeights& layer = layers_[i];
+    if (sum.defined()) {
+      std::tie(hidden, sum) = add_rms_norm(hidden, sum, layer.input_norm, eps_);
+    } else {
+      sum = hidden;
+      hidden = rms_norm(hidden, layer.input_norm, eps_);
+    }
+    const at::Tensor qkv = layer.qkv(hidden);
+    const at::Tensor query = qkv.narrow(1, 0, q_size).reshape({rows, num_heads_, head_dim_});
+    const at::Tensor key = qkv.narrow(1, q_size, kv_size).reshape({rows, num_kv_heads_, head_dim_});
+    const at::Tensor value = qkv.narrow(1, q_size + kv_size, kv_size).reshape({rows, num_kv_heads_, head_dim_});
+    rotary_embedding(positions, query, key, cos_cache_, sin_cache_);
+    const at::Tensor key_cache = kv_caches[i].select(0, 0), value_cache = kv_caches[i].select(0, 1);
+    write_kv_cache(key, value, key_cache, value_cache, slot_mapping, kv_format_, layer.k_scale, layer.v_scale);
+    const at::Tensor attended =
+        paged_decode_attention(query.contiguous(), key_cache, value_cache, block_tables, seq_lens, scale_, kv_format_);
+    std::tie(hidden, sum) = add_rms_norm(layer.o(attended.view({rows, -1})), sum, layer.post_norm, eps_);
+    hidden = layer.down(silu_and_mul(layer.gate_up(hidden)));
+  }
+  return {hidden, sum};
+}

@@ -1,0 +1,41 @@
+// The decoder layers of a Llama-family model for a step of decodes alone, in one call (decode_layers.cpp).
+#pragma once
+#include <ATen/ATen.h>
+
+#include <tuple>
+#include <vector>
+
+// A linear layer on GGUF blocks as QuantizedWeight runs it: float32 products (on the interleaved copy from 3 rows,
+// where there is one) or, where it rounds its input, integer ones.
+struct BlockLinear {
+  at::Tensor blocks;
+  int64_t qtype;
+  c10::optional<at::Tensor> interleaved;
+  bool rounds_input;
+  at::Tensor operator()(const at::Tensor& x) const;
+};
+
+struct DecoderLayerWeights {
+  at::Tensor input_norm, post_norm;
+  BlockLinear qkv, o, gate_up, down;
+  double k_scale, v_scale;  // the KV cache's static scales; 0: each row's own
+};
+
+class LlamaDecodeLayers {
+ public:
+  LlamaDecodeLayers(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale, int64_t kv_format,
+                    at::Tensor cos_cache, at::Tensor sin_cache);
+  void add_layer(DecoderLayerWeights layer);
+  // hidden [rows, hidden size] and the residual stream (none before the first layer) through every layer, each with
+  // its cache [2, blocks, block size, KV heads, head dim]; returns (hidden, residual) as the last layer leaves them.
+  std::tuple<at::Tensor, at::Tensor> forward(at::Tensor hidden, c10::optional<at::Tensor> residual, const at::Tensor& positions,
+                                             const std::vector<at::Tensor>& kv_caches, const at::Tensor& slot_mapping,
+                                             const at::Tensor& block_tables, const at::Tensor& seq_lens) const;
+
+ private:
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+  double eps_, scale_;
+  int64_t kv_format_;
+  at::Tensor cos_cache_, sin_cache_;
+  std::vector<DecoderLayerWeights> layers_;
+};

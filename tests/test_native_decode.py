@@ -1,0 +1,75 @@
+"""Decode steps through the decoder layers in one C++ call (models/native_decode.py) give the same bits as the layers'
+modules, and only models of the plain form take that path."""
+
+import pytest
+import torch
+from conftest import greedy, worker_of
+from gguf_writer import tiny_llama_config, write_gguf
+
+from pagedserve import LLM
+
+KV_CACHE = 4 * 1024**2
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    from transformers import LlamaForCausalLM
+
+    config = tiny_llama_config()
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("native") / "tiny-Q4_1.gguf"
+    write_gguf(path, LlamaForCausalLM(config).eval().state_dict(), config, "Q4_1")
+    return path
+
+
+def modules_only(llm):
+    """The engine with its decode steps back on the modules."""
+    worker_of(llm).model.model.native_decode = None
+    return llm
+
+
+@pytest.mark.parametrize("settings", [{"dtype": "float32"}, {"dtype": "float32", "kv_cache_dtype": "int8"}, {"dtype": "auto"}],
+                         ids=["exact", "int8 cache", "rounded input"])
+def test_native_decode_steps_give_the_modules_bits(settings, tiny_gguf, monkeypatch):
+    if settings["dtype"] == "auto":  # blocks that round their input, whatever this processor's auto is
+        monkeypatch.delenv("PAGEDSERVE_CPU_AUTO_DTYPE")
+    native = LLM(str(tiny_gguf), kv_cache_memory=KV_CACHE, **settings)
+    layers = worker_of(native).model.model.native_decode
+    assert layers is not None and layers.max_rows >= 3
+    modules = modules_only(LLM(str(tiny_gguf), kv_cache_memory=KV_CACHE, **settings))
+    prompts = [[1, 40, 50, 60], [7] * 19, list(range(100, 133))]
+    params = greedy(12, logprobs=3)
+    for batch in ([prompts[0]], prompts):  # decode steps of one row, then of three
+        ours, theirs = ([{"prompt_token_ids": p} for p in batch] for _ in range(2))
+        for got, want in zip(native.generate(ours, params, use_tqdm=False), modules.generate(theirs, params, use_tqdm=False)):
+            assert got.outputs[0].token_ids == want.outputs[0].token_ids
+            assert [{t: lp.logprob for t, lp in step.items()} for step in got.outputs[0].logprobs] == \
+                   [{t: lp.logprob for t, lp in step.items()} for step in want.outputs[0].logprobs]
+
+
+def test_native_decode_steps_run_the_kernels(tiny_gguf, monkeypatch):
+    """The engine's decode steps go through the native layers (a step they did not take would leave this unseen)."""
+    llm = LLM(str(tiny_gguf), dtype="float32", kv_cache_memory=KV_CACHE)
+    layers = worker_of(llm).model.model.native_decode
+    calls = []
+    monkeypatch.setattr(layers, "native", _Counting(layers.native, calls))
+    llm.generate({"prompt_token_ids": [1, 2, 3]}, greedy(5), use_tqdm=False)
+    assert len(calls) == 4  # the prefill ran on the modules, then one call per decode step
+
+
+class _Counting:
+    def __init__(self, native, calls: list) -> None:
+        self._native, self._calls = native, calls
+
+    def forward(self, *args):
+        self._calls.append(args[0].shape[0])
+        return self._native.forward(*args)
+
+
+def test_only_plain_models_on_blocks_take_the_native_layers(tiny_gguf, tiny_models):
+    no_blocks = LLM(str(tiny_models["llama"]), dtype="float32", kv_cache_memory=KV_CACHE)
+    assert worker_of(no_blocks).model.model.native_decode is None
+    with_adapters = LLM(str(tiny_gguf), dtype="float32", kv_cache_memory=KV_CACHE, enable_lora=True, max_lora_rank=8)
+    assert worker_of(with_adapters).model.model.native_decode is None
+    without_kernels = LLM(str(tiny_gguf), dtype="float32", kv_cache_memory=KV_CACHE, cpu_kernels=False)
+    assert worker_of(without_kernels).model.model.native_decode is None
