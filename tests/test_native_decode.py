@@ -35,11 +35,12 @@ def test_native_decode_steps_give_the_modules_bits(settings, tiny_gguf, monkeypa
         monkeypatch.delenv("PAGEDSERVE_CPU_AUTO_DTYPE")
     native = LLM(str(tiny_gguf), kv_cache_memory=KV_CACHE, **settings)
     layers = worker_of(native).model.model.native_decode
-    assert layers is not None and layers.max_rows >= 3
+    assert layers is not None and layers.max_rows >= 6
     modules = modules_only(LLM(str(tiny_gguf), kv_cache_memory=KV_CACHE, **settings))
     prompts = [[1, 40, 50, 60], [7] * 19, list(range(100, 133))]
     params = greedy(12, logprobs=3)
-    for batch in ([prompts[0]], prompts):  # decode steps of one row, then of three
+    # Decode steps of one row, of three, and of six (past the rows the integer products take where the blocks round).
+    for batch in ([prompts[0]], prompts, prompts * 2):
         ours, theirs = ([{"prompt_token_ids": p} for p in batch] for _ in range(2))
         for got, want in zip(native.generate(ours, params, use_tqdm=False), modules.generate(theirs, params, use_tqdm=False)):
             assert got.outputs[0].token_ids == want.outputs[0].token_ids

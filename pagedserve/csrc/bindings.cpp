@@ -5,8 +5,8 @@
 
 namespace {
 
-// (blocks, qtype, interleaved or None, rounds_input), as models/native_decode.py passes a QuantizedWeight.
-using BlockLinearArgs = std::tuple<at::Tensor, int64_t, c10::optional<at::Tensor>, bool>;
+// (blocks, qtype, interleaved or None, rounded_max_rows), as models/native_decode.py passes a QuantizedWeight.
+using BlockLinearArgs = std::tuple<at::Tensor, int64_t, c10::optional<at::Tensor>, int64_t>;
 
 BlockLinear block_linear(const BlockLinearArgs& args) {
   return {std::get<0>(args), std::get<1>(args), std::get<2>(args), std::get<3>(args)};
@@ -80,7 +80,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             self.add_layer({std::move(input_norm), std::move(post_norm), block_linear(qkv), block_linear(o), block_linear(gate_up),
                             block_linear(down), k_scale, v_scale});
           },
-          "the next layer: its norms' weights, its linear layers as (blocks, qtype, interleaved or None, rounds_input), its "
+          "the next layer: its norms' weights, its linear layers as (blocks, qtype, interleaved or None, rounded_max_rows), its "
           "KV cache's static scales (0: each row's own)",
           py::arg("input_norm"), py::arg("post_norm"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"),
           py::arg("k_scale"), py::arg("v_scale"))

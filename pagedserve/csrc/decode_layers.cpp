@@ -9,7 +9,7 @@
 #include "ops.h"
 
 at::Tensor BlockLinear::operator()(const at::Tensor& x) const {
-  if (rounds_input) return quantized_linear_q8(x, blocks, qtype, c10::nullopt);
+  if (x.size(0) <= rounded_max_rows) return quantized_linear_q8(x, blocks, qtype, c10::nullopt);
   return quantized_linear(x, blocks, qtype, c10::nullopt, interleaved);
 }
 

@@ -5,13 +5,13 @@
 #include <tuple>
 #include <vector>
 
-// A linear layer on GGUF blocks as QuantizedWeight runs it: float32 products (on the interleaved copy from 3 rows,
-// where there is one) or, where it rounds its input, integer ones.
+// A linear layer on GGUF blocks as QuantizedWeight runs it: integer products on input rounded to 8 bits for steps of
+// up to rounded_max_rows rows (0: none), float32 ones beyond (on the interleaved copy from 3 rows, where there is one).
 struct BlockLinear {
   at::Tensor blocks;
   int64_t qtype;
   c10::optional<at::Tensor> interleaved;
-  bool rounds_input;
+  int64_t rounded_max_rows;
   at::Tensor operator()(const at::Tensor& x) const;
 };
 

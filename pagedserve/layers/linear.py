@@ -26,13 +26,17 @@ from pagedserve.layers.lora import LinearLoRA
 # interleaved copy of the blocks, which on some processors stays level with oneDNN up to 64 rows and on others falls
 # behind from 3.
 QUANTIZED_MAX_ROWS = 64
+# Rows up to which blocks that round their input take the integer kernel: it multiplies each row's bytes on its own,
+# while the float32 kernel's broadcast GEMM shares each block's unpacking among its rows, and pulls ahead from a few.
+ROUNDED_INPUT_MAX_ROWS = 4
 
 
 class QuantizedWeight:
     """A weight in GGUF blocks ([out_features, bytes per row] uint8) and its gguf type id; it runs steps of up to
     max_rows rows (larger ones take the dense weight). Its products are float32 (exact: the blocks' values times x),
     where steps of 3+ rows read an interleaved copy of the blocks (8 rows side by side, made here once) that the
-    kernel's broadcast GEMM needs; or, once round_activations() ran, integer products of x rounded to 8 bits."""
+    kernel's broadcast GEMM needs; or, once round_activations() ran, steps of up to rounded_max_rows rows multiply
+    integers, their input rounded to 8 bits."""
 
     def __init__(self, blocks: torch.Tensor, qtype: int, kernels) -> None:
         self.blocks = blocks.contiguous()
@@ -40,16 +44,20 @@ class QuantizedWeight:
         self.interleaved = kernels.interleave_gguf_rows(self.blocks, qtype) if blocks.shape[0] % 8 == 0 else None
         self._kernels = kernels
         self.max_rows = QUANTIZED_MAX_ROWS
-        self.rounds_activations = False
+        self.rounded_max_rows = 0
+
+    @property
+    def rounds_activations(self) -> bool:
+        return self.rounded_max_rows > 0
 
     def round_activations(self) -> None:
-        """From now on, round x to 8 bits per block of 32 values and multiply integers (csrc/quantized_linear_q8.cpp),
-        as llama.cpp's and vLLM's GGUF kernels do: fewer instructions per block than widening it to float32."""
-        self.rounds_activations = True
-        self.interleaved = None  # only the float32 kernel reads it
+        """From now on, steps of few rows round x to 8 bits per block of 32 values and multiply integers
+        (csrc/quantized_linear_q8.cpp), as llama.cpp's and vLLM's GGUF kernels do: fewer instructions per block than
+        widening it to float32."""
+        self.rounded_max_rows = ROUNDED_INPUT_MAX_ROWS
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.rounds_activations:
+        if x.shape[0] <= self.rounded_max_rows:
             return self._kernels.quantized_linear_q8(x.contiguous(), self.blocks, self.qtype, bias)
         return self._kernels.quantized_linear(x.contiguous(), self.blocks, self.qtype, bias, self.interleaved)
 

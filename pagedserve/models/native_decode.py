@@ -79,4 +79,4 @@ def _plain(layer) -> bool:
 
 
 def _blocks(weight: QuantizedWeight) -> tuple:
-    return weight.blocks, weight.qtype, weight.interleaved, weight.rounds_activations
+    return weight.blocks, weight.qtype, weight.interleaved, weight.rounded_max_rows
