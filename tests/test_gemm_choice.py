@@ -20,6 +20,7 @@ class FakeClock:
 class FakeBlocks:
     def __init__(self, clock, seconds_per_row, qtype=3):
         self.clock, self.seconds_per_row, self.qtype, self.max_rows = clock, seconds_per_row, qtype, 64
+        self.rounds_activations = False
 
     def linear(self, x):
         self.clock.now += self.seconds_per_row * x.shape[0]
@@ -68,6 +69,10 @@ def test_the_choice_is_applied_and_read_back_by_the_next_start(tmp_path, monkeyp
     assert calls == [2]  # measured once; the second start read it back
     gemm_choice.choose(second, torch.bfloat16)  # another dense dtype is another measurement
     assert calls == [2, 2]
+    for gemm in second.gemms:  # blocks that round their input are another kernel
+        gemm.blocks.rounds_activations = True
+    gemm_choice.choose(second, torch.bfloat16)
+    assert calls == [2, 2, 2]
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 40, 100])

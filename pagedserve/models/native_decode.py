@@ -38,7 +38,9 @@ class NativeDecodeLayers:
             return None
         attention = layers[0].self_attn
         backend = attention.attn.backend
-        if not isinstance(backend, CPUAttentionBackend) or backend.kernels is None:
+        linears = [m for layer in layers for m in layer.modules() if isinstance(m, Linear)]
+        max_rows = min(m.quantized.max_rows for m in linears)
+        if not isinstance(backend, CPUAttentionBackend) or backend.kernels is None or max_rows < 1:
             return None
         rotary = attention.rotary_emb
         native = kernels.LlamaDecodeLayers(attention.num_heads, attention.num_kv_heads, attention.head_dim,
@@ -50,8 +52,7 @@ class NativeDecodeLayers:
             native.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, _blocks(attn.qkv_proj.quantized),
                              _blocks(attn.o_proj.quantized), _blocks(mlp.gate_up_proj.quantized), _blocks(mlp.down_proj.quantized),
                              scales.key or 0.0, scales.value or 0.0)
-        linears = [m for layer in layers for m in layer.modules() if isinstance(m, Linear)]
-        return cls(native, min(m.quantized.max_rows for m in linears))
+        return cls(native, max_rows)
 
     def takes(self, meta: AttentionMetadata, rows: int) -> bool:
         return meta.num_decode_tokens == rows <= self.max_rows
