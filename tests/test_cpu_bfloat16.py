@@ -130,9 +130,10 @@ def test_bfloat16_is_honoured_with_torch_gemms_too(tiny_models):
 
 
 def test_default_model_in_bfloat16_gives_a_request_the_same_output_alone_and_in_a_batch():
-    """Alone, a request decodes in one-row steps, on the GGUF blocks' float32 values; in a batch, on the packed
-    bfloat16 weights (on every processor with bfloat16 matrix units: elsewhere both run on the blocks). The two
-    differ by bfloat16 roundings only: logprobs stay close, and greedy picks part, if at all, only where two tokens
+    """Alone, a request decodes in one-row steps, on the GGUF blocks with its input rounded to 8 bits; in a batch, on
+    the packed bfloat16 weights (on every processor with bfloat16 matrix units: elsewhere on the blocks' float32
+    products, past the rows the integer products take). The two differ by those roundings only: logprobs stay close
+    (8-bit input moves this model's by up to about a tenth), and greedy picks part, if at all, only where two tokens
     were nearly tied."""
     from conftest import PROMPTS
 
@@ -151,6 +152,6 @@ def test_default_model_in_bfloat16_gives_a_request_the_same_output_alone_and_in_
         for step, (token, a, b) in enumerate(zip(single.token_ids, single.logprobs, batched.logprobs)):
             if batched.token_ids[step] != token:  # parted: the two picks were nearly tied in both runs
                 other = batched.token_ids[step]
-                assert abs(a[token].logprob - a[other].logprob) < 0.15 and abs(b[token].logprob - b[other].logprob) < 0.15
+                assert abs(a[token].logprob - a[other].logprob) < 0.3 and abs(b[token].logprob - b[other].logprob) < 0.3
                 break
-            assert a[token].logprob == pytest.approx(b[token].logprob, abs=0.1)
+            assert a[token].logprob == pytest.approx(b[token].logprob, abs=0.2)
