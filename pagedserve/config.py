@@ -73,6 +73,10 @@ class EngineConfig:
     )
     num_threads: int | None = field(
         default=None, metadata={"help": "torch intra-op threads of the engine, or of each rank (default: the cores, shared among ranks)"})
+    pin_threads: bool = field(
+        default=True, metadata={"help": "on CPU, for steps of a lone stream's decode, pin each torch thread of the engine's own processes "
+                                "to a CPU of its own within those the process may use (taskset, cpusets), where its ranks' threads "
+                                "fit them; off: the OS places them in every step"})
     tensor_parallel_size: int = field(
         default=1, metadata={"help": "ranks that split every layer (heads, MLP columns, vocabulary) among them", "aliases": ["-tp"]})
     pipeline_parallel_size: int = field(

@@ -21,6 +21,21 @@ UNGUARDED_MAIN_MESSAGE = (
 )
 
 
+# Whether pagedserve started this process to run an engine (the engine core, a rank), rather than it being the caller's.
+_engine_process = False
+
+
+def mark_engine_process() -> None:
+    """Say that this process is one pagedserve started for an engine: it may set process-wide things (threads pinned to
+    CPUs) that it must not impose on a program that runs an engine inside its own process."""
+    global _engine_process
+    _engine_process = True
+
+
+def is_engine_process() -> bool:
+    return _engine_process
+
+
 def describe_exit(process) -> str:
     """How a child process (multiprocessing's) ended, as a message says it: "exit code 1", "killed by SIGKILL"."""
     process.join(1.0)  # its sentinel has fired: reap it, so that its exit code is known

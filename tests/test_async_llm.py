@@ -63,3 +63,47 @@ def test_cancelled_consumer_aborts_and_frees_blocks(async_llm):
     assert 3 <= len(seen) < 900
     assert usage == 0 and running == 0
     assert not async_llm.front_end.has_unfinished_requests()
+
+
+def _allowed_cpus(pid: int) -> dict[int, list[int]]:
+    """Each thread of process pid: the CPUs it may run on."""
+    import glob
+    import os
+
+    return {int(os.path.basename(task)): sorted(os.sched_getaffinity(int(os.path.basename(task))))
+            for task in glob.glob(f"/proc/{pid}/task/*")}
+
+
+def test_the_engine_core_pins_its_threads_for_a_lone_decode_and_an_engine_in_the_callers_process_does_not(
+        async_llm, default_llm):
+    import os
+
+    from pagedserve.executor.cpu_host import cpu_core, cpus_one_per_core_first
+
+    ours = sorted(os.sched_getaffinity(0))
+    if len(ours) < 2:
+        pytest.skip("one CPU: nothing to pin apart")
+    order = cpus_one_per_core_first(ours, cpu_core)
+    pid = async_llm.client.process.pid
+
+    def run(prompt_len: int, max_tokens: int) -> dict[int, list[int]]:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+        async def main():
+            return [out async for out in async_llm.generate({"prompt_token_ids": list(range(5, 5 + prompt_len))}, params,
+                                                             f"pin-{prompt_len}-{max_tokens}")]
+
+        asyncio.run(main())
+        return _allowed_cpus(pid)
+
+    # Its last steps decoded one token each: the core's main thread (OpenMP's thread 0) on the first CPU, another
+    # torch thread alone on the next (one per core first).
+    threads = run(3, 6)
+    assert threads[pid] == order[:1]
+    assert order[1] in {cpus[0] for cpus in threads.values() if len(cpus) == 1}
+    # Its one step was an 8-token prompt: every torch thread free on all CPUs again.
+    threads = run(8, 1)
+    assert threads[pid] == ours
+    assert order[1] not in {cpus[0] for cpus in threads.values() if len(cpus) == 1}
+    # The offline LLM runs its engine in this process (default_llm): nothing here is pinned.
+    assert all(cpus == ours for cpus in _allowed_cpus(os.getpid()).values())

@@ -446,3 +446,55 @@ def test_the_processor_features_read_agree_with_what_torch_detects():
     assert features.model_name and set(features.isa) <= features.flags
     assert ("avx2" in features.isa) == (torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"))
     assert features.model_name in features.identity
+
+
+_PINNED_THREADS = """
+import glob, json, os
+import torch
+from pagedserve.layers import cpu_kernels
+
+def allowed(task):
+    return sorted(os.sched_getaffinity(int(os.path.basename(task))))
+
+cpus = sorted(os.sched_getaffinity(0))[:2]
+kernels = cpu_kernels.load()
+x = torch.randn(64, 4096)
+before = torch.nn.functional.silu(x)
+def threads():
+    tasks = {int(os.path.basename(t)): allowed(t) for t in glob.glob("/proc/self/task/*")}
+    return {"main": tasks[os.getpid()], "others": [v for k, v in tasks.items() if k != os.getpid()]}
+
+kernels.set_thread_cpus([[cpu] for cpu in cpus])
+after = torch.nn.functional.silu(x)  # a parallel region on the pinned threads
+pinned = threads()
+kernels.set_thread_cpus([cpus] * len(cpus))
+freed = threads()
+try:
+    kernels.set_thread_cpus([[-1]])
+    refused = ""
+except RuntimeError as error:
+    refused = str(error)
+print(json.dumps({"cpus": cpus, "threads": torch.get_num_threads(), "pinned": pinned, "freed": freed,
+                  "same": bool(torch.equal(before, after)), "refused": refused}))
+"""
+
+
+def test_each_torch_thread_runs_on_the_cpus_it_is_given():
+    """In a process of its own (pinning the test process would bind every process the suite starts after it)."""
+    import json
+    import subprocess
+    import sys
+
+    built_kernels()
+    result = subprocess.run([sys.executable, "-c", _PINNED_THREADS], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    cpus = report["cpus"]
+    assert report["threads"] == len(cpus) and report["same"]
+    pinned, freed = report["pinned"], report["freed"]
+    assert pinned["main"] == cpus[:1]  # the calling thread is OpenMP's thread 0
+    # Each other CPU holds exactly one thread pinned to it alone; threads outside OpenMP's team keep every CPU.
+    assert sorted(cpu for allowed in pinned["others"] if len(allowed) == 1 for cpu in allowed) == cpus[1:]
+    # Freed, each thread runs on every CPU given again.
+    assert freed["main"] == cpus and not any(len(allowed) == 1 for allowed in freed["others"] if len(cpus) > 1)
+    assert "-1" in report["refused"]

@@ -142,3 +142,60 @@ def test_threads_per_rank_share_the_cores_among_every_rank_of_every_engine_core(
     assert threads_per_rank(EngineConfig(pipeline_parallel_size=2, data_parallel_size=2)) == 2
     assert threads_per_rank(EngineConfig(tensor_parallel_size=3, data_parallel_size=3)) == 1
     assert threads_per_rank(EngineConfig(tensor_parallel_size=2, num_threads=3)) == 3  # the user's word wins
+
+
+def test_each_rank_pins_its_threads_to_cpus_of_its_own_one_per_core_first():
+    from pagedserve.config import EngineConfig
+    from pagedserve.executor.cpu_host import cpus_one_per_core_first, thread_cpus
+
+    # CPUs 0 and 1 share a core, as do 2 and 3: a thread per core before any core's second.
+    siblings = {0: "a", 1: "a", 2: "b", 3: "b"}
+    cpus = cpus_one_per_core_first([3, 1, 2, 0], siblings.__getitem__)
+    assert cpus == [0, 2, 1, 3]
+    assert cpus_one_per_core_first([0, 1, 2, 3], lambda cpu: cpu) == [0, 1, 2, 3]
+
+    assert thread_cpus(EngineConfig(), 0, 2, True, cpus) == [0, 2]
+    tp2 = EngineConfig(tensor_parallel_size=2)
+    assert thread_cpus(tp2, 0, 2, True, cpus) == [0, 2] and thread_cpus(tp2, 1, 2, True, cpus) == [1, 3]
+    assert thread_cpus(EngineConfig(pipeline_parallel_size=2), 1, 1, True, cpus) == [2]
+    # Left to the OS: more threads than CPUs, pinning off, the caller's own process, ranks that may be elsewhere.
+    assert thread_cpus(EngineConfig(tensor_parallel_size=3), 0, 2, True, cpus) is None
+    assert thread_cpus(EngineConfig(pin_threads=False), 0, 2, True, cpus) is None
+    assert thread_cpus(EngineConfig(), 0, 2, False, cpus) is None
+    assert thread_cpus(EngineConfig(tensor_parallel_size=2, distributed_executor_backend="ray"), 0, 1, True, cpus) is None
+
+
+def test_data_parallel_cores_leave_their_threads_to_the_os(monkeypatch):
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine import dp_client
+
+    configs = []
+
+    class StartedCore:  # records the config each core would start with
+        model_info = None
+
+        def __init__(self, config, wait=True):
+            configs.append(config)
+
+        def wait_ready(self, *args):
+            pass
+
+    monkeypatch.setattr(dp_client, "AsyncMPClient", StartedCore)
+    dp_client.DPAsyncMPClient(EngineConfig(data_parallel_size=2))
+    assert len(configs) == 2 and not any(config.pin_threads for config in configs)
+
+
+def test_threads_are_pinned_for_steps_of_one_token_and_free_for_larger_ones():
+    from pagedserve.executor.cpu_host import PINNED_MAX_TOKENS, ThreadPinning
+
+    calls = []
+
+    class Kernels:
+        def set_thread_cpus(self, cpus_of_thread):
+            calls.append(cpus_of_thread)
+
+    pinning = ThreadPinning(Kernels(), [0, 2], [0, 1, 2, 3])
+    for tokens in (PINNED_MAX_TOKENS, PINNED_MAX_TOKENS, 128, 16, PINNED_MAX_TOKENS, 0):
+        pinning.for_step(tokens)
+    pinned, free = [[0], [2]], [[0, 1, 2, 3]] * 2
+    assert calls == [pinned, free, pinned]  # only when the kind of step changes; an empty step changes nothing

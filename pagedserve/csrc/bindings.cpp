@@ -35,6 +35,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of the last dimension");
   m.def("add_rms_norm", &add_rms_norm, "(RMSNorm(x + residual), x + residual)");
   m.def("silu_and_mul", &silu_and_mul, "silu(first half) * second half of the last dimension");
+  m.def("set_thread_cpus", &set_thread_cpus,
+        "thread i of torch's OpenMP threads (the caller is 0) runs on cpus_of_thread[i] only; the thread count becomes its length",
+        py::arg("cpus_of_thread"));
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=-1) of a [rows, n] float32 tensor (same NaN and tie rules)");
   m.def("sample_rows", &sample_rows,
         "one token per row of [rows, n] float32 logits: temperature (0: argmax), top_k (0: off), top_p, min_p, and a draw "

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <tuple>
+#include <vector>
 
 // kv_format: 0 for a float32, bfloat16 or float16 cache; 1 int8, 2 fp8 e4m3, 3 fp8 e5m2 for a byte cache of 8-bit rows
 // (layers/attention/kv_quant.py).
@@ -48,3 +49,6 @@ at::Tensor int8_linear_silu_and_mul(const at::Tensor& x, const at::Tensor& weigh
 bool bf16_dot_products();
 at::Tensor pack_bf16_pairs(const at::Tensor& weight);
 at::Tensor bf16_pairs_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, const c10::optional<at::Tensor>& out);
+// Thread i of torch's OpenMP threads (the caller is 0) may run on cpus_of_thread[i] only; torch's thread count becomes
+// its length.
+void set_thread_cpus(const std::vector<std::vector<int64_t>>& cpus_of_thread);

@@ -21,7 +21,7 @@ from pagedserve.engine.wire import (
     encode_output,
 )
 from pagedserve.executor.abstract import Executor
-from pagedserve.processes import exit_process, exit_with_parent
+from pagedserve.processes import exit_process, exit_with_parent, mark_engine_process
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +36,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     signal.signal(signal.SIGTERM, lambda *_: exit_process(0))
     log.configure()
     exit_with_parent(parent_pid)
+    mark_engine_process()
     context = zmq.Context()
     input_socket = context.socket(zmq.PULL)
     input_socket.connect(input_address)

@@ -40,7 +40,8 @@ class DPAsyncMPClient(EngineCoreClient):
     def __init__(self, config: EngineConfig, while_starting=None, on_model_located=None) -> None:
         size = config.data_parallel_size
         # Each core's ranks get their share of the machine's threads, as the one rule for all ranks says.
-        per_core = dataclasses.replace(config, data_parallel_size=1, num_threads=threads_per_rank(config))
+        # Each core would pin its threads to the same first CPUs, not knowing which the others took: the OS places them.
+        per_core = dataclasses.replace(config, data_parallel_size=1, num_threads=threads_per_rank(config), pin_threads=False)
         self.clients: list[AsyncMPClient] = []
         # Expert parallelism over the cores: their processes meet at a store this process holds to form their groups.
         self._store = _group_store() if config.enable_expert_parallel else None

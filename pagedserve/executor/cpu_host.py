@@ -55,6 +55,82 @@ def threads_per_rank(config: EngineConfig) -> int | None:
     return None if ranks == 1 else max(1, (os.cpu_count() or 1) // ranks)
 
 
+def thread_cpus(config: EngineConfig, rank: int, threads: int, in_engine_process: bool, cpus: list[int]) -> list[int] | None:
+    """The CPUs to pin a rank's torch threads to, thread i to the i-th (ThreadPinning), from cpus (the process's, one
+    per core first: cpus_one_per_core_first), each rank of the engine taking its own; None where they stay unpinned:
+    pinning is off, the process is the caller's (pinning its threads would bind the program and every process it
+    starts later), the ranks may run on other machines (Ray), or the ranks' threads outnumber the CPUs."""
+    world_size = config.world_size
+    if not (config.pin_threads and in_engine_process):
+        return None
+    if world_size > 1 and config.distributed_executor_backend == "ray":
+        return None
+    if world_size * threads > len(cpus):
+        logger.info("torch threads left unpinned: %d rank(s) x %d threads outnumber the %d CPUs this process may use",
+                    world_size, threads, len(cpus))
+        return None
+    return cpus[rank * threads : (rank + 1) * threads]
+
+
+def cpus_one_per_core_first(cpus: list[int], core_of: Callable[[int], object]) -> list[int]:
+    """cpus, the first CPU of each physical core before a core's second (hyperthread): threads pinned in this order get
+    a core each while there are cores to give. core_of(cpu) names the core a CPU belongs to (cpu_core)."""
+    seen: dict[object, int] = {}
+    rank_in_core = {}
+    for cpu in sorted(cpus):
+        core = core_of(cpu)
+        rank_in_core[cpu] = seen.get(core, 0)
+        seen[core] = rank_in_core[cpu] + 1
+    return sorted(cpus, key=lambda cpu: (rank_in_core[cpu], cpu))
+
+
+def cpu_core(cpu: int) -> object:
+    """(package, core) of a CPU as Linux's sysfs tells it; the CPU itself where it does not."""
+    topology = f"/sys/devices/system/cpu/cpu{cpu}/topology"
+    try:
+        with open(f"{topology}/physical_package_id") as package, open(f"{topology}/core_id") as core:
+            return int(package.read()), int(core.read())
+    except (OSError, ValueError):
+        return cpu
+
+
+# Steps of up to this many tokens run on pinned threads, larger ones on threads the OS places (ThreadPinning).
+PINNED_MAX_TOKENS = 1
+
+
+class ThreadPinning:
+    """A rank's torch threads pinned one to a CPU each (thread i to cpus[i]) for steps of up to PINNED_MAX_TOKENS
+    tokens, and free on all the process's CPUs (free_cpus) for larger ones. A lone stream's decode step is short: a
+    thread the OS stacks on its sibling's CPU, as it does when a front end wakes on theirs, doubles it. A larger step
+    hands the front end more tokens, whose work then shares a pinned thread's CPU for longer than the OS, free to
+    place them, lets it (docs/cpu.md, "Threads pinned to CPUs", has the measurements both ways)."""
+
+    def __init__(self, kernels, cpus: list[int], free_cpus: list[int]) -> None:
+        self.cpus = cpus
+        self._kernels = kernels
+        self._free = [free_cpus] * len(cpus)
+        self.pinned = False
+
+    def for_step(self, num_tokens: int) -> None:
+        """Pin or free the threads for a step of num_tokens (an empty step, which runs no pass, changes nothing)."""
+        wanted = num_tokens <= PINNED_MAX_TOKENS
+        if num_tokens and wanted != self.pinned:
+            self._kernels.set_thread_cpus([[cpu] for cpu in self.cpus] if wanted else self._free)
+            self.pinned = wanted
+
+
+def thread_pinning(config: EngineConfig, rank: int, kernels, in_engine_process: bool) -> ThreadPinning | None:
+    """This rank's ThreadPinning where thread_cpus gives it CPUs and the C++ kernels are loaded (they set each thread's
+    CPUs from inside OpenMP's threads); None otherwise."""
+    import torch
+
+    if kernels is None:
+        return None
+    own = sorted(os.sched_getaffinity(0))
+    cpus = thread_cpus(config, rank, torch.get_num_threads(), in_engine_process, cpus_one_per_core_first(own, cpu_core))
+    return ThreadPinning(kernels, cpus, own) if cpus else None
+
+
 def limit_front_end_threads() -> None:
     """The server's front end does no tensor math: if anything pulled torch into it, keep it off the engine's cores."""
     if "torch" in sys.modules:

@@ -45,6 +45,7 @@ from pagedserve.processes import (
     exit_if_reimporting_main,
     exit_process,
     exit_with_parent,
+    mark_engine_process,
 )
 
 logger = logging.getLogger(__name__)
@@ -196,6 +197,7 @@ def run_worker(config: EngineConfig, info: RankInfo, init_method: str, ring: Rin
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine core decides when workers stop
     signal.signal(signal.SIGTERM, lambda *_: exit_process(0))
     exit_with_parent(parent_pid)
+    mark_engine_process()
     log.configure(log.FORMAT.replace("%(name)s", f"rank {info.rank} %(name)s"), force=True)  # not a forked parent's handlers
     if info.rank:  # one rank speaks for all
         logging.getLogger().setLevel(logging.WARNING)

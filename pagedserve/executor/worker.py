@@ -37,6 +37,7 @@ from pagedserve.models.loader import (
 )
 from pagedserve.models.location import resolve_model_dir
 from pagedserve.models.moe import moe_shape, parallel_shape_problems
+from pagedserve.processes import is_engine_process
 from pagedserve.spec_decode.draft_model import DraftModelProposer
 from pagedserve.spec_decode.ngram_proposer import NgramProposer
 from pagedserve.spec_decode.proposer import Proposer
@@ -172,6 +173,12 @@ class Worker:
         self.generation_defaults = generation_defaults_of(config, self.model_dir)
         # Compiled now (the first time on a machine), not during the first request.
         self.cpu_kernels = cpu_kernels.load() if config.cpu_kernels and self.device.type == "cpu" else None
+        self.thread_pinning = None
+        if self.on_cpu:
+            self.thread_pinning = cpu_host.thread_pinning(config, rank_info().rank, self.cpu_kernels, is_engine_process())
+        if self.thread_pinning is not None:
+            logger.info("torch threads pinned one to a CPU each (CPUs %s) for steps of up to %d token(s)",
+                        ",".join(map(str, self.thread_pinning.cpus)), cpu_host.PINNED_MAX_TOKENS)
         self.int8_gemms = int8_gemms_wanted(config, self.device, self.dtype, self.cpu_kernels)
         self.attn_backend = select_attention_backend(config.attention_backend, self.device, self.dtype, self.cpu_kernels, self.kv_format)
         if config.data_parallel_place is not None:
@@ -359,6 +366,8 @@ class Worker:
     # ---- steps --------------------------------------------------------------------------------------
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self.thread_pinning is not None:
+            self.thread_pinning.for_step(scheduler_output.total_num_scheduled_tokens)
         if self.kv_prefault is None:
             return self.model_runner.execute_model(scheduler_output)
         self.kv_prefault.step_started()
