@@ -1,8 +1,8 @@
-"""Tuning of the CPU host an engine runs on: threads per rank, glibc's malloc, and mapping the KV cache's
-pages ahead of use. The measurements behind each choice are in docs/cpu.md.
+"""Tuning of the CPU host an engine runs on: threads per rank and the CPUs they run on, glibc's malloc, and mapping
+the KV cache's pages ahead of use. The measurements behind each choice are in docs/cpu.md.
 
 **OpenMP** waiting is set before torch loads, in pagedserve/openmp.py. **Threads**: threads_per_rank below is
-the one rule for how many torch threads a rank runs.
+the one rule for how many torch threads a rank runs; thread_cpus and ThreadPinning for where they run.
 
 **malloc.** glibc maps large blocks straight from the OS and unmaps them on free, and trims the top
 of its heap; a long prefill step frees large activation buffers, which the next step would then
