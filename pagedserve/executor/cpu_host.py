@@ -100,10 +100,10 @@ PINNED_MAX_TOKENS = 1
 
 class ThreadPinning:
     """A rank's torch threads pinned one to a CPU each (thread i to cpus[i]) for steps of up to PINNED_MAX_TOKENS
-    tokens, and free on all the process's CPUs (free_cpus) for larger ones. A lone stream's decode step is short: a
-    thread the OS stacks on its sibling's CPU, as it does when a front end wakes on theirs, doubles it. A larger step
-    hands the front end more tokens, whose work then shares a pinned thread's CPU for longer than the OS, free to
-    place them, lets it (docs/cpu.md, "Threads pinned to CPUs", has the measurements both ways)."""
+    tokens, and free on all the process's CPUs (free_cpus) for larger ones. In a lone stream's short decode step, a
+    thread the OS stacks on its sibling's CPU (as it does when a front end wakes on theirs) can double the step. A
+    larger step hands the front end more tokens to process, and a pinned thread must then share its CPU with that work,
+    where free threads served as many tokens a second (docs/cpu.md, "Threads pinned to CPUs while one stream decodes")."""
 
     def __init__(self, kernels, cpus: list[int], free_cpus: list[int]) -> None:
         self.cpus = cpus
