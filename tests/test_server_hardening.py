@@ -235,7 +235,7 @@ def test_internal_errors_name_a_request_id_and_keep_their_text_in_the_log(caplog
 
     app = FastAPI()
     install_error_handlers(app)
-    install_middleware(app, ServerSettings(), is_draining=lambda: False)
+    install_middleware(app, ServerSettings(), is_draining=lambda: False, is_serving=lambda: True)
 
     @app.get("/boom")
     async def boom():

@@ -20,6 +20,7 @@ import zmq.asyncio
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.core_proc import run_engine_core
+from pagedserve.engine.output_reader import OutputReader
 from pagedserve.engine.wire import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -130,6 +131,7 @@ class AsyncMPClient(EngineCoreClient):
         self.process = spawn.Process(target=run_engine_core, args=(config, input_address, output_address, os.getpid()),
                                      name="EngineCore", daemon=config.world_size == 1)
         self.process.start()
+        self._output_reader = OutputReader(zmq.Socket.shadow(self.output_socket.underlying), self.process.sentinel)
         self.dead = False
         self._utility_ids = itertools.count()
         self._utility_futures: dict[int, asyncio.Future] = {}
@@ -196,17 +198,14 @@ class AsyncMPClient(EngineCoreClient):
 
     async def get_output_async(self) -> EngineCoreOutputs:
         """Next step's outputs; utility replies are routed to their callers on the way. Raises
-        EngineDeadError as soon as the engine process exits (its sentinel is polled beside the socket)."""
-        poller = zmq.asyncio.Poller()
-        poller.register(self.output_socket, zmq.POLLIN)
-        poller.register(self.process.sentinel, zmq.POLLIN)
+        EngineDeadError as soon as the engine process exits (its sentinel is watched beside the socket)."""
         while True:
-            ready = dict(await poller.poll())
-            if self.output_socket not in ready:
+            frame = await self._output_reader.next_frame()
+            if frame is None:
                 self.dead = True
                 self._fail_utilities()
                 raise EngineDeadError(f"engine core process died ({describe_exit(self.process)})")
-            message = decode_output(await self.output_socket.recv())
+            message = decode_output(frame)
             if isinstance(message, UtilityResult):
                 self._resolve_utility(message)
                 continue
@@ -247,6 +246,7 @@ class AsyncMPClient(EngineCoreClient):
         if self.process.is_alive():
             self.process.kill()
             self.process.join()
+        self._output_reader.stop()
         self.input_socket.close(linger=0)
         self.output_socket.close(linger=0)
         self.context.term()

@@ -74,7 +74,10 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
     chat = OpenAIServingChat(engine, models, max_n, renderer, settings.auto_tool_call_parser)
     app = FastAPI(title="pagedserve", version=__version__)
     install_error_handlers(app)
-    install_middleware(app, settings, is_draining=lambda: state.draining)
+    def is_serving() -> bool:
+        return engine.is_healthy and not state.draining
+
+    install_middleware(app, settings, is_draining=lambda: state.draining, is_serving=is_serving)
     if settings.web_console:
         engine.engine_view.show_prompts = settings.web_console_show_prompts
         install_web_console(app, engine, settings.web_console_interval)
@@ -82,7 +85,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
     @app.get("/health", response_class=Response, responses={
         200: {"description": "serving", "content": {}}, 503: {"description": "the engine is gone or the server is shutting down"}})
     async def health():
-        return Response(status_code=200 if engine.is_healthy and not state.draining else 503)
+        return Response(status_code=200 if is_serving() else 503)
 
     @app.get("/version", response_model=VersionResponse, responses=_ERRORS)
     async def version():
