@@ -150,18 +150,21 @@ class EngineMetrics:
             del self._timings[output.request_id]
 
     def _record_scheduler_stats(self, stats: SchedulerStats, engine: int) -> None:
+        # Every step brings these; most steps change few of them, and each metric's update takes a lock.
         last = self._last[engine]
-        self.num_running[engine].set(stats.num_running)
-        self.num_waiting[engine].set(stats.num_waiting)
-        self.kv_cache_usage[engine].set(stats.kv_cache_usage)
-        self.prefix_cache_queries[engine].inc(max(stats.prefix_cache_queries - last.prefix_cache_queries, 0))
-        self.prefix_cache_hits[engine].inc(max(stats.prefix_cache_hits - last.prefix_cache_hits, 0))
-        self.preemptions[engine].inc(max(stats.num_preemptions - last.num_preemptions, 0))
-        self.kv_received_tokens[engine].inc(max(stats.kv_received_tokens - last.kv_received_tokens, 0))
-        self.kv_sent_tokens[engine].inc(max(stats.kv_sent_tokens - last.kv_sent_tokens, 0))
-        self.kv_received_bytes[engine].inc(max(stats.kv_received_bytes - last.kv_received_bytes, 0))
-        self.kv_sent_bytes[engine].inc(max(stats.kv_sent_bytes - last.kv_sent_bytes, 0))
-        self.kv_load_failures[engine].inc(max(stats.kv_load_failures - last.kv_load_failures, 0))
+        for gauge, value, before in ((self.num_running, stats.num_running, last.num_running),
+                                     (self.num_waiting, stats.num_waiting, last.num_waiting),
+                                     (self.kv_cache_usage, stats.kv_cache_usage, last.kv_cache_usage)):
+            if value != before:
+                gauge[engine].set(value)
+        _count_up(self.prefix_cache_queries[engine], stats.prefix_cache_queries, last.prefix_cache_queries)
+        _count_up(self.prefix_cache_hits[engine], stats.prefix_cache_hits, last.prefix_cache_hits)
+        _count_up(self.preemptions[engine], stats.num_preemptions, last.num_preemptions)
+        _count_up(self.kv_received_tokens[engine], stats.kv_received_tokens, last.kv_received_tokens)
+        _count_up(self.kv_sent_tokens[engine], stats.kv_sent_tokens, last.kv_sent_tokens)
+        _count_up(self.kv_received_bytes[engine], stats.kv_received_bytes, last.kv_received_bytes)
+        _count_up(self.kv_sent_bytes[engine], stats.kv_sent_bytes, last.kv_sent_bytes)
+        _count_up(self.kv_load_failures[engine], stats.kv_load_failures, last.kv_load_failures)
         for seconds in stats.kv_transfer_seconds:
             self.kv_transfer_time.observe(seconds)
         if stats.spec is not None:
@@ -174,12 +177,12 @@ class EngineMetrics:
 
     def _record_spec_stats(self, spec: SpecDecodingStats, last: SpecDecodingStats | None, engine: int) -> None:
         last = last or SpecDecodingStats()
-        self.spec_drafts[engine].inc(max(spec.num_drafts - last.num_drafts, 0))
-        self.spec_draft_tokens[engine].inc(max(spec.num_draft_tokens - last.num_draft_tokens, 0))
-        self.spec_accepted_tokens[engine].inc(max(spec.num_accepted_tokens - last.num_accepted_tokens, 0))
+        _count_up(self.spec_drafts[engine], spec.num_drafts, last.num_drafts)
+        _count_up(self.spec_draft_tokens[engine], spec.num_draft_tokens, last.num_draft_tokens)
+        _count_up(self.spec_accepted_tokens[engine], spec.num_accepted_tokens, last.num_accepted_tokens)
         for position, accepted in enumerate(spec.accepted_per_position):
             before = last.accepted_per_position[position] if position < len(last.accepted_per_position) else 0
-            self.spec_accepted_per_position.labels(self.model_name, str(engine), str(position)).inc(max(accepted - before, 0))
+            _count_up(self.spec_accepted_per_position.labels(self.model_name, str(engine), str(position)), accepted, before)
 
     def _maybe_log(self, now: float) -> None:
         elapsed = now - self._last_log_time
@@ -214,3 +217,9 @@ class EngineMetrics:
             draft_tokens = sum(s.num_draft_tokens for s in specs)
             logger.info("Speculative decoding: mean accepted length %.2f, acceptance rate %.1f%% overall (%d drafts)",
                         1 + new_accepted / new_drafts, 100 * accepted / max(draft_tokens, 1), drafts)
+
+
+def _count_up(counter, total: float, before: float) -> None:
+    """Add to counter what a running total of the core grew by since the last step."""
+    if total > before:
+        counter.inc(total - before)
