@@ -179,6 +179,16 @@ def test_serve_samples_and_chats(tmp_path, tiny_models):
     assert isinstance(record["seed"], int)
 
 
+def test_the_serve_client_loads_no_torch():
+    """bench serve's client runs beside the server it measures: only its own workload's module is imported, and
+    nothing of it loads torch (seconds of CPU taken from the server at the start)."""
+    code = ("import sys; import pagedserve.benchmarks.serve as serve; serve.run = lambda args: print('torch' in sys.modules); "
+            "from pagedserve.entrypoints.cli import main; main(['bench', 'serve', '--base-url', 'http://127.0.0.1:9'])")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "False"
+
+
 def test_serve_prompts_differ_between_invocations_unless_seeded():
     from pagedserve.benchmarks.serve import prompt_seed
     from pagedserve.entrypoints.cli import build_parser

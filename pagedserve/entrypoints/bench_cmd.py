@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 from pagedserve.config import EngineConfig
@@ -213,25 +214,17 @@ def run_plot(args) -> int:
     return 0
 
 
-def run_bench(args) -> int:
-    from pagedserve.benchmarks import (
-        executor,
-        gemm_accuracy,
-        interference,
-        kv_accuracy,
-        kv_sched,
-        kv_speed,
-        kv_store,
-        lora_adapters,
-        machine,
-        moe_model,
-        pd,
-        prefix,
-        serve,
-        spec,
-        throughput,
-    )
+# Each workload's module in pagedserve.benchmarks and its entry point: only the chosen one is imported (a client-side
+# workload such as serve does not load torch).
+_RUNNERS = {"throughput": ("throughput", "run"), "serve": ("serve", "run"), "prefix": ("prefix", "run"),
+            "interference": ("interference", "run"), "kv": ("kv_sched", "run_kv"), "sched": ("kv_sched", "run_sched"),
+            "executor": ("executor", "run"), "spec": ("spec", "run"), "machine": ("machine", "run"),
+            "kv-accuracy": ("kv_accuracy", "run"), "gemm-accuracy": ("gemm_accuracy", "run"), "kv-speed": ("kv_speed", "run"),
+            "moe-model": ("moe_model", "run"), "lora-adapters": ("lora_adapters", "run"), "kv-store": ("kv_store", "run"),
+            "pd": ("pd", "run")}
 
+
+def run_bench(args) -> int:
     if args.workload in ("throughput", "prefix", "interference", "executor", "kv-store"):
         defaults = {f.name: f.default for f in EngineConfig.settings()}
         # Engine settings the user changed, passed on to LLM(...); the model travels separately.
@@ -239,11 +232,6 @@ def run_bench(args) -> int:
                                  and getattr(args, name) != defaults[name]}
     if args.workload == "throughput" and args.num_prompts is None:
         args.num_prompts = 64 if args.dataset == "mixed" else 32
-    runners = {"throughput": throughput.run, "serve": serve.run, "prefix": prefix.run, "interference": interference.run,
-               "kv": kv_sched.run_kv, "sched": kv_sched.run_sched, "executor": executor.run, "spec": spec.run,
-               "machine": machine.run, "kv-accuracy": kv_accuracy.run,
-               "gemm-accuracy": gemm_accuracy.run, "kv-speed": kv_speed.run,
-               "moe-model": moe_model.run, "lora-adapters": lora_adapters.run, "kv-store": kv_store.run,
-               "pd": pd.run}
-    runners[args.workload](args)
+    module, function = _RUNNERS[args.workload]
+    getattr(importlib.import_module(f"pagedserve.benchmarks.{module}"), function)(args)
     return 0
