@@ -3,7 +3,7 @@
 import random
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from scheduler_harness import check_block_accounting, fake_run, make_request, make_scheduler, step
 
@@ -592,6 +592,10 @@ def test_a_request_that_comes_back_with_outputs_loads_its_prompt_and_computes_it
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=operations, num_blocks=st.integers(12, 40), budget=st.integers(4, 48), caching=st.booleans(),
        seed=st.integers(0, 1000), failure_policy=st.sampled_from(["recompute", "fail"]))
+# A loaded request waits at the head of the queue while a longer prompt takes every step's budget, fills the cache
+# and is preempted: it must go back behind the loaded request (which holds its blocks), or neither ever runs.
+@example(ops=[("add", 15, 1, 0), ("add", 1, 1, 0), ("add", 38, 1, 0)], num_blocks=12, budget=4, caching=False, seed=0,
+         failure_policy="recompute")
 def test_loads_while_others_run_and_held_blocks_never_leak(ops, num_blocks, budget, caching, seed, failure_policy):
     """Requests that wait for their KV (admitted with their blocks, then run with their prompt computed, or compute it or
     end when the load fails), requests whose blocks are held after they finish, aborts at any point: the blocks' owners

@@ -330,8 +330,19 @@ class Scheduler:
         self.preempted_req_ids.add(victim.request_id)
         if self.drafts:
             self.drafts.preempted(victim.request_id)
-        self.waiting.add_front(victim)
+        self._requeue_preempted(victim)
         return victim
+
+    def _requeue_preempted(self, victim: Request) -> None:
+        """Back to the front of the waiting queue, behind the requests there whose KV arrived from outside: those hold
+        their blocks, of no use to anyone until they run, and a request preempted again and again ahead of them would
+        never let them run (nor give their blocks back)."""
+        holding = []
+        while self.remote_kv is not None and len(self.waiting) > 0 and self.remote_kv.holds_blocks(self.waiting.peek()):
+            holding.append(self.waiting.pop())
+        self.waiting.add_front(victim)
+        for request in reversed(holding):
+            self.waiting.add_front(request)
 
     # ---- after the model ran ---------------------------------------------------------------
 
