@@ -173,11 +173,34 @@ def test_a_step_and_its_output_reach_the_ranks_and_come_back_unchanged():
         finished_req_ids={"gone"}, preempted_req_ids={"bumped"}, shape=StepShape(1, 3, 17.5),
         last_token_ids={"old": (7, 42)}, drafts_to_verify={"old": [3, 4]}, propose_for={"old"},
     )
-    assert rank_messages.decode(rank_messages.encode_step(step)) == ("step", step)
+    executor, rank = rank_messages.ExecutorCodec(), rank_messages.RankCodec()
+    assert rank.decode(executor.encode_step(step)) == ("step", step)
     output = ModelRunnerOutput({"old": 5}, logprobs={"old": LogprobsLists([[5, 6]], [[-0.25, -1.5]], [1])},
                                prompt_logprobs={"new": LogprobsLists([[2], [3]], [[-2.0], [-0.125]], [4, 1])},
                                accepted_token_ids={"old": [3]}, proposed_drafts={"old": [8, 9]})
-    assert rank_messages.decode_step_output(rank_messages.encode_step_output(output)) == output
+    assert executor.decode_step_output(rank.encode_step_output(output)) == output
     assert rank_messages.decode_reply(rank_messages.encode_reply("call", 1, {"any": object.__name__})) == (
         "call", 1, {"any": "object"})
-    assert rank_messages.decode(rank_messages.SHUTDOWN) == ("shutdown", None)
+    assert rank.decode(rank_messages.SHUTDOWN) == ("shutdown", None)
+
+
+def test_steps_that_repeat_their_requests_decode_as_sent():
+    """A step's request ids and token counts travel only when they differ from the previous step's, and the tokens
+    sampled back name their requests only when those differ from the previous output's: every step and output in a
+    run of steps that keep, change, reorder, grow and shrink their requests (calls between them) decodes as it was."""
+    from pagedserve.core.contracts import ModelRunnerOutput, SchedulerOutput
+    from pagedserve.executor import rank_messages
+
+    batches = [{"a": 1, "b": 1}, {"a": 1, "b": 1}, {"a": 1, "b": 4}, {"a": 1, "b": 4}, {"b": 1, "a": 1},
+               {"b": 1, "a": 1, "c": 9}, {"c": 1}, {}, {"c": 1}, {"c": 1}]
+    executor, rank = rank_messages.ExecutorCodec(), rank_messages.RankCodec()
+    sizes = []
+    for index, scheduled in enumerate(batches):
+        step = SchedulerOutput([], [], dict(scheduled), sum(scheduled.values()))
+        frame = executor.encode_step(step)
+        sizes.append(len(frame))
+        assert rank.decode(frame) == ("step", step)
+        assert rank.decode(rank_messages.encode_call(len, ([index],))) == ("call", (len, ([index],)))
+        output = ModelRunnerOutput({request_id: 100 + index for request_id in scheduled})
+        assert executor.decode_step_output(rank.encode_step_output(output)) == output
+    assert sizes[1] < sizes[0] and sizes[3] < sizes[2]  # the repeated steps did not carry their columns again

@@ -35,10 +35,10 @@ class NewRequestData:
     lora_request: LoRARequest | None = None  # the adapter it runs with
 
 
-@dataclass
-class RunningRequestData:
+class RunningRequestData(msgspec.Struct, array_like=True, gc=False):
     """New blocks of a running request the runner already holds. The runner advances each request's
-    num_computed_tokens itself by the tokens it ran, so unchanged decodes cost nothing here."""
+    num_computed_tokens itself by the tokens it ran, so unchanged decodes cost nothing here. A msgspec struct: a step
+    carries one for each request that crossed into a new block, and the executor's ranks decode them every step."""
 
     request_id: str
     new_block_ids: list[int]

@@ -71,6 +71,7 @@ class MultiprocExecutor(DistributedExecutor):
         context = multiprocessing.get_context(self._start_method)
         self.processes = []
         self._ring = RingWriter(len(self.infos), readers_alive=self.check_health)
+        self._codec = rank_messages.ExecutorCodec()
         # Steps in flight each have an output the executor may not have read yet.
         self._output_ring, output_ring_spec = create_ring(1, num_slots=max(4, 2 * config.pipeline_parallel_size))
         # The workers start before this process's ZMQ context exists (its I/O threads would not survive a fork); they
@@ -105,7 +106,8 @@ class MultiprocExecutor(DistributedExecutor):
 
     def submit_step(self, scheduler_output: SchedulerOutput) -> None:
         """Send a step to every rank and return without waiting for it."""
-        self._broadcast(rank_messages.encode_step(scheduler_output))
+        self.check_health()  # before the codec takes the step as sent
+        self._ring.send(self._codec.encode_step(scheduler_output))
         self._pending.append(time.perf_counter())
 
     def wait_step(self) -> ModelRunnerOutput:
@@ -113,7 +115,7 @@ class MultiprocExecutor(DistributedExecutor):
         self._pending.popleft()
         while (frame := self._outputs.recv(timeout_s=_HEALTH_CHECK_S)) is None:
             self._raise_if_a_worker_failed()
-        return rank_messages.decode_step_output(frame)
+        return self._codec.decode_step_output(frame)
 
     def collective_rpc(self, method: WorkerCall, *args) -> list:
         self._broadcast(rank_messages.encode_call(method, args))
@@ -231,15 +233,16 @@ def run_worker(config: EngineConfig, info: RankInfo, init_method: str, ring: Rin
 def serve(rank: WorkerProcess, reader: RingReader, results, outputs: RingWriter | None) -> None:
     """Run what the executor sends until it says shutdown: steps (the output rank writes their outputs) and calls
     (every rank answers)."""
+    codec = rank_messages.RankCodec()
     while True:
-        kind, payload = rank_messages.decode(reader.recv())
+        kind, payload = codec.decode(reader.recv())
         if kind == "shutdown":
             return
         try:
             if kind == "step":
                 output = rank.step(payload)
                 if outputs is not None:
-                    outputs.send(rank_messages.encode_step_output(output))
+                    outputs.send(codec.encode_step_output(output))
             else:
                 results.send(rank_messages.encode_reply("call", rank.rank.rank, rank.call(*payload)))
         except Exception:

@@ -3,10 +3,18 @@ step is its SchedulerOutput as typed msgpack (msgspec: compact, and decoded stra
 no pickle of Python objects on the path every step takes); a call (a worker method or a module-level function, and
 its arguments: start-up, utilities) is pickled, since it may carry any object; shutdown is one byte. Back: a step's
 ModelRunnerOutput as typed msgpack too (alone on its ring); anything else ((kind, rank, value): ready, a call's
-result, an error) pickled."""
+result, an error) pickled.
+
+The maps a step is keyed by request id (the step's scheduled tokens, the tokens sampled back) travel as columns: the
+request ids only when they differ from the previous message's, and the tokens scheduled only when those differ too.
+A run of decode steps names the same requests in the same order with one token each, and decoding hundreds of
+strings and building a map of them each step was most of what a message cost; so the ends keep the previous
+message's columns (each side's codec is stateful, and reads every message of its ring, in order).
+"""
 
 from __future__ import annotations
 
+import copy
 import pickle
 
 import msgspec
@@ -17,37 +25,112 @@ _STEP, _CALL, _SHUTDOWN = b"S", b"C", b"X"
 SHUTDOWN = _SHUTDOWN
 _REPLY = b"P"
 
+
+class _Scheduled(msgspec.Struct, array_like=True, gc=False):
+    """A step's num_scheduled_tokens: None for a column that is the previous step's."""
+
+    request_ids: list[str] | None
+    num_tokens: list[int] | None
+
+
+class _StepWire(msgspec.Struct, array_like=True, gc=False):
+    scheduled: _Scheduled
+    step: SchedulerOutput  # its num_scheduled_tokens empty: they travel as `scheduled`
+
+
+class _Sampled(msgspec.Struct, array_like=True, gc=False):
+    """A step's sampled_token_ids: request_ids None when they are the previous output's."""
+
+    request_ids: list[str] | None
+    token_ids: list[int]
+
+
+class _OutputWire(msgspec.Struct, array_like=True, gc=False):
+    sampled: _Sampled
+    output: ModelRunnerOutput  # its sampled_token_ids empty: they travel as `sampled`
+
+
 _encoder = msgspec.msgpack.Encoder()
-_step_decoder = msgspec.msgpack.Decoder(SchedulerOutput)
-_step_output_decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
+_step_decoder = msgspec.msgpack.Decoder(_StepWire)
+_output_decoder = msgspec.msgpack.Decoder(_OutputWire)
 
 
-def encode_step(scheduler_output: SchedulerOutput) -> bytes:
-    return _STEP + _encoder.encode(scheduler_output)
+class _Column:
+    """One column of a keyed map as its sender last sent it."""
+
+    def __init__(self) -> None:
+        self.previous: list = []
+
+    def outgoing(self, values: list) -> list | None:
+        """values, or None when they equal what went last."""
+        if values == self.previous:
+            return None
+        self.previous = values
+        return values
+
+    def incoming(self, values: list | None) -> list:
+        if values is not None:
+            self.previous = values
+        return self.previous
+
+
+class ExecutorCodec:
+    """The executor's end: it encodes steps and decodes their outputs."""
+
+    def __init__(self) -> None:
+        self._scheduled_ids, self._scheduled_tokens, self._sampled_ids = _Column(), _Column(), _Column()
+
+    def encode_step(self, scheduler_output: SchedulerOutput) -> bytes:
+        scheduled = scheduler_output.num_scheduled_tokens
+        columns = _Scheduled(self._scheduled_ids.outgoing(list(scheduled)), self._scheduled_tokens.outgoing(list(scheduled.values())))
+        rest = copy.copy(scheduler_output)
+        rest.num_scheduled_tokens = {}
+        return _STEP + _encoder.encode(_StepWire(columns, rest))
+
+    def decode_step_output(self, frame: bytes) -> ModelRunnerOutput:
+        wire = _output_decoder.decode(frame)
+        output = wire.output
+        output.sampled_token_ids = dict(zip(self._sampled_ids.incoming(wire.sampled.request_ids), wire.sampled.token_ids))
+        return output
+
+
+class RankCodec:
+    """A rank's end: it decodes what the executor sends, and (the output rank) encodes its steps' outputs."""
+
+    def __init__(self) -> None:
+        self._scheduled_ids, self._scheduled_tokens, self._sampled_ids = _Column(), _Column(), _Column()
+        self._scheduled: dict[str, int] = {}  # the previous step's map, shared by a step with the same columns
+
+    def decode(self, frame: bytes) -> tuple[str, object]:
+        """("step", SchedulerOutput), ("call", (method, args)) or ("shutdown", None)."""
+        kind, body = frame[:1], memoryview(frame)[1:]
+        if kind == _STEP:
+            return "step", self._decode_step(body)
+        if kind == _CALL:
+            return "call", pickle.loads(body)
+        if kind == _SHUTDOWN:
+            return "shutdown", None
+        raise ValueError(f"unknown message kind {bytes(kind)!r}")
+
+    def _decode_step(self, body: memoryview) -> SchedulerOutput:
+        wire = _step_decoder.decode(body)
+        columns = wire.scheduled
+        if columns.request_ids is not None or columns.num_tokens is not None:  # else: read only, so shared
+            self._scheduled = dict(zip(self._scheduled_ids.incoming(columns.request_ids),
+                                       self._scheduled_tokens.incoming(columns.num_tokens)))
+        wire.step.num_scheduled_tokens = self._scheduled
+        return wire.step
+
+    def encode_step_output(self, output: ModelRunnerOutput) -> bytes:
+        sampled = output.sampled_token_ids
+        columns = _Sampled(self._sampled_ids.outgoing(list(sampled)), list(sampled.values()))
+        rest = copy.copy(output)
+        rest.sampled_token_ids = {}
+        return _encoder.encode(_OutputWire(columns, rest))
 
 
 def encode_call(method, args: tuple) -> bytes:
     return _CALL + pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def decode(frame: bytes) -> tuple[str, object]:
-    """("step", SchedulerOutput), ("call", (method, args)) or ("shutdown", None)."""
-    kind, body = frame[:1], memoryview(frame)[1:]
-    if kind == _STEP:
-        return "step", _step_decoder.decode(body)
-    if kind == _CALL:
-        return "call", pickle.loads(body)
-    if kind == _SHUTDOWN:
-        return "shutdown", None
-    raise ValueError(f"unknown message kind {bytes(kind)!r}")
-
-
-def encode_step_output(output: ModelRunnerOutput) -> bytes:
-    return _encoder.encode(output)
-
-
-def decode_step_output(frame: bytes) -> ModelRunnerOutput:
-    return _step_output_decoder.decode(frame)
 
 
 def encode_reply(kind: str, rank: int, value) -> bytes:

@@ -28,11 +28,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 
-import numpy as np
-
 _WORD = 8
 _READER_WORDS = 8  # one 64-byte line per reader: no false sharing between their counters
-_OVERFLOW = np.uint64(2**64 - 1)  # a slot's length word when the message went by the side channel
+_OVERFLOW = 2**64 - 1  # a slot's length word when the message went by the side channel
 _WAKE = b""  # a wake-up on a reader's socket (messages that travel there are never empty)
 _fence_lock = threading.Lock()
 
@@ -43,25 +41,47 @@ def _fence() -> None:
 
 
 class _Layout:
+    """The ring's words as views of the shared buffer (memoryviews of uint64: reading or writing one word is an index,
+    with none of an array library's per-call cost, and every message passes through several)."""
+
     def __init__(self, buffer, num_slots: int, num_readers: int, max_bytes: int) -> None:
         self.num_slots, self.num_readers, self.max_bytes = num_slots, num_readers, max_bytes
         header_words = num_slots + num_readers * _READER_WORDS
-        self.slot_seq = np.ndarray((num_slots,), np.uint64, buffer, 0)
-        self.readers = np.ndarray((num_readers, _READER_WORDS), np.uint64, buffer, num_slots * _WORD)
         self.slot_bytes = _WORD + max_bytes
         self.slots_offset = header_words * _WORD
         self.buffer = buffer
+        self.slot_seq = buffer[: num_slots * _WORD].cast("Q")
+        self.reader_words = buffer[num_slots * _WORD : self.slots_offset].cast("Q")  # reader r's at r * _READER_WORDS
+        self.length_words = [buffer[start : start + _WORD].cast("Q") for start in
+                             range(self.slots_offset, self.slots_offset + num_slots * self.slot_bytes, self.slot_bytes)]
 
     @staticmethod
     def size(num_slots: int, num_readers: int, max_bytes: int) -> int:
         return (num_slots + num_readers * _READER_WORDS) * _WORD + num_slots * (_WORD + max_bytes)
 
-    def length_word(self, slot: int) -> np.ndarray:
-        return np.ndarray((1,), np.uint64, self.buffer, self.slots_offset + slot * self.slot_bytes)
+    def consumed(self, reader: int) -> int:
+        return self.reader_words[reader * _READER_WORDS]
+
+    def set_consumed(self, reader: int, count: int) -> None:
+        self.reader_words[reader * _READER_WORDS] = count
+
+    def sleeping(self, reader: int) -> bool:
+        return self.reader_words[reader * _READER_WORDS + 1] == 1
+
+    def set_sleeping(self, reader: int, flag: bool) -> None:
+        self.reader_words[reader * _READER_WORDS + 1] = int(flag)
+
+    def clear(self) -> None:
+        self.buffer[: self.slots_offset] = bytes(self.slots_offset)
 
     def data(self, slot: int, length: int) -> memoryview:
         start = self.slots_offset + slot * self.slot_bytes + _WORD
         return self.buffer[start : start + length]
+
+    def release(self) -> None:
+        """Let go of the views, which must go before the buffer can close."""
+        for view in (self.slot_seq, self.reader_words, *self.length_words):
+            view.release()
 
 
 @dataclass(frozen=True)
@@ -78,9 +98,8 @@ def create_ring(num_readers: int, num_slots: int = 4, max_bytes: int = 1 << 20) 
     """A new, empty ring: its memory (the creator unlinks it when done, close_ring) and what attaches to it."""
     shm = shared_memory.SharedMemory(create=True, size=_Layout.size(num_slots, num_readers, max_bytes))
     layout = _Layout(shm.buf, num_slots, num_readers, max_bytes)
-    layout.slot_seq[:] = 0
-    layout.readers[:] = 0
-    del layout  # numpy views into the buffer go before it can close
+    layout.clear()
+    layout.release()
     return shm, RingSpec(shm.name, num_slots, num_readers, max_bytes)
 
 
@@ -121,12 +140,14 @@ class RingWriter:
 
     def _next_slot_free(self) -> bool:
         """Whether every reader has consumed the next slot's previous message."""
-        return int(self.layout.readers[:, 0].min()) >= self.sent - self.layout.num_slots + 1
+        layout = self.layout
+        oldest = self.sent - layout.num_slots + 1
+        return all(layout.consumed(reader) >= oldest for reader in range(layout.num_readers))
 
     def _publish(self, message: bytes) -> None:
         layout = self.layout
         slot = self.sent % layout.num_slots
-        length = layout.length_word(slot)
+        length = layout.length_words[slot]
         if len(message) > layout.max_bytes:
             length[0] = _OVERFLOW
             for socket_ in self.side_channels:
@@ -138,12 +159,13 @@ class RingWriter:
         self.sent += 1
         layout.slot_seq[slot] = self.sent
         _fence()
-        for reader in np.flatnonzero(layout.readers[:, 1]):
-            layout.readers[reader, 1] = 0
-            self.side_channels[reader].send(_WAKE)
+        for reader in range(layout.num_readers):
+            if layout.sleeping(reader):
+                layout.set_sleeping(reader, False)
+                self.side_channels[reader].send(_WAKE)
 
     def close(self) -> None:
-        del self.layout  # numpy views into the buffer go before it
+        self.layout.release()
         if self.owned:
             close_ring(self.shm)
         else:
@@ -161,7 +183,7 @@ class RingReader:
         self.index = index
         self.socket = socket
         self.spin_s = spin_s
-        self.received = int(self.layout.readers[index, 0])
+        self.received = self.layout.consumed(index)
         self.side_messages: deque[bytes] = deque()  # read off the socket while sleeping, before their slot
 
     def recv(self, timeout_s: float | None = None) -> bytes | None:
@@ -170,11 +192,11 @@ class RingReader:
         slot = self.received % layout.num_slots
         if not self._wait_for(slot, self.received + 1, timeout_s):
             return None
-        length = int(layout.length_word(slot)[0])
-        message = self._side_channel() if length == int(_OVERFLOW) else bytes(layout.data(slot, length))
+        length = layout.length_words[slot][0]
+        message = self._side_channel() if length == _OVERFLOW else bytes(layout.data(slot, length))
         _fence()
         self.received += 1
-        layout.readers[self.index, 0] = self.received
+        layout.set_consumed(self.index, self.received)
         return message
 
     def _wait_for(self, slot: int, number: int, timeout_s: float | None) -> bool:
@@ -195,8 +217,7 @@ class RingReader:
         return True
 
     def _sleep_until_woken(self, slot: int, number: int, deadline: float | None) -> None:
-        flags = self.layout.readers
-        flags[self.index, 1] = 1
+        self.layout.set_sleeping(self.index, True)
         _fence()
         if self.layout.slot_seq[slot] != number:  # not published meanwhile: the writer will see the flag
             wait_ms = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
@@ -204,7 +225,7 @@ class RingReader:
                 frame = self.socket.recv()
                 if frame != _WAKE:  # a long message, sent before its slot was published
                     self.side_messages.append(frame)
-        flags[self.index, 1] = 0
+        self.layout.set_sleeping(self.index, False)
 
     def _side_channel(self) -> bytes:
         if self.side_messages:
@@ -214,7 +235,7 @@ class RingReader:
         return frame
 
     def close(self) -> None:
-        del self.layout
+        self.layout.release()
         self.shm.close()
 
 
