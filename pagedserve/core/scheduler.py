@@ -175,18 +175,24 @@ class Scheduler:
         hoisted, and a decode whose blocks hold its token costs one call, the plan's."""
         kv = self.kv_cache_manager
         allocate_slots, req_to_blocks, slot_capacity = kv.allocate_slots, kv.req_to_blocks, kv.slot_capacity.get
-        add_plain_decode, drafts_policy = plan.add_plain_decode, self.drafts
+        drafts_policy = self.drafts
         plain_decodes = drafts_policy is None
         preempted_any = False
+        # Decodes whose blocks hold their token (allocate_slots would have nothing to do) wait here until a request
+        # that is not one comes, and join the plan together: most requests of most steps are such decodes.
+        plain: list[Request] = []
         # Preemption removes only requests at or after the current one, which a list iterator tolerates.
         for index, request in enumerate(self.running):
-            if plan.token_budget <= 0:
+            if plan.token_budget <= len(plain):
                 break
             num_computed_tokens = request.num_computed_tokens
             num_new_tokens = len(request.all_token_ids) - num_computed_tokens
             if num_new_tokens == 1 and plain_decodes and num_computed_tokens < slot_capacity(request.request_id, 0):
-                add_plain_decode(request)  # allocate_slots would have nothing to do
+                plain.append(request)
                 continue
+            if plain:
+                plan.add_plain_decodes(plain)
+                plain = []
             drafts = _NO_DRAFTS
             if num_new_tokens > 1:  # an unfinished prompt: chunk it (0: no time left in this step for it)
                 num_new_tokens = plan.chunk_size(num_new_tokens, num_computed_tokens)
@@ -209,6 +215,7 @@ class Scheduler:
                 plan.add_decode(request, drafts, new_blocks, num_blocks)
             else:
                 plan.add_chunk(request, num_new_tokens, new_blocks, num_blocks)
+        plan.add_plain_decodes(plain)
         return preempted_any
 
     def _preempt_until_it_fits(self, request: Request, num_new_tokens: int, lookahead: int, index: int) -> list | None:

@@ -58,17 +58,21 @@ class StepPlan:
         request.num_computed_tokens += num_tokens
         self.token_budget -= num_tokens
 
-    def add_plain_decode(self, request: Request) -> None:
-        """A running request's next token, without drafts and without new blocks: what nearly every request does in
-        nearly every step, so it costs no more than this."""
-        request_id, context_len = request.request_id, request.num_computed_tokens
-        if self.send_last_tokens:
-            self.last_token_ids[request_id] = (context_len, request.all_token_ids[-1])
-        self.num_plain_decodes += 1
-        self.plain_decode_context_lens += context_len
-        self.num_scheduled_tokens[request_id] = 1
-        request.num_computed_tokens = context_len + 1
-        self.token_budget -= 1
+    def add_plain_decodes(self, requests: list[Request]) -> None:
+        """Running requests' next tokens, without drafts and without new blocks: what nearly every request does in
+        nearly every step, so each costs no more than this."""
+        scheduled, last_token_ids = self.num_scheduled_tokens, self.last_token_ids if self.send_last_tokens else None
+        context_lens = 0
+        for request in requests:
+            context_len = request.num_computed_tokens
+            if last_token_ids is not None:
+                last_token_ids[request.request_id] = (context_len, request.all_token_ids[-1])
+            scheduled[request.request_id] = 1
+            request.num_computed_tokens = context_len + 1
+            context_lens += context_len
+        self.num_plain_decodes += len(requests)
+        self.plain_decode_context_lens += context_lens
+        self.token_budget -= len(requests)
 
     def add_chunk(self, request: Request, num_tokens: int, new_blocks: list[KVCacheBlock], num_blocks: int) -> None:
         """The next chunk of a running request's prompt."""
