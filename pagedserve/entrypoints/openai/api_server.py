@@ -74,6 +74,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
     chat = OpenAIServingChat(engine, models, max_n, renderer, settings.auto_tool_call_parser)
     app = FastAPI(title="pagedserve", version=__version__)
     install_error_handlers(app)
+
     def is_serving() -> bool:
         return engine.is_healthy and not state.draining
 
