@@ -106,8 +106,7 @@ class MultiprocExecutor(DistributedExecutor):
 
     def submit_step(self, scheduler_output: SchedulerOutput) -> None:
         """Send a step to every rank and return without waiting for it."""
-        self.check_health()  # before the codec takes the step as sent
-        self._ring.send(self._codec.encode_step(scheduler_output))
+        self._broadcast(self._codec.encode_step(scheduler_output))
         self._pending.append(time.perf_counter())
 
     def wait_step(self) -> ModelRunnerOutput:
