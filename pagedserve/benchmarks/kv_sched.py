@@ -6,6 +6,7 @@ import dataclasses
 import random
 import time
 
+from pagedserve.benchmarks.output_path import time_output_path
 from pagedserve.benchmarks.report import percentile, print_table, write_json
 from pagedserve.config import DecodeStallLimit, EngineConfig
 from pagedserve.core.contracts import ModelRunnerOutput, SchedulerOutput
@@ -68,7 +69,8 @@ def capacity_by_dtype(model: str, kv_cache_memory: int, block_size: int, max_mod
 def run_sched(args) -> dict:
     """Microseconds per schedule() + update_from_output() with many running decodes and a waiting queue, under the
     engine's default time bound on prompt work (its step-time model fit to warm-up-like steps). The runner's output,
-    which the bench makes up between the two, is not timed."""
+    which the bench makes up between the two, is not timed. Then the step's other host work at the same batch, each part
+    on its own: the runner's input preparation and sampling metadata, and the outputs' way to the clients."""
     rng = random.Random(args.seed)
     kv = KVCacheManager(args.num_blocks, 16, enable_caching=True)
     scheduler = Scheduler(kv, max_model_len=4096, max_num_batched_tokens=8192, max_num_seqs=args.num_running,
@@ -99,6 +101,8 @@ def run_sched(args) -> dict:
                             ("sampling_metadata_greedy", time_sampling_metadata(requests, sampling_ids, args.steps)),
                             ("sampling_metadata_sampled", time_sampling_metadata(sampled, sampling_ids, args.steps))):
         record[f"{name}_median_us"], record[f"{name}_p99_us"] = _median_and_p99_us(durations)
+    for stage, durations in time_output_path(args.model, len(sampling_ids), args.steps, args.seed).items():
+        record[f"output_{stage}_median_us"], record[f"output_{stage}_p99_us"] = _median_and_p99_us(durations)
     print_table("scheduler + KV manager step (no model)", [
         ("running requests", record["num_running"]), ("waiting requests", record["num_waiting"]),
         ("median us / step", median_us), ("p99 us / step", p99_us),
@@ -107,6 +111,10 @@ def run_sched(args) -> dict:
          f"{record['sampling_metadata_greedy_median_us']:.0f} / {record['sampling_metadata_greedy_p99_us']:.0f}"),
         ("runner sampling metadata, temperature 1, median / p99 us",
          f"{record['sampling_metadata_sampled_median_us']:.0f} / {record['sampling_metadata_sampled_p99_us']:.0f}"),
+        *((f"the step's outputs: {label}, median / p99 us",
+           f"{record[f'output_{stage}_median_us']:.0f} / {record[f'output_{stage}_p99_us']:.0f}")
+          for stage, label in (("encode", "the core encodes"), ("decode", "the front end decodes"),
+                               ("metrics", "metrics"), ("output_processor", "detokenized into request outputs"))),
     ])
     write_json(args.json, record)
     return record

@@ -22,27 +22,26 @@ class IncrementalDetokenizer:
         self.stop = params.stop
         self.include_stop_str_in_output = params.include_stop_str_in_output
         self.max_stop_len = max((len(s) for s in self.stop), default=0)
+        # Characters held back from a stream: they could still become the start of a stop string.
+        self.stop_buffer_length = self.max_stop_len - 1 if self.max_stop_len and not self.include_stop_str_in_output else 0
         self.output_text = ""
         self.token_ids: list[int] = []
         self._sent_chars = 0
-
-    @property
-    def stop_buffer_length(self) -> int:
-        """Characters held back from a stream: they could still become the start of a stop string."""
-        return self.max_stop_len - 1 if self.max_stop_len and not self.include_stop_str_in_output else 0
 
     def update(self, new_token_ids: list[int], stop_terminated: bool) -> str | None:
         """Add tokens; returns the stop string if one now ends the text (the text is cut there)."""
         skipped_stop_token = None
         if stop_terminated and not self.include_stop_str_in_output and new_token_ids:
             skipped_stop_token, new_token_ids = new_token_ids[-1], new_token_ids[:-1]
-        for _index, token_id in enumerate(new_token_ids):
-            self.token_ids.append(token_id)
+        token_ids, stream, backend = self.token_ids, self._stream, self._backend
+        for token_id in new_token_ids:
+            token_ids.append(token_id)
+            chunk = stream.step(backend, token_id)
+            if not chunk:
+                continue
             text_before = len(self.output_text)
-            chunk = self._stream.step(self._backend, token_id)
-            if chunk:
-                self.output_text += chunk
-            matched = self._check_stop_strings(text_before)
+            self.output_text += chunk
+            matched = self._check_stop_strings(text_before) if self.stop else None
             if matched is not None:
                 return matched
         if skipped_stop_token is not None:
@@ -50,8 +49,6 @@ class IncrementalDetokenizer:
         return None
 
     def _check_stop_strings(self, text_before: int) -> str | None:
-        if not self.stop or len(self.output_text) == text_before:
-            return None
         search_from = max(0, text_before - self.max_stop_len + 1)
         for stop in self.stop:
             position = self.output_text.find(stop, search_from)

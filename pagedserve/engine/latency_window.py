@@ -36,16 +36,17 @@ class RecentLatencies:
         self._count = 0
         self._seconds: deque[tuple[int, dict[int, int]]] = deque()  # (whole second, bucket -> count), oldest first
 
-    def observe(self, now: float, seconds: float) -> None:
+    def observe(self, now: float, seconds: float, count: int = 1) -> None:
+        """count observations of the same latency."""
         second = int(now)
         if not self._seconds or self._seconds[-1][0] != second:
             self._expire(now)
             self._seconds.append((second, {}))
         bucket = _bucket(seconds)
         counts = self._seconds[-1][1]
-        counts[bucket] = counts.get(bucket, 0) + 1
-        self._totals[bucket] += 1
-        self._count += 1
+        counts[bucket] = counts.get(bucket, 0) + count
+        self._totals[bucket] += count
+        self._count += count
 
     def percentiles(self, now: float, quantiles: tuple[float, ...]) -> dict[str, float | None]:
         """{"p50": ...} for each quantile (nearest rank) of the latencies of the last window_s seconds; None: none."""

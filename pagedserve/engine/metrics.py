@@ -6,9 +6,10 @@ import logging
 import time
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from pagedserve.core.contracts import EngineCoreOutput, SchedulerStats, SpecDecodingStats
+from pagedserve.engine.counted_histogram import CountedHistogram
 from pagedserve.engine.latency_window import RecentLatencies
 
 logger = logging.getLogger("pagedserve.stats")
@@ -43,7 +44,7 @@ class EngineMetrics:
             return [metric.labels(model_name, engine) for engine in engines]
 
         def histogram(name, doc):
-            return Histogram(f"pagedserve:{name}", doc, labels, buckets=_LATENCY_BUCKETS, registry=self.registry).labels(model_name)
+            return CountedHistogram(f"pagedserve:{name}", doc, {"model_name": model_name}, _LATENCY_BUCKETS, self.registry)
 
         self.num_running = gauge("num_requests_running", "Requests in the running batch")
         self.num_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled")
@@ -122,32 +123,41 @@ class EngineMetrics:
             self.request_success.labels(self.model_name, "stop").inc()
 
     def record_outputs(self, outputs: list[EngineCoreOutput], stats: SchedulerStats | None, now: float, engine: int = 0) -> None:
+        # Runs for every output of every step. The outputs whose previous tokens came from one step share their
+        # inter-token latency: each distinct latency is observed once, with its count.
+        timings, num_generated = self._timings, 0
+        outputs_by_previous_time: dict[float, int] = {}
         for output in outputs:
-            self._record_output(output, now, engine)
+            timing = timings.get(output.request_id)
+            if timing is None or not output.new_token_ids:
+                continue
+            num_generated += len(output.new_token_ids)
+            previous = timing.last_token_time
+            if previous is None:
+                self._record_first_token(timing, now, engine)
+            else:
+                outputs_by_previous_time[previous] = outputs_by_previous_time.get(previous, 0) + 1
+            timing.last_token_time = now
+            if output.finish_reason is not None:
+                self.e2e.observe(now - timing.arrival)
+                self.request_success.labels(self.model_name, output.finish_reason).inc()
+                del timings[output.request_id]
+        for previous, count in outputs_by_previous_time.items():
+            self.itl.observe(now - previous, count)
+            self.recent_itl.observe(now, now - previous, count)
+        if num_generated:
+            self.generation_tokens[engine].inc(num_generated)
+            self._window_generation_tokens += num_generated
+            self.total_generation_tokens += num_generated
         if stats is not None:
             self._record_scheduler_stats(stats, engine)
         self._maybe_log(now)
 
-    def _record_output(self, output: EngineCoreOutput, now: float, engine: int) -> None:
-        timing = self._timings.get(output.request_id)
-        if timing is None or not output.new_token_ids:
-            return
-        if timing.last_token_time is None:
-            self.ttft.observe(now - timing.arrival)
-            self.recent_ttft.observe(now, now - timing.arrival)
-            self.prompt_tokens[engine].inc(timing.num_prompt_tokens)
-            self._window_prompt_tokens += timing.num_prompt_tokens
-        else:
-            self.itl.observe(now - timing.last_token_time)
-            self.recent_itl.observe(now, now - timing.last_token_time)
-        timing.last_token_time = now
-        self.generation_tokens[engine].inc(len(output.new_token_ids))
-        self._window_generation_tokens += len(output.new_token_ids)
-        self.total_generation_tokens += len(output.new_token_ids)
-        if output.finished:
-            self.e2e.observe(now - timing.arrival)
-            self.request_success.labels(self.model_name, output.finish_reason).inc()
-            del self._timings[output.request_id]
+    def _record_first_token(self, timing: _RequestTiming, now: float, engine: int) -> None:
+        self.ttft.observe(now - timing.arrival)
+        self.recent_ttft.observe(now, now - timing.arrival)
+        self.prompt_tokens[engine].inc(timing.num_prompt_tokens)
+        self._window_prompt_tokens += timing.num_prompt_tokens
 
     def _record_scheduler_stats(self, stats: SchedulerStats, engine: int) -> None:
         # Every step brings these; most steps change few of them, and each metric's update takes a lock.

@@ -9,6 +9,9 @@ from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.outputs import CompletionOutput, Logprob, LogprobsLists, PositionLogprobs, RequestOutput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
+# Read for every output of every step: an enum member's attribute lookup costs more than a module global's.
+_FINAL_ONLY, _DELTA = RequestOutputKind.FINAL_ONLY, RequestOutputKind.DELTA
+
 
 @dataclass
 class SampleState:
@@ -36,7 +39,10 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.samples.values())
+        for sample in self.samples.values():  # a loop, not all() over a generator: asked of every output of every step
+            if sample.finish_reason is None:
+                return False
+        return True
 
 
 @dataclass
@@ -150,9 +156,9 @@ class OutputProcessor:
 
     def _make_output(self, state: RequestState, finished: bool) -> RequestOutput | None:
         kind = state.params.output_kind
-        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+        if kind is _FINAL_ONLY and not finished:
             return None
-        delta = kind == RequestOutputKind.DELTA
+        delta = kind is _DELTA
         completions = [self._completion(sample, delta) for sample in state.samples.values()]
         prompt_logprobs = state.prompt_logprobs
         if delta and prompt_logprobs is not None:

@@ -115,6 +115,7 @@ def register(sub) -> None:
     sched.add_argument("--num-running", type=int, default=256)
     sched.add_argument("--num-blocks", type=int, default=20000)
     sched.add_argument("--steps", type=int, default=500)
+    sched.add_argument("--model", default=EngineConfig.model, help="whose tokenizer detokenizes the step's outputs")
 
     machine = _workload(workloads, "machine", "the machine's limits: memory read bandwidth, float32 / bfloat16 / int8 matrix "
                                               "rates (no model)")
