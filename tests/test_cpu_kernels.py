@@ -498,3 +498,37 @@ def test_each_torch_thread_runs_on_the_cpus_it_is_given():
     # Freed, each thread runs on every CPU given again.
     assert freed["main"] == cpus and not any(len(allowed) == 1 for allowed in freed["others"] if len(cpus) > 1)
     assert "-1" in report["refused"]
+
+
+@pytest.fixture
+def kernels_loaded_anew():
+    """cpu_kernels.load() forgets the module it loaded, before and after the test."""
+    cpu_kernels.load.cache_clear()
+    yield
+    cpu_kernels.load.cache_clear()
+
+
+def _build_tool_must_not_run(**kwargs):
+    raise AssertionError("the kernels were built again")
+
+
+def test_a_finished_build_is_used_without_building_again(monkeypatch, kernels_loaded_anew):
+    """Another checkout or virtual environment with the same sources, Python and torch imports the build as it is."""
+    import torch.utils.cpp_extension
+
+    assert cpu_kernels.load() is not None  # built (or found) as usual
+    cpu_kernels.load.cache_clear()
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", _build_tool_must_not_run)
+    module = cpu_kernels.load()
+    assert module is not None and callable(module.paged_decode_attention)
+
+
+def test_a_build_that_does_not_load_is_built_again(monkeypatch, tmp_path, caplog, kernels_loaded_anew):
+    import torch.utils.cpp_extension
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
+    (cpu_kernels._build_dir() / "pagedserve_cpu_kernels.so").write_bytes(b"a link cut short")
+    rebuilt = object()
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda **kwargs: rebuilt)
+    assert cpu_kernels.load() is rebuilt
+    assert "did not load" in caplog.text and str(tmp_path) in caplog.text

@@ -2,16 +2,19 @@
 layers of an engine that runs them (the cpu_kernels setting).
 
 A build is keyed by everything that determines it: the sources, the compiler flags, the processor
-(-march=native), the Python and torch it links against (version and install location). Its sources are copied into the build
-directory, so checkouts with the same sources share one build and no environment's use of it makes
-another rebuild it. If the compiler or ninja is missing the build fails once, a warning says why,
-and every layer runs its plain-torch path.
+(-march=native), the Python and the torch build it links against (its version, source commit and C++ ABI, not where
+it is installed: the library finds torch's own libraries among those `import torch` loaded). Once built, it is
+imported as it is, so every checkout and virtual environment of the same sources, Python and torch on the machine
+shares one build without running the build tool again. Its sources are copied into the build directory, so that a
+build never depends on the checkout it started from. If the compiler or ninja is missing the build fails once, a
+warning says why, and every layer runs its plain-torch path.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import logging
 import os
 import shutil
@@ -32,6 +35,7 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
 _SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "quantized_linear.cpp", "quantized_linear_q8.cpp", "sampling.cpp", "lora.cpp",
             "int8_gemm.cpp", "bf16_gemm.cpp", "decode_layers.cpp", "thread_pinning.cpp", "bindings.cpp")
+_MODULE_NAME = "pagedserve_cpu_kernels"
 _HEADERS = ("ops.h", "decode_layers.h", "gguf_block.h", "vec_lanes.h", "silu_row.h", "parallel_rows.h")
 
 
@@ -63,39 +67,61 @@ def _compile_flags() -> list[str]:
 def load():
     """The compiled module, or None when it cannot be built here."""
     try:
-        from torch.utils.cpp_extension import load as load_extension
-
         build_dir = _build_dir()
-        source_dir = build_dir / "src"
-        if not all((source_dir / name).is_file() for name in (*_SOURCES, *_HEADERS)):
-            staging = build_dir / f"src.tmp{id(build_dir)}"
-            staging.mkdir(parents=True, exist_ok=True)
-            for name in (*_SOURCES, *_HEADERS):
-                shutil.copy(_CSRC / name, staging / name)
-            try:
-                staging.rename(source_dir)
-            except OSError:  # another process copied them first
-                shutil.rmtree(staging, ignore_errors=True)
-        first_build = not any(build_dir.glob("*.so"))
-        if first_build:
-            logger.info("compiling the C++ CPU kernels for this machine (once per machine, toolchain and torch) into %s", build_dir)
-        _use_packaged_ninja()
-        start = time.monotonic()
-        with _progress(build_dir, start) if first_build else contextlib.nullcontext():
-            module = load_extension(
-                name="pagedserve_cpu_kernels",
-                sources=[str(source_dir / name) for name in _SOURCES],
-                extra_cflags=_compile_flags(),
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(build_dir),
-                verbose=False,
-            )
-        if first_build:
-            logger.info("C++ CPU kernels built in %.0f s", time.monotonic() - start)
-        return module
+        built = _import_built(build_dir)
+        return built if built is not None else _build(build_dir)
     except Exception as exc:  # no compiler, no ninja, ...: the reference paths still work
         logger.warning("CPU kernels unavailable (%s); using the torch reference paths", exc)
         return None
+
+
+def _build(build_dir: Path):
+    # Imported here: torch's build tool takes longer to import than a finished build does.
+    from torch.utils.cpp_extension import load as load_extension
+
+    source_dir = build_dir / "src"
+    if not all((source_dir / name).is_file() for name in (*_SOURCES, *_HEADERS)):
+        staging = build_dir / f"src.tmp{id(build_dir)}"
+        staging.mkdir(parents=True, exist_ok=True)
+        for name in (*_SOURCES, *_HEADERS):
+            shutil.copy(_CSRC / name, staging / name)
+        try:
+            staging.rename(source_dir)
+        except OSError:  # another process copied them first
+            shutil.rmtree(staging, ignore_errors=True)
+    first_build = not any(build_dir.glob("*.so"))
+    if first_build:
+        logger.info("compiling the C++ CPU kernels for this machine (once per machine, Python and torch) into %s", build_dir)
+    _use_packaged_ninja()
+    start = time.monotonic()
+    with _progress(build_dir, start) if first_build else contextlib.nullcontext():
+        module = load_extension(
+            name=_MODULE_NAME,
+            sources=[str(source_dir / name) for name in _SOURCES],
+            extra_cflags=_compile_flags(),
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            verbose=False,
+        )
+    if first_build:
+        logger.info("C++ CPU kernels built in %.0f s", time.monotonic() - start)
+    return module
+
+
+def _import_built(build_dir: Path):
+    """The finished build in build_dir, imported without the build tool; None if there is none, or if it does not
+    import (a link cut short, say: the build tool then builds it again)."""
+    library = build_dir / f"{_MODULE_NAME}.so"
+    if not library.is_file():
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location(_MODULE_NAME, library)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except (ImportError, OSError) as exc:
+        logger.warning("the C++ CPU kernels in %s did not load (%s); building them again", build_dir, exc)
+        return None
+    return module
 
 
 def _use_packaged_ninja() -> None:
@@ -138,7 +164,8 @@ def build_key() -> str:
         digest.update(name.encode())
         digest.update((_CSRC / name).read_bytes())
     digest.update(" ".join(_compile_flags()).encode())
-    digest.update(f"{sys.version}|{torch.__version__}|{Path(torch.__file__).parent}|{cpu_features().identity}".encode())
+    torch_build = f"{torch.__version__}|{torch.version.git_version}|{torch._C._GLIBCXX_USE_CXX11_ABI}"
+    digest.update(f"{sys.version}|{torch_build}|{cpu_features().identity}".encode())
     return digest.hexdigest()[:16]
 
 
