@@ -312,6 +312,39 @@ def test_regex_choice_and_json_object_on_both_endpoints(client):
     assert anything.finish_reason == "stop" and isinstance(json.loads(anything.text), dict)
 
 
+def _strict_json(text: str):
+    """JSON as the standard has it: -Infinity and NaN are not JSON (a browser's JSON.parse refuses them)."""
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_of_tokens_a_structure_rules_out_are_json_numbers(server, stream):
+    """Where only the end of text may follow, every other top logprob is -inf: both endpoints answer with valid JSON,
+    those logprobs as the lowest number the API reports, the chosen token's as its own."""
+    choice = {"structured_outputs": {"choice": ["yes", "no"]}, "max_tokens": 3, "temperature": 0, "stream": stream}
+    requests_ = [("/v1/completions", {"prompt": "Is the sky blue?", "logprobs": 5, **choice}),
+                 ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Is the sky blue?"}], "logprobs": True,
+                                           "top_logprobs": 5, **choice})]
+    for path, body in requests_:
+        response = server.post(path, json={"model": MODEL, **body})
+        assert response.status_code == 200, response.text
+        events = ([line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
+                  if stream else [response.text])
+        values = []
+        for event in events:
+            for entry in _strict_json(event)["choices"]:
+                logprobs = entry.get("logprobs")  # a streamed chat chunk leaves out what it does not carry
+                if logprobs is None:
+                    continue
+                if path == "/v1/completions":
+                    values += logprobs["token_logprobs"] + [v for top in logprobs["top_logprobs"] for v in top.values()]
+                else:
+                    values += [v for e in logprobs["content"] for v in (e["logprob"], *(t["logprob"] for t in e["top_logprobs"]))]
+        assert -9999.0 in values and all(-9999.0 <= value <= 0.0 for value in values), (path, values)
+
+
 @pytest.mark.parametrize("fields,param,message", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objec"}}}}, "response_format",
      "Unsupported type"),

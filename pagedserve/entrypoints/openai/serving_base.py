@@ -27,6 +27,10 @@ _DISCONNECT_POLL_S = 0.5
 _SERVER_ENDED = (EngineDeadError, RequestEndedError)
 
 
+# What the API reports for a logprob of -inf.
+LOWEST_LOGPROB = -9999.0
+
+
 class ServingBase:
     def __init__(self, engine: AsyncLLM, models: ServingModels, max_n: int) -> None:
         self.engine = engine
@@ -37,6 +41,12 @@ class ServingBase:
         # (FrontEnd.cap_unrequested_tokens) rather than sets.
         self.default_params = dataclasses.replace(engine.front_end.default_sampling_params(), max_tokens=None)
         self._token_texts: dict[int, str] = {}
+
+    @staticmethod
+    def api_logprob(logprob: float) -> float:
+        """A logprob as the API reports it: a token the request's structure or filters ruled out has -inf, which JSON
+        cannot carry, so it is reported as LOWEST_LOGPROB (as vLLM does)."""
+        return max(logprob, LOWEST_LOGPROB)
 
     def token_text(self, token_id: int) -> str:
         """A token's text decoded alone, as logprobs show it. Cached (a vocabulary's worth at most): an echoed long

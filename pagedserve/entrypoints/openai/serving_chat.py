@@ -126,8 +126,8 @@ class OpenAIServingChat(ServingBase):
             token = self.token_text(token_id)
             top = sorted(position.items(), key=lambda item: item[1].rank)[: request.top_logprobs or 0]
             entries.append(ChatLogprobEntry(
-                token=token, logprob=position[token_id].logprob, bytes=list(token.encode()),
-                top_logprobs=[TopLogprob(token=(t := self.token_text(tid)), logprob=lp.logprob, bytes=list(t.encode()))
+                token=token, logprob=self.api_logprob(position[token_id].logprob), bytes=list(token.encode()),
+                top_logprobs=[TopLogprob(token=(t := self.token_text(tid)), logprob=self.api_logprob(lp.logprob), bytes=list(t.encode()))
                               for tid, lp in top],
             ))
         return ChatChoiceLogprobs(content=entries)

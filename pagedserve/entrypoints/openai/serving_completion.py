@@ -104,8 +104,8 @@ class OpenAIServingCompletion(ServingBase):
                 target.token_logprobs.append(None)
                 target.top_logprobs.append(None)
                 continue
-            target.token_logprobs.append(position[token_id].logprob)
-            target.top_logprobs.append({self.token_text(tid): lp.logprob for tid, lp in position.items()})
+            target.token_logprobs.append(self.api_logprob(position[token_id].logprob))
+            target.top_logprobs.append({self.token_text(tid): self.api_logprob(lp.logprob) for tid, lp in position.items()})
 
 
 def _prompt_list(prompt) -> list:
