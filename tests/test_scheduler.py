@@ -596,6 +596,11 @@ def test_a_request_that_comes_back_with_outputs_loads_its_prompt_and_computes_it
 # and is preempted: it must go back behind the loaded request (which holds its blocks), or neither ever runs.
 @example(ops=[("add", 15, 1, 0), ("add", 1, 1, 0), ("add", 38, 1, 0)], num_blocks=12, budget=4, caching=False, seed=0,
          failure_policy="recompute")
+# Nothing runs, and two loaded requests wait, each holding blocks and needing one the other holds: one of them must give
+# its blocks up, or neither ever runs.
+@example(ops=[("add", 37, 1, 0), ("add", 40, 1, 0), ("step", 2), ("add", 32, 6, 0), ("add", 17, 5, 0), ("step", 1), ("step", 4),
+              ("add", 36, 11, 0), ("add", 38, 4, 0), ("add", 36, 2, 0)], num_blocks=19, budget=37, caching=False, seed=289,
+         failure_policy="fail")
 def test_loads_while_others_run_and_held_blocks_never_leak(ops, num_blocks, budget, caching, seed, failure_policy):
     """Requests that wait for their KV (admitted with their blocks, then run with their prompt computed, or compute it or
     end when the load fails), requests whose blocks are held after they finish, aborts at any point: the blocks' owners

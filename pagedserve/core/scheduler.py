@@ -278,8 +278,9 @@ class Scheduler:
         if num_new_tokens == 0:  # no time left in this step
             return False
         lookahead = self.drafts.lookahead_slots(request, num_computed_tokens + num_new_tokens) if self.drafts else 0
-        if self.kv_cache_manager.allocate_slots(request, num_external_tokens + num_new_tokens, computed_blocks, lookahead) is None:
-            return False
+        while self.kv_cache_manager.allocate_slots(request, num_external_tokens + num_new_tokens, computed_blocks, lookahead) is None:
+            if not self._preempt_a_waiting_request(request):
+                return False
         self.waiting.pop()
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_computed_tokens
@@ -339,6 +340,22 @@ class Scheduler:
             self.drafts.preempted(victim.request_id)
         self._requeue_preempted(victim)
         return victim
+
+    def _preempt_a_waiting_request(self, head: Request) -> bool:
+        """With nothing running, blocks that waiting requests hold (their KV loaded from outside) come free only when
+        those requests run: two that each need a block the other holds would wait forever. So the last of them behind
+        the head gives its blocks up (it loads or computes its KV again when admitted). Returns whether one did."""
+        if self.running or self.remote_kv is None:
+            return False
+        holders = [request for request in self.waiting if request is not head and self.remote_kv.holds_blocks(request)]
+        if not holders:
+            return False
+        victim = holders[-1]
+        self.kv_cache_manager.free(victim)
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        return True
 
     def _requeue_preempted(self, victim: Request) -> None:
         """Back to the front of the waiting queue, behind the requests there whose KV arrived from outside: those hold
