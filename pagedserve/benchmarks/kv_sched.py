@@ -6,7 +6,7 @@ import dataclasses
 import random
 import time
 
-from pagedserve.benchmarks.output_path import time_output_path
+from pagedserve.benchmarks.output_path import STAGES, time_output_path
 from pagedserve.benchmarks.report import percentile, print_table, write_json
 from pagedserve.config import DecodeStallLimit, EngineConfig
 from pagedserve.core.contracts import ModelRunnerOutput, SchedulerOutput
@@ -113,8 +113,7 @@ def run_sched(args) -> dict:
          f"{record['sampling_metadata_sampled_median_us']:.0f} / {record['sampling_metadata_sampled_p99_us']:.0f}"),
         *((f"the step's outputs: {label}, median / p99 us",
            f"{record[f'output_{stage}_median_us']:.0f} / {record[f'output_{stage}_p99_us']:.0f}")
-          for stage, label in (("encode", "the core encodes"), ("decode", "the front end decodes"),
-                               ("metrics", "metrics"), ("output_processor", "detokenized into request outputs"))),
+          for stage, label in STAGES.items()),
     ])
     write_json(args.json, record)
     return record

@@ -16,7 +16,9 @@ from pagedserve.engine.wire import EngineCoreOutputs, decode_output, encode_outp
 from pagedserve.executor.abstract import Executor
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
-STAGES = ("encode", "decode", "metrics", "output_processor")
+# Each stage's name in the record, and what it times.
+STAGES = {"encode": "the core encodes", "decode": "the front end decodes", "metrics": "metrics",
+          "output_processor": "detokenized into request outputs"}
 
 # Text the requests "generate", token by token, each from its own offset: real tokens of the model's vocabulary.
 _TEXT = ("The quick brown fox jumps over the lazy dog, then runs into the forest to look for food; "

@@ -330,11 +330,8 @@ class Scheduler:
         else:
             victim = max(candidates, key=lambda r: r.arrival_time)
         self.running.remove(victim)
-        self.kv_cache_manager.free(victim)
+        self._take_back_blocks(victim)
         victim.status = RequestStatus.PREEMPTED
-        victim.num_computed_tokens = 0
-        victim.num_preemptions += 1
-        self.num_preemptions += 1
         self.preempted_req_ids.add(victim.request_id)
         if self.drafts:
             self.drafts.preempted(victim.request_id)
@@ -350,12 +347,15 @@ class Scheduler:
         holders = [request for request in self.waiting if request is not head and self.remote_kv.holds_blocks(request)]
         if not holders:
             return False
-        victim = holders[-1]
+        self._take_back_blocks(holders[-1])
+        return True
+
+    def _take_back_blocks(self, victim: Request) -> None:
+        """A preemption: the request's blocks go back and its KV is computed (or loaded) again when it is admitted."""
         self.kv_cache_manager.free(victim)
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         self.num_preemptions += 1
-        return True
 
     def _requeue_preempted(self, victim: Request) -> None:
         """Back to the front of the waiting queue, behind the requests there whose KV arrived from outside: those hold

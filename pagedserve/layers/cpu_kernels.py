@@ -35,8 +35,8 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).resolve().parent.parent / "csrc"
 _SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "quantized_linear.cpp", "quantized_linear_q8.cpp", "sampling.cpp", "lora.cpp",
             "int8_gemm.cpp", "bf16_gemm.cpp", "decode_layers.cpp", "thread_pinning.cpp", "bindings.cpp")
-_MODULE_NAME = "pagedserve_cpu_kernels"
 _HEADERS = ("ops.h", "decode_layers.h", "gguf_block.h", "vec_lanes.h", "silu_row.h", "parallel_rows.h")
+_MODULE_NAME = "pagedserve_cpu_kernels"
 
 
 class UsesCPUKernels:
