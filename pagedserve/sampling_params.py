@@ -44,6 +44,7 @@ FIELD_BOUNDS = {
     "frequency_penalty": Bounds(ge=-2.0, le=2.0),
     "repetition_penalty": Bounds(gt=0.0, le=2.0),
     "logprobs": Bounds(ge=0, le=MAX_LOGPROBS),
+    "logit_bias": Bounds(ge=-100.0, le=100.0),  # each token's bias
 }
 
 
@@ -120,6 +121,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
+    # token id -> a number added to its logit before penalties, temperature and the filters (OpenAI's logit_bias:
+    # -100 bans a token in effect, 100 all but forces it).
+    logit_bias: dict[int, float] | None = None
     # With a P2pConnector: what a prefill instance and a decode instance say to each other about the request's KV
     # (vLLM's fields: do_remote_decode, do_remote_prefill, remote_engine_id, remote_block_ids, remote_host, ...).
     kv_transfer_params: dict | None = None
@@ -133,6 +137,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if not self.logit_bias:
+            self.logit_bias = None
         self.validate()
 
     @property
@@ -170,6 +176,8 @@ class SamplingParams:
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings", self.stop)
         valid_ids = all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids)
         _check(valid_ids, "stop_token_ids", "non-negative token ids", self.stop_token_ids)
+        if self.logit_bias is not None:
+            self._validate_logit_bias()
         _check(self.kv_transfer_params is None or isinstance(self.kv_transfer_params, dict), "kv_transfer_params", "a JSON object",
                self.kv_transfer_params)
         if self.structured_outputs is not None:
@@ -177,6 +185,15 @@ class SamplingParams:
             _check(self.min_tokens == 0, "min_tokens", "0 with structured_outputs (the structure decides where the output ends)",
                    self.min_tokens)
             _check(not self.ignore_eos, "ignore_eos", "false with structured_outputs (the structure ends with EOS)", self.ignore_eos)
+
+    def _validate_logit_bias(self) -> None:
+        bias, bounds = self.logit_bias, FIELD_BOUNDS["logit_bias"]
+        _check(isinstance(bias, dict), "logit_bias", "a mapping of token ids to numbers", bias)
+        for token_id, value in bias.items():
+            _check(isinstance(token_id, int) and not isinstance(token_id, bool) and token_id >= 0, "logit_bias",
+                   "keyed by non-negative token ids", token_id)
+            _check(isinstance(value, (int, float)) and not isinstance(value, bool) and bounds.allows(value),
+                   "logit_bias", f"a number {bounds.describe()} for each token", {token_id: value})
 
 
 def _check(ok: bool, name: str, allowed: str, value) -> None:

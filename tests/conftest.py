@@ -78,9 +78,9 @@ def tiny_models(tmp_path_factory, default_model_dir):
     return dirs
 
 
-def hf_greedy(model_dir, prompt_ids_list, max_new_tokens, dtype=torch.float32, adapter_dir=None):
+def hf_greedy(model_dir, prompt_ids_list, max_new_tokens, dtype=torch.float32, adapter_dir=None, **generate_options):
     """Reference: transformers greedy generation in dtype, one prompt at a time (no padding effects); with adapter_dir,
-    through peft with that LoRA adapter."""
+    through peft with that LoRA adapter; generate_options go to generate (its logits processors' settings)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
@@ -93,7 +93,7 @@ def hf_greedy(model_dir, prompt_ids_list, max_new_tokens, dtype=torch.float32, a
         for prompt_ids in prompt_ids_list:
             input_ids = torch.tensor([prompt_ids])
             out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
-                                 do_sample=False, eos_token_id=None, pad_token_id=0)
+                                 do_sample=False, eos_token_id=None, pad_token_id=0, **generate_options)
             results.append(out[0, len(prompt_ids):].tolist())
     return results
 

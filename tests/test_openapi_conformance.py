@@ -2,6 +2,7 @@
 not) never get a server error, and every response matches the schema (the real 200 bodies, the real 400s)."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,8 @@ from schemathesis.checks import (
     status_code_conformance,
 )
 from server_utils import RemoteServer
+
+from pagedserve.entrypoints.openai.openapi_schema import decimal_pattern_up_to
 
 API_KEY = "fuzz-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -65,3 +68,12 @@ def test_schemathesis_coverage_phase_finds_the_schema_and_the_server_agree(fuzz_
                "-H", f"Authorization: {AUTH['Authorization']}"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=900, env={**os.environ, **hooks})
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("largest", [0, 7, 10, 99, 100, 509, 1000, 49151])
+def test_the_token_id_key_pattern_takes_the_numbers_up_to_the_largest_id(largest):
+    """logit_bias's keys in the schema: the decimal numbers 0 to the largest token id, without leading zeros."""
+    pattern = re.compile(decimal_pattern_up_to(largest))
+    for number in [*range(0, 1200), *range(largest - 50, largest + 50)]:
+        assert bool(pattern.match(str(number))) == (0 <= number <= largest), number
+    assert not any(pattern.match(text) for text in ("", "-1", "01", "00", "1.0", " 1", f"{largest}0"))

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import PROMPTS, chi_square_p_value, greedy, token_ids_of
+from conftest import PROMPTS, chi_square_p_value, greedy, hf_greedy, token_ids_of
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.layers.sampling_rule import FilterColumns, filtered_distribution
@@ -83,6 +83,45 @@ def test_repetition_penalty_changes_a_repetitive_greedy_output(default_llm):
     assert penalized.count(plain[0]) < plain.count(plain[0])
 
 
+def test_logit_bias_is_transformers_sequence_bias_of_single_tokens(tiny_models):
+    """Each row's biases move the tokens they name, before the repetition penalty, as transformers' sequence_bias
+    does for sequences of one token; rows without a bias in the same batch are untouched."""
+    model_dir = tiny_models["llama"]
+    prompts = [[1, 200, 300, 400], [1, 5000, 77, 9]]
+    llm = LLM(str(model_dir), kv_cache_memory=64 * 1024**2)
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    plain = token_ids_of(llm.generate(inputs, greedy(10), use_tqdm=False))
+    for row in (0, 1):  # a ban, a push down, a boost and a bias on a token the output would not reach
+        other = 1 - row
+        bias = {plain[row][0]: -100.0, plain[row][1]: -2.5, plain[other][3]: 7.5, 1234: 3}
+        params = [greedy(10), greedy(10)]
+        params[row] = greedy(10, logit_bias=bias, repetition_penalty=1.3)
+        ours = token_ids_of(llm.generate(inputs, params, use_tqdm=False))
+        theirs = hf_greedy(model_dir, [prompts[row]], 10, repetition_penalty=1.3, sequence_bias={(t,): float(b) for t, b in bias.items()})
+        assert ours[row] == theirs[0] and ours[row][0] != plain[row][0]
+        assert ours[other] == plain[other]
+    forced = llm.generate(inputs[0], greedy(4, logit_bias={4321: 100}), use_tqdm=False)[0].outputs[0].token_ids
+    assert forced == [4321] * 4
+
+
+def test_logit_bias_adds_to_a_copy_of_the_logits():
+    from pagedserve.layers.sampler import Sampler, SamplingMetadata
+
+    logits = torch.zeros(2, 5)
+    rows, tokens, biases = torch.tensor([0, 0, 1]), torch.tensor([1, 4, 1]), torch.tensor([2.0, -100.0, 0.5])
+    meta = SamplingMetadata(filters=FilterColumns(torch.zeros(2)), all_greedy=True, presence_penalty=None, frequency_penalty=None,
+                            repetition_penalty=None, token_ids=[], num_prompt_tokens=[], min_tokens_bans=[], max_num_logprobs=None,
+                            logit_bias=(rows, tokens, biases))
+    out = Sampler().process_logits(logits, meta)
+    assert out.tolist() == [[0, 2, 0, 0, -100], [0, 0.5, 0, 0, 0]]
+    assert logits.eq(0).all()  # the raw logits stay for the logprobs
+
+
+def test_a_logit_bias_outside_the_vocabulary_is_refused(default_llm):
+    with pytest.raises(ValueError, match="logit_bias must be keyed by token ids < vocab size 49152"):
+        default_llm.generate("Hi", greedy(2, logit_bias={49152: 1.0}), use_tqdm=False)
+
+
 def penalty_metadata(presence, frequency, repetition, token_ids, num_prompt_tokens):
     from pagedserve.layers.sampler import SamplingMetadata
 
@@ -160,6 +199,9 @@ def test_the_filters_keep_what_the_api_says():
         ("prompt_logprobs", -1, "prompt_logprobs must be"),
         ("min_tokens", -1, "min_tokens must be"),
         ("stop", [""], "stop must be non-empty strings"),
+        ("logit_bias", {7: 100.5}, "logit_bias must be a number in \\[-100, 100\\] for each token, got \\{7: 100.5\\}"),
+        ("logit_bias", {-1: 1.0}, "logit_bias must be keyed by non-negative token ids"),
+        ("logit_bias", {"7": 1.0}, "logit_bias must be keyed by non-negative token ids"),
     ],
 )
 def test_invalid_parameters_name_the_field_and_range(field, value, message):

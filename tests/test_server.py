@@ -144,6 +144,10 @@ def test_logprobs_shapes_and_values_match_transformers(client, server, default_m
         ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 50}, 400, "logprobs"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "suffix": "y"}, 400, "suffix"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"49152": 1}}, 400, "logit_bias"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"5": 100.5}}, 400, "logit_bias"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logit_bias": {"a": 1}}, 400,
+         "logit_bias"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 5000}, 400, None),
         ("/v1/completions", {"model": MODEL, "prompt": [7] * 1100, "max_tokens": 1}, 400, None),
         ("/v1/completions", {"model": MODEL, "prompt": [10**8]}, 400, None),
@@ -168,6 +172,19 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cli
     if param is not None:
         assert error["param"] == param
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].text is not None
+
+
+def test_logit_bias_bans_and_forces_tokens(server, client):
+    def first_token(text):
+        return server.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"][0]
+
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, **GREEDY).choices[0].text
+    banned = first_token(plain)
+    unbanned = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, logit_bias={str(banned): -100}, **GREEDY)
+    assert first_token(unbanned.choices[0].text) != banned
+    forced = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                            logit_bias={"1000": 100}, extra_body={"ignore_eos": True}, **GREEDY)
+    assert forced.choices[0].message.content == server.post("/detokenize", json={"tokens": [1000] * 3}).json()["prompt"]
 
 
 def test_malformed_json_and_the_openai_client_errors(server, client):

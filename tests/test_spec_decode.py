@@ -75,6 +75,25 @@ def test_stop_strings_eos_and_max_tokens_inside_a_draft(ngram_llm, default_llm):
             assert got.cumulative_logprob == pytest.approx(want.cumulative_logprob, abs=1e-2)
 
 
+def test_logit_bias_and_penalties_on_drafts_equal_decoding_without_speculation(ngram_llm, default_llm):
+    """Drafts are verified against the logits as sampling would see them (biased, penalized), and the logprobs
+    returned are the model's raw ones either way."""
+    prompt = copy_prompts()[0]
+    plain = default_llm.generate(prompt, greedy(MAX_TOKENS), use_tqdm=False)[0].outputs[0].token_ids
+    bias = {plain[5]: -100.0, plain[20]: -1.5}
+    for options in ({"logit_bias": bias}, {"repetition_penalty": 1.1}, {"logit_bias": bias, "repetition_penalty": 1.1}):
+        before = spec_stats(ngram_llm).num_accepted_tokens
+        params = greedy(MAX_TOKENS, logprobs=2, **options)
+        want = default_llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        got = ngram_llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        assert got.token_ids == want.token_ids, options
+        assert plain[5] not in want.token_ids[:6] or "logit_bias" not in options
+        for got_position, want_position in zip(got.logprobs, want.logprobs):
+            assert list(got_position) == list(want_position), options
+            assert [p.logprob for p in got_position.values()] == pytest.approx([p.logprob for p in want_position.values()], abs=2e-3)
+        assert spec_stats(ngram_llm).num_accepted_tokens > before  # drafts were verified
+
+
 @pytest.mark.slow
 def test_ngram_with_chunked_prefill_prefix_caching_and_preemption(default_model_dir, default_llm):
     prompts = copy_prompts() * 2 + PROMPTS  # repeats hit the prefix cache

@@ -244,11 +244,12 @@ class ModelRunner:
         del state.token_ids[-num_drafts:]
         state.num_drafts = 0
         processed = logits.float()
-        if params.has_penalties or state.num_output_tokens < params.min_tokens:
+        if params.has_penalties or params.logit_bias or state.num_output_tokens < params.min_tokens:
             # Row i is scored as if drafts[:i] had been sampled: penalties and min_tokens see them.
             rows = [RunnerRequestState(state.request_id, state.token_ids + drafts[:i], state.num_prompt_tokens, params, [], 0)
                     for i in range(num_drafts + 1)]
-            processed = self.sampler.process_logits(processed, self.sampling_inputs.metadata(rows, for_draws=False))
+            # On a copy: the penalties act in place, and the logprobs below are the raw logits'.
+            processed = self.sampler.process_logits(processed.clone(), self.sampling_inputs.metadata(rows, for_draws=False))
         draft_probabilities = self._draft_probabilities.pop(state.request_id, None)
         if draft_probabilities is not None:
             draft_probabilities = draft_probabilities[:num_drafts]

@@ -22,6 +22,7 @@ class _BatchColumns:
     all_greedy: bool
     penalties: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # presence, frequency, repetition
     max_num_logprobs: int | None
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # SamplingMetadata.logit_bias
     min_tokens_rows: list[tuple[int, int, list[int]]]  # (row, min_tokens, stop ids to forbid) of rows with min_tokens
     draw_keys: np.ndarray  # [R] int64: each row's draw key (DrawKeys.key_of its seed)
     seeded_rows: list[int]  # rows whose counter is their output position; the others take the engine's next counters
@@ -51,6 +52,7 @@ class SamplingInputs:
             num_prompt_tokens=[s.num_prompt_tokens for s in states] if columns.penalties else [],
             min_tokens_bans=min_tokens_bans,
             max_num_logprobs=columns.max_num_logprobs,
+            logit_bias=columns.logit_bias,
             draw_keys=self._row_draw_keys(states, columns) if for_draws and not columns.all_greedy else None,
         )
 
@@ -94,8 +96,18 @@ def _batch_columns(params: list, draw_keys: DrawKeys, device: torch.device) -> _
         all_greedy=all(p.is_greedy for p in params),
         penalties=penalties,
         max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
+        logit_bias=_logit_bias_columns(params, device),
         min_tokens_rows=min_tokens_rows,
         draw_keys=np.array([draw_keys.key_of(p.seed) for p in params], dtype=np.int64),
         seeded_rows=[row for row, p in enumerate(params) if p.seed is not None],
         unseeded=np.array([p.seed is None for p in params], dtype=bool),
     )
+
+
+def _logit_bias_columns(params: list, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    entries = [(row, token_id, bias) for row, p in enumerate(params) if p.logit_bias for token_id, bias in p.logit_bias.items()]
+    if not entries:
+        return None
+    rows, token_ids, biases = zip(*entries)
+    return (torch.tensor(rows, dtype=torch.long, device=device), torch.tensor(token_ids, dtype=torch.long, device=device),
+            torch.tensor(biases, dtype=torch.float32, device=device))

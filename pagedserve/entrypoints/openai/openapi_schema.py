@@ -4,7 +4,7 @@ client (or a schema-driven tester) that sends a schema-valid request is served:
 - its bad bodies get a 400 (errors.py), not FastAPI's 422;
 - integer bounds are exact: FastAPI's OpenAPI model holds them as floats, and 2**63 - 1 as a float is 2**63, which
   the server refuses;
-- the server's own limits: token ids below the vocabulary's size, at most max_n samples, generated tokens within
+- the server's own limits: token ids (and logit_bias's keys) below the vocabulary's size, at most max_n samples, generated tokens within
   the context, a request's own chat template only where the server trusts them (else null)."""
 
 from __future__ import annotations
@@ -83,7 +83,25 @@ def _integer_branch(field: dict) -> dict:
 
 
 def _bound_token_ids(largest: int):
+    key_pattern = decimal_pattern_up_to(largest)
+
     def visit(node: dict) -> None:
         if node.pop("x-token-id", False):
             node["maximum"] = largest
+        if node.pop("x-token-id-key", False):
+            node["pattern"] = key_pattern
     return visit
+
+
+def decimal_pattern_up_to(largest: int) -> str:
+    """A regular expression of the numbers 0 to largest in decimal, without leading zeros: the numbers of fewer
+    digits, then those of as many, by the first digit where they fall below largest."""
+    digits = str(largest)
+    alternatives = ["0"] + ["[1-9]" + (f"[0-9]{{{length - 1}}}" if length > 1 else "") for length in range(1, len(digits))]
+    for i, digit in enumerate(digits):
+        low, rest = (1 if i == 0 else 0), len(digits) - i - 1
+        if int(digit) > low:
+            alternatives.append(digits[:i] + f"[{low}-{int(digit) - 1}]" + (f"[0-9]{{{rest}}}" if rest else ""))
+    if largest:
+        alternatives.append(digits)
+    return "^(" + "|".join(alternatives) + ")$"

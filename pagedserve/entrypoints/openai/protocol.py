@@ -22,6 +22,15 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX, json_schema_extra={"x-token-id": True})]  # below the vocabulary's size
 Count = Annotated[int, Field(ge=1, le=INT64_MAX)]
+# OpenAI's logit_bias: token ids, as decimal strings, each with a bias. The schema bounds the keys by the vocabulary's
+# size where the app is built (x-token-id-key); the request's check is the engine's.
+TOKEN_ID_KEY = r"^(0|[1-9][0-9]*)$"
+LogitBias = dict[Annotated[str, Field(pattern=TOKEN_ID_KEY)], Annotated[float, Field(**FIELD_BOUNDS["logit_bias"].constraints())]]
+LOGIT_BIAS_SCHEMA = {"anyOf": [{"type": "object", "propertyNames": {"pattern": TOKEN_ID_KEY, "x-token-id-key": True},
+                                "additionalProperties": {"type": "number", "minimum": FIELD_BOUNDS["logit_bias"].ge,
+                                                         "maximum": FIELD_BOUNDS["logit_bias"].le}},
+                               {"type": "null"}],
+                     "description": "token id -> a bias added to its logit before penalties, temperature and the filters"}
 
 
 class NonEmpty:
@@ -196,6 +205,7 @@ class ExtraSamplingFields(RequestBody):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    logit_bias: LogitBias | None = Field(None, json_schema_extra=LOGIT_BIAS_SCHEMA)
     # engine extras
     top_k: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = None
     min_p: bounded("min_p") | None = None
@@ -268,6 +278,7 @@ class ExtraSamplingFields(RequestBody):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=self.structure(),
+            logit_bias={int(token_id): bias for token_id, bias in self.logit_bias.items()} if self.logit_bias else None,
             kv_transfer_params=self.kv_transfer_params,
         )
 
@@ -297,8 +308,6 @@ class CompletionRequest(ExtraSamplingFields):
     suffix: str | None = Field(None, json_schema_extra={"anyOf": [{"type": "null"}], "description": "not supported"})
     best_of: Int64 | None = Field(None, json_schema_extra=only_empty({"type": "integer", "minimum": 1, "maximum": 1},
                                                                     "not supported: when given, it must equal n"))
-    logit_bias: dict[str, float] | None = Field(None, json_schema_extra=only_empty({"type": "object", "maxProperties": 0},
-                                                                                  "not supported"))
 
 
 class FunctionCall(OpenAIModel):
@@ -391,9 +400,6 @@ class ChatCompletionRequest(ExtraSamplingFields, ChatTemplateFields):
     # Default with tools: auto (which needs a server started with --enable-auto-tool-choice).
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
-    # Not supported: rejected with a 400 when set.
-    logit_bias: dict[str, float] | None = Field(None, json_schema_extra=only_empty({"type": "object", "maxProperties": 0},
-                                                                                  "not supported"))
 
 
 class UsageInfo(BaseModel):

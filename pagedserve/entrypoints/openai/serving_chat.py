@@ -50,8 +50,6 @@ class OpenAIServingChat(ServingBase):
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request):
         lora_request = self.check_model(request.model)
         self.check_n(request.n)
-        if request.logit_bias:
-            raise APIError(400, "logit_bias is not supported", param="logit_bias")
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
         if request.max_tokens is not None and request.max_completion_tokens is not None:

@@ -52,8 +52,6 @@ class OpenAIServingCompletion(ServingBase):
             raise APIError(400, "suffix is not supported", param="suffix")
         if request.best_of is not None and request.best_of != request.n:
             raise APIError(400, "best_of is not supported (it must equal n when given)", param="best_of")
-        if request.logit_bias:
-            raise APIError(400, "logit_bias is not supported", param="logit_bias")
 
     async def _stream_events(self, request: CompletionRequest, request_id: str, added) -> AsyncIterator[str]:
         created, model = int(time.time()), self.models.response_name(request.model)
