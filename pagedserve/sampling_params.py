@@ -124,6 +124,8 @@ class SamplingParams:
     # token id -> a number added to its logit before penalties, temperature and the filters (OpenAI's logit_bias:
     # -100 bans a token in effect, 100 all but forces it).
     logit_bias: dict[int, float] | None = None
+    # The only tokens the output may hold (vLLM's allowed_token_ids): every other token's logit is -inf.
+    allowed_token_ids: list[int] | None = None
     # With a P2pConnector: what a prefill instance and a decode instance say to each other about the request's KV
     # (vLLM's fields: do_remote_decode, do_remote_prefill, remote_engine_id, remote_block_ids, remote_host, ...).
     kv_transfer_params: dict | None = None
@@ -174,10 +176,13 @@ class SamplingParams:
         if self.seed is not None:
             _check(isinstance(self.seed, int), "seed", "an integer", self.seed)
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings", self.stop)
-        valid_ids = all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids)
-        _check(valid_ids, "stop_token_ids", "non-negative token ids", self.stop_token_ids)
+        _check(all(map(_is_token_id, self.stop_token_ids)), "stop_token_ids", "non-negative token ids", self.stop_token_ids)
         if self.logit_bias is not None:
             self._validate_logit_bias()
+        if self.allowed_token_ids is not None:
+            allowed = self.allowed_token_ids
+            _check(isinstance(allowed, list) and allowed and all(map(_is_token_id, allowed)), "allowed_token_ids",
+                   "a non-empty list of non-negative token ids", allowed)
         _check(self.kv_transfer_params is None or isinstance(self.kv_transfer_params, dict), "kv_transfer_params", "a JSON object",
                self.kv_transfer_params)
         if self.structured_outputs is not None:
@@ -190,10 +195,13 @@ class SamplingParams:
         bias, bounds = self.logit_bias, FIELD_BOUNDS["logit_bias"]
         _check(isinstance(bias, dict), "logit_bias", "a mapping of token ids to numbers", bias)
         for token_id, value in bias.items():
-            _check(isinstance(token_id, int) and not isinstance(token_id, bool) and token_id >= 0, "logit_bias",
-                   "keyed by non-negative token ids", token_id)
+            _check(_is_token_id(token_id), "logit_bias", "keyed by non-negative token ids", token_id)
             _check(isinstance(value, (int, float)) and not isinstance(value, bool) and bounds.allows(value),
                    "logit_bias", f"a number {bounds.describe()} for each token", {token_id: value})
+
+
+def _is_token_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _check(ok: bool, name: str, allowed: str, value) -> None:

@@ -104,6 +104,33 @@ def test_logit_bias_is_transformers_sequence_bias_of_single_tokens(tiny_models):
     assert forced == [4321] * 4
 
 
+def test_allowed_token_ids_keep_the_output_to_those_tokens(tiny_models):
+    """Greedy: transformers' greedy over logits masked to the allowed tokens; sampled: every token one of them; a
+    logit_bias on top moves the choice among them."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class KeepOnly(LogitsProcessor):
+        def __init__(self, token_ids):
+            self.token_ids = torch.tensor(token_ids)
+
+        def __call__(self, input_ids, scores):
+            kept = torch.full_like(scores, float("-inf"))
+            kept[:, self.token_ids] = scores[:, self.token_ids]
+            return kept
+
+    model_dir = tiny_models["llama"]
+    prompt = [1, 200, 300, 400]
+    llm = LLM(str(model_dir), kv_cache_memory=64 * 1024**2)
+    plain = llm.generate({"prompt_token_ids": prompt}, greedy(8), use_tqdm=False)[0].outputs[0].token_ids
+    allowed = [plain[1], plain[3], 777, 9000, 31000]
+    ours = llm.generate({"prompt_token_ids": prompt}, greedy(8, allowed_token_ids=allowed), use_tqdm=False)[0].outputs[0].token_ids
+    assert ours == hf_greedy(model_dir, [prompt], 8, logits_processor=LogitsProcessorList([KeepOnly(allowed)]))[0] != plain
+    sampled = llm.generate({"prompt_token_ids": prompt}, sample(max_tokens=64, seed=3, allowed_token_ids=allowed), use_tqdm=False)
+    assert set(sampled[0].outputs[0].token_ids) <= set(allowed) and len(set(sampled[0].outputs[0].token_ids)) > 1
+    biased = llm.generate({"prompt_token_ids": prompt}, greedy(4, allowed_token_ids=allowed, logit_bias={9000: 100}), use_tqdm=False)
+    assert biased[0].outputs[0].token_ids == [9000] * 4
+
+
 def test_logit_bias_adds_to_a_copy_of_the_logits():
     from pagedserve.layers.sampler import Sampler, SamplingMetadata
 
@@ -117,9 +144,11 @@ def test_logit_bias_adds_to_a_copy_of_the_logits():
     assert logits.eq(0).all()  # the raw logits stay for the logprobs
 
 
-def test_a_logit_bias_outside_the_vocabulary_is_refused(default_llm):
+def test_token_ids_outside_the_vocabulary_are_refused(default_llm):
     with pytest.raises(ValueError, match="logit_bias must be keyed by token ids < vocab size 49152"):
         default_llm.generate("Hi", greedy(2, logit_bias={49152: 1.0}), use_tqdm=False)
+    with pytest.raises(ValueError, match="allowed_token_ids must be token ids < vocab size 49152"):
+        default_llm.generate("Hi", greedy(2, allowed_token_ids=[5, 49152]), use_tqdm=False)
 
 
 def penalty_metadata(presence, frequency, repetition, token_ids, num_prompt_tokens):
@@ -202,6 +231,8 @@ def test_the_filters_keep_what_the_api_says():
         ("logit_bias", {7: 100.5}, "logit_bias must be a number in \\[-100, 100\\] for each token, got \\{7: 100.5\\}"),
         ("logit_bias", {-1: 1.0}, "logit_bias must be keyed by non-negative token ids"),
         ("logit_bias", {"7": 1.0}, "logit_bias must be keyed by non-negative token ids"),
+        ("allowed_token_ids", [], "allowed_token_ids must be a non-empty list of non-negative token ids"),
+        ("allowed_token_ids", [3, -1], "allowed_token_ids must be a non-empty list of non-negative token ids"),
     ],
 )
 def test_invalid_parameters_name_the_field_and_range(field, value, message):

@@ -146,6 +146,8 @@ def test_logprobs_shapes_and_values_match_transformers(client, server, default_m
         ("/v1/completions", {"model": MODEL, "prompt": "x", "suffix": "y"}, 400, "suffix"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"49152": 1}}, 400, "logit_bias"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"5": 100.5}}, 400, "logit_bias"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "allowed_token_ids": []}, 400, "allowed_token_ids"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "allowed_token_ids": [49152]}, 400, "allowed_token_ids"),
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logit_bias": {"a": 1}}, 400,
          "logit_bias"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 5000}, 400, None),
@@ -174,7 +176,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cli
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].text is not None
 
 
-def test_logit_bias_bans_and_forces_tokens(server, client):
+def test_logit_bias_and_allowed_token_ids_ban_and_force_tokens(server, client):
     def first_token(text):
         return server.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"][0]
 
@@ -185,6 +187,9 @@ def test_logit_bias_bans_and_forces_tokens(server, client):
     forced = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
                                             logit_bias={"1000": 100}, extra_body={"ignore_eos": True}, **GREEDY)
     assert forced.choices[0].message.content == server.post("/detokenize", json={"tokens": [1000] * 3}).json()["prompt"]
+    kept = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, extra_body={"allowed_token_ids": [2000], "ignore_eos": True},
+                                     **GREEDY)
+    assert kept.choices[0].text == server.post("/detokenize", json={"tokens": [2000] * 3}).json()["prompt"]
 
 
 def test_malformed_json_and_the_openai_client_errors(server, client):

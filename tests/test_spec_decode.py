@@ -76,18 +76,21 @@ def test_stop_strings_eos_and_max_tokens_inside_a_draft(ngram_llm, default_llm):
 
 
 def test_logit_bias_and_penalties_on_drafts_equal_decoding_without_speculation(ngram_llm, default_llm):
-    """Drafts are verified against the logits as sampling would see them (biased, penalized), and the logprobs
+    """Drafts are verified against the logits as sampling would see them (masked, biased, penalized), and the logprobs
     returned are the model's raw ones either way."""
     prompt = copy_prompts()[0]
     plain = default_llm.generate(prompt, greedy(MAX_TOKENS), use_tqdm=False)[0].outputs[0].token_ids
     bias = {plain[5]: -100.0, plain[20]: -1.5}
-    for options in ({"logit_bias": bias}, {"repetition_penalty": 1.1}, {"logit_bias": bias, "repetition_penalty": 1.1}):
+    allowed = sorted(set(plain) - {plain[7]})
+    for options in ({"logit_bias": bias}, {"repetition_penalty": 1.1}, {"logit_bias": bias, "repetition_penalty": 1.1},
+                    {"allowed_token_ids": allowed}):
         before = spec_stats(ngram_llm).num_accepted_tokens
         params = greedy(MAX_TOKENS, logprobs=2, **options)
         want = default_llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
         got = ngram_llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
         assert got.token_ids == want.token_ids, options
         assert plain[5] not in want.token_ids[:6] or "logit_bias" not in options
+        assert set(want.token_ids) <= set(allowed) or "allowed_token_ids" not in options
         for got_position, want_position in zip(got.logprobs, want.logprobs):
             assert list(got_position) == list(want_position), options
             assert [p.logprob for p in got_position.values()] == pytest.approx([p.logprob for p in want_position.values()], abs=2e-3)

@@ -122,6 +122,9 @@ class Processor:
         bad_bias_ids = [t for t in params.logit_bias or () if t >= self.vocab_size]
         if bad_bias_ids:
             raise ValueError(f"logit_bias must be keyed by token ids < vocab size {self.vocab_size}, got {bad_bias_ids[:5]}")
+        bad_allowed_ids = [t for t in params.allowed_token_ids or () if t >= self.vocab_size]
+        if bad_allowed_ids:
+            raise ValueError(f"allowed_token_ids must be token ids < vocab size {self.vocab_size}, got {bad_allowed_ids[:5]}")
         return dataclasses.replace(params, max_tokens=max_tokens, eos_token_ids=list(self.eos_token_ids))
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:

@@ -23,6 +23,7 @@ class _BatchColumns:
     penalties: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # presence, frequency, repetition
     max_num_logprobs: int | None
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # SamplingMetadata.logit_bias
+    allowed_token_ids: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # SamplingMetadata.allowed_token_ids
     min_tokens_rows: list[tuple[int, int, list[int]]]  # (row, min_tokens, stop ids to forbid) of rows with min_tokens
     draw_keys: np.ndarray  # [R] int64: each row's draw key (DrawKeys.key_of its seed)
     seeded_rows: list[int]  # rows whose counter is their output position; the others take the engine's next counters
@@ -53,6 +54,7 @@ class SamplingInputs:
             min_tokens_bans=min_tokens_bans,
             max_num_logprobs=columns.max_num_logprobs,
             logit_bias=columns.logit_bias,
+            allowed_token_ids=columns.allowed_token_ids,
             draw_keys=self._row_draw_keys(states, columns) if for_draws and not columns.all_greedy else None,
         )
 
@@ -97,6 +99,7 @@ def _batch_columns(params: list, draw_keys: DrawKeys, device: torch.device) -> _
         penalties=penalties,
         max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
         logit_bias=_logit_bias_columns(params, device),
+        allowed_token_ids=_allowed_token_columns(params, device),
         min_tokens_rows=min_tokens_rows,
         draw_keys=np.array([draw_keys.key_of(p.seed) for p in params], dtype=np.int64),
         seeded_rows=[row for row, p in enumerate(params) if p.seed is not None],
@@ -111,3 +114,13 @@ def _logit_bias_columns(params: list, device: torch.device) -> tuple[torch.Tenso
     rows, token_ids, biases = zip(*entries)
     return (torch.tensor(rows, dtype=torch.long, device=device), torch.tensor(token_ids, dtype=torch.long, device=device),
             torch.tensor(biases, dtype=torch.float32, device=device))
+
+
+def _allowed_token_columns(params: list, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    rows = [row for row, p in enumerate(params) if p.allowed_token_ids]
+    if not rows:
+        return None
+    entries = [(index, token_id) for index, row in enumerate(rows) for token_id in params[row].allowed_token_ids]
+    entry_rows, token_ids = zip(*entries)
+    return (torch.tensor(rows, dtype=torch.long, device=device), torch.tensor(entry_rows, dtype=torch.long, device=device),
+            torch.tensor(token_ids, dtype=torch.long, device=device))

@@ -1,4 +1,4 @@
-"""Sampling on the device: logit biases, min_tokens bans, penalties, then one keyed draw per row by the rule of
+"""Sampling on the device: allowed tokens, logit biases, min_tokens bans, penalties, then one keyed draw per row by the rule of
 layers/sampling_rule.py (temperature, min-p, top-k, top-p; in the C++ kernel on CPU, in torch elsewhere, the same
 tokens either way); logprobs of the model's raw distribution."""
 
@@ -29,6 +29,9 @@ class SamplingMetadata:
     max_num_logprobs: int | None  # largest top-N asked; None when no row wants logprobs
     # Each row's logit_bias as (rows, token ids, biases), [B] each over all the rows' entries; None when no row has one.
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # The rows with allowed_token_ids, [A], and their entries as (index into those rows, token id), [E] each; None
+    # when no row has them.
+    allowed_token_ids: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # Each row's draw as (key, counter) (sampling_rule.DrawKeys): [R] int64 each; None when every row is greedy.
     draw_keys: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -48,9 +51,15 @@ class Sampler:
         return sample(logits.contiguous(), meta.filters, *meta.draw_keys, kernels), raw_logprobs
 
     def process_logits(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """float32 logits with logit biases, min_tokens bans and penalties applied (vLLM's and transformers' order: a
-        bias before the repetition penalty): what temperature and the filters act on."""
-        if meta.logit_bias is not None:  # out of place: the caller may read the raw logits after
+        """float32 logits with allowed tokens, logit biases, min_tokens bans and penalties applied (vLLM's order, and
+        transformers' for a bias before the repetition penalty): what temperature and the filters act on. Out of place
+        where any applies: the caller may read the raw logits after."""
+        if meta.allowed_token_ids is not None:
+            rows, entry_rows, token_ids = meta.allowed_token_ids
+            outside = torch.full((len(rows), logits.shape[1]), float("-inf"), device=logits.device)
+            outside[entry_rows, token_ids] = 0.0
+            logits = logits.index_put((rows,), logits[rows] + outside)
+        if meta.logit_bias is not None:
             logits = logits.index_put(meta.logit_bias[:2], meta.logit_bias[2], accumulate=True)
         if meta.min_tokens_bans:
             logits = logits.clone()

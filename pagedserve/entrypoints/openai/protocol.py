@@ -213,6 +213,7 @@ class ExtraSamplingFields(RequestBody):
     min_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] = 0
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
+    allowed_token_ids: NonEmpty[list[TokenId]] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: Int64 = 0
@@ -271,6 +272,7 @@ class ExtraSamplingFields(RequestBody):
             seed=self.seed,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
+            allowed_token_ids=self.allowed_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos,
             max_tokens=given(max_tokens, defaults.max_tokens),
