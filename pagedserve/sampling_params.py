@@ -151,6 +151,12 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
+    @property
+    def edits_logits(self) -> bool:
+        """Whether the logits sampling sees are other than the model's whatever the step (min_tokens bans aside):
+        penalties, biases, allowed tokens."""
+        return self.has_penalties or self.logit_bias is not None or self.allowed_token_ids is not None
+
     def all_stop_token_ids(self) -> set[int]:
         ids = set(self.stop_token_ids)
         if not self.ignore_eos:

@@ -116,15 +116,12 @@ class Processor:
                 f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion); "
                 "reduce the prompt or max_tokens"
             )
-        bad_stop_ids = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if bad_stop_ids:
-            raise ValueError(f"stop_token_ids must be < vocab size {self.vocab_size}, got {bad_stop_ids}")
-        bad_bias_ids = [t for t in params.logit_bias or () if t >= self.vocab_size]
-        if bad_bias_ids:
-            raise ValueError(f"logit_bias must be keyed by token ids < vocab size {self.vocab_size}, got {bad_bias_ids[:5]}")
-        bad_allowed_ids = [t for t in params.allowed_token_ids or () if t >= self.vocab_size]
-        if bad_allowed_ids:
-            raise ValueError(f"allowed_token_ids must be token ids < vocab size {self.vocab_size}, got {bad_allowed_ids[:5]}")
+        named_ids = (("stop_token_ids", params.stop_token_ids, ""), ("logit_bias", params.logit_bias or (), "keyed by token ids "),
+                     ("allowed_token_ids", params.allowed_token_ids or (), "token ids "))
+        for name, token_ids, what in named_ids:
+            out_of_range = [t for t in token_ids if t >= self.vocab_size]
+            if out_of_range:
+                raise ValueError(f"{name} must be {what}< vocab size {self.vocab_size}, got {out_of_range[:5]}")
         return dataclasses.replace(params, max_tokens=max_tokens, eos_token_ids=list(self.eos_token_ids))
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:

@@ -244,7 +244,7 @@ class ModelRunner:
         del state.token_ids[-num_drafts:]
         state.num_drafts = 0
         processed = logits.float()
-        if params.has_penalties or params.logit_bias or params.allowed_token_ids or state.num_output_tokens < params.min_tokens:
+        if params.edits_logits or state.num_output_tokens < params.min_tokens:
             # Row i is scored as if drafts[:i] had been sampled: penalties and min_tokens see them.
             rows = [RunnerRequestState(state.request_id, state.token_ids + drafts[:i], state.num_prompt_tokens, params, [], 0)
                     for i in range(num_drafts + 1)]
