@@ -126,6 +126,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # The only tokens the output may hold (vLLM's allowed_token_ids): every other token's logit is -inf.
     allowed_token_ids: list[int] | None = None
+    # Only the prompt's last this many tokens are kept (-1: max_model_len of them); None keeps it whole, and a prompt
+    # beyond max_model_len is refused.
+    truncate_prompt_tokens: int | None = None
     # With a P2pConnector: what a prefill instance and a decode instance say to each other about the request's KV
     # (vLLM's fields: do_remote_decode, do_remote_prefill, remote_engine_id, remote_block_ids, remote_host, ...).
     kv_transfer_params: dict | None = None
@@ -185,6 +188,10 @@ class SamplingParams:
         _check(all(map(_is_token_id, self.stop_token_ids)), "stop_token_ids", "non-negative token ids", self.stop_token_ids)
         if self.logit_bias is not None:
             self._validate_logit_bias()
+        if self.truncate_prompt_tokens is not None:
+            keep = self.truncate_prompt_tokens
+            _check(isinstance(keep, int) and not isinstance(keep, bool) and (keep >= 1 or keep == -1), "truncate_prompt_tokens",
+                   "an integer >= 1, or -1 (max_model_len)", keep)
         if self.allowed_token_ids is not None:
             allowed = self.allowed_token_ids
             _check(isinstance(allowed, list) and allowed and all(map(_is_token_id, allowed)), "allowed_token_ids",

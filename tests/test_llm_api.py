@@ -56,6 +56,29 @@ def test_too_long_prompts_are_rejected_before_queueing(default_llm):
     assert len(out[0].outputs[0].token_ids) == 3 and out[0].outputs[0].finish_reason == "length"
 
 
+def test_truncate_prompt_tokens_keeps_a_prompts_last_tokens(default_llm, tokenizer):
+    """A text or token ids beyond max_model_len, cut to their last tokens: the same ids the whole text's tokenization
+    ends with, and the same output as those ids given alone; a shorter prompt is left as it is."""
+    max_len = default_llm.llm_engine.max_model_len
+    text = "".join(f"Line {i}: the quick brown fox jumps over the lazy dog; " for i in range(400))
+    whole = tokenizer(text).input_ids
+    assert len(whole) > max_len
+    cut = default_llm.generate(text, greedy(6, truncate_prompt_tokens=100), use_tqdm=False)[0]
+    assert cut.prompt_token_ids == whole[-100:] and cut.prompt is None
+    alone = default_llm.generate({"prompt_token_ids": whole[-100:]}, greedy(6), use_tqdm=False)[0]
+    assert cut.outputs[0].token_ids == alone.outputs[0].token_ids
+    ids = default_llm.generate({"prompt_token_ids": whole}, greedy(2, truncate_prompt_tokens=50), use_tqdm=False)[0]
+    assert ids.prompt_token_ids == whole[-50:]
+    short = default_llm.generate("Hello there", greedy(2, truncate_prompt_tokens=-1), use_tqdm=False)[0]
+    assert short.prompt == "Hello there" and short.prompt_token_ids == tokenizer("Hello there").input_ids
+    with pytest.raises(ValueError, match=f"truncate_prompt_tokens must be <= max_model_len {max_len}"):
+        default_llm.generate(text, greedy(2, truncate_prompt_tokens=max_len + 1), use_tqdm=False)
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be an integer >= 1, or -1"):
+        SamplingParams(truncate_prompt_tokens=0)
+    with pytest.raises(ValueError, match=f"more than max_model_len {max_len}"):
+        default_llm.generate(text, greedy(2), use_tqdm=False)
+
+
 def test_duplicate_request_id_is_rejected_and_abort_frees_blocks(default_llm):
     engine = default_llm.llm_engine
     engine.add_request("dup", PROMPTS[0], greedy(50))

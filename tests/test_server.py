@@ -147,6 +147,8 @@ def test_logprobs_shapes_and_values_match_transformers(client, server, default_m
         ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"49152": 1}}, 400, "logit_bias"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"5": 100.5}}, 400, "logit_bias"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "allowed_token_ids": []}, 400, "allowed_token_ids"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "truncate_prompt_tokens": 1025}, 400, "truncate_prompt_tokens"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "allowed_token_ids": [49152]}, 400, "allowed_token_ids"),
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logit_bias": {"a": 1}}, 400,
          "logit_bias"),
@@ -190,6 +192,17 @@ def test_logit_bias_and_allowed_token_ids_ban_and_force_tokens(server, client):
     kept = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, extra_body={"allowed_token_ids": [2000], "ignore_eos": True},
                                      **GREEDY)
     assert kept.choices[0].text == server.post("/detokenize", json={"tokens": [2000] * 3}).json()["prompt"]
+
+
+def test_truncate_prompt_tokens_serves_prompts_beyond_the_context(server, client):
+    text = "".join(f"Item {i} of a long list of things to remember. " for i in range(300))
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt=text, max_tokens=2)
+    cut = client.completions.create(model=MODEL, prompt=text, max_tokens=2, extra_body={"truncate_prompt_tokens": 64}, **GREEDY)
+    assert cut.usage.prompt_tokens == 64
+    tail = server.post("/tokenize", json={"prompt": text}).json()["tokens"][-64:]
+    alone = client.completions.create(model=MODEL, prompt=tail, max_tokens=2, **GREEDY)
+    assert cut.choices[0].text == alone.choices[0].text
 
 
 def test_malformed_json_and_the_openai_client_errors(server, client):

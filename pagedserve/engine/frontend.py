@@ -70,7 +70,7 @@ class FrontEnd:
             raise ValueError("lora_request names an adapter, but LoRA adapters are not enabled (enable_lora)")
         if params.kv_transfer_params is not None:
             check_kv_transfer_params(params, self.kv_transfer)
-        processed = self.processor.tokenize_prompt(prompt)
+        processed = self.processor.tokenize_prompt(prompt, params.truncate_prompt_tokens)
         params, engine_requests = self.processor.process(request_id, processed, params, priority, lora_request=lora_request)
         if params.structured_outputs is not None:
             self.grammars.compile_within(params.structured_outputs, self.structure_time_limit_s)

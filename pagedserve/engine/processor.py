@@ -37,26 +37,50 @@ class Processor:
         # demand: a long prompt gets what room is left, never an error for a length it did not ask for.
         self.default_max_tokens: int | None = None
 
-    def tokenize_prompt(self, prompt: PromptType) -> ProcessedPrompt:
+    def tokenize_prompt(self, prompt: PromptType, truncate_prompt_tokens: int | None = None) -> ProcessedPrompt:
+        """The prompt's text (None where it was given as token ids, or cut) and token ids: with truncate_prompt_tokens
+        (SamplingParams'), only the last ones."""
+        keep = self.tokens_kept(truncate_prompt_tokens)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return ProcessedPrompt(prompt.get("prompt"), list(prompt["prompt_token_ids"]))
+                return self._last_tokens(prompt.get("prompt"), list(prompt["prompt_token_ids"]), keep)
             if "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
                 raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):
-            return ProcessedPrompt(prompt, self.tokenize_text(prompt))
+            token_ids = self.tokenize_text(prompt, keep_last=keep)
+            return ProcessedPrompt(prompt if keep is None or len(token_ids) < keep else None, token_ids)  # fewer: not cut
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return ProcessedPrompt(None, list(prompt))
+            return self._last_tokens(None, list(prompt), keep)
         raise TypeError(f"prompt must be a string, a list of token ids, or a dict; got {type(prompt).__name__}")
 
-    def tokenize_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of text. A text certainly longer than max_model_len is refused after tokenizing a bounded
-        prefix of it, not the whole: a token covers at most max_token_chars characters, so a prefix of
-        bound characters is more than max_model_len + margin tokens, and cutting the text can merge at most
-        the margin's worth of tokens at the cut."""
+    def tokens_kept(self, truncate_prompt_tokens: int | None) -> int | None:
+        """How many of a prompt's last tokens truncate_prompt_tokens keeps (None: all of them)."""
+        if truncate_prompt_tokens is None:
+            return None
+        if truncate_prompt_tokens > self.max_model_len:
+            raise ValueError(f"truncate_prompt_tokens must be <= max_model_len {self.max_model_len} (or -1), got {truncate_prompt_tokens}")
+        return self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+
+    @staticmethod
+    def _last_tokens(text: str | None, token_ids: list[int], keep: int | None) -> ProcessedPrompt:
+        """A prompt with only its last `keep` tokens; its text stays only where nothing was cut."""
+        if keep is None or len(token_ids) <= keep:
+            return ProcessedPrompt(text, token_ids)
+        return ProcessedPrompt(None, token_ids[-keep:])
+
+    def tokenize_text(self, text: str, add_special_tokens: bool = True, keep_last: int | None = None) -> list[int]:
+        """Token ids of text, or with keep_last only the last ones. A text certainly longer than max_model_len is
+        refused after tokenizing a bounded prefix of it, not the whole: a token covers at most max_token_chars
+        characters, so a prefix of bound characters is more than max_model_len + margin tokens, and cutting the text
+        can merge at most the margin's worth of tokens at the cut. For the same reason, the last tokens are those of
+        a bounded suffix."""
         margin = 16
+        if keep_last is not None:
+            bound = (keep_last + margin + 1) * self.max_token_chars
+            suffix = text[-bound:] if len(text) > bound else text
+            return self.tokenizer(suffix, add_special_tokens=add_special_tokens).input_ids[-keep_last:]
         bound = (self.max_model_len + margin + 1) * self.max_token_chars
         if len(text) > bound:
             prefix_ids = self.tokenizer(text[:bound], add_special_tokens=add_special_tokens).input_ids

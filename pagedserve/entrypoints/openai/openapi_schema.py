@@ -71,6 +71,7 @@ def _apply_limits(bodies: dict, limits: ServedLimits) -> None:
                         ("ChatCompletionRequest", "max_completion_tokens"), ("CompletionRequest", "min_tokens"),
                         ("ChatCompletionRequest", "min_tokens")):
         _integer_branch(bodies[name]["properties"][field])["maximum"] = limits.max_model_len - 1
+    _integer_branch(bodies["CompletionRequest"]["properties"]["truncate_prompt_tokens"])["maximum"] = limits.max_model_len
     if not limits.trust_request_chat_template:
         for name in ("ChatCompletionRequest", "TokenizeChatRequest"):
             bodies[name]["properties"]["chat_template"] = {
@@ -78,7 +79,7 @@ def _apply_limits(bodies: dict, limits: ServedLimits) -> None:
 
 
 def _integer_branch(field: dict) -> dict:
-    """The integer schema of an optional integer field."""
+    """The integer range of an optional integer field (its first integer branch: a constant, such as -1, comes after)."""
     return next(branch for branch in field.get("anyOf", [field]) if branch.get("type") == "integer")
 
 

@@ -10,6 +10,7 @@ built: openapi_schema.py).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -306,10 +307,16 @@ class CompletionRequest(ExtraSamplingFields):
     max_tokens: Count | None = 16
     echo: bool = False
     logprobs: bounded("logprobs", int) | None = None
+    # Only the prompt's last this many tokens (-1: max_model_len of them); its bound is added where the app is built.
+    truncate_prompt_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | Literal[-1] | None = None
     # Accepted by OpenAI but not by this server: rejected with a 400 when set.
     suffix: str | None = Field(None, json_schema_extra={"anyOf": [{"type": "null"}], "description": "not supported"})
     best_of: Int64 | None = Field(None, json_schema_extra=only_empty({"type": "integer", "minimum": 1, "maximum": 1},
                                                                     "not supported: when given, it must equal n"))
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: SamplingParams) -> SamplingParams:
+        params = super().sampling_params(max_tokens, logprobs, defaults)
+        return dataclasses.replace(params, truncate_prompt_tokens=self.truncate_prompt_tokens)
 
 
 class FunctionCall(OpenAIModel):
