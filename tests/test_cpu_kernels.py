@@ -275,28 +275,35 @@ def test_quantized_linear_names_bad_input():
         kernels.quantized_linear(torch.zeros(4, 32), torch.zeros(8, 20, dtype=torch.uint8), 3, None, torch.zeros(10, dtype=torch.uint8))
 
 
-@pytest.mark.parametrize("rows,out_features,in_features", [(1, 16, 2), (7, 100, 33), (13, 37, 64), (64, 4100, 576), (250, 70, 96)])
-def test_bfloat16_products_linear_sums_the_bfloat16_products_in_float32(rows, out_features, in_features):
-    """Tiles of 6 rows x 4 blocks of 16 outputs and their remainders, an odd in_features (a half pair), chunks of 240
-    rows: x and the weight rounded to bfloat16, their products summed in float32, and a row's sums do not depend on
-    its batch."""
+@pytest.mark.parametrize("tiles", [True, False], ids=["tiles-where-offered", "vectors"])
+@pytest.mark.parametrize("rows,out_features,in_features", [(1, 16, 2), (7, 100, 33), (13, 37, 64), (64, 4100, 576), (250, 70, 96),
+                                                           (300, 1000, 576)])
+def test_bfloat16_products_linear_sums_the_bfloat16_products_in_float32(rows, out_features, in_features, tiles):
+    """Vector tiles of 6 rows x 4 blocks of 16 outputs, AMX tiles of 32 rows x 2 blocks (where the processor has them),
+    and their remainders, an odd in_features (a half pair), chunks of 240 and 256 rows: x and the weight rounded to
+    bfloat16, their products summed in float32, and a row's sums do not depend on its batch."""
     kernels = built_kernels()
     weight, x = torch.randn(out_features, in_features), torch.randn(rows, in_features)
     packed = kernels.pack_bf16_pairs(weight)
-    actual = kernels.bf16_pairs_linear(x, packed, out_features)
+
+    def product(rows_in, out=None):
+        return kernels.bf16_pairs_linear(rows_in, packed, out_features, out, tiles)
+
+    actual = product(x)
     assert actual.dtype == torch.float32 and actual.shape == (rows, out_features)
     expected = x.bfloat16().double() @ weight.bfloat16().double().T
     torch.testing.assert_close(actual.double(), expected, rtol=1e-5, atol=1e-5 * in_features**0.5)
-    assert torch.equal(kernels.bf16_pairs_linear(x[-3:].contiguous(), packed, out_features), actual[-3:])
-    assert torch.equal(kernels.bf16_pairs_linear(x.view(1, rows, in_features), packed, out_features), actual.view(1, rows, out_features))
+    assert torch.equal(product(x[-3:].contiguous()), actual[-3:])
+    assert torch.equal(product(x[:1].contiguous()), actual[:1])
+    assert torch.equal(product(x.view(1, rows, in_features)), actual.view(1, rows, out_features))
     out = torch.full((rows, out_features), float("nan"))
-    assert kernels.bf16_pairs_linear(x, packed, out_features, out).data_ptr() == out.data_ptr() and torch.equal(out, actual)
+    assert product(x, out).data_ptr() == out.data_ptr() and torch.equal(out, actual)
     with pytest.raises(RuntimeError, match="out must be a contiguous float32 tensor"):
-        kernels.bf16_pairs_linear(x, packed, out_features, torch.empty(rows + 1, out_features))
+        product(x, torch.empty(rows + 1, out_features))
     with pytest.raises(RuntimeError, match="out_features .* must be the packed weight's"):
         kernels.bf16_pairs_linear(x, packed, out_features + 16)
     with pytest.raises(RuntimeError, match="must be the packed weight's in_features"):
-        kernels.bf16_pairs_linear(torch.randn(rows, in_features + 2), packed, out_features)
+        product(torch.randn(rows, in_features + 32))
 
 
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)

@@ -3,9 +3,13 @@
 // size, tying tokens that are not tied; this kernel keeps the sums as they are. It runs on AVX-512 BF16 dot products
 // (vdpbf16ps: two bfloat16 products per float32 lane) where the build has them; elsewhere a scalar loop takes the same
 // pairs in the same order (for tests: it is far slower than float32 GEMMs, and the engine does not choose it there).
+// Where the build has AMX tiles and the OS grants them, every call runs on the tiles instead (TDPBF16PS: 16 rows by
+// 16 outputs by 32 inputs an instruction), whatever its row count, so that a row's sums do not depend on its batch.
 //
 // The weight is packed once into pairs along k: block b holds output rows 16b..16b+15, and for each pair of inputs
-// (2j, 2j+1) 16 x 2 bfloat16 values, row by row: one 64-byte vector per pair, what one vdpbf16ps multiplies.
+// (2j, 2j+1) 16 x 2 bfloat16 values, row by row: one 64-byte vector per pair, what one vdpbf16ps multiplies. 16 such
+// vectors in a row are an AMX tile of the weight as TDPBF16PS reads it, so the pairs are padded with zeros to a
+// multiple of 16.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -17,8 +21,13 @@
 
 #include "ops.h"
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || (defined(__AMX_TILE__) && defined(__AMX_BF16__))
 #include <immintrin.h>
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define PAGEDSERVE_AMX_BF16 1
 #endif
 
 namespace {
@@ -27,6 +36,9 @@ constexpr int kRowsPerBlock = 16;  // output rows (logits) per packed block: one
 constexpr int kTileRows = 6;       // input rows a tile carries: 6 x 4 accumulators, 4 weight vectors and a broadcast
 constexpr int kTileBlocks = 4;     //   fit the 32 vector registers
 constexpr int64_t kChunkRows = 240; // input rows a task takes: their pairs stay in L2 while it sweeps its blocks
+constexpr int64_t kPairsPerTile = 16;  // pairs of inputs in one AMX tile row (64 bytes of bfloat16)
+
+int64_t padded_pairs(int64_t k) { return ((k + 1) / 2 + kPairsPerTile - 1) / kPairsPerTile * kPairsPerTile; }
 
 uint16_t bf16_bits(float value) { return c10::BFloat16(value).x; }  // rounded to nearest even
 
@@ -37,9 +49,10 @@ float bf16_value(uint16_t bits) {
   return value;
 }
 
-// rows x pairs words, each the bfloat16 values of inputs 2j (low half) and 2j + 1 (high half), zero past k.
-std::vector<uint32_t> input_pairs(const float* x, int64_t rows, int64_t k, int64_t pairs) {
-  std::vector<uint32_t> out(rows * pairs, 0);
+// rows x pairs words, each the bfloat16 values of inputs 2j (low half) and 2j + 1 (high half), zero past k, and
+// zero rows up to padded_rows.
+std::vector<uint32_t> input_pairs(const float* x, int64_t rows, int64_t k, int64_t pairs, int64_t padded_rows) {
+  std::vector<uint32_t> out(padded_rows * pairs, 0);
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = 0; c < k; ++c) out[r * pairs + c / 2] |= static_cast<uint32_t>(bf16_bits(x[r * k + c])) << (16 * (c % 2));
   }
@@ -114,11 +127,162 @@ void any_tile(int rows, int blocks, const uint32_t* x, int64_t pairs, const uint
   }
 }
 
+// The m x out_features sums split into tasks of chunk_rows rows by panel_blocks blocks, spread over the threads; each
+// task's rows go in groups of group_rows to tile(first row, rows, first block, blocks, columns). Each thread calls
+// enter() before its tasks and leave() after them.
+template <typename Tile, typename Enter, typename Leave>
+void for_each_tile(int64_t m, int64_t blocks, int64_t out_features, int64_t chunk_rows, int64_t panel_blocks,
+                   int64_t group_rows, Tile tile, Enter enter, Leave leave) {
+  const int64_t panels = (blocks + panel_blocks - 1) / panel_blocks, chunks = (m + chunk_rows - 1) / chunk_rows;
+  at::parallel_for(0, chunks * panels, 1, [&](int64_t begin, int64_t end) {
+    enter();
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t chunk = task / panels, first_block = (task % panels) * panel_blocks;
+      const int task_blocks = static_cast<int>(std::min<int64_t>(panel_blocks, blocks - first_block));
+      const int64_t columns = std::min<int64_t>(task_blocks * kRowsPerBlock, out_features - first_block * kRowsPerBlock);
+      const int64_t last_row = std::min(m, (chunk + 1) * chunk_rows);
+      for (int64_t r = chunk * chunk_rows; r < last_row; r += group_rows) {
+        tile(r, std::min(group_rows, last_row - r), first_block, task_blocks, columns);
+      }
+    }
+    leave();
+  });
+}
+
+constexpr int64_t kRowGroup = 32;  // input rows AMX tiles cover at once: two tiles of sums for each block
+
+// Rows the AMX tiles read for m rows of input: whole groups of them.
+int64_t tile_padded_rows(int64_t m) { return (m + kRowGroup - 1) / kRowGroup * kRowGroup; }
+
+#if defined(PAGEDSERVE_AMX_BF16)
+constexpr int kTileRows16 = 16;        // rows of every AMX tile: 16 input rows, 16 pairs of a weight block, 16 rows of sums
+constexpr int64_t kPanelBlocks = 2;    // blocks of 16 outputs a task sweeps: its panel of the weight is read once
+constexpr int64_t kTileChunkRows = 256; // input rows a task takes: their pairs stay in L2 while it sweeps its panel
+
+// Linux grants AMX tile state to a process that asks (its 8 KB are saved at every switch); asked once.
+bool amx_granted() {
+  static const bool granted = [] {
+    constexpr int kArchReqXcompPerm = 0x1023;
+    constexpr int kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return granted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3 the sums (row tile r, block b: 2r + b), 4-5 the input's row tiles, 6-7 the blocks; every one 16 x 64 bytes.
+void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = kTileRows16;
+    config.colsb[t] = 64;
+  }
+  // The compiler does not see ldtilecfg read the whole struct and may drop the stores above without this barrier.
+  __asm__ __volatile__("" : : "r"(&config) : "memory");
+  _tile_loadconfig(&config);
+}
+
+// The tile intrinsics take the tile's number as a literal.
+void store_tile(int tile, float* out, int64_t stride_bytes) {
+  switch (tile) {
+    case 0: _tile_stored(0, out, stride_bytes); break;
+    case 1: _tile_stored(1, out, stride_bytes); break;
+    case 2: _tile_stored(2, out, stride_bytes); break;
+    default: _tile_stored(3, out, stride_bytes); break;
+  }
+}
+
+// Tile `tile` of sums into out (leading dimension ld): whole where its 16 x 16 are all wanted, else through scratch.
+void store_sums(int tile, float* out, int64_t ld, int64_t rows, int64_t columns, float* scratch) {
+  if (rows <= 0 || columns <= 0) return;
+  if (rows >= kTileRows16 && columns >= kRowsPerBlock) {
+    store_tile(tile, out, ld * static_cast<int64_t>(sizeof(float)));
+    return;
+  }
+  store_tile(tile, scratch, kRowsPerBlock * sizeof(float));
+  const int64_t kept_columns = std::min<int64_t>(columns, kRowsPerBlock);
+  for (int64_t r = 0; r < std::min<int64_t>(rows, kTileRows16); ++r) {
+    std::memcpy(out + r * ld, scratch + r * kRowsPerBlock, kept_columns * sizeof(float));
+  }
+}
+
+// RowTiles x 16 rows of x's pairs (zero rows past `rows`) against Blocks packed blocks: each sum accumulates the
+// same tiles in the same order whatever the other rows are.
+template <int RowTiles, int Blocks>
+void matrix_tile(const uint32_t* x, int64_t pairs, const uint16_t* w, float* out, int64_t ld, int64_t rows,
+                 int64_t columns, float* scratch) {
+  const int64_t x_stride = pairs * static_cast<int64_t>(sizeof(uint32_t));
+  const int64_t block_values = pairs * 2 * kRowsPerBlock;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t j = 0; j < pairs; j += kPairsPerTile) {
+    _tile_loadd(4, x + j, x_stride);
+    _tile_loadd(6, w + j * 2 * kRowsPerBlock, 64);
+    if (Blocks == 2) _tile_loadd(7, w + block_values + j * 2 * kRowsPerBlock, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (Blocks == 2) _tile_dpbf16ps(1, 4, 7);
+    if (RowTiles == 2) {
+      _tile_loadd(5, x + kTileRows16 * pairs + j, x_stride);
+      _tile_dpbf16ps(2, 5, 6);
+      if (Blocks == 2) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  store_sums(0, out, ld, rows, columns, scratch);
+  if (Blocks == 2) store_sums(1, out + kRowsPerBlock, ld, rows, columns - kRowsPerBlock, scratch);
+  if (RowTiles == 2) {
+    store_sums(2, out + kTileRows16 * ld, ld, rows - kTileRows16, columns, scratch);
+    if (Blocks == 2) store_sums(3, out + kTileRows16 * ld + kRowsPerBlock, ld, rows - kTileRows16, columns - kRowsPerBlock, scratch);
+  }
+}
+
+void any_matrix_tile(int row_tiles, int blocks, const uint32_t* x, int64_t pairs, const uint16_t* w, float* out, int64_t ld,
+                     int64_t rows, int64_t columns, float* scratch) {
+  static_assert(kPanelBlocks == 2 && kRowGroup == 2 * kTileRows16, "the branches below spell out the tile counts");
+  if (row_tiles == 2) {
+    blocks == 2 ? matrix_tile<2, 2>(x, pairs, w, out, ld, rows, columns, scratch)
+                : matrix_tile<2, 1>(x, pairs, w, out, ld, rows, columns, scratch);
+  } else {
+    blocks == 2 ? matrix_tile<1, 2>(x, pairs, w, out, ld, rows, columns, scratch)
+                : matrix_tile<1, 1>(x, pairs, w, out, ld, rows, columns, scratch);
+  }
+}
+
+// The sums of m rows on the tiles: tasks of a chunk of rows by a panel of blocks.
+void matrix_tiles_linear(const uint32_t* x, int64_t m, int64_t pairs, const uint16_t* w, int64_t blocks, float* o,
+                         int64_t out_features) {
+  for_each_tile(
+      m, blocks, out_features, kTileChunkRows, kPanelBlocks, kRowGroup,
+      [&](int64_t r, int64_t rows, int64_t first_block, int task_blocks, int64_t columns) {
+        alignas(64) float scratch[kTileRows16 * kRowsPerBlock];  // a tile's sums where not all of them are wanted
+        any_matrix_tile(rows > kTileRows16 ? 2 : 1, task_blocks, x + r * pairs, pairs, w + first_block * pairs * 2 * kRowsPerBlock,
+                        o + r * out_features + first_block * kRowsPerBlock, out_features, rows, columns, scratch);
+      },
+      configure_tiles, [] { _tile_release(); });
+}
+#endif
+
 }  // namespace
 
 bool bf16_dot_products() {
 #if defined(__AVX512BF16__)
   return true;
+#else
+  return bf16_matrix_tiles();
+#endif
+}
+
+bool bf16_matrix_tiles() {
+#if defined(PAGEDSERVE_AMX_BF16)
+  return amx_granted();
 #else
   return false;
 #endif
@@ -128,7 +292,7 @@ at::Tensor pack_bf16_pairs(const at::Tensor& weight) {
   TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2, "weight must be a 2-D CPU tensor [out_features, in_features]");
   const auto values = weight.detach().to(at::kFloat).contiguous();
   const int64_t n = values.size(0), k = values.size(1);
-  const int64_t blocks = (n + kRowsPerBlock - 1) / kRowsPerBlock, pairs = (k + 1) / 2;
+  const int64_t blocks = (n + kRowsPerBlock - 1) / kRowsPerBlock, pairs = padded_pairs(k);
   auto packed = at::zeros({blocks, pairs, 2 * kRowsPerBlock}, values.options().dtype(at::kShort));
   const float* src = values.data_ptr<float>();
   auto* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<int16_t>());
@@ -143,7 +307,8 @@ at::Tensor pack_bf16_pairs(const at::Tensor& weight) {
   return packed;
 }
 
-at::Tensor bf16_pairs_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, const c10::optional<at::Tensor>& out) {
+at::Tensor bf16_pairs_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, const c10::optional<at::Tensor>& out,
+                             bool tiles) {
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kShort && packed.size(2) == 2 * kRowsPerBlock,
               "packed must come from pack_bf16_pairs");
   TORCH_CHECK(out_features > (packed.size(0) - 1) * kRowsPerBlock && out_features <= packed.size(0) * kRowsPerBlock,
@@ -151,10 +316,11 @@ at::Tensor bf16_pairs_linear(const at::Tensor& x, const at::Tensor& packed, int6
   TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1, "x must be a CPU tensor");
   const int64_t pairs = packed.size(1);
   const int64_t k = x.size(-1);
-  TORCH_CHECK((k + 1) / 2 == pairs, "x's last dimension (", k, ") must be the packed weight's in_features");
+  TORCH_CHECK(padded_pairs(k) == pairs, "x's last dimension (", k, ") must be the packed weight's in_features");
   const auto rows_in = x.reshape({-1, k}).to(at::kFloat).contiguous();
   const int64_t m = rows_in.size(0), blocks = packed.size(0);
-  const auto pairs_of_x = input_pairs(rows_in.data_ptr<float>(), m, k, pairs);
+  const bool on_tiles = tiles && bf16_matrix_tiles();
+  const auto pairs_of_x = input_pairs(rows_in.data_ptr<float>(), m, k, pairs, on_tiles ? tile_padded_rows(m) : m);
   at::Tensor sums;
   if (out.has_value() && out->defined()) {
     TORCH_CHECK(out->scalar_type() == at::kFloat && out->is_contiguous() && out->numel() == m * out_features,
@@ -165,20 +331,20 @@ at::Tensor bf16_pairs_linear(const at::Tensor& x, const at::Tensor& packed, int6
   }
   float* o = sums.data_ptr<float>();
   const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<int16_t>());
-  const int64_t panels = (blocks + kTileBlocks - 1) / kTileBlocks, chunks = (m + kChunkRows - 1) / kChunkRows;
-  at::parallel_for(0, chunks * panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t chunk = task / panels, first_block = (task % panels) * kTileBlocks;
-      const int tile_blocks = static_cast<int>(std::min<int64_t>(kTileBlocks, blocks - first_block));
-      const int64_t columns = std::min<int64_t>(tile_blocks * kRowsPerBlock, out_features - first_block * kRowsPerBlock);
-      const int64_t last_row = std::min(m, (chunk + 1) * kChunkRows);
-      for (int64_t r = chunk * kChunkRows; r < last_row; r += kTileRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kTileRows, last_row - r));
-        any_tile(rows, tile_blocks, pairs_of_x.data() + r * pairs, pairs, w + first_block * pairs * 2 * kRowsPerBlock,
-                 o + r * out_features + first_block * kRowsPerBlock, out_features, columns);
-      }
-    }
-  });
+#if defined(PAGEDSERVE_AMX_BF16)
+  if (on_tiles) {
+    matrix_tiles_linear(pairs_of_x.data(), m, pairs, w, blocks, o, out_features);
+  } else
+#endif
+  {
+    for_each_tile(
+        m, blocks, out_features, kChunkRows, kTileBlocks, kTileRows,
+        [&](int64_t r, int64_t rows, int64_t first_block, int task_blocks, int64_t columns) {
+          any_tile(static_cast<int>(rows), task_blocks, pairs_of_x.data() + r * pairs, pairs, w + first_block * pairs * 2 * kRowsPerBlock,
+                   o + r * out_features + first_block * kRowsPerBlock, out_features, columns);
+        },
+        [] {}, [] {});
+  }
   auto out_shape = x.sizes().vec();
   out_shape.back() = out_features;
   return sums.view(out_shape);

@@ -64,12 +64,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "silu(gate) * up in float32 of int8_linear's product with a gate-up weight (gate's features, then up's), applied as "
         "its sums are scaled",
         py::arg("x"), py::arg("weight"), py::arg("weight_scales"), py::arg("input_multipliers") = py::none());
-  m.def("bf16_dot_products", &bf16_dot_products, "whether this build multiplies bf16_pairs_linear on AVX-512 BF16 dot products");
+  m.def("bf16_dot_products", &bf16_dot_products, "whether this build multiplies bf16_pairs_linear on AVX-512 BF16 dot products or AMX tiles");
+  m.def("bf16_matrix_tiles", &bf16_matrix_tiles, "whether bf16_pairs_linear runs on AMX tiles (the build has them and the OS granted them)");
   m.def("pack_bf16_pairs", &pack_bf16_pairs, "a [out_features, in_features] weight in bfloat16, packed for bf16_pairs_linear");
   m.def("bf16_pairs_linear", &bf16_pairs_linear,
         "x @ W.T in float32: x and W rounded to bfloat16, their products summed in float32 (W from pack_bf16_pairs), into out "
-        "where given",
-        py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("out") = py::none());
+        "where given; on AMX tiles where bf16_matrix_tiles() and tiles",
+        py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("out") = py::none(), py::arg("tiles") = true);
   m.def("quantized_block_bytes", &quantized_block_bytes, "bytes per 32-value block of a GGUF type (0: unsupported)");
   py::class_<LlamaDecodeLayers>(m, "LlamaDecodeLayers",
                                 "a Llama-family model's decoder layers on GGUF blocks for a step of decodes alone, in one call")

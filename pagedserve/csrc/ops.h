@@ -47,8 +47,10 @@ at::Tensor int8_linear_silu_and_mul(const at::Tensor& x, const at::Tensor& weigh
                                     const c10::optional<at::Tensor>& input_multipliers);
 // x @ W.T in float32 from bfloat16 products, W packed once into pairs along k (bf16_gemm.cpp).
 bool bf16_dot_products();
+bool bf16_matrix_tiles();
 at::Tensor pack_bf16_pairs(const at::Tensor& weight);
-at::Tensor bf16_pairs_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, const c10::optional<at::Tensor>& out);
+at::Tensor bf16_pairs_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, const c10::optional<at::Tensor>& out,
+                             bool tiles);
 // Thread i of torch's OpenMP threads (the caller is 0) may run on cpus_of_thread[i] only; torch's thread count becomes
 // its length.
 void set_thread_cpus(const std::vector<std::vector<int64_t>>& cpus_of_thread);
