@@ -135,6 +135,21 @@ def test_silu_and_mul_matches_reference(num_tokens):
 
 
 @pytest.mark.parametrize("num_tokens", [1, 32, 300])
+def test_silu_and_mul_of_bfloat16_is_the_float32_result_rounded_once(num_tokens):
+    """A bfloat16 gate-up output (the MLP's, where GEMMs run in bfloat16) stays bfloat16: widened, computed in float32,
+    rounded once (within a bfloat16 step: the kernel's exp may differ from torch's in the last float32 bit); a width
+    that is not a multiple of the vector's takes the scalar tail."""
+    torch.manual_seed(0)
+    act = SiluAndMul()
+    act.kernels = built_kernels()
+    gate_up = (torch.randn(num_tokens, 2 * 75) * 4).bfloat16()
+    out = act(gate_up)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, (torch.nn.functional.silu(gate) * up).bfloat16(), rtol=2**-8, atol=1e-30)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 32, 300])
 def test_rotary_kernel_matches_reference(num_tokens):
     torch.manual_seed(0)
     config = type("Config", (), {"rope_theta": 10000.0, "rope_scaling": None})()
@@ -432,6 +447,48 @@ def test_cpu_backend_routes_every_chunk_once(cache_dtype, lanes):
     cpu_meta = cpu.build_metadata(layout, torch.device("cpu"))
     assert cpu_meta.paged_prefills is not None and len(cpu_meta.torch_chunks) == {8: 2, 16: 0}[lanes]
     torch.testing.assert_close(outputs[0], outputs[1], atol=2e-5, rtol=1e-4)
+
+
+def test_fresh_prompts_attended_in_bfloat16_in_runs_of_one_length():
+    """Where GEMMs multiply in bfloat16 on AMX tiles, chunks that start their sequences are attended by torch in
+    bfloat16, side-by-side chunks of one length in one call: each row as the float32 reference gives it, within
+    bfloat16's rounding of queries, keys and values; decodes and chunks after context as before, and the selector
+    chooses it exactly where the kernels run on the tiles."""
+    from pagedserve.layers.attention import select_attention_backend
+    from pagedserve.layers.attention.cpu_backend import FreshRun
+
+    torch.manual_seed(0)
+    num_heads, num_kv_heads, head_dim, block_size, num_blocks = 9, 3, 64, 16, 64
+    seqs = [(7, 1), (0, 40), (0, 40), (0, 40), (0, 30), (50, 20), (0, 30)]  # (context, query tokens)
+    tables, slots, next_block = [], [], 0
+    for context, query_len in seqs:
+        table = np.arange(next_block, next_block + -(-(context + query_len) // block_size))
+        next_block += len(table)
+        positions = np.arange(context, context + query_len)
+        slots.extend(table[positions // block_size] * block_size + positions % block_size)
+        tables.append(table)
+    decodes, chunks = seqs[:1], seqs[1:]
+    layout = BatchLayout(np.array(slots), np.array([c + q for c, q in decodes]), pad_block_tables(tables[:1]),
+                         [q for _, q in chunks], [c + q for c, q in chunks], tables[1:])
+    query = torch.randn(len(slots), num_heads, head_dim)
+    key, value = torch.randn(2, len(slots), num_kv_heads, head_dim).bfloat16().float()
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim).bfloat16()
+    kernels = built_kernels()
+    bf16 = CPUAttentionBackend(kernels, fresh_prefill_dtype=torch.bfloat16)
+    meta = bf16.build_metadata(layout, torch.device("cpu"))
+    assert meta.fresh_runs == [FreshRun(1, 40, 3), FreshRun(121, 30, 1), FreshRun(171, 30, 1)]
+    assert meta.paged_prefills is not None and meta.paged_prefills.query_starts.tolist() == [151]
+    outputs = [Attention(num_heads, head_dim, num_kv_heads, backend)(query, key, value, cache.clone(),
+                                                                      backend.build_metadata(layout, torch.device("cpu")))
+               for backend in (bf16, TorchAttentionBackend())]
+    fresh_rows = torch.zeros(len(slots), dtype=torch.bool)
+    for run in meta.fresh_runs:
+        fresh_rows[run.query_start : run.query_start + run.query_len * run.count] = True
+    torch.testing.assert_close(outputs[0][fresh_rows], outputs[1][fresh_rows], atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(outputs[0][~fresh_rows], outputs[1][~fresh_rows], atol=2e-5, rtol=1e-4)
+    chosen = select_attention_backend("cpu", torch.device("cpu"), torch.float32, kernels, gemm_dtype=torch.bfloat16)
+    assert chosen.fresh_prefill_dtype == (torch.bfloat16 if kernels.bf16_matrix_tiles() else None)
+    assert select_attention_backend("cpu", torch.device("cpu"), torch.float32, kernels).fresh_prefill_dtype is None
 
 
 def test_the_backend_routes_as_its_kernels_are_built():

@@ -80,17 +80,27 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   return {out.view(x.sizes()), sum.view(x.sizes())};
 }
 
-at::Tensor silu_and_mul(const at::Tensor& gate_up) {
-  check_rows(gate_up, "gate_up");
-  const int64_t width = gate_up.size(-1) / 2;
-  auto input = gate_up.contiguous().view({-1, 2 * width});
-  auto out = at::empty({input.size(0), width}, input.options());
-  const float* in_ptr = input.data_ptr<float>();
-  float* out_ptr = out.data_ptr<float>();
+template <typename T>
+void silu_and_mul_rows(const at::Tensor& input, at::Tensor& out, int64_t width) {
+  const T* in_ptr = input.data_ptr<T>();
+  T* out_ptr = out.data_ptr<T>();
   at::parallel_for(0, input.size(0), grain_rows(2 * width), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       silu_and_mul_row(out_ptr + r * width, in_ptr + r * 2 * width, in_ptr + r * 2 * width + width, width);
   });
+}
+
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.device().is_cpu() && (gate_up.scalar_type() == at::kFloat || gate_up.scalar_type() == at::kBFloat16),
+              "gate_up must be a float32 or bfloat16 CPU tensor");
+  const int64_t width = gate_up.size(-1) / 2;
+  auto input = gate_up.contiguous().view({-1, 2 * width});
+  auto out = at::empty({input.size(0), width}, input.options());
+  if (input.scalar_type() == at::kBFloat16) {
+    silu_and_mul_rows<c10::BFloat16>(input, out, width);
+  } else {
+    silu_and_mul_rows<float>(input, out, width);
+  }
   auto sizes = gate_up.sizes().vec();
   sizes.back() = width;
   return out.view(sizes);

@@ -1,5 +1,5 @@
-"""SiLU-and-mul, the gated activation of Llama-family MLPs; fused C++ kernel on CPU float32, torch's ops on other
-dtypes (a bfloat16 gate-up output stays bfloat16 for the down projection)."""
+"""SiLU-and-mul, the gated activation of Llama-family MLPs; a fused C++ kernel on CPU float32 and bfloat16 (a
+bfloat16 gate-up output stays bfloat16 for the down projection), torch's ops elsewhere."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pagedserve.layers.cpu_kernels import UsesCPUKernels
 class SiluAndMul(nn.Module, UsesCPUKernels):
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[T, 2 * I] (gate, then up) -> silu(gate) * up, [T, I]."""
-        kernels = self.kernels_for(gate_up)
+        kernels = self.kernels_for(gate_up, dtypes=(torch.float32, torch.bfloat16))
         if kernels is not None:
             return kernels.silu_and_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)

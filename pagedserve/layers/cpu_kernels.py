@@ -45,9 +45,10 @@ class UsesCPUKernels:
 
     kernels = None
 
-    def kernels_for(self, tensor: torch.Tensor):
-        """The kernels, when set and when they apply to this tensor (float32 on CPU); else None."""
-        if self.kernels is None or tensor.device.type != "cpu" or tensor.dtype != torch.float32:
+    def kernels_for(self, tensor: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)):
+        """The kernels, when set and when they apply to this tensor (on CPU, in one of the dtypes the layer's kernel
+        takes); else None."""
+        if self.kernels is None or tensor.device.type != "cpu" or tensor.dtype not in dtypes:
             return None
         return self.kernels
 

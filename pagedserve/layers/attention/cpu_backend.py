@@ -5,7 +5,8 @@ Decodes and most prefill chunks run in the kernels (all of them where the kernel
 AVX-512); prefill_in_kernel says which chunks. The rest run torch's fused attention: a long prompt's
 first chunk on its own new K/V, and a long chunk after a longer context on that context gathered
 once, the context and the chunk attended apart and merged by log-sum-exp. Which is faster where was
-measured at the default shapes (docs/cpu.md).
+measured at the default shapes (docs/cpu.md). Where the GEMMs multiply in bfloat16 on AMX tiles, every chunk that
+starts its sequence runs in torch's flash attention in bfloat16, whose products run on the tiles too.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from pagedserve.layers.attention.backend import (
     AttentionBackend,
@@ -64,19 +67,55 @@ class PagedPrefills:
         return cls(tables.to(device), starts, query_lens, seq_lens)
 
 
+class FreshRun(NamedTuple):
+    """Chunks that start their sequences, all of one length and side by side in the flat batch: one batched call."""
+
+    query_start: int
+    query_len: int
+    count: int
+
+
 @dataclass
 class CPUAttentionMetadata(AttentionMetadata):
     paged_prefills: PagedPrefills | None = None  # the chunks the kernel takes; None when there are none
-    torch_chunks: list[PrefillChunk] = field(default_factory=list)  # the others
+    torch_chunks: list[PrefillChunk] = field(default_factory=list)  # the others, but for those in fresh_runs
+    fresh_runs: list[FreshRun] = field(default_factory=list)  # chunks attended in the backend's fresh_prefill_dtype
+
+
+def fresh_runs_of(chunks: list[PrefillChunk]) -> list[FreshRun]:
+    """Fresh chunks (in batch order) as runs of equal length that follow each other in the flat batch."""
+    runs: list[FreshRun] = []
+    for chunk in chunks:
+        last = runs[-1] if runs else None
+        if last is not None and last.query_len == chunk.query_len and last.query_start + last.query_len * last.count == chunk.query_start:
+            runs[-1] = last._replace(count=last.count + 1)
+        else:
+            runs.append(FreshRun(chunk.query_start, chunk.query_len, 1))
+    return runs
+
+
+def causal_attention_of_run(query, key, value, count: int, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """count sequences of equal length side by side ([count * length, heads, D] each), each attended causally over its
+    own keys, in one call of torch's flash attention in dtype; the output in dtype."""
+
+    def sequences_heads_first(rows: torch.Tensor) -> torch.Tensor:
+        return rows.to(dtype).reshape(count, -1, *rows.shape[1:]).transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(sequences_heads_first(query), sequences_heads_first(key), sequences_heads_first(value),
+                                         is_causal=True, enable_gqa=True, scale=scale)
+    return out.transpose(1, 2).reshape(query.shape)
 
 
 class CPUAttentionBackend(AttentionBackend):
     name = "cpu"
 
-    def __init__(self, kernels, kv_format: KVFormat | None = None) -> None:
-        """kv_format: the 8-bit format the caches hold; None for a 16- or 32-bit cache."""
+    def __init__(self, kernels, kv_format: KVFormat | None = None, fresh_prefill_dtype: torch.dtype | None = None) -> None:
+        """kv_format: the 8-bit format the caches hold; None for a 16- or 32-bit cache. fresh_prefill_dtype: where set,
+        chunks that start their sequence are attended by torch in that dtype (their queries, keys and values rounded
+        to it, the output widened back)."""
         self.kernels = kernels
         self.kv_format = kv_format
+        self.fresh_prefill_dtype = fresh_prefill_dtype if kv_format is None else None
         self.kernel_format = kv_format.kernel_code if kv_format is not None else 0
         self.prefill_lanes = kernels.prefill_lanes() if kernels is not None else 1  # None: metadata only (host_costs)
         # An 8-bit cache's rows as values, for the chunks torch attends: the kernels read them as they read them.
@@ -84,9 +123,13 @@ class CPUAttentionBackend(AttentionBackend):
 
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> CPUAttentionMetadata:
         meta = CPUAttentionMetadata.from_layout(layout, device)
-        in_kernel = []
+        in_kernel, fresh = [], []
         for chunk in meta.prefills:
-            (in_kernel if prefill_in_kernel(chunk, self.prefill_lanes) else meta.torch_chunks).append(chunk)
+            if self.fresh_prefill_dtype is not None and chunk.context_len == 0:
+                fresh.append(chunk)
+            else:
+                (in_kernel if prefill_in_kernel(chunk, self.prefill_lanes) else meta.torch_chunks).append(chunk)
+        meta.fresh_runs = fresh_runs_of(fresh)
         if in_kernel:
             meta.paged_prefills = PagedPrefills.of(in_kernel, device)
         return meta
@@ -109,6 +152,9 @@ class CPUAttentionBackend(AttentionBackend):
         if paged is not None:
             kernels.paged_prefill_attention(query, key_cache, value_cache, paged.block_tables, paged.query_starts, paged.query_lens,
                                             paged.seq_lens, scale, out, kernel_format)
+        for run in meta.fresh_runs:
+            rows = slice(run.query_start, run.query_start + run.query_len * run.count)
+            out[rows] = causal_attention_of_run(query[rows], key[rows], value[rows], run.count, scale, self.fresh_prefill_dtype)
         for chunk in meta.torch_chunks:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
             out[rows] = prefill_attention(query[rows], key[rows], value[rows], kv_cache, chunk, scale, self.kv_format,
