@@ -411,6 +411,20 @@ def test_cpu_prefill_kernel_names_a_chunk_outside_its_table():
                                         one * 10, one * 40, 1.0, out)
 
 
+def mixed_step_layout(seqs: list[tuple[int, int]], num_decodes: int, blocks, block_size: int) -> BatchLayout:
+    """A step of the sequences (context, query tokens), the first num_decodes of them decodes, each taking its blocks
+    from the iterator blocks in turn."""
+    tables, slots = [], []
+    for context, query_len in seqs:
+        table = np.array([next(blocks) for _ in range(-(-(context + query_len) // block_size))], dtype=np.int64)
+        positions = np.arange(context, context + query_len)
+        slots.extend(table[positions // block_size] * block_size + positions % block_size)
+        tables.append(table)
+    decodes, chunks = seqs[:num_decodes], seqs[num_decodes:]
+    return BatchLayout(np.array(slots), np.array([c + q for c, q in decodes]), pad_block_tables(tables[:num_decodes]),
+                       [q for _, q in chunks], [c + q for c, q in chunks], tables[num_decodes:])
+
+
 @pytest.mark.parametrize("lanes", [8, 16])
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 def test_cpu_backend_routes_every_chunk_once(cache_dtype, lanes):
@@ -422,17 +436,8 @@ def test_cpu_backend_routes_every_chunk_once(cache_dtype, lanes):
     rng = np.random.default_rng(0)
     # (context, query tokens): decodes, then fresh short and long, after context short, long on a short and on a long context
     seqs = [(4, 1), (39, 1), (0, 30), (0, 600), (300, 16), (20, 200), (400, 150)]
-    blocks = iter(rng.permutation(num_blocks).astype(np.int64))
-    tables, slots = [], []
-    for context, query_len in seqs:
-        table = np.array([next(blocks) for _ in range(-(-(context + query_len) // block_size))])
-        positions = np.arange(context, context + query_len)
-        slots.extend(table[positions // block_size] * block_size + positions % block_size)
-        tables.append(table)
-    decodes, chunks = seqs[:2], seqs[2:]
-    layout = BatchLayout(np.array(slots), np.array([c + q for c, q in decodes]), pad_block_tables(tables[:2]),
-                         [q for _, q in chunks], [c + q for c, q in chunks], tables[2:])
-    num_tokens = len(slots)
+    layout = mixed_step_layout(seqs, 2, iter(rng.permutation(num_blocks)), block_size)
+    num_tokens = len(layout.slot_mapping)
     query = torch.randn(num_tokens, num_heads, head_dim)
     # K/V the cache dtype holds exactly: the kernels read a fresh chunk's K/V back from the cache, torch takes them as given
     key, value = torch.randn(2, num_tokens, num_kv_heads, head_dim).to(cache_dtype).float()
@@ -460,18 +465,10 @@ def test_fresh_prompts_attended_in_bfloat16_in_runs_of_one_length():
     torch.manual_seed(0)
     num_heads, num_kv_heads, head_dim, block_size, num_blocks = 9, 3, 64, 16, 64
     seqs = [(7, 1), (0, 40), (0, 40), (0, 40), (0, 30), (50, 20), (0, 30)]  # (context, query tokens)
-    tables, slots, next_block = [], [], 0
-    for context, query_len in seqs:
-        table = np.arange(next_block, next_block + -(-(context + query_len) // block_size))
-        next_block += len(table)
-        positions = np.arange(context, context + query_len)
-        slots.extend(table[positions // block_size] * block_size + positions % block_size)
-        tables.append(table)
-    decodes, chunks = seqs[:1], seqs[1:]
-    layout = BatchLayout(np.array(slots), np.array([c + q for c, q in decodes]), pad_block_tables(tables[:1]),
-                         [q for _, q in chunks], [c + q for c, q in chunks], tables[1:])
-    query = torch.randn(len(slots), num_heads, head_dim)
-    key, value = torch.randn(2, len(slots), num_kv_heads, head_dim).bfloat16().float()
+    layout = mixed_step_layout(seqs, 1, iter(range(num_blocks)), block_size)
+    num_tokens = len(layout.slot_mapping)
+    query = torch.randn(num_tokens, num_heads, head_dim)
+    key, value = torch.randn(2, num_tokens, num_kv_heads, head_dim).bfloat16().float()
     cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim).bfloat16()
     kernels = built_kernels()
     bf16 = CPUAttentionBackend(kernels, fresh_prefill_dtype=torch.bfloat16)
@@ -481,7 +478,7 @@ def test_fresh_prompts_attended_in_bfloat16_in_runs_of_one_length():
     outputs = [Attention(num_heads, head_dim, num_kv_heads, backend)(query, key, value, cache.clone(),
                                                                       backend.build_metadata(layout, torch.device("cpu")))
                for backend in (bf16, TorchAttentionBackend())]
-    fresh_rows = torch.zeros(len(slots), dtype=torch.bool)
+    fresh_rows = torch.zeros(num_tokens, dtype=torch.bool)
     for run in meta.fresh_runs:
         fresh_rows[run.query_start : run.query_start + run.query_len * run.count] = True
     torch.testing.assert_close(outputs[0][fresh_rows], outputs[1][fresh_rows], atol=2e-2, rtol=2e-2)
