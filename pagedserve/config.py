@@ -129,7 +129,8 @@ class EngineConfig:
     gemm_backend: str = field(
         default="auto",
         metadata={"help": "dense GEMMs on CPU (float32 or bfloat16 weights): onednn (weights packed at load), torch (torch's "
-                  "default BLAS), or auto (onednn where torch has it)"},
+                  "default BLAS), or auto (bfloat16 GEMMs on the C++ kernels' AMX tiles where the processor has them, else "
+                  "onednn where torch has it)"},
     )
 
     # Set by the data-parallel client on each core's copy when expert parallelism spans the cores; not a user's setting.

@@ -9,7 +9,7 @@ from pagedserve import LLM
 from pagedserve.config import EngineConfig
 from pagedserve.cpu_features import CPUFeatures
 from pagedserve.executor import worker as worker_module
-from pagedserve.layers.linear import Linear
+from pagedserve.layers.linear import TILES_MAX_ROWS, Linear
 
 PROMPTS = [[1, 400, 500, 600, 700], list(range(100, 170)), [5] * 3, list(range(3000, 3040, 3))]
 
@@ -24,7 +24,8 @@ def test_bfloat16_gemms_run_between_float32_activations_on_the_float32_kernels(b
     assert (worker.dtype, worker.gemm_dtype, worker.kv_cache_dtype) == (torch.float32, torch.bfloat16, torch.bfloat16)
     assert worker.attn_backend.name == "cpu" and worker.cpu_kernels is not None
     linears = [m for m in worker.model.modules() if isinstance(m, Linear)]
-    assert linears and all(m.packed_weight.dtype == torch.bfloat16 for m in linears)
+    on_tiles = worker.cpu_kernels.bf16_matrix_tiles()  # AMX: steps of few rows on the tiles, float32 sums out
+    assert linears and all(m.packed_weight.dtype == torch.bfloat16 and (m.bf16_products is not None) == on_tiles for m in linears)
     model = worker.model
     if worker.cpu_kernels.bf16_dot_products():  # the lm_head multiplies in bfloat16 too, its sums kept in float32
         assert model.bfloat16_lm_head is not None and model.packed_lm_head is None
@@ -32,10 +33,12 @@ def test_bfloat16_gemms_run_between_float32_activations_on_the_float32_kernels(b
         assert model.bfloat16_lm_head is None and model.packed_lm_head.dtype == torch.float32
     assert model.compute_logits(torch.randn(3, model.config.hidden_size)).dtype == torch.float32  # the logits stay float32
     assert all(p.dtype == torch.float32 for p in worker.model.parameters())  # norms and embeddings stay float32
-    # Inside the MLP the gate-up output stays bfloat16 for SiLU-and-mul and the down projection; the MLP returns float32.
+    # On oneDNN, inside the MLP the gate-up output stays bfloat16 for SiLU-and-mul and the down projection; the MLP
+    # returns float32. On the tiles every GEMM returns float32.
     mlp = worker.model.model.layers[0].mlp
-    x = torch.randn(5, mlp.gate_up_proj.in_features)
-    assert mlp.gate_up_proj(x).dtype == torch.bfloat16 and mlp(x).dtype == torch.float32
+    for rows, tiles in ((5, on_tiles), (TILES_MAX_ROWS + 1, False)):
+        x = torch.randn(rows, mlp.gate_up_proj.in_features)
+        assert mlp.gate_up_proj(x).dtype == (torch.float32 if tiles else torch.bfloat16) and mlp(x).dtype == torch.float32
     for name, module in worker.model.named_modules():
         if isinstance(module, Linear):
             assert module.output_dtype == (torch.bfloat16 if name.endswith("gate_up_proj") else torch.float32), name

@@ -49,13 +49,11 @@ float bf16_value(uint16_t bits) {
   return value;
 }
 
-// rows x pairs words, each the bfloat16 values of inputs 2j (low half) and 2j + 1 (high half), zero past k, and
-// zero rows up to padded_rows.
-std::vector<uint32_t> input_pairs(const float* x, int64_t rows, int64_t k, int64_t pairs, int64_t padded_rows) {
-  std::vector<uint32_t> out(padded_rows * pairs, 0);
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < k; ++c) out[r * pairs + c / 2] |= static_cast<uint32_t>(bf16_bits(x[r * k + c])) << (16 * (c % 2));
-  }
+// x [rows, k] rounded to bfloat16 as padded_rows x pairs words, each the values of inputs 2j (low half) and 2j + 1
+// (high half): the rows in bfloat16, zero past k and past rows (torch's conversion, vectorized).
+at::Tensor input_pairs(const at::Tensor& x, int64_t pairs, int64_t padded_rows) {
+  auto out = at::zeros({padded_rows, 2 * pairs}, x.options().dtype(at::kBFloat16));
+  out.narrow(0, 0, x.size(0)).narrow(1, 0, x.size(1)).copy_(x);
   return out;
 }
 
@@ -317,30 +315,31 @@ at::Tensor bf16_pairs_linear(const at::Tensor& x, const at::Tensor& packed, int6
   const int64_t pairs = packed.size(1);
   const int64_t k = x.size(-1);
   TORCH_CHECK(padded_pairs(k) == pairs, "x's last dimension (", k, ") must be the packed weight's in_features");
-  const auto rows_in = x.reshape({-1, k}).to(at::kFloat).contiguous();
+  const auto rows_in = x.reshape({-1, k});
   const int64_t m = rows_in.size(0), blocks = packed.size(0);
   const bool on_tiles = tiles && bf16_matrix_tiles();
-  const auto pairs_of_x = input_pairs(rows_in.data_ptr<float>(), m, k, pairs, on_tiles ? tile_padded_rows(m) : m);
+  const auto x_pairs = input_pairs(rows_in, pairs, on_tiles ? tile_padded_rows(m) : m);
+  const auto* pairs_of_x = reinterpret_cast<const uint32_t*>(x_pairs.data_ptr<at::BFloat16>());
   at::Tensor sums;
   if (out.has_value() && out->defined()) {
     TORCH_CHECK(out->scalar_type() == at::kFloat && out->is_contiguous() && out->numel() == m * out_features,
                 "out must be a contiguous float32 tensor of ", m, " x ", out_features, " values");
     sums = out->view({m, out_features});
   } else {
-    sums = at::empty({m, out_features}, rows_in.options());
+    sums = at::empty({m, out_features}, x.options().dtype(at::kFloat));
   }
   float* o = sums.data_ptr<float>();
   const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<int16_t>());
 #if defined(PAGEDSERVE_AMX_BF16)
   if (on_tiles) {
-    matrix_tiles_linear(pairs_of_x.data(), m, pairs, w, blocks, o, out_features);
+    matrix_tiles_linear(pairs_of_x, m, pairs, w, blocks, o, out_features);
   } else
 #endif
   {
     for_each_tile(
         m, blocks, out_features, kChunkRows, kTileBlocks, kTileRows,
         [&](int64_t r, int64_t rows, int64_t first_block, int task_blocks, int64_t columns) {
-          any_tile(static_cast<int>(rows), task_blocks, pairs_of_x.data() + r * pairs, pairs, w + first_block * pairs * 2 * kRowsPerBlock,
+          any_tile(static_cast<int>(rows), task_blocks, pairs_of_x + r * pairs, pairs, w + first_block * pairs * 2 * kRowsPerBlock,
                    o + r * out_features + first_block * kRowsPerBlock, out_features, columns);
         },
         [] {}, [] {});

@@ -212,7 +212,7 @@ class Worker:
     def _pack_gemm_weights(self, model: torch.nn.Module) -> None:
         onednn = self._packs_for_onednn()
         if onednn or self.gemm_dtype != self.dtype:
-            model.pack_gemm_weights(self.gemm_dtype, onednn, self.dtype, self.cpu_kernels)
+            model.pack_gemm_weights(self.gemm_dtype, onednn, self.dtype, self.cpu_kernels, tiles=self.config.gemm_backend == "auto")
 
     def _choose_gemm_paths(self) -> None:
         rows = gemm_choice.choose(self.model, self.dense_gemm_dtype)

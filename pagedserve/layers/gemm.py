@@ -63,9 +63,13 @@ class Int8Weight:
 
 class BFloat16ProductsWeight:
     """A weight for a GEMM that multiplies in bfloat16 and returns float32 sums as they are (csrc/bf16_gemm.cpp): the
-    lm_head's where the other GEMMs multiply in bfloat16. oneDNN's bfloat16 GEMMs return bfloat16, which would round the
-    logits to steps of 1/8 at their usual size and tie tokens that are not tied. Only where the kernels' build has
-    bfloat16 dot products (`offered`): elsewhere the loop that stands in for them is slower than float32 GEMMs."""
+    lm_head's where the other GEMMs multiply in bfloat16, and every linear layer's on AMX tiles (`on_tiles`). oneDNN's
+    bfloat16 GEMMs return bfloat16, which would round the logits to steps of 1/8 at their usual size and tie tokens that
+    are not tied, and costs a pass to widen each layer's output. Only where the kernels' build has bfloat16 dot products
+    (`offered`): elsewhere the loop that stands in for them is slower than float32 GEMMs. On AMX tiles the kernel takes
+    its input as it comes (float32, or the bfloat16 SiLU-and-mul output), and beat oneDNN's bfloat16 GEMM with its
+    conversions at every row count measured (docs/cpu.md); on AVX-512 BF16 dot products alone it beats it for the
+    lm_head only."""
 
     def __init__(self, weight: torch.Tensor, kernels) -> None:
         self.out_features = weight.shape[0]
@@ -75,6 +79,10 @@ class BFloat16ProductsWeight:
     @staticmethod
     def offered(kernels) -> bool:
         return kernels is not None and kernels.bf16_dot_products()
+
+    @staticmethod
+    def on_tiles(kernels) -> bool:
+        return kernels is not None and kernels.bf16_matrix_tiles()
 
     def linear(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x @ weight.T in float32, into out where given."""

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.distributed.parallel_state import tp_all_reduce, tp_rank, tp_size
-from pagedserve.layers.gemm import Int8Weight, pack_weight, packed_linear
+from pagedserve.layers.gemm import BFloat16ProductsWeight, Int8Weight, pack_weight, packed_linear
 from pagedserve.layers.lora import LinearLoRA
 
 # Rows up to which a GEMM runs on the GGUF blocks until measured on the machine (executor/gemm_choice.py): few-row
@@ -26,6 +26,10 @@ from pagedserve.layers.lora import LinearLoRA
 # interleaved copy of the blocks, which on some processors stays level with oneDNN up to 64 rows and on others falls
 # behind from 3.
 QUANTIZED_MAX_ROWS = 64
+# Rows up to which a bfloat16 GEMM runs on the C++ kernels' AMX tiles (where pack() gave it them): there they beat
+# oneDNN's bfloat16 GEMM and its conversions at every shape measured; from a full prefill step on, oneDNN's blocking
+# keeps level or pulls ahead (docs/cpu.md).
+TILES_MAX_ROWS = 512
 # Rows up to which blocks that round their input take the integer kernel: it multiplies each row's bytes on its own,
 # while the float32 kernel's broadcast GEMM shares each block's unpacking among its rows, and pulls ahead from a few.
 ROUNDED_INPUT_MAX_ROWS = 4
@@ -85,6 +89,7 @@ class Linear(nn.Linear):
 
     packed_weight: torch.Tensor | None = None
     int8_weight: Int8Weight | None = None  # the dense product's weight where GEMMs run in int8 (W8A8)
+    bf16_products: BFloat16ProductsWeight | None = None  # where bfloat16 GEMMs run on AMX tiles: the weight for steps of few rows
     # A router's scores pick experts: rounding its input to 8 bits would move tokens between experts, so a router keeps
     # the float GEMM where the other layers run in int8.
     routes = False
@@ -98,7 +103,13 @@ class Linear(nn.Linear):
     full_part_sizes: tuple[int, ...] | None = None  # None: one part, out_features
     full_in_features: int | None = None  # None: in_features
 
-    def pack(self, dtype: torch.dtype = torch.float32, onednn: bool = True, output_dtype: torch.dtype | None = None) -> None:
+    def pack(self, dtype: torch.dtype = torch.float32, onednn: bool = True, output_dtype: torch.dtype | None = None,
+             kernels=None) -> None:
+        """Run the dense product on a copy of the weight in dtype, reordered for oneDNN where onednn, returning
+        output_dtype; where dtype is bfloat16 and the kernels have AMX tiles, steps of up to TILES_MAX_ROWS rows on a
+        second copy for the tiles instead (float32 sums out)."""
+        if dtype == torch.bfloat16 and BFloat16ProductsWeight.on_tiles(kernels):
+            self.bf16_products = BFloat16ProductsWeight(self.weight, kernels)
         self.packed_weight = pack_weight(self.weight, dtype, onednn)
         self.output_dtype = output_dtype
 
@@ -106,7 +117,7 @@ class Linear(nn.Linear):
         """Run the dense product in int8 (W8A8, smoothed by the factors given: Int8Weight) from now on, returning
         output_dtype."""
         self.int8_weight = Int8Weight(self.weight, kernels, smoothing)
-        self.packed_weight = None
+        self.packed_weight = self.bf16_products = None
         self.output_dtype = output_dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -133,6 +144,9 @@ class Linear(nn.Linear):
         """The product on the dense weight (packed where pack() or pack_int8() ran), whatever the blocks would take."""
         if self.int8_weight is not None:
             return self.int8_weight.linear(x, bias, self.output_dtype or x.dtype)
+        if self.bf16_products is not None and x.shape[0] <= TILES_MAX_ROWS:
+            out = self.bf16_products.linear(x)
+            return out if bias is None else out + bias
         if self.packed_weight is not None:
             return packed_linear(x, self.packed_weight, bias, self.output_dtype)
         return F.linear(x, self.weight, bias)

@@ -216,14 +216,16 @@ class LlamaForCausalLM(nn.Module):
             product = partial(F.linear, weight=self.lm_head.weight)
         return product(hidden_states) if out is None else linear_into(product, hidden_states, out)
 
-    def pack_gemm_weights(self, dtype: torch.dtype, onednn: bool, activation_dtype: torch.dtype, kernels=None) -> None:
+    def pack_gemm_weights(self, dtype: torch.dtype, onednn: bool, activation_dtype: torch.dtype, kernels=None,
+                          tiles: bool = False) -> None:
         """Run every dense GEMM on a copy of its weight in dtype (float32, or bfloat16 multiplying activations rounded to
         it), reordered for oneDNN where onednn; the originals stay for reading. GEMMs return activation_dtype, but the
-        MLP's gate-up, whose output SiLU-and-mul and the down projection read, keeps dtype. The lm_head returns
+        MLP's gate-up, whose output SiLU-and-mul and the down projection read, keeps dtype (but for steps on AMX tiles,
+        which return their float32 sums: Linear.pack, where tiles). The lm_head returns
         LOGITS_DTYPE: in bfloat16 on the kernels' bfloat16 dot products where they have them, else in float32."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.pack(dtype, onednn, activation_dtype)
+                module.pack(dtype, onednn, activation_dtype, kernels if tiles else None)
         for module in self.modules():
             if isinstance(module, GatedMLP):
                 module.gate_up_proj.output_dtype = dtype
