@@ -453,6 +453,28 @@ def test_prompt_tokens_are_bounded_by_time_while_streams_decode():
     assert step(off)[0].total_num_scheduled_tokens == 8 + 4 * 1000  # all of every prompt: the budget allowed it
 
 
+@pytest.mark.parametrize("num_decoding,num_waiting,max_num_seqs,bounded", [
+    (2, 14, 64, False),  # a burst: the first prompts decode while the rest arrive
+    (4, 4, 64, False),  # as many waiting as decoding
+    (5, 4, 64, True),  # fewer waiting than decoding: the streams are kept steady
+    (4, 14, 7, True),  # only the 3 seats left count
+])
+def test_a_burst_of_waiting_requests_is_let_in_without_the_time_bound(num_decoding, num_waiting, max_num_seqs, bounded):
+    """While at least as many requests wait to join (and may, within max_num_seqs) as streams decode, a step takes
+    their prompts up to the token budget, stalling those few streams once; with fewer, the time bound holds."""
+    scheduler = _stall_scheduler(DecodeStallLimit(multiple=2.0), max_num_seqs=max_num_seqs)
+    for index in range(num_decoding):
+        scheduler.add_request(make_request(f"d{index}", prompt_len=20, max_tokens=100))
+    step(scheduler)
+    for index in range(num_waiting):
+        scheduler.add_request(make_request(f"w{index}", prompt_len=128, max_tokens=10))
+    output, _ = step(scheduler)
+    seats = min(num_waiting, max_num_seqs - num_decoding)
+    assert (output.stall_limit_s is not None) == bounded
+    prompt_tokens = output.total_num_scheduled_tokens - num_decoding
+    assert prompt_tokens < 128 if bounded else prompt_tokens == 128 * seats
+
+
 def test_prompts_progress_however_tight_the_time_limit():
     scheduler = _stall_scheduler(DecodeStallLimit(seconds=0.001))  # below even the decode-only step
     for index in range(4):

@@ -59,7 +59,8 @@ class DecodeStallBound:
 
     def allowance(self, running: list[Request], num_waiting: int, max_num_seqs: int) -> PrefillAllowance | None:
         """What bounds the next step's prompt work in time: None when nothing does (no limit set, the model not yet
-        fit, no request decoding, so that no stream waits for the prompts, or no prompt to bound)."""
+        fit, no request decoding, so that no stream waits for the prompts, no prompt to bound, or a burst: at least as
+        many requests waiting to join as streams decoding)."""
         if self.limit is None or not self.step_time.ready:
             return None
         # Prompt work: a waiting request that may join, or a running one with prompt tokens left. Most steps of a
@@ -73,7 +74,10 @@ class DecodeStallBound:
             if len(request.all_token_ids) - num_computed_tokens == 1:
                 num_decoding += 1
                 sum_of_context_lens += num_computed_tokens
-        if not num_decoding:
+        # In a burst, one long step stalls the few streams decoding once and spares as many or more prompts a wait of
+        # many bounded steps (each stream's single long gap stays out of its gaps' tail); the bound keeps streams
+        # steady against the prompts that trickle in while they decode.
+        if not num_decoding or min(num_waiting, max_num_seqs - num_running) >= num_decoding:
             return None
         decoding = ShapeTally()
         decoding.add_decodes(num_decoding, sum_of_context_lens)
