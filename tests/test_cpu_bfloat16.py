@@ -158,3 +158,18 @@ def test_default_model_in_bfloat16_gives_a_request_the_same_output_alone_and_in_
                 assert abs(a[token].logprob - a[other].logprob) < 0.3 and abs(b[token].logprob - b[other].logprob) < 0.3
                 break
             assert a[token].logprob == pytest.approx(b[token].logprob, abs=0.3)
+
+
+def test_the_start_up_log_says_what_runs_on_amx_tiles(tiny_models, caplog):
+    """Where the processor has AMX tiles (and Linux grants them), the log names what runs on them; elsewhere nothing
+    claims them."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="pagedserve.executor.worker"):
+        llm = LLM(str(tiny_models["llama"]), dtype="bfloat16", kv_cache_memory=8 * 1024**2)
+    lines = [record.getMessage() for record in caplog.records if "AMX tiles" in record.getMessage()]
+    if worker_of(llm).cpu_kernels.bf16_matrix_tiles():
+        linears = sum(1 for m in worker_of(llm).model.modules() if isinstance(m, Linear))
+        assert len(lines) == 1 and f"{linears} linear layers' steps of up to {TILES_MAX_ROWS} rows" in lines[0]
+    else:
+        assert lines == []

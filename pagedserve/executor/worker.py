@@ -23,7 +23,7 @@ from pagedserve.layers.attention import Attention, select_attention_backend
 from pagedserve.layers.attention.kv_quant import NO_STATIC_SCALES, KVFormat, kv_format
 from pagedserve.layers.fused_moe import FusedMoE
 from pagedserve.layers.gemm import onednn_available
-from pagedserve.layers.linear import kv_heads_of_rank
+from pagedserve.layers.linear import TILES_MAX_ROWS, Linear, kv_heads_of_rank
 from pagedserve.lora_request import LoRARequest
 from pagedserve.model_info import ModelInfo
 from pagedserve.models.gguf_blocks import load_quantized_blocks
@@ -202,6 +202,16 @@ class Worker:
         gemms = self.dense_gemm_dtype
         dtypes = _name(self.dtype) if gemms == self.dtype else f"{_name(self.dtype)} activations, {_name(gemms)} GEMMs"
         logger.info("model %s on %s (%s), attention backend %s", self.model_dir.name, self.device, dtypes, self.attn_backend.name)
+        self._log_matrix_tiles()
+
+    def _log_matrix_tiles(self) -> None:
+        """Say what runs on AMX tiles, where anything does."""
+        if self.cpu_kernels is None or self.gemm_dtype != torch.bfloat16 or not self.cpu_kernels.bf16_matrix_tiles():
+            return
+        layers = sum(1 for module in self.model.modules() if isinstance(module, Linear) and module.bf16_products is not None)
+        fresh_prompts = getattr(self.attn_backend, "fresh_prefill_dtype", None) is not None
+        logger.info("AMX tiles, granted by the OS: the lm_head, %d linear layers' steps of up to %d rows%s", layers,
+                    TILES_MAX_ROWS, ", prompts' first chunks' attention (torch's flash kernel)" if fresh_prompts else "")
 
     @property
     def dense_gemm_dtype(self) -> torch.dtype:
