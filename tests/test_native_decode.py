@@ -22,17 +22,18 @@ def tiny_gguf(tmp_path_factory):
     return path
 
 
-@pytest.fixture
-def blocks_up_to_their_limit(monkeypatch):
-    """The GEMMs take their blocks for steps of up to QUANTIZED_MAX_ROWS rows, whatever this machine's measurement
-    would choose: on some processors the dense weights win from one row on the tiny model's smallest shapes, which
-    leaves no steps for the native layers."""
+def blocks_for_steps_of(monkeypatch, rows: int | None = None) -> None:
+    """The GEMMs take their blocks for steps of up to rows rows (None: QUANTIZED_MAX_ROWS), whatever this machine's
+    measurement would choose: on some processors the dense weights win from one row on the tiny model's smallest
+    shapes, which would leave no steps for the native layers."""
     from pagedserve.executor import gemm_choice
 
-    def keep_the_limit(model, dense_dtype):
+    def fixed_rows(model, dense_dtype):
+        for gemm in model.blocks_and_dense_gemms():
+            gemm.blocks.max_rows = gemm.blocks.max_rows if rows is None else rows
         return {gemm.shape: gemm.blocks.max_rows for gemm in model.blocks_and_dense_gemms()}
 
-    monkeypatch.setattr(gemm_choice, "choose", keep_the_limit)
+    monkeypatch.setattr(gemm_choice, "choose", fixed_rows)
 
 
 def modules_only(llm):
@@ -41,14 +42,18 @@ def modules_only(llm):
     return llm
 
 
-@pytest.mark.parametrize("settings", [{"dtype": "float32"}, {"dtype": "float32", "kv_cache_dtype": "int8"}, {"dtype": "auto"}],
-                         ids=["exact", "int8 cache", "rounded input"])
-def test_native_decode_steps_give_the_modules_bits(settings, tiny_gguf, monkeypatch, blocks_up_to_their_limit):
+@pytest.mark.parametrize("settings,block_rows", [
+    ({"dtype": "float32"}, None), ({"dtype": "float32", "kv_cache_dtype": "int8"}, None), ({"dtype": "auto"}, None),
+    ({"dtype": "auto"}, 2),  # where auto is bfloat16 on AMX tiles, the steps beyond 2 rows on the tiles
+], ids=["exact", "int8 cache", "rounded input", "tiles beyond the blocks"])
+def test_native_decode_steps_give_the_modules_bits(settings, block_rows, tiny_gguf, monkeypatch):
     if settings["dtype"] == "auto":  # blocks that round their input, whatever this processor's auto is
         monkeypatch.delenv("PAGEDSERVE_CPU_AUTO_DTYPE")
+    blocks_for_steps_of(monkeypatch, block_rows)
     native = LLM(str(tiny_gguf), kv_cache_memory=KV_CACHE, **settings)
     layers = worker_of(native).model.model.native_decode
-    assert layers is not None and layers.max_rows >= 6
+    on_tiles = worker_of(native).cpu_kernels.bf16_matrix_tiles() and worker_of(native).gemm_dtype == torch.bfloat16
+    assert layers is not None and layers.max_rows >= (6 if block_rows is None or on_tiles else block_rows)
     modules = modules_only(LLM(str(tiny_gguf), kv_cache_memory=KV_CACHE, **settings))
     prompts = [[1, 40, 50, 60], [7] * 19, list(range(100, 133))]
     params = greedy(12, logprobs=3)
@@ -61,8 +66,9 @@ def test_native_decode_steps_give_the_modules_bits(settings, tiny_gguf, monkeypa
                    [{t: lp.logprob for t, lp in step.items()} for step in want.outputs[0].logprobs]
 
 
-def test_native_decode_steps_run_the_kernels(tiny_gguf, monkeypatch, blocks_up_to_their_limit):
+def test_native_decode_steps_run_the_kernels(tiny_gguf, monkeypatch):
     """The engine's decode steps go through the native layers (a step they did not take would leave this unseen)."""
+    blocks_for_steps_of(monkeypatch)
     llm = LLM(str(tiny_gguf), dtype="float32", kv_cache_memory=KV_CACHE)
     layers = worker_of(llm).model.model.native_decode
     calls = []

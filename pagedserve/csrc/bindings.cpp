@@ -5,11 +5,13 @@
 
 namespace {
 
-// (blocks, qtype, interleaved or None, rounded_max_rows), as models/native_decode.py passes a QuantizedWeight.
-using BlockLinearArgs = std::tuple<at::Tensor, int64_t, c10::optional<at::Tensor>, int64_t>;
+// (blocks, qtype, interleaved or None, rounded_max_rows, blocks_max_rows, AMX tiles' pairs or None, out_features), as
+// models/native_decode.py passes a Linear.
+using BlockLinearArgs = std::tuple<at::Tensor, int64_t, c10::optional<at::Tensor>, int64_t, int64_t, c10::optional<at::Tensor>, int64_t>;
 
 BlockLinear block_linear(const BlockLinearArgs& args) {
-  return {std::get<0>(args), std::get<1>(args), std::get<2>(args), std::get<3>(args)};
+  return {std::get<0>(args), std::get<1>(args), std::get<2>(args), std::get<3>(args), std::get<4>(args), std::get<5>(args),
+          std::get<6>(args)};
 }
 
 }  // namespace
@@ -73,7 +75,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("out") = py::none(), py::arg("tiles") = true);
   m.def("quantized_block_bytes", &quantized_block_bytes, "bytes per 32-value block of a GGUF type (0: unsupported)");
   py::class_<LlamaDecodeLayers>(m, "LlamaDecodeLayers",
-                                "a Llama-family model's decoder layers on GGUF blocks for a step of decodes alone, in one call")
+                                "a Llama-family model's decoder layers on GGUF blocks (and AMX tiles) for a step of decodes alone, in one call")
       .def(py::init<int64_t, int64_t, int64_t, double, double, int64_t, at::Tensor, at::Tensor>(), py::arg("num_heads"),
            py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"), py::arg("kv_format"), py::arg("cos_cache"),
            py::arg("sin_cache"))
@@ -84,8 +86,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             self.add_layer({std::move(input_norm), std::move(post_norm), block_linear(qkv), block_linear(o), block_linear(gate_up),
                             block_linear(down), k_scale, v_scale});
           },
-          "the next layer: its norms' weights, its linear layers as (blocks, qtype, interleaved or None, rounded_max_rows), its "
-          "KV cache's static scales (0: each row's own)",
+          "the next layer: its norms' weights, its linear layers as (blocks, qtype, interleaved or None, rounded_max_rows, "
+          "blocks_max_rows, AMX tiles' bfloat16 pairs or None, out_features), its KV cache's static scales (0: each row's own)",
           py::arg("input_norm"), py::arg("post_norm"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"),
           py::arg("k_scale"), py::arg("v_scale"))
       // Tensors only, converted before the call: the engine's other threads may run Python meanwhile.

@@ -9,7 +9,9 @@
 #include "ops.h"
 
 at::Tensor BlockLinear::operator()(const at::Tensor& x) const {
-  if (x.size(0) <= rounded_max_rows) return quantized_linear_q8(x, blocks, qtype, c10::nullopt);
+  const int64_t rows = x.size(0);
+  if (rows > blocks_max_rows && tile_pairs.has_value()) return bf16_pairs_linear(x, *tile_pairs, out_features, c10::nullopt, true);
+  if (rows <= rounded_max_rows) return quantized_linear_q8(x, blocks, qtype, c10::nullopt);
   return quantized_linear(x, blocks, qtype, c10::nullopt, interleaved);
 }
 

@@ -5,13 +5,18 @@
 #include <tuple>
 #include <vector>
 
-// A linear layer on GGUF blocks as QuantizedWeight runs it: integer products on input rounded to 8 bits for steps of
-// up to rounded_max_rows rows (0: none), float32 ones beyond (on the interleaved copy from 3 rows, where there is one).
+// A linear layer as Linear runs it on its GGUF blocks (QuantizedWeight) and, where it has them, on AMX tiles: steps of
+// more than blocks_max_rows rows on the bfloat16 pairs (bf16_pairs_linear) where tile_pairs is given; on the blocks,
+// integer products on input rounded to 8 bits for steps of up to rounded_max_rows rows (0: none), float32 ones beyond
+// (on the interleaved copy from 3 rows, where there is one).
 struct BlockLinear {
   at::Tensor blocks;
   int64_t qtype;
   c10::optional<at::Tensor> interleaved;
   int64_t rounded_max_rows;
+  int64_t blocks_max_rows;
+  c10::optional<at::Tensor> tile_pairs;
+  int64_t out_features;
   at::Tensor operator()(const at::Tensor& x) const;
 };
 

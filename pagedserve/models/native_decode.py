@@ -4,8 +4,9 @@ A decode step of a few rows through a small model spends longer in Python, betwe
 modules' calls, splits, views and checks come to a few hundred a step. Where a model's layers are all of the plain
 form (no biases, no q/k norms or clipping, a dense MLP, every linear layer on its GGUF blocks, one rank), the C++
 object runs the same kernels on the same arguments in the same order, so a step gives the same bits either way
-(tests/test_native_decode.py). Everything else (prefills, larger decode batches the dense weights take, LoRA adapters,
-tensor or pipeline parallelism, other attention backends) keeps the modules.
+(tests/test_native_decode.py). Where every linear layer also has AMX tiles (Linear.bf16_products), the C++ layers take
+the steps beyond the blocks' rows on them too, up to TILES_MAX_ROWS. Everything else (prefills, larger decode batches
+oneDNN's dense weights take, LoRA adapters, tensor or pipeline parallelism, other attention backends) keeps the modules.
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ import torch
 from pagedserve.distributed.parallel_state import rank_info
 from pagedserve.layers.attention import AttentionMetadata
 from pagedserve.layers.attention.cpu_backend import CPUAttentionBackend
-from pagedserve.layers.linear import Linear, QuantizedWeight
+from pagedserve.layers.linear import TILES_MAX_ROWS, Linear
 from pagedserve.models.mlp import GatedMLP
 
 
 class NativeDecodeLayers:
     """A model's decoder layers as one kernels.LlamaDecodeLayers, for decode steps of up to max_rows rows (the fewest
-    rows any of its linear layers takes on its blocks, as measured on the machine)."""
+    rows any of its linear layers takes on its blocks, as measured on the machine, or TILES_MAX_ROWS where every one
+    has AMX tiles for the steps beyond its blocks)."""
 
     def __init__(self, native, max_rows: int) -> None:
         self.native = native
@@ -39,7 +41,8 @@ class NativeDecodeLayers:
         attention = layers[0].self_attn
         backend = attention.attn.backend
         linears = [m for layer in layers for m in layer.modules() if isinstance(m, Linear)]
-        max_rows = min(m.quantized.max_rows for m in linears)
+        on_tiles = all(m.bf16_products is not None for m in linears)
+        max_rows = TILES_MAX_ROWS if on_tiles else min(m.quantized.max_rows for m in linears)
         if not isinstance(backend, CPUAttentionBackend) or backend.kernels is None or max_rows < 1:
             return None
         rotary = attention.rotary_emb
@@ -49,8 +52,8 @@ class NativeDecodeLayers:
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             scales = attn.attn.kv_scales
-            native.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, _blocks(attn.qkv_proj.quantized),
-                             _blocks(attn.o_proj.quantized), _blocks(mlp.gate_up_proj.quantized), _blocks(mlp.down_proj.quantized),
+            native.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, _linear_args(attn.qkv_proj),
+                             _linear_args(attn.o_proj), _linear_args(mlp.gate_up_proj), _linear_args(mlp.down_proj),
                              scales.key or 0.0, scales.value or 0.0)
         return cls(native, max_rows)
 
@@ -79,5 +82,8 @@ def _plain(layer) -> bool:
     return on_kernels and all(norm.weight.dtype == torch.float32 for norm in norms)
 
 
-def _blocks(weight: QuantizedWeight) -> tuple:
-    return weight.blocks, weight.qtype, weight.interleaved, weight.rounded_max_rows
+def _linear_args(linear: Linear) -> tuple:
+    """A linear layer's paths as the C++ layers take them: its blocks and their row limits, its AMX tiles' pairs (or None)."""
+    blocks, tiles = linear.quantized, linear.bf16_products
+    return (blocks.blocks, blocks.qtype, blocks.interleaved, blocks.rounded_max_rows, blocks.max_rows,
+            tiles.packed if tiles is not None else None, linear.out_features)
