@@ -25,6 +25,7 @@ def test_bfloat16_gemms_run_between_float32_activations_on_the_float32_kernels(b
     assert worker.attn_backend.name == "cpu" and worker.cpu_kernels is not None
     linears = [m for m in worker.model.modules() if isinstance(m, Linear)]
     on_tiles = worker.cpu_kernels.bf16_matrix_tiles()  # AMX: steps of few rows on the tiles, float32 sums out
+    assert worker.bfloat16_on_tiles == on_tiles and (worker.attn_backend.fresh_prefill_dtype is not None) == on_tiles
     assert linears and all(m.packed_weight.dtype == torch.bfloat16 and (m.bf16_products is not None) == on_tiles for m in linears)
     model = worker.model
     if worker.cpu_kernels.bf16_dot_products():  # the lm_head multiplies in bfloat16 too, its sums kept in float32

@@ -458,7 +458,7 @@ def test_fresh_prompts_attended_in_bfloat16_in_runs_of_one_length():
     """Where GEMMs multiply in bfloat16 on AMX tiles, chunks that start their sequences are attended by torch in
     bfloat16, side-by-side chunks of one length in one call: each row as the float32 reference gives it, within
     bfloat16's rounding of queries, keys and values; decodes and chunks after context as before, and the selector
-    chooses it exactly where the kernels run on the tiles."""
+    takes it exactly where told the GEMMs run in bfloat16 on the tiles."""
     from pagedserve.layers.attention import select_attention_backend
     from pagedserve.layers.attention.cpu_backend import FreshRun
 
@@ -483,8 +483,8 @@ def test_fresh_prompts_attended_in_bfloat16_in_runs_of_one_length():
         fresh_rows[run.query_start : run.query_start + run.query_len * run.count] = True
     torch.testing.assert_close(outputs[0][fresh_rows], outputs[1][fresh_rows], atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(outputs[0][~fresh_rows], outputs[1][~fresh_rows], atol=2e-5, rtol=1e-4)
-    chosen = select_attention_backend("cpu", torch.device("cpu"), torch.float32, kernels, gemm_dtype=torch.bfloat16)
-    assert chosen.fresh_prefill_dtype == (torch.bfloat16 if kernels.bf16_matrix_tiles() else None)
+    chosen = select_attention_backend("cpu", torch.device("cpu"), torch.float32, kernels, bfloat16_on_tiles=True)
+    assert chosen.fresh_prefill_dtype == torch.bfloat16
     assert select_attention_backend("cpu", torch.device("cpu"), torch.float32, kernels).fresh_prefill_dtype is None
 
 

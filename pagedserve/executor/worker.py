@@ -181,7 +181,7 @@ class Worker:
                         ",".join(map(str, self.thread_pinning.cpus)), cpu_host.PINNED_MAX_TOKENS)
         self.int8_gemms = int8_gemms_wanted(config, self.device, self.dtype, self.cpu_kernels)
         self.attn_backend = select_attention_backend(config.attention_backend, self.device, self.dtype, self.cpu_kernels, self.kv_format,
-                                                     self.gemm_dtype)
+                                                     self.bfloat16_on_tiles)
         if config.data_parallel_place is not None:
             self._join_expert_groups(config.data_parallel_place)
         self.model = load_model(self.hf_config, self.model_dir, self.dtype, self.device, self.model_max_len, self.attn_backend)
@@ -204,9 +204,14 @@ class Worker:
         logger.info("model %s on %s (%s), attention backend %s", self.model_dir.name, self.device, dtypes, self.attn_backend.name)
         self._log_matrix_tiles()
 
+    @property
+    def bfloat16_on_tiles(self) -> bool:
+        """Whether the GEMMs multiply in bfloat16 where the kernels run AMX tiles (the build has them, the OS granted them)."""
+        return self.gemm_dtype == torch.bfloat16 and self.cpu_kernels is not None and self.cpu_kernels.bf16_matrix_tiles()
+
     def _log_matrix_tiles(self) -> None:
         """Say what runs on AMX tiles, where anything does."""
-        if self.cpu_kernels is None or self.gemm_dtype != torch.bfloat16 or not self.cpu_kernels.bf16_matrix_tiles():
+        if not self.bfloat16_on_tiles:
             return
         layers = sum(1 for module in self.model.modules() if isinstance(module, Linear) and module.bf16_products is not None)
         fresh_prompts = getattr(self.attn_backend, "fresh_prefill_dtype", None) is not None
@@ -222,7 +227,8 @@ class Worker:
     def _pack_gemm_weights(self, model: torch.nn.Module) -> None:
         onednn = self._packs_for_onednn()
         if onednn or self.gemm_dtype != self.dtype:
-            model.pack_gemm_weights(self.gemm_dtype, onednn, self.dtype, self.cpu_kernels, tiles=self.config.gemm_backend == "auto")
+            tiles = self.bfloat16_on_tiles and self.config.gemm_backend == "auto"
+            model.pack_gemm_weights(self.gemm_dtype, onednn, self.dtype, self.cpu_kernels, tiles=tiles)
 
     def _choose_gemm_paths(self) -> None:
         rows = gemm_choice.choose(self.model, self.dense_gemm_dtype)

@@ -63,7 +63,7 @@ class Int8Weight:
 
 class BFloat16ProductsWeight:
     """A weight for a GEMM that multiplies in bfloat16 and returns float32 sums as they are (csrc/bf16_gemm.cpp): the
-    lm_head's where the other GEMMs multiply in bfloat16, and every linear layer's on AMX tiles (`on_tiles`). oneDNN's
+    lm_head's where the other GEMMs multiply in bfloat16, and every linear layer's on AMX tiles (`bf16_matrix_tiles`). oneDNN's
     bfloat16 GEMMs return bfloat16, which would round the logits to steps of 1/8 at their usual size and tie tokens that
     are not tied, and costs a pass to widen each layer's output. Only where the kernels' build has bfloat16 dot products
     (`offered`): elsewhere the loop that stands in for them is slower than float32 GEMMs. On AMX tiles the kernel takes
@@ -79,10 +79,6 @@ class BFloat16ProductsWeight:
     @staticmethod
     def offered(kernels) -> bool:
         return kernels is not None and kernels.bf16_dot_products()
-
-    @staticmethod
-    def on_tiles(kernels) -> bool:
-        return kernels is not None and kernels.bf16_matrix_tiles()
 
     def linear(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x @ weight.T in float32, into out where given."""

@@ -104,12 +104,12 @@ class Linear(nn.Linear):
     full_in_features: int | None = None  # None: in_features
 
     def pack(self, dtype: torch.dtype = torch.float32, onednn: bool = True, output_dtype: torch.dtype | None = None,
-             kernels=None) -> None:
+             tile_kernels=None) -> None:
         """Run the dense product on a copy of the weight in dtype, reordered for oneDNN where onednn, returning
-        output_dtype; where dtype is bfloat16 and the kernels have AMX tiles, steps of up to TILES_MAX_ROWS rows on a
-        second copy for the tiles instead (float32 sums out)."""
-        if dtype == torch.bfloat16 and BFloat16ProductsWeight.on_tiles(kernels):
-            self.bf16_products = BFloat16ProductsWeight(self.weight, kernels)
+        output_dtype; given tile_kernels (kernels on AMX tiles, with dtype bfloat16), steps of up to TILES_MAX_ROWS rows
+        on a second copy for the tiles instead (float32 sums out)."""
+        if tile_kernels is not None:
+            self.bf16_products = BFloat16ProductsWeight(self.weight, tile_kernels)
         self.packed_weight = pack_weight(self.weight, dtype, onednn)
         self.output_dtype = output_dtype
 
