@@ -34,15 +34,40 @@ def test_bfloat16_gemms_run_between_float32_activations_on_the_float32_kernels(b
         assert model.bfloat16_lm_head is None and model.packed_lm_head.dtype == torch.float32
     assert model.compute_logits(torch.randn(3, model.config.hidden_size)).dtype == torch.float32  # the logits stay float32
     assert all(p.dtype == torch.float32 for p in worker.model.parameters())  # norms and embeddings stay float32
-    # On oneDNN, inside the MLP the gate-up output stays bfloat16 for SiLU-and-mul and the down projection; the MLP
-    # returns float32. On the tiles every GEMM returns float32.
+    # On oneDNN a GEMM's bfloat16 output stays bfloat16 where what reads it takes it so: the gate-up's (SiLU-and-mul, the
+    # down projection), the output and down projections' (the next RMSNorm widens it as it adds the residual), and q, k,
+    # v where the attention takes them in bfloat16 (on the tiles' machines); on the tiles every GEMM returns float32.
     mlp = worker.model.model.layers[0].mlp
     for rows, tiles in ((5, on_tiles), (TILES_MAX_ROWS + 1, False)):
         x = torch.randn(rows, mlp.gate_up_proj.in_features)
-        assert mlp.gate_up_proj(x).dtype == (torch.float32 if tiles else torch.bfloat16) and mlp(x).dtype == torch.float32
+        assert mlp.gate_up_proj(x).dtype == mlp(x).dtype == (torch.float32 if tiles else torch.bfloat16)
+    kept = ("gate_up_proj", "o_proj", "down_proj", *(("qkv_proj",) if worker.attn_backend.takes_bfloat16 else ()))
     for name, module in worker.model.named_modules():
         if isinstance(module, Linear):
-            assert module.output_dtype == (torch.bfloat16 if name.endswith("gate_up_proj") else torch.float32), name
+            assert module.output_dtype == (torch.bfloat16 if name.endswith(kept) else torch.float32), name
+
+
+def test_bfloat16_products_reach_the_next_layer_as_they_come_with_the_same_logprobs(bfloat16_llm, monkeypatch):
+    """A prompt step of more rows than the tiles take runs oneDNN's bfloat16 GEMMs: their outputs reach what reads them
+    in bfloat16 as they come and each RMSNorm hands the next GEMM bfloat16 (Linear.input_dtype). The prompt's logprobs
+    are the same, bit for bit, as when every output is widened to float32 and rounded again before the next GEMM."""
+    worker = worker_of(bfloat16_llm)
+    layer = worker.model.model.layers[0]
+    assert layer.self_attn.o_proj.output_dtype == torch.bfloat16
+    assert layer.self_attn.qkv_proj.input_dtype(TILES_MAX_ROWS + 1) == torch.bfloat16
+    prompt = torch.randint(100, 40000, (TILES_MAX_ROWS + 60,), generator=torch.Generator().manual_seed(0)).tolist()
+
+    def prompt_logprobs():
+        bfloat16_llm.llm_engine.call_utility("reset_prefix_cache")
+        scored = bfloat16_llm.generate({"prompt_token_ids": prompt}, greedy(1, prompt_logprobs=0), use_tqdm=False)[0]
+        return [{token: entry.logprob for token, entry in position.items()} for position in scored.prompt_logprobs[1:]]
+
+    narrow = prompt_logprobs()
+    for name, module in worker.model.named_modules():
+        if isinstance(module, Linear) and not name.endswith("gate_up_proj"):
+            monkeypatch.setattr(module, "output_dtype", torch.float32)
+    monkeypatch.setattr(Linear, "input_dtype", lambda self, rows: None)
+    assert narrow == prompt_logprobs()
 
 
 def test_bfloat16_greedy_follows_transformers_bfloat16_except_after_near_ties(bfloat16_llm, tiny_models):

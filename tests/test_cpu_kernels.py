@@ -103,6 +103,29 @@ def test_rms_norm_kernels_match_reference(num_tokens):
     torch.testing.assert_close(*with_kernels(head_norm, lambda: head_norm(q)), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("num_tokens", [1, 32, 700])
+def test_rms_norm_between_bfloat16_gemms_is_the_float32_norm_rounded_once(num_tokens):
+    """Between bfloat16 GEMMs the norm takes the last one's bfloat16 output beside the float32 residual (widened as it
+    is added) and hands the next one bfloat16: the float32 norm of the widened input, rounded once as .to() rounds, bit
+    for bit; the residual's sum stays float32. The plain-torch path takes and gives the same dtypes."""
+    torch.manual_seed(0)
+    norm = RMSNorm(576, eps=1e-5)
+    norm.weight.data.uniform_(0.5, 1.5)
+    norm.kernels = built_kernels()
+    x, residual = torch.randn(num_tokens, 576).bfloat16(), torch.randn(num_tokens, 576)
+    out, summed = norm(x, residual, out_dtype=torch.bfloat16)
+    wide_out, wide_sum = norm(x.float(), residual)
+    assert (out.dtype, summed.dtype) == (torch.bfloat16, torch.float32)
+    assert torch.equal(summed, wide_sum) and torch.equal(out, wide_out.bfloat16())
+    assert torch.equal(norm(x, residual)[0], wide_out)  # by default the output comes in the residual's dtype
+    assert torch.equal(norm(residual, out_dtype=torch.bfloat16), norm(residual).bfloat16())
+    norm.kernels = None
+    ref_out, ref_sum = norm(x, residual, out_dtype=torch.bfloat16)
+    assert (ref_out.dtype, ref_sum.dtype) == (torch.bfloat16, torch.float32)
+    torch.testing.assert_close(ref_sum, summed)
+    torch.testing.assert_close(ref_out.float(), out.float(), rtol=2**-7, atol=1e-6)
+
+
 @pytest.mark.parametrize("width", [1, 13, 64, 49152])
 def test_argmax_kernel_is_torch_argmax(width):
     """Greedy sampling's argmax: the same index as torch.argmax, for ties (the first), -inf, +inf,
@@ -168,6 +191,24 @@ def test_rotary_kernel_matches_reference(num_tokens):
     torch.testing.assert_close(q, q_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(k, k_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(qkv[:, 768:], untouched)
+
+
+def test_rotary_kernel_rotates_bfloat16_in_float32_and_rounds_once():
+    """q and k as a bfloat16 qkv GEMM returns them (views into its output) are rotated in place as their widened
+    float32 values are, then rounded once: bit for bit what rotating float32 and rounding after gives."""
+    torch.manual_seed(0)
+    config = type("Config", (), {"rope_theta": 10000.0, "rope_scaling": None})()
+    rope = RotaryEmbedding(config, head_dim=64, max_position=4096)
+    rope.kernels = built_kernels()
+    positions = torch.randint(0, 4096, (300,))
+    qkv = torch.randn(300, 9 * 64 + 2 * 3 * 64).bfloat16()
+    wide = qkv.float()
+    q_wide, k_wide = rope(positions, wide[:, :576].reshape(-1, 9, 64), wide[:, 576:768].reshape(-1, 3, 64))
+    q, k = rope(positions, qkv[:, :576].reshape(-1, 9, 64), qkv[:, 576:768].reshape(-1, 3, 64))
+    assert q.dtype == k.dtype == torch.bfloat16
+    assert torch.equal(q, q_wide.bfloat16()) and torch.equal(k, k_wide.bfloat16())
+    assert torch.equal(qkv[:, :576].reshape(-1, 9, 64), q)  # in place
+    assert torch.equal(qkv[:, 768:], wide[:, 768:].bfloat16())  # v untouched
 
 
 def test_rotary_kernel_rejects_positions_beyond_its_cache():
@@ -344,6 +385,26 @@ def test_kv_cache_write_kernel_matches_reference(cache_dtype):
         kernels.write_kv_cache(key, value, ours[0], ours[1], slots + num_blocks * block_size)
 
 
+@pytest.mark.parametrize("kv_format,cache_dtype", [(0, torch.float32), (0, torch.bfloat16), (0, torch.float16), (1, torch.uint8)])
+def test_kv_cache_write_kernel_stores_bfloat16_keys_as_their_float32_values(kv_format, cache_dtype):
+    """K/V that come in bfloat16 (a bfloat16 qkv GEMM's output) are stored as the same values in float32 would be, in
+    every cache format (a bfloat16 cache copies them as they are)."""
+    kernels = built_kernels()
+    torch.manual_seed(0)
+    num_blocks, block_size, num_kv_heads, head_dim, num_tokens = 8, 16, 3, 64, 20
+    row = head_dim + (4 if kv_format else 0)  # an 8-bit row carries its scale
+    qkv = torch.randn(num_tokens, (9 + 2 * num_kv_heads) * head_dim).bfloat16()
+    _, key, value = qkv.split([9 * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    key, value = key.view(num_tokens, num_kv_heads, head_dim), value.view(num_tokens, num_kv_heads, head_dim)
+    slots = torch.from_numpy(np.random.default_rng(0).choice(num_blocks * block_size, num_tokens, replace=False))
+    narrow, wide = (torch.zeros(2, num_blocks, block_size, num_kv_heads, row, dtype=cache_dtype) for _ in range(2))
+    kernels.write_kv_cache(key, value, narrow[0], narrow[1], slots, kv_format)
+    kernels.write_kv_cache(key.float(), value.float(), wide[0], wide[1], slots, kv_format)
+    assert torch.equal(narrow, wide) and narrow.any()
+    with pytest.raises(RuntimeError, match="must both be float32 or both bfloat16"):
+        kernels.write_kv_cache(key, value.float(), narrow[0], narrow[1], slots, kv_format)
+
+
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 @pytest.mark.parametrize(
     "num_heads,num_kv_heads,head_dim,block_size,chunks",
@@ -486,6 +547,31 @@ def test_fresh_prompts_attended_in_bfloat16_in_runs_of_one_length():
     chosen = select_attention_backend("cpu", torch.device("cpu"), torch.float32, kernels, bfloat16_on_tiles=True)
     assert chosen.fresh_prefill_dtype == torch.bfloat16
     assert select_attention_backend("cpu", torch.device("cpu"), torch.float32, kernels).fresh_prefill_dtype is None
+
+
+def test_bfloat16_queries_keys_and_values_give_the_float32_output_rounded():
+    """Where fresh prompts are attended in bfloat16, the backend also takes query, key and value in bfloat16 (a bfloat16
+    qkv GEMM's output as it comes) and returns bfloat16: in a step with decodes, fresh prompts and a chunk after
+    context, each row is what the same values in float32 give, rounded, and the cache holds the same K/V."""
+    torch.manual_seed(0)
+    num_heads, num_kv_heads, head_dim, block_size, num_blocks = 9, 3, 64, 16, 64
+    seqs = [(7, 1), (19, 1), (0, 40), (0, 40), (50, 20), (0, 30)]  # (context, query tokens)
+    layout = mixed_step_layout(seqs, 2, iter(range(num_blocks)), block_size)
+    num_tokens = len(layout.slot_mapping)
+    query = torch.randn(num_tokens, num_heads, head_dim).bfloat16()
+    key, value = torch.randn(2, num_tokens, num_kv_heads, head_dim).bfloat16()
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim).bfloat16()
+    backend = CPUAttentionBackend(built_kernels(), fresh_prefill_dtype=torch.bfloat16)
+    assert backend.takes_bfloat16 and not CPUAttentionBackend(built_kernels()).takes_bfloat16
+    layer = Attention(num_heads, head_dim, num_kv_heads, backend)
+    narrow_cache, wide_cache = cache.clone(), cache.clone()
+    narrow = layer(query, key, value, narrow_cache, backend.build_metadata(layout, torch.device("cpu")))
+    wide = layer(query.float(), key.float(), value.float(), wide_cache, backend.build_metadata(layout, torch.device("cpu")))
+    assert narrow.dtype == torch.bfloat16 and wide.dtype == torch.float32
+    assert torch.equal(narrow, wide.bfloat16()) and torch.equal(narrow_cache, wide_cache)
+    decodes = mixed_step_layout(seqs[:2], 2, iter(range(num_blocks)), block_size)  # a step of decodes alone
+    alone = layer(query[:2], key[:2], value[:2], cache.clone(), backend.build_metadata(decodes, torch.device("cpu")))
+    assert alone.dtype == torch.bfloat16 and torch.equal(alone, narrow[:2])
 
 
 def test_the_backend_routes_as_its_kernels_are_built():

@@ -34,8 +34,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_kv_rows", &dequantize_kv_rows, "8-bit KV rows (bytes [..., head_dim + 4]) as float32 values [..., head_dim]",
         py::arg("rows"), py::arg("kv_format"));
   m.def("prefill_lanes", &prefill_lanes, "floats the prefill attention tiles compute at a time in this build (16 with AVX-512)");
-  m.def("rms_norm", &rms_norm, "RMSNorm of the last dimension");
-  m.def("add_rms_norm", &add_rms_norm, "(RMSNorm(x + residual), x + residual)");
+  m.def("rms_norm", &rms_norm, "RMSNorm of the last dimension of float32 x, in out_dtype (float32 or bfloat16)", py::arg("x"),
+        py::arg("weight"), py::arg("eps"), py::arg("out_dtype"));
+  m.def("add_rms_norm", &add_rms_norm,
+        "(RMSNorm(x + residual) in out_dtype (float32 or bfloat16), x + residual in float32); x float32 or bfloat16",
+        py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"), py::arg("out_dtype"));
   m.def("silu_and_mul", &silu_and_mul, "silu(first half) * second half of the last dimension");
   m.def("set_thread_cpus", &set_thread_cpus,
         "thread i of torch's OpenMP threads (the caller is 0) runs on cpus_of_thread[i] only; the thread count becomes its length",

@@ -32,10 +32,10 @@ std::tuple<at::Tensor, at::Tensor> LlamaDecodeLayers::forward(at::Tensor hidden,
   for (size_t i = 0; i < layers_.size(); ++i) {
     const DecoderLayerWeights& layer = layers_[i];
     if (sum.defined()) {
-      std::tie(hidden, sum) = add_rms_norm(hidden, sum, layer.input_norm, eps_);
+      std::tie(hidden, sum) = add_rms_norm(hidden, sum, layer.input_norm, eps_, at::kFloat);
     } else {
       sum = hidden;
-      hidden = rms_norm(hidden, layer.input_norm, eps_);
+      hidden = rms_norm(hidden, layer.input_norm, eps_, at::kFloat);
     }
     const at::Tensor qkv = layer.qkv(hidden);
     const at::Tensor query = qkv.narrow(1, 0, q_size).reshape({rows, num_heads_, head_dim_});
@@ -46,7 +46,7 @@ std::tuple<at::Tensor, at::Tensor> LlamaDecodeLayers::forward(at::Tensor hidden,
     write_kv_cache(key, value, key_cache, value_cache, slot_mapping, kv_format_, layer.k_scale, layer.v_scale);
     const at::Tensor attended =
         paged_decode_attention(query.contiguous(), key_cache, value_cache, block_tables, seq_lens, scale_, kv_format_);
-    std::tie(hidden, sum) = add_rms_norm(layer.o(attended.view({rows, -1})), sum, layer.post_norm, eps_);
+    std::tie(hidden, sum) = add_rms_norm(layer.o(attended.view({rows, -1})), sum, layer.post_norm, eps_, at::kFloat);
     hidden = layer.down(silu_and_mul(layer.gate_up(hidden)));
   }
   return {hidden, sum};

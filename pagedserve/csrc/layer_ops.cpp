@@ -1,4 +1,4 @@
-// Fused element-wise layers for CPU float32: RMSNorm (with the residual add), SiLU-and-mul and
+// Fused element-wise layers for CPU float32 (bfloat16 where a GEMM's input or output is): RMSNorm (with the residual add), SiLU-and-mul and
 // rotary embedding. Each replaces several torch ops; at decode batch sizes the per-op overhead and
 // the extra passes over memory cost more than the arithmetic. Also the argmax of logit rows, which
 // torch computes one value at a time.
@@ -10,6 +10,8 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
+#include <vector>
 
 #include "ops.h"
 #include "parallel_rows.h"
@@ -43,38 +45,69 @@ void rms_norm_row(float* out, const float* x, const float* weight, int64_t n, fl
 
 }  // namespace
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+namespace {
+
+void check_norm_output(at::ScalarType out_dtype) {
+  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16, "the normalized output must be float32 or bfloat16");
+}
+
+// The normalized row of x into out: as it is computed in float32, or rounded once to bfloat16 (as .to() rounds) through
+// the float32 row buffer, for a GEMM that multiplies bfloat16.
+void rms_norm_row_into(const at::Tensor& out, int64_t r, const float* x, const float* weight, int64_t n, float eps, float* buffer) {
+  if (out.scalar_type() == at::kFloat) {
+    rms_norm_row(out.data_ptr<float>() + r * n, x, weight, n, eps);
+    return;
+  }
+  rms_norm_row(buffer, x, weight, n, eps);
+  at::vec::convert(buffer, out.data_ptr<at::BFloat16>() + r * n, n);
+}
+
+}  // namespace
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::ScalarType out_dtype) {
   check_rows(x, "x");
+  check_norm_output(out_dtype);
   const int64_t n = x.size(-1);
   auto input = x.contiguous().view({-1, n});
   auto w = weight.contiguous();
-  auto out = at::empty_like(input);
+  auto out = at::empty(input.sizes(), input.options().dtype(out_dtype));
   const float *in_ptr = input.data_ptr<float>(), *w_ptr = w.data_ptr<float>();
-  float* out_ptr = out.data_ptr<float>();
   at::parallel_for(0, input.size(0), grain_rows(n), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) rms_norm_row(out_ptr + r * n, in_ptr + r * n, w_ptr, n, static_cast<float>(eps));
+    std::vector<float> buffer(n);
+    for (int64_t r = begin; r < end; ++r) rms_norm_row_into(out, r, in_ptr + r * n, w_ptr, n, static_cast<float>(eps), buffer.data());
   });
   return out.view(x.sizes());
 }
 
+// x may come in bfloat16 (a GEMM's output, rounded there): it is widened as it is added to the float32 residual.
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
-                                                double eps) {
-  check_rows(x, "x");
+                                                double eps, at::ScalarType out_dtype) {
+  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "x must be a float32 or bfloat16 CPU tensor");
   check_rows(residual, "residual");
+  check_norm_output(out_dtype);
   TORCH_CHECK(x.sizes() == residual.sizes(), "x and residual must have the same shape");
   const int64_t n = x.size(-1);
   auto a = x.contiguous().view({-1, n});
   auto b = residual.contiguous().view({-1, n});
   auto w = weight.contiguous();
-  auto sum = at::empty_like(a);
-  auto out = at::empty_like(a);
-  const float *a_ptr = a.data_ptr<float>(), *b_ptr = b.data_ptr<float>(), *w_ptr = w.data_ptr<float>();
-  float *sum_ptr = sum.data_ptr<float>(), *out_ptr = out.data_ptr<float>();
+  auto sum = at::empty_like(b);
+  auto out = at::empty(b.sizes(), b.options().dtype(out_dtype));
+  const bool narrow_x = a.scalar_type() == at::kBFloat16;
+  const float *b_ptr = b.data_ptr<float>(), *w_ptr = w.data_ptr<float>();
+  float* sum_ptr = sum.data_ptr<float>();
   at::parallel_for(0, a.size(0), grain_rows(n), [&](int64_t begin, int64_t end) {
+    std::vector<float> buffer(n);
     for (int64_t r = begin; r < end; ++r) {
       float* s = sum_ptr + r * n;
-      at::vec::map2<float>([](Vec p, Vec q) { return p + q; }, s, a_ptr + r * n, b_ptr + r * n, n);
-      rms_norm_row(out_ptr + r * n, s, w_ptr, n, static_cast<float>(eps));
+      const float* x_row = s;
+      if (narrow_x) {
+        at::vec::convert(a.data_ptr<at::BFloat16>() + r * n, s, n);
+      } else {
+        x_row = a.data_ptr<float>() + r * n;
+      }
+      at::vec::map2<float>([](Vec p, Vec q) { return p + q; }, s, x_row, b_ptr + r * n, n);
+      rms_norm_row_into(out, r, s, w_ptr, n, static_cast<float>(eps), buffer.data());
     }
   });
   return {out.view(x.sizes()), sum.view(x.sizes())};
@@ -106,33 +139,57 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   return out.view(sizes);
 }
 
-// Neox-style rotation of x [tokens, heads, head_dim] in place: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin).
-static void rotate_in_place(at::Tensor& x, const int64_t* positions, const float* cos_ptr, const float* sin_ptr, int64_t head_dim) {
+namespace {
+
+// Neox-style rotation of x [tokens, heads, head_dim] in place: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), in
+// float32.
+void rotate_head(float* x1, float* x2, const float* cos, const float* sin, int64_t half) {
+#pragma omp simd
+  for (int64_t d = 0; d < half; ++d) {
+    const float a = x1[d], b = x2[d];
+    x1[d] = a * cos[d] - b * sin[d];
+    x2[d] = b * cos[half + d] + a * sin[half + d];
+  }
+}
+
+// A bfloat16 x (a bfloat16 qkv GEMM's output) is widened a head at a time, rotated as float32 is, and rounded once.
+template <typename T>
+void rotate_in_place(at::Tensor& x, const int64_t* positions, const float* cos_ptr, const float* sin_ptr, int64_t head_dim) {
   const int64_t num_tokens = x.size(0), num_heads = x.size(1), half = head_dim / 2;
   const int64_t token_stride = x.stride(0), head_stride = x.stride(1);
-  float* x_ptr = x.data_ptr<float>();
+  T* x_ptr = x.data_ptr<T>();
   at::parallel_for(0, num_tokens, grain_rows(num_heads * head_dim), [&](int64_t begin, int64_t end) {
+    std::vector<float> widened(std::is_same_v<T, float> ? 0 : head_dim);
     for (int64_t t = begin; t < end; ++t) {
       const float* cos = cos_ptr + positions[t] * head_dim;
       const float* sin = sin_ptr + positions[t] * head_dim;
       for (int64_t h = 0; h < num_heads; ++h) {
-        float* x1 = x_ptr + t * token_stride + h * head_stride;
-        float* x2 = x1 + half;
-#pragma omp simd
-        for (int64_t d = 0; d < half; ++d) {
-          const float a = x1[d], b = x2[d];
-          x1[d] = a * cos[d] - b * sin[d];
-          x2[d] = b * cos[half + d] + a * sin[half + d];
+        T* head = x_ptr + t * token_stride + h * head_stride;
+        if constexpr (std::is_same_v<T, float>) {
+          rotate_head(head, head + half, cos, sin, half);
+        } else {
+          at::vec::convert(head, widened.data(), head_dim);
+          rotate_head(widened.data(), widened.data() + half, cos, sin, half);
+          at::vec::convert(widened.data(), head, head_dim);
         }
       }
     }
   });
 }
 
+void check_rotated(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16), name,
+              " must be a float32 or bfloat16 CPU tensor");
+  TORCH_CHECK(t.stride(-1) == 1, name, " must be contiguous in its last dimension");
+}
+
+}  // namespace
+
 void rotary_embedding(const at::Tensor& positions, at::Tensor query, at::Tensor key, const at::Tensor& cos_cache,
                       const at::Tensor& sin_cache) {
-  check_rows(query, "query");
-  check_rows(key, "key");
+  check_rotated(query, "query");
+  check_rotated(key, "key");
+  TORCH_CHECK(key.scalar_type() == query.scalar_type(), "query and key must have one dtype");
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(), "positions must be contiguous int64");
   TORCH_CHECK(cos_cache.is_contiguous() && sin_cache.is_contiguous(), "cos/sin caches must be contiguous");
   const int64_t head_dim = query.size(2);
@@ -144,8 +201,14 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor query, at::Tensor 
     const auto [low, high] = std::minmax_element(pos, pos_end);
     TORCH_CHECK(*low >= 0 && *high < cos_cache.size(0), "position ", *high, " beyond the rotary cache (or ", *low, " < 0)");
   }
-  rotate_in_place(query, pos, cos_cache.data_ptr<float>(), sin_cache.data_ptr<float>(), head_dim);
-  rotate_in_place(key, pos, cos_cache.data_ptr<float>(), sin_cache.data_ptr<float>(), head_dim);
+  const float *cos = cos_cache.data_ptr<float>(), *sin = sin_cache.data_ptr<float>();
+  if (query.scalar_type() == at::kBFloat16) {
+    rotate_in_place<at::BFloat16>(query, pos, cos, sin, head_dim);
+    rotate_in_place<at::BFloat16>(key, pos, cos, sin, head_dim);
+  } else {
+    rotate_in_place<float>(query, pos, cos, sin, head_dim);
+    rotate_in_place<float>(key, pos, cos, sin, head_dim);
+  }
 }
 
 // The index torch.argmax gives for one row: the first NaN if there is one, else the first largest value.

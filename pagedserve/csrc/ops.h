@@ -12,8 +12,10 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Te
 void paged_prefill_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                              const at::Tensor& block_tables, const at::Tensor& query_starts, const at::Tensor& query_lens,
                              const at::Tensor& seq_lens, double scale, at::Tensor out, int64_t kv_format);
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
-std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps);
+// RMSNorm's output in out_dtype: float32, or bfloat16 for a GEMM that multiplies it (layer_ops.cpp).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::ScalarType out_dtype);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,
+                                                at::ScalarType out_dtype);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
 at::Tensor argmax_rows(const at::Tensor& x);
 int64_t argmax_row(const float* x, int64_t n);  // torch.argmax of one row of n floats

@@ -730,10 +730,10 @@ void decode_in_parts(const AttentionShape& s, const DecodePlan& plan, float* out
 // times the query heads that share the KV head, so each key and value read from the cache serves up
 // to kQueryTile * group rows. The queries are held transposed ([dim][row]), so a span of keys is
 // scored straight from the cache by a register-blocked kernel (4 keys x 24 rows), and the softmax
-// of a span runs across 8 rows per vector; values are then read from the cache once per 3 rows.
+// of a span runs across one row per vector lane; values are then read from the cache once per 3 rows.
 constexpr int64_t kQueryTile = 16;
 constexpr int64_t kKeySpan = 64;
-constexpr int64_t kLanes = 8;
+constexpr int64_t kLanes = at::vec::Vectorized<float>::size();  // rows are padded to whole vectors of the softmax
 
 struct PrefillTask {
   int64_t chunk, kv_head, first, count;  // query tokens [first, first + count) of the chunk
@@ -808,11 +808,10 @@ void span_scores(const float* q_t, int64_t rows, const float* const* keys, int64
   }
 }
 
-// Online softmax over a span, 8 rows per vector: running max and sum updated, scores replaced by
+// Online softmax over a span, one row per vector lane: running max and sum updated, scores replaced by
 // exp(score - new max), and each row's factor for its old accumulator left in rescale.
 void span_softmax(float* scores_t, int64_t n, int64_t rows, float* running_max, float* running_sum, float* rescale) {
   using Vec = at::vec::Vectorized<float>;
-  static_assert(Vec::size() == kLanes || Vec::size() < kLanes, "rows are padded to whole vectors");
   for (int64_t r = 0; r < rows; r += Vec::size()) {
     Vec new_max = Vec::loadu(running_max + r);
     for (int64_t i = 0; i < n; ++i) new_max = at::vec::maximum(new_max, Vec::loadu(scores_t + i * rows + r));
@@ -1082,7 +1081,9 @@ at::Tensor dequantize_kv_rows(const at::Tensor& rows, int64_t kv_format) {
 // positive (a checkpoint's static scales), else with each row's own scale.
 void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache, at::Tensor value_cache,
                     const at::Tensor& slot_mapping, int64_t kv_format, double k_scale, double v_scale) {
-  TORCH_CHECK(key.scalar_type() == at::kFloat && value.scalar_type() == at::kFloat, "key and value must be float32");
+  const bool narrow_source = key.scalar_type() == at::kBFloat16;  // a bfloat16 qkv GEMM's output, rounded there
+  TORCH_CHECK((key.scalar_type() == at::kFloat || narrow_source) && value.scalar_type() == key.scalar_type(),
+              "key and value must both be float32 or both bfloat16");
   check_caches(key_cache, value_cache);
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "key/value rows must be contiguous");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "slot_mapping must be contiguous int64");
@@ -1100,16 +1101,28 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor k
   const at::Tensor sources[2] = {key, value};
   const at::Tensor caches[2] = {key_cache, value_cache};
   const float fixed_scales[2] = {static_cast<float>(k_scale), static_cast<float>(v_scale)};
+  std::vector<float> widened(narrow_source ? head_dim : 0);
   dispatch_cache_type(key_cache, kv_format, [&](auto element) {
     using T = decltype(element);
     for (int which = 0; which < 2; ++which) {
       const at::Tensor& src = sources[which];
-      const float* src_ptr = src.data_ptr<float>();
       T* cache = reinterpret_cast<T*>(caches[which].data_ptr());
       for (int64_t t = 0; t < num_tokens; ++t)
         for (int64_t h = 0; h < num_kv_heads; ++h) {
-          const float* from = src_ptr + t * src.stride(0) + h * src.stride(1);
           T* to = cache + slots[t] * row + h * head_stride;
+          const int64_t offset = t * src.stride(0) + h * src.stride(1);
+          const float* from;
+          if (narrow_source) {
+            const at::BFloat16* narrow = src.data_ptr<at::BFloat16>() + offset;
+            if constexpr (std::is_same_v<T, c10::BFloat16>) {
+              std::memcpy(to, narrow, head_dim * sizeof(T));
+              continue;
+            }
+            at::vec::convert(narrow, widened.data(), head_dim);
+            from = widened.data();
+          } else {
+            from = src.data_ptr<float>() + offset;
+          }
           if constexpr (std::is_same_v<T, float>)
             std::memcpy(to, from, head_dim * sizeof(float));
           else if constexpr (kEightBit<T>)

@@ -1,4 +1,5 @@
-"""RMSNorm, computed in float32 like the reference implementation; fused C++ kernel on CPU float32."""
+"""RMSNorm, computed in float32 like the reference implementation; fused C++ kernel on CPU float32 (its input may come
+bfloat16 beside a float32 residual, its output go bfloat16 to a GEMM that multiplies it)."""
 
 from __future__ import annotations
 
@@ -15,13 +16,16 @@ class RMSNorm(nn.Module, UsesCPUKernels):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """With a residual: add it first and also return the sum (the next residual)."""
-        kernels = self.kernels_for(x)
-        if kernels is not None and self.weight.dtype == x.dtype:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, out_dtype: torch.dtype | None = None):
+        """With a residual: add it first and also return the sum (the next residual), in the residual's dtype; x may
+        come narrower (a GEMM's bfloat16 output) and is widened as it is added. out_dtype: what the normalized output
+        comes in (default: the sum's dtype), bfloat16 for a GEMM that rounds its input to it anyway."""
+        kernels = self.kernels_for(x if residual is None else residual)
+        if kernels is not None and self.weight.dtype == torch.float32 and x.dtype in _KERNEL_INPUT_DTYPES:
+            out_dtype = out_dtype or torch.float32
             if residual is None:
-                return kernels.rms_norm(x, self.weight, self.variance_epsilon)
-            return kernels.add_rms_norm(x, residual, self.weight, self.variance_epsilon)
+                return kernels.rms_norm(x, self.weight, self.variance_epsilon, out_dtype)
+            return kernels.add_rms_norm(x, residual, self.weight, self.variance_epsilon, out_dtype)
         if residual is not None:
             x = x + residual
             residual = x
@@ -30,7 +34,13 @@ class RMSNorm(nn.Module, UsesCPUKernels):
         variance = hidden.pow(2).mean(-1, keepdim=True)
         hidden = hidden * torch.rsqrt(variance + self.variance_epsilon)
         out = self.weight * hidden.to(input_dtype)
+        if out_dtype is not None:
+            out = out.to(out_dtype)
         return out if residual is None else (out, residual)
+
+
+# What the kernel's x may come in beside a float32 residual (alone, x is float32).
+_KERNEL_INPUT_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class SplitRMSNorm(nn.Module):

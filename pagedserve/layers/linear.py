@@ -151,6 +151,15 @@ class Linear(nn.Linear):
             return packed_linear(x, self.packed_weight, bias, self.output_dtype)
         return F.linear(x, self.weight, bias)
 
+    def input_dtype(self, rows: int) -> torch.dtype | None:
+        """bfloat16 where a step of `rows` rows multiplies its input rounded to bfloat16 and reads it for nothing else (not
+        the GGUF blocks, int8 or adapters): an input that comes in bfloat16 gives the same product, without the pass
+        that rounds it. None: the input's own dtype."""
+        if self.lora is not None or self.int8_weight is not None or (self.quantized is not None and self.quantized.takes_rows(rows)):
+            return None
+        on_tiles = self.bf16_products is not None and rows <= TILES_MAX_ROWS
+        return torch.bfloat16 if on_tiles or (self.packed_weight is not None and self.packed_weight.dtype == torch.bfloat16) else None
+
     def rank_slice(self, tensor: torch.Tensor, shard: int | None, is_bias: bool) -> torch.Tensor:
         """The part of a full checkpoint tensor (part `shard` of a fused layer) this rank holds."""
         return tensor

@@ -46,8 +46,9 @@ class RotaryEmbedding(nn.Module, UsesCPUKernels):
         self.register_buffer("sin_cache", emb.sin() * scaling, persistent=False)
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
-        """query [T, H, D], key [T, KV, D] -> rotated, same shapes and dtype (in place with the CPU kernel)."""
-        kernels = self.kernels_for(query)
+        """query [T, H, D], key [T, KV, D] -> rotated, same shapes and dtype (in place with the CPU kernel, which rotates
+        bfloat16 in float32 and rounds once)."""
+        kernels = self.kernels_for(query, dtypes=(torch.float32, torch.bfloat16))
         if kernels is not None and key.dtype == query.dtype:
             kernels.rotary_embedding(positions, query, key, self.cos_cache, self.sin_cache)
             return query, key

@@ -121,14 +121,32 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
 
+    def keep_gemm_outputs(self, dtype: torch.dtype, single_rank: bool) -> None:
+        """Let GEMMs return dtype (a bfloat16 GEMM's output as it comes) where what reads their output takes it so: q, k
+        and v where the attention backend does and nothing works on them first (a bias, q/k norms, clipping); the
+        output and down projections, whose output only the add to the float32 residual reads (RMSNorm widens it),
+        where no other rank's share is added to it."""
+        attn = self.self_attn
+        plain_qkv = attn.qkv_proj.bias is None and not (attn.qk_norm or attn.qk_norm_across_heads) and attn.clip_qkv is None
+        if plain_qkv and attn.attn.backend.takes_bfloat16:
+            attn.qkv_proj.output_dtype = dtype
+        if single_rank:
+            attn.o_proj.output_dtype = dtype
+            if isinstance(self.mlp, GatedMLP):
+                self.mlp.down_proj.output_dtype = dtype
+
     def forward(self, positions, hidden_states, residual, kv_cache, meta):
+        # Each norm hands the GEMM after it its input in the dtype that GEMM multiplies (Linear.input_dtype).
+        rows = hidden_states.shape[0]
+        qkv_dtype = self.self_attn.qkv_proj.input_dtype(rows)
         if residual is None:
             residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
+            hidden_states = self.input_layernorm(hidden_states, out_dtype=qkv_dtype)
         else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+            hidden_states, residual = self.input_layernorm(hidden_states, residual, out_dtype=qkv_dtype)
         hidden_states = self.self_attn(positions, hidden_states, kv_cache, meta)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        mlp_dtype = self.mlp.gate_up_proj.input_dtype(rows) if isinstance(self.mlp, GatedMLP) else None
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual, out_dtype=mlp_dtype)
         return self.mlp(hidden_states), residual
 
 
@@ -220,8 +238,9 @@ class LlamaForCausalLM(nn.Module):
                           tiles: bool = False) -> None:
         """Run every dense GEMM on a copy of its weight in dtype (float32, or bfloat16 multiplying activations rounded to
         it), reordered for oneDNN where onednn; the originals stay for reading. GEMMs return activation_dtype, but the
-        MLP's gate-up, whose output SiLU-and-mul and the down projection read, keeps dtype (but for steps on AMX tiles,
-        which return their float32 sums: Linear.pack, where tiles). The lm_head returns
+        MLP's gate-up, whose output SiLU-and-mul and the down projection read, keeps dtype, and so do others whose
+        readers take it (LlamaDecoderLayer.keep_gemm_outputs); but for steps on AMX tiles, which return their float32
+        sums (Linear.pack, where tiles). The lm_head returns
         LOGITS_DTYPE: in bfloat16 on the kernels' bfloat16 dot products where they have them, else in float32."""
         for module in self.modules():
             if isinstance(module, Linear):
@@ -231,6 +250,8 @@ class LlamaForCausalLM(nn.Module):
                 module.gate_up_proj.output_dtype = dtype
             elif isinstance(module, FusedMoE):
                 module.pack(dtype, onednn)
+            elif isinstance(module, LlamaDecoderLayer):
+                module.keep_gemm_outputs(dtype, single_rank=tp_size() == 1 and rank_info().pp_size == 1)
         if self.lm_head is None:
             return
         if dtype == torch.bfloat16 and BFloat16ProductsWeight.offered(kernels):

@@ -89,6 +89,8 @@ class AttentionBackend(ABC):
     """One attention implementation. Stateless across steps: everything a step needs is in its metadata."""
 
     name: ClassVar[str]
+    # Whether forward takes query, key and value in bfloat16 (a bfloat16 qkv GEMM's output as it comes) beside float32.
+    takes_bfloat16: bool = False
 
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> AttentionMetadata:
         return AttentionMetadata.from_layout(layout, device)

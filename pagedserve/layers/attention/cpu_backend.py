@@ -134,31 +134,42 @@ class CPUAttentionBackend(AttentionBackend):
             meta.paged_prefills = PagedPrefills.of(in_kernel, device)
         return meta
 
+    @property
+    def takes_bfloat16(self) -> bool:
+        """Whether query, key and value may come in bfloat16 (a bfloat16 qkv GEMM's output as it comes): where fresh
+        chunks are attended in bfloat16 anyway. The kernels widen the rest."""
+        return self.fresh_prefill_dtype == torch.bfloat16
+
     def forward(self, query, key, value, kv_cache, meta: CPUAttentionMetadata, scale: float,
                 kv_scales: StaticKVScales = NO_STATIC_SCALES) -> torch.Tensor:
+        """query, key and value in float32, or in bfloat16 where takes_bfloat16; the output in query's dtype (a bfloat16
+        query's step runs its output projection on bfloat16 too)."""
         kernels, kernel_format = self.kernels, self.kernel_format
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         kernels.write_kv_cache(key, value, key_cache, value_cache, meta.slot_mapping, kernel_format,
                                kv_scales.key or 0.0, kv_scales.value or 0.0)  # 0: each row's own scale
         num_decodes = meta.num_decode_tokens
         if num_decodes == query.shape[0]:  # a step of decodes alone: the kernel's output is the whole of it
-            return kernels.paged_decode_attention(query.contiguous(), key_cache, value_cache, meta.decode_block_tables,
-                                                  meta.decode_seq_lens, scale, kernel_format)
+            return kernels.paged_decode_attention(query.float().contiguous(), key_cache, value_cache, meta.decode_block_tables,
+                                                  meta.decode_seq_lens, scale, kernel_format).to(query.dtype)
         out = torch.empty_like(query)
-        if num_decodes:
-            out[:num_decodes] = kernels.paged_decode_attention(query[:num_decodes].contiguous(), key_cache, value_cache,
-                                                               meta.decode_block_tables, meta.decode_seq_lens, scale, kernel_format)
         paged = meta.paged_prefills
-        if paged is not None:
-            kernels.paged_prefill_attention(query, key_cache, value_cache, paged.block_tables, paged.query_starts, paged.query_lens,
-                                            paged.seq_lens, scale, out, kernel_format)
+        if paged is not None:  # first: the kernel writes its chunks' rows of a float32 tensor, the others' come after
+            wide = out if out.dtype == torch.float32 else torch.empty(query.shape, dtype=torch.float32)
+            kernels.paged_prefill_attention(query.float(), key_cache, value_cache, paged.block_tables, paged.query_starts,
+                                            paged.query_lens, paged.seq_lens, scale, wide, kernel_format)
+            if wide is not out:
+                out.copy_(wide)
+        if num_decodes:
+            out[:num_decodes] = kernels.paged_decode_attention(query[:num_decodes].float().contiguous(), key_cache, value_cache,
+                                                               meta.decode_block_tables, meta.decode_seq_lens, scale, kernel_format)
         for run in meta.fresh_runs:
             rows = slice(run.query_start, run.query_start + run.query_len * run.count)
             out[rows] = causal_attention_of_run(query[rows], key[rows], value[rows], run.count, scale, self.fresh_prefill_dtype)
         for chunk in meta.torch_chunks:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-            out[rows] = prefill_attention(query[rows], key[rows], value[rows], kv_cache, chunk, scale, self.kv_format,
-                                          self.dequantize)
+            out[rows] = prefill_attention(query[rows].float(), key[rows].float(), value[rows].float(), kv_cache, chunk, scale,
+                                          self.kv_format, self.dequantize)
         return out
 
 
