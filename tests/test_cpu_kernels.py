@@ -160,16 +160,18 @@ def test_silu_and_mul_matches_reference(num_tokens):
 @pytest.mark.parametrize("num_tokens", [1, 32, 300])
 def test_silu_and_mul_of_bfloat16_is_the_float32_result_rounded_once(num_tokens):
     """A bfloat16 gate-up output (the MLP's, where GEMMs run in bfloat16) stays bfloat16: widened, computed in float32,
-    rounded once (within a bfloat16 step: the kernel's exp may differ from torch's in the last float32 bit); a width
-    that is not a multiple of the vector's takes the scalar tail."""
+    rounded once (within a bfloat16 step: the kernel's exp and reciprocal may differ from torch's in the last float32
+    bits), for large and NaN gates too; a width that is not a multiple of the vector's takes the scalar tail."""
     torch.manual_seed(0)
     act = SiluAndMul()
     act.kernels = built_kernels()
     gate_up = (torch.randn(num_tokens, 2 * 75) * 4).bfloat16()
+    extremes = torch.tensor([-1000.0, -100.0, -87.5, -20.0, -0.0, 20.0, 100.0, 3e38, float("nan")])
+    gate_up[0, : len(extremes)] = extremes  # in the vector loop: the sigmoid's fast forms stay finite and exact enough
     out = act(gate_up)
     gate, up = gate_up.float().chunk(2, dim=-1)
     assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out, (torch.nn.functional.silu(gate) * up).bfloat16(), rtol=2**-8, atol=1e-30)
+    torch.testing.assert_close(out, (torch.nn.functional.silu(gate) * up).bfloat16(), rtol=2**-8, atol=1e-30, equal_nan=True)
 
 
 @pytest.mark.parametrize("num_tokens", [1, 32, 300])
