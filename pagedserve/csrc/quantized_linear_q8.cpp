@@ -110,10 +110,19 @@ inline int32_t centred_value(const uint8_t* block, int64_t qtype, int64_t j) {
 }
 #endif
 
-// A Q8_0 row (34 bytes a block of 32 values) takes longer to come from memory than its products take, and the
-// hardware prefetcher, which follows the reads, fetches too little ahead of them: each task fetches the row this many
-// rows ahead of the one it multiplies. Q4 rows are bound by their unpacking instead, and fetching ahead slows them.
-constexpr int64_t kQ8PrefetchRows = 4;
+// Where a row's products take less time than its bytes take to come from memory (a Q8_0 row: 34 bytes a block of 32
+// values; a Q4 row where VNNI's dpbusd multiplies its bytes), the hardware prefetcher, which follows the reads, fetches
+// too little ahead of them: each task fetches the row this many rows ahead of the one it multiplies. With AVX2's
+// maddubs and madd a Q4 row is bound by its unpacking and products instead, and fetching ahead slowed it.
+constexpr int64_t kPrefetchRows = 4;
+
+constexpr bool fetches_ahead(int64_t qtype) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return true;
+#else
+  return qtype == kQ8_0;
+#endif
+}
 
 // Blocks go to two accumulators in turn (even, odd) so that one block's multiply-add does not wait on the previous
 // one's; every row takes the same order, whatever rows come with it.
@@ -132,8 +141,8 @@ void rows_times_weight_rows(const RoundedRows& rounded, int64_t row, int64_t k, 
     const uint8_t* weight_row = w + r * row_bytes;
     float offsets[MR][kChains] = {};
 #if defined(__AVX2__) && defined(__FMA__)
-    if (qtype == kQ8_0 && r + kQ8PrefetchRows < last) {
-      const char* ahead = reinterpret_cast<const char*>(weight_row + kQ8PrefetchRows * row_bytes);
+    if (fetches_ahead(qtype) && r + kPrefetchRows < last) {
+      const char* ahead = reinterpret_cast<const char*>(weight_row + kPrefetchRows * row_bytes);
       for (int64_t offset = 0; offset < row_bytes; offset += 64) _mm_prefetch(ahead + offset, _MM_HINT_T0);
     }
     __m256 acc[MR][kChains];
