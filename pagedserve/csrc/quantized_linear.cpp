@@ -158,13 +158,14 @@ void rows_times_group(const float* x, int64_t rows, int64_t k, const float* w, i
 #if defined(__AVX512F__)
 // few_rows_times_weight_rows on a processor with AVX-512: a block in two registers, two blocks per step so
 // four accumulators per input row still keep the FMAs from waiting on each other; half the instructions per
-// value, which is what bounds this loop rather than reading the blocks.
+// value, which leaves the loop waiting on the blocks' reads, so it fetches rows ahead (fetch_row).
 template <int MR>
 void few_rows_times_weight_rows_512(const float* x, int64_t k, const uint8_t* w, int64_t row_bytes, int64_t qtype,
                                     int64_t first, int64_t last, const float* bias, float* out, int64_t n) {
   const int64_t stride = quantized_block_bytes(qtype), num_blocks = k / kBlockValues;
   for (int64_t r = first; r < last; ++r) {
     const uint8_t* row = w + r * row_bytes;
+    if (r + kFetchAheadRows < last) fetch_row(row + kFetchAheadRows * row_bytes, row_bytes);
     __m512 acc[MR][4];
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();

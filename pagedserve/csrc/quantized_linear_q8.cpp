@@ -110,12 +110,9 @@ inline int32_t centred_value(const uint8_t* block, int64_t qtype, int64_t j) {
 }
 #endif
 
-// Where a row's products take less time than its bytes take to come from memory (a Q8_0 row: 34 bytes a block of 32
-// values; a Q4 row where VNNI's dpbusd multiplies its bytes), the hardware prefetcher, which follows the reads, fetches
-// too little ahead of them: each task fetches the row this many rows ahead of the one it multiplies. With AVX2's
-// maddubs and madd a Q4 row is bound by its unpacking and products instead, and fetching ahead slowed it.
-constexpr int64_t kPrefetchRows = 4;
-
+// Whether the rows are fetched ahead (fetch_row): where their products take less time than their bytes take to come
+// from memory (a Q8_0 row: 34 bytes a block of 32 values; a Q4 row where VNNI's dpbusd multiplies its bytes). With
+// AVX2's maddubs and madd a Q4 row is bound by its unpacking and products instead, and fetching ahead slowed it.
 constexpr bool fetches_ahead(int64_t qtype) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   return true;
@@ -141,10 +138,7 @@ void rows_times_weight_rows(const RoundedRows& rounded, int64_t row, int64_t k, 
     const uint8_t* weight_row = w + r * row_bytes;
     float offsets[MR][kChains] = {};
 #if defined(__AVX2__) && defined(__FMA__)
-    if (fetches_ahead(qtype) && r + kPrefetchRows < last) {
-      const char* ahead = reinterpret_cast<const char*>(weight_row + kPrefetchRows * row_bytes);
-      for (int64_t offset = 0; offset < row_bytes; offset += 64) _mm_prefetch(ahead + offset, _MM_HINT_T0);
-    }
+    if (fetches_ahead(qtype) && r + kFetchAheadRows < last) fetch_row(weight_row + kFetchAheadRows * row_bytes, row_bytes);
     __m256 acc[MR][kChains];
     for (int i = 0; i < MR; ++i)
       for (int c = 0; c < kChains; ++c) acc[i][c] = _mm256_setzero_ps();
