@@ -1,6 +1,6 @@
-// Fused element-wise layers for CPU float32 (bfloat16 where a GEMM's input or output is): RMSNorm (with the residual add), SiLU-and-mul and
-// rotary embedding. Each replaces several torch ops; at decode batch sizes the per-op overhead and
-// the extra passes over memory cost more than the arithmetic. Also the argmax of logit rows, which
+// Fused element-wise layers for CPU float32 (and bfloat16 where a bfloat16 GEMM's output or input is): RMSNorm (with
+// the residual add), SiLU-and-mul and rotary embedding. Each replaces several torch ops; at decode batch sizes the
+// per-op overhead and the extra passes over memory cost more than the arithmetic. Also the argmax of logit rows, which
 // torch computes one value at a time.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
