@@ -21,8 +21,12 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 
-void check_rows(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a float32 CPU tensor");
+// t's rows as the row-wise kernels read them: float32 (or bfloat16, where or_bfloat16: a bfloat16 GEMM's output) on
+// the CPU, contiguous in its last dimension.
+void check_rows(const at::Tensor& t, const char* name, bool or_bfloat16 = false) {
+  const bool bfloat16 = or_bfloat16 && t.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(t.device().is_cpu() && (t.scalar_type() == at::kFloat || bfloat16), name,
+              or_bfloat16 ? " must be a float32 or bfloat16 CPU tensor" : " must be a float32 CPU tensor");
   TORCH_CHECK(t.stride(-1) == 1, name, " must be contiguous in its last dimension");
 }
 
@@ -82,8 +86,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, a
 // x may come in bfloat16 (a GEMM's output, rounded there): it is widened as it is added to the float32 residual.
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
                                                 double eps, at::ScalarType out_dtype) {
-  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              "x must be a float32 or bfloat16 CPU tensor");
+  check_rows(x, "x", /*or_bfloat16=*/true);
   check_rows(residual, "residual");
   check_norm_output(out_dtype);
   TORCH_CHECK(x.sizes() == residual.sizes(), "x and residual must have the same shape");
@@ -177,18 +180,12 @@ void rotate_in_place(at::Tensor& x, const int64_t* positions, const float* cos_p
   });
 }
 
-void check_rotated(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16), name,
-              " must be a float32 or bfloat16 CPU tensor");
-  TORCH_CHECK(t.stride(-1) == 1, name, " must be contiguous in its last dimension");
-}
-
 }  // namespace
 
 void rotary_embedding(const at::Tensor& positions, at::Tensor query, at::Tensor key, const at::Tensor& cos_cache,
                       const at::Tensor& sin_cache) {
-  check_rotated(query, "query");
-  check_rotated(key, "key");
+  check_rows(query, "query", /*or_bfloat16=*/true);
+  check_rows(key, "key", /*or_bfloat16=*/true);
   TORCH_CHECK(key.scalar_type() == query.scalar_type(), "query and key must have one dtype");
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(), "positions must be contiguous int64");
   TORCH_CHECK(cos_cache.is_contiguous() && sin_cache.is_contiguous(), "cos/sin caches must be contiguous");

@@ -214,9 +214,8 @@ class Worker:
         if not self.bfloat16_on_tiles:
             return
         layers = sum(1 for module in self.model.modules() if isinstance(module, Linear) and module.bf16_products is not None)
-        fresh_prompts = getattr(self.attn_backend, "fresh_prefill_dtype", None) is not None
         logger.info("AMX tiles, granted by the OS: the lm_head, %d linear layers' steps of up to %d rows%s", layers,
-                    TILES_MAX_ROWS, ", prompts' first chunks' attention (torch's flash kernel)" if fresh_prompts else "")
+                    TILES_MAX_ROWS, ", prompts' first chunks' attention (torch's flash kernel)" if self.attn_backend.takes_bfloat16 else "")
 
     @property
     def dense_gemm_dtype(self) -> torch.dtype:

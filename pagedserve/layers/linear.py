@@ -144,7 +144,7 @@ class Linear(nn.Linear):
         """The product on the dense weight (packed where pack() or pack_int8() ran), whatever the blocks would take."""
         if self.int8_weight is not None:
             return self.int8_weight.linear(x, bias, self.output_dtype or x.dtype)
-        if self.bf16_products is not None and x.shape[0] <= TILES_MAX_ROWS:
+        if self.on_tiles(x.shape[0]):
             out = self.bf16_products.linear(x)
             return out if bias is None else out + bias
         if self.packed_weight is not None:
@@ -157,8 +157,12 @@ class Linear(nn.Linear):
         that rounds it. None: the input's own dtype."""
         if self.lora is not None or self.int8_weight is not None or (self.quantized is not None and self.quantized.takes_rows(rows)):
             return None
-        on_tiles = self.bf16_products is not None and rows <= TILES_MAX_ROWS
-        return torch.bfloat16 if on_tiles or (self.packed_weight is not None and self.packed_weight.dtype == torch.bfloat16) else None
+        packed_bfloat16 = self.packed_weight is not None and self.packed_weight.dtype == torch.bfloat16
+        return torch.bfloat16 if self.on_tiles(rows) or packed_bfloat16 else None
+
+    def on_tiles(self, rows: int) -> bool:
+        """Whether the dense product of a step of `rows` rows runs on the AMX tiles' copy of the weight."""
+        return self.bf16_products is not None and rows <= TILES_MAX_ROWS
 
     def rank_slice(self, tensor: torch.Tensor, shard: int | None, is_bias: bool) -> torch.Tensor:
         """The part of a full checkpoint tensor (part `shard` of a fused layer) this rank holds."""
