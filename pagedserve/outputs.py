@@ -1,12 +1,16 @@
-"""What users get back: RequestOutput with one CompletionOutput per sample."""
+"""What users get back: RequestOutput with one CompletionOutput per sample.
+
+They are msgspec Structs (attributes, equality and repr as dataclasses have) because the front end makes one of each for
+every request's every step, and a Struct is made in C."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
 
-@dataclass
-class Logprob:
+
+class Logprob(msgspec.Struct):
     logprob: float
     rank: int  # 1 = the most likely token
     decoded_token: str | None = None
@@ -34,8 +38,7 @@ class LogprobsLists:
         return LogprobsLists(self.token_ids[:num_positions], self.logprobs[:num_positions], self.ranks[:num_positions])
 
 
-@dataclass
-class CompletionOutput:
+class CompletionOutput(msgspec.Struct):
     index: int
     text: str
     token_ids: list[int]
@@ -48,8 +51,7 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass
-class RequestOutput:
+class RequestOutput(msgspec.Struct):
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]

@@ -90,8 +90,8 @@ class FrontEnd:
 
     def prompt_of(self, engine_request_id: str) -> str | None:
         """The prompt text of a tracked engine request (None: unknown, or given as token ids)."""
-        state = self.output_processor.request_states.get(self.output_processor.engine_to_request.get(engine_request_id, ""))
-        return state.prompt if state is not None else None
+        entry = self.output_processor.engine_samples.get(engine_request_id)
+        return entry[0].prompt if entry is not None else None
 
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
         return self.output_processor.process_outputs(outputs)

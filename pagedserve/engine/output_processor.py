@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pagedserve.core.contracts import EngineCoreOutput
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.token_texts import TokenTexts
 from pagedserve.outputs import CompletionOutput, Logprob, LogprobsLists, PositionLogprobs, RequestOutput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -54,8 +56,10 @@ class ProcessedOutputs:
 class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
+        self.token_texts = TokenTexts(tokenizer)
         self.request_states: dict[str, RequestState] = {}
-        self.engine_to_request: dict[str, str] = {}
+        # engine request id -> its request and sample: one lookup for each output of each step
+        self.engine_samples: dict[str, tuple[RequestState, SampleState]] = {}
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                     engine_ids: list[str]) -> None:
@@ -65,18 +69,19 @@ class OutputProcessor:
         samples = {
             engine_id: SampleState(
                 index=index,
-                detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params),
+                detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params,
+                                                   self.token_texts.table(params.skip_special_tokens)),
                 logprobs=[] if params.logprobs is not None else None,
                 cumulative_logprob=0.0 if params.logprobs is not None else None,
             )
             for index, engine_id in enumerate(engine_ids)
         }
-        self.request_states[request_id] = RequestState(
+        state = self.request_states[request_id] = RequestState(
             request_id, prompt, prompt_token_ids, params, samples,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )
-        for engine_id in engine_ids:
-            self.engine_to_request[engine_id] = request_id
+        for engine_id, sample in samples.items():
+            self.engine_samples[engine_id] = (state, sample)
 
     def engine_ids(self, request_id: str) -> list[str]:
         state = self.request_states.get(request_id)
@@ -90,7 +95,7 @@ class OutputProcessor:
         for sample in state.samples.values():
             if sample.finish_reason is None:
                 sample.finish_reason = "abort"
-        output = self._make_output(state, finished=True)
+        output = self._make_output(state, True, state.samples.values())
         self._forget(state)
         return output
 
@@ -98,25 +103,33 @@ class OutputProcessor:
         return bool(self.request_states)
 
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
-        touched: dict[str, RequestState] = {}
+        request_outputs: list[RequestOutput] = []
         reqs_to_abort = []
+        gathered: dict[str, RequestState] = {}  # requests of several samples: one output with all their samples' news
+        engine_samples = self.engine_samples
         for output in outputs:
-            request_id = self.engine_to_request.get(output.request_id)
-            if request_id is None:
+            entry = engine_samples.get(output.request_id)
+            if entry is None:
                 continue  # aborted in the front end while the step ran
-            state = self.request_states[request_id]
-            if self._apply(state, state.samples[output.request_id], output):
+            state, sample = entry
+            if self._apply(state, sample, output):
                 reqs_to_abort.append(output.request_id)
-            touched[request_id] = state
-        request_outputs = []
-        for state in touched.values():
-            finished = state.finished
-            result = self._make_output(state, finished)
-            if result is not None:
-                request_outputs.append(result)
-            if finished:
-                self._forget(state)
+            if len(state.samples) == 1:
+                self._report(state, sample.finish_reason is not None, (sample,), request_outputs)
+            else:
+                gathered[state.request_id] = state
+        for state in gathered.values():
+            self._report(state, state.finished, state.samples.values(), request_outputs)
         return ProcessedOutputs(request_outputs, reqs_to_abort)
+
+    def _report(self, state: RequestState, finished: bool, samples: Iterable[SampleState],
+                request_outputs: list[RequestOutput]) -> None:
+        """Add the request's output of these samples if its kind reports one now; forget the request once finished."""
+        result = self._make_output(state, finished, samples)
+        if result is not None:
+            request_outputs.append(result)
+        if finished:
+            self._forget(state)
 
     def _apply(self, state: RequestState, sample: SampleState, output: EngineCoreOutput) -> bool:
         """Fold one engine output into the sample; True if a stop string ended it here."""
@@ -154,12 +167,13 @@ class OutputProcessor:
             positions.append(entry)
         return positions
 
-    def _make_output(self, state: RequestState, finished: bool) -> RequestOutput | None:
+    def _make_output(self, state: RequestState, finished: bool, samples: Iterable[SampleState]) -> RequestOutput | None:
+        """samples: all the request's, in index order, or the one whose output came (of a request of one sample)."""
         kind = state.params.output_kind
         if kind is _FINAL_ONLY and not finished:
             return None
         delta = kind is _DELTA
-        completions = [self._completion(sample, delta) for sample in state.samples.values()]
+        completions = [self._completion(sample, delta) for sample in samples]
         prompt_logprobs = state.prompt_logprobs
         if delta and prompt_logprobs is not None:
             prompt_logprobs = None if state.prompt_logprobs_sent else prompt_logprobs
@@ -202,4 +216,4 @@ class OutputProcessor:
     def _forget(self, state: RequestState) -> None:
         self.request_states.pop(state.request_id, None)
         for engine_id in state.samples:
-            self.engine_to_request.pop(engine_id, None)
+            self.engine_samples.pop(engine_id, None)
