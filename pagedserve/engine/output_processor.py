@@ -57,6 +57,7 @@ class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.token_texts = TokenTexts(tokenizer)
+        self.token_texts.table(skip_special_tokens=SamplingParams.skip_special_tokens)  # the default's, made before any request waits on it
         self.request_states: dict[str, RequestState] = {}
         # engine request id -> its request and sample: one lookup for each output of each step
         self.engine_samples: dict[str, tuple[RequestState, SampleState]] = {}
