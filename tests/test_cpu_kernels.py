@@ -8,7 +8,13 @@ from pagedserve.layers import cpu_kernels
 from pagedserve.layers.activation import SiluAndMul
 from pagedserve.layers.attention import Attention, AttentionMetadata, BatchLayout, PrefillChunk
 from pagedserve.layers.attention.backend import pad_block_tables
-from pagedserve.layers.attention.cpu_backend import CPUAttentionBackend, PagedPrefills, prefill_attention, prefill_in_kernel
+from pagedserve.layers.attention.cpu_backend import (
+    CPUAttentionBackend,
+    PagedPrefills,
+    causal_attention_of_run,
+    prefill_attention,
+    prefill_in_kernel,
+)
 from pagedserve.layers.attention.torch_backend import (
     TorchAttentionBackend,
     reference_decode_attention,
@@ -574,6 +580,58 @@ def test_bfloat16_queries_keys_and_values_give_the_float32_output_rounded():
     decodes = mixed_step_layout(seqs[:2], 2, iter(range(num_blocks)), block_size)  # a step of decodes alone
     alone = layer(query[:2], key[:2], value[:2], cache.clone(), backend.build_metadata(decodes, torch.device("cpu")))
     assert alone.dtype == torch.bfloat16 and torch.equal(alone, narrow[:2])
+
+
+def fresh_qkv(count: int, length: int, heads: int, kv_heads: int, head_dim: int, seed: int = 0):
+    """q, k and v of count sequences side by side, as views of one bfloat16 qkv GEMM output (rows of all three)."""
+    generator = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(count * length, (heads + 2 * kv_heads) * head_dim, generator=generator).bfloat16()
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    return q.view(-1, heads, head_dim), k.view(-1, kv_heads, head_dim), v.view(-1, kv_heads, head_dim)
+
+
+@pytest.mark.parametrize("count,length,heads,kv_heads,head_dim", [
+    (16, 128, 9, 3, 64), (3, 37, 4, 2, 128), (1, 300, 2, 1, 32), (2, 1, 2, 2, 64), (1, 97, 6, 6, 96)])
+def test_fresh_prompts_on_amx_tiles_are_attended_as_torchs_bfloat16_flash_kernel_attends_them(count, length, heads, kv_heads,
+                                                                                              head_dim):
+    """Where the AMX tiles are granted, fresh prompts side by side are attended on them: each row within bfloat16's
+    rounding of the float32 attention of the same values, as close to it as torch's bfloat16 flash kernel is; a
+    sequence's rows are the same bits alone as beside others. Elsewhere the kernel refuses, naming the check."""
+    kernels = built_kernels()
+    q, k, v = fresh_qkv(count, length, heads, kv_heads, head_dim)
+    scale = head_dim ** -0.5
+    if not kernels.fresh_attention_on_tiles(head_dim):
+        assert not kernels.bf16_matrix_tiles() or head_dim % 32
+        with pytest.raises(RuntimeError, match="fresh_attention_on_tiles"):
+            kernels.fresh_causal_attention(q, k, v, count, scale)
+        return
+    ours = kernels.fresh_causal_attention(q, k, v, count, scale)
+    assert ours.dtype == torch.bfloat16 and ours.shape == q.shape
+    exact = causal_attention_of_run(q.float(), k.float(), v.float(), count, scale, torch.float32)
+    torchs = causal_attention_of_run(q, k, v, count, scale, torch.bfloat16)
+    torch_error = (torchs.float() - exact).abs().max().item()
+    assert (ours.float() - exact).abs().max().item() <= max(1.5 * torch_error, 1e-2)
+    last = slice((count - 1) * length, count * length)
+    alone = kernels.fresh_causal_attention(q[last], k[last], v[last], 1, scale)
+    assert torch.equal(alone, ours[last])
+
+
+def test_fresh_prompts_on_amx_tiles_refuse_what_they_do_not_take():
+    """Inputs the kernel does not take get an error naming what it takes (on a machine without the tiles, every call
+    does: the tiles are what it names)."""
+    kernels = built_kernels()
+    q, k, v = fresh_qkv(2, 16, 4, 2, 64)
+    if not kernels.fresh_attention_on_tiles(64):
+        with pytest.raises(RuntimeError, match="runs on AMX tiles"):
+            kernels.fresh_causal_attention(q, k, v, 2, 0.125)
+        return
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        kernels.fresh_causal_attention(q.float(), k.float(), v.float(), 2, 0.125)
+    with pytest.raises(RuntimeError, match="count"):
+        kernels.fresh_causal_attention(q, k, v, 3, 0.125)
+    with pytest.raises(RuntimeError, match="multiple of key and value heads"):
+        kernels.fresh_causal_attention(q, *fresh_qkv(2, 16, 4, 3, 64)[1:], 2, 0.125)
+    assert not kernels.fresh_attention_on_tiles(48) and not kernels.fresh_attention_on_tiles(512)
 
 
 def test_the_backend_routes_as_its_kernels_are_built():

@@ -21,13 +21,10 @@
 
 #include "ops.h"
 
-#if defined(__AVX512BF16__) || (defined(__AMX_TILE__) && defined(__AMX_BF16__))
+#include "amx_tiles.h"
+
+#if defined(__AVX512BF16__)
 #include <immintrin.h>
-#endif
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#define PAGEDSERVE_AMX_BF16 1
 #endif
 
 namespace {
@@ -153,58 +150,17 @@ constexpr int64_t kRowGroup = 32;  // input rows AMX tiles cover at once: two ti
 int64_t tile_padded_rows(int64_t m) { return (m + kRowGroup - 1) / kRowGroup * kRowGroup; }
 
 #if defined(PAGEDSERVE_AMX_BF16)
-constexpr int kTileRows16 = 16;        // rows of every AMX tile: 16 input rows, 16 pairs of a weight block, 16 rows of sums
 constexpr int64_t kPanelBlocks = 2;    // blocks of 16 outputs a task sweeps: its panel of the weight is read once
 constexpr int64_t kTileChunkRows = 256; // input rows a task takes: their pairs stay in L2 while it sweeps its panel
-
-// Linux grants AMX tile state to a process that asks (its 8 KB are saved at every switch); asked once.
-bool amx_granted() {
-  static const bool granted = [] {
-    constexpr int kArchReqXcompPerm = 0x1023;
-    constexpr int kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return granted;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Tiles 0-3 the sums (row tile r, block b: 2r + b), 4-5 the input's row tiles, 6-7 the blocks; every one 16 x 64 bytes.
-void configure_tiles() {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.rows[t] = kTileRows16;
-    config.colsb[t] = 64;
-  }
-  // The compiler does not see ldtilecfg read the whole struct and may drop the stores above without this barrier.
-  __asm__ __volatile__("" : : "r"(&config) : "memory");
-  _tile_loadconfig(&config);
-}
-
-// The tile intrinsics take the tile's number as a literal.
-void store_tile(int tile, float* out, int64_t stride_bytes) {
-  switch (tile) {
-    case 0: _tile_stored(0, out, stride_bytes); break;
-    case 1: _tile_stored(1, out, stride_bytes); break;
-    case 2: _tile_stored(2, out, stride_bytes); break;
-    default: _tile_stored(3, out, stride_bytes); break;
-  }
-}
 
 // Tile `tile` of sums into out (leading dimension ld): whole where its 16 x 16 are all wanted, else through scratch.
 void store_sums(int tile, float* out, int64_t ld, int64_t rows, int64_t columns, float* scratch) {
   if (rows <= 0 || columns <= 0) return;
   if (rows >= kTileRows16 && columns >= kRowsPerBlock) {
-    store_tile(tile, out, ld * static_cast<int64_t>(sizeof(float)));
+    store_sum_tile(tile, out, ld * static_cast<int64_t>(sizeof(float)));
     return;
   }
-  store_tile(tile, scratch, kRowsPerBlock * sizeof(float));
+  store_sum_tile(tile, scratch, kRowsPerBlock * sizeof(float));
   const int64_t kept_columns = std::min<int64_t>(columns, kRowsPerBlock);
   for (int64_t r = 0; r < std::min<int64_t>(rows, kTileRows16); ++r) {
     std::memcpy(out + r * ld, scratch + r * kRowsPerBlock, kept_columns * sizeof(float));
@@ -212,7 +168,8 @@ void store_sums(int tile, float* out, int64_t ld, int64_t rows, int64_t columns,
 }
 
 // RowTiles x 16 rows of x's pairs (zero rows past `rows`) against Blocks packed blocks: each sum accumulates the
-// same tiles in the same order whatever the other rows are.
+// same tiles in the same order whatever the other rows are. Tiles 0-3 hold the sums (row tile r, block b: 2r + b), 4-5
+// the input's row tiles, 6-7 the blocks.
 template <int RowTiles, int Blocks>
 void matrix_tile(const uint32_t* x, int64_t pairs, const uint16_t* w, float* out, int64_t ld, int64_t rows,
                  int64_t columns, float* scratch) {

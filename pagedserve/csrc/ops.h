@@ -53,6 +53,11 @@ bool bf16_matrix_tiles();
 at::Tensor pack_bf16_pairs(const at::Tensor& weight);
 at::Tensor bf16_pairs_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, const c10::optional<at::Tensor>& out,
                              bool tiles);
+// Causal attention of count fresh sequences of one length side by side ([count * length, heads, head_dim] bfloat16),
+// on the AMX tiles where fresh_attention_on_tiles(head_dim) (fresh_attention.cpp).
+bool fresh_attention_on_tiles(int64_t head_dim);
+at::Tensor fresh_causal_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, int64_t count,
+                                  double scale);
 // Thread i of torch's OpenMP threads (the caller is 0) may run on cpus_of_thread[i] only; torch's thread count becomes
 // its length.
 void set_thread_cpus(const std::vector<std::vector<int64_t>>& cpus_of_thread);

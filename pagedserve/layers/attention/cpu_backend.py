@@ -165,12 +165,21 @@ class CPUAttentionBackend(AttentionBackend):
                                                                meta.decode_block_tables, meta.decode_seq_lens, scale, kernel_format)
         for run in meta.fresh_runs:
             rows = slice(run.query_start, run.query_start + run.query_len * run.count)
-            out[rows] = causal_attention_of_run(query[rows], key[rows], value[rows], run.count, scale, self.fresh_prefill_dtype)
+            out[rows] = self._attend_fresh_run(query[rows], key[rows], value[rows], run.count, scale)
         for chunk in meta.torch_chunks:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
             out[rows] = prefill_attention(query[rows].float(), key[rows].float(), value[rows].float(), kv_cache, chunk, scale,
                                           self.kv_format, self.dequantize)
         return out
+
+    def _attend_fresh_run(self, query, key, value, count: int, scale: float) -> torch.Tensor:
+        """A run of fresh chunks in fresh_prefill_dtype: bfloat16 on the AMX tiles where the kernels take its head size
+        (a few tile instructions for each block of 16 queries, where torch's flash kernel sets up small GEMMs), else
+        torch's flash kernel."""
+        if self.fresh_prefill_dtype == torch.bfloat16 and self.kernels.fresh_attention_on_tiles(query.shape[-1]):
+            narrow = [t.to(torch.bfloat16) for t in (query, key, value)]
+            return self.kernels.fresh_causal_attention(*narrow, count, scale)
+        return causal_attention_of_run(query, key, value, count, scale, self.fresh_prefill_dtype)
 
 
 # torch's CPU flash attention, which also returns each query row's log-sum-exp (a private op of
