@@ -41,7 +41,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"), py::arg("out_dtype"));
   m.def("silu_and_mul", &silu_and_mul, "silu(first half) * second half of the last dimension");
   m.def("fresh_attention_on_tiles", &fresh_attention_on_tiles,
-        "whether fresh_causal_attention runs here: AMX tiles granted, head_dim a multiple of 32 up to 256", py::arg("head_dim"));
+        "whether fresh_causal_attention runs here: AMX tiles granted, head_dim a multiple of 32", py::arg("head_dim"));
   m.def("fresh_causal_attention", &fresh_causal_attention,
         "causal attention of count sequences of one length side by side, each over its own keys (bfloat16 [rows, heads, "
         "head_dim] in and out, on the AMX tiles)",

@@ -38,7 +38,6 @@ constexpr int64_t kDimsPerStep = 32;        // dims one tile of queries carries 
 constexpr int64_t kDimsPerSumTile = 16;     // output dims of one tile of sums
 constexpr int64_t kSumTiles = 4;            // tiles of sums a pass over the keys fills: 64 output dims
 constexpr int64_t kTileValues = kTileRows16 * 32;  // bfloat16 values of one tile: 16 rows of 64 bytes
-constexpr int64_t kMaxHeadDim = 256;
 
 using Bits = uint16_t;
 
@@ -296,7 +295,7 @@ void check_rows_of_heads(const at::Tensor& t, const char* name, int64_t rows, in
 
 bool fresh_attention_on_tiles(int64_t head_dim) {
 #if defined(PAGEDSERVE_AMX_BF16)
-  return bf16_matrix_tiles() && head_dim % 32 == 0 && head_dim <= kMaxHeadDim;
+  return bf16_matrix_tiles() && head_dim > 0 && head_dim % kDimsPerStep == 0;
 #else
   (void)head_dim;
   return false;
@@ -308,7 +307,7 @@ at::Tensor fresh_causal_attention(const at::Tensor& query, const at::Tensor& key
   TORCH_CHECK(query.dim() == 3 && count > 0 && query.size(0) % count == 0, "query must be [count * length, heads, head_dim]");
   const int64_t total = query.size(0), heads = query.size(1), dims = query.size(2), len = total / count;
   TORCH_CHECK(fresh_attention_on_tiles(dims), "fresh_causal_attention runs on AMX tiles, with a head_dim a multiple of 32 "
-              "up to 256 (fresh_attention_on_tiles)");
+              "(fresh_attention_on_tiles)");
   check_rows_of_heads(query, "query", total, dims);
   check_rows_of_heads(key, "key", total, dims);
   check_rows_of_heads(value, "value", total, dims);
