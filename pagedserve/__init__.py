@@ -7,7 +7,6 @@ from pagedserve.openmp import set_openmp_defaults
 set_openmp_defaults()
 
 from pagedserve.lora_request import LoRARequest  # noqa: E402
-from pagedserve.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams  # noqa: E402
 from pagedserve.version import __version__  # noqa: E402
 
@@ -16,9 +15,14 @@ __all__ = ["LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "R
 
 
 def __getattr__(name: str):
-    # LLM pulls in torch; the HTTP front end imports this package and needs no torch.
+    # LLM pulls in torch, which the HTTP front end does without; the outputs pull in msgspec, which the set-up's build of
+    # the kernels (scripts/setup.sh, while pip installs the rest) runs without: neither loads with the package.
     if name == "LLM":
         from pagedserve.engine.llm import LLM
 
         return LLM
+    if name in ("RequestOutput", "CompletionOutput"):
+        from pagedserve import outputs
+
+        return getattr(outputs, name)
     raise AttributeError(f"module 'pagedserve' has no attribute {name!r}")
