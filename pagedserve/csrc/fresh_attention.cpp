@@ -305,7 +305,7 @@ bool fresh_attention_on_tiles(int64_t head_dim) {
 at::Tensor fresh_causal_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, int64_t count,
                                   double scale) {
   TORCH_CHECK(query.dim() == 3 && count > 0 && query.size(0) % count == 0, "query must be [count * length, heads, head_dim]");
-  const int64_t total = query.size(0), heads = query.size(1), dims = query.size(2), len = total / count;
+  const int64_t total = query.size(0), heads = query.size(1), dims = query.size(2);
   TORCH_CHECK(fresh_attention_on_tiles(dims), "fresh_causal_attention runs on AMX tiles, with a head_dim a multiple of 32 "
               "(fresh_attention_on_tiles)");
   check_rows_of_heads(query, "query", total, dims);
@@ -315,7 +315,7 @@ at::Tensor fresh_causal_attention(const at::Tensor& query, const at::Tensor& key
   TORCH_CHECK(value.size(1) == kv_heads && heads % kv_heads == 0, "query heads must be a multiple of key and value heads");
   auto out = at::empty({total, heads, dims}, query.options());
 #if defined(PAGEDSERVE_AMX_BF16)
-  const int64_t padded_len = round_up(len, kKeysPerStep), group = heads / kv_heads;
+  const int64_t len = total / count, padded_len = round_up(len, kKeysPerStep), group = heads / kv_heads;
   const int64_t packed_values_per_head = padded_len * dims;
   auto packed = at::empty({2, count * kv_heads, packed_values_per_head}, query.options());
   const auto* q = reinterpret_cast<const Bits*>(query.data_ptr<at::BFloat16>());
