@@ -215,7 +215,7 @@ class Worker:
             return
         layers = sum(1 for module in self.model.modules() if isinstance(module, Linear) and module.bf16_products is not None)
         logger.info("AMX tiles, granted by the OS: the lm_head, %d linear layers' steps of up to %d rows%s", layers,
-                    TILES_MAX_ROWS, ", prompts' first chunks' attention (torch's flash kernel)" if self.attn_backend.takes_bfloat16 else "")
+                    TILES_MAX_ROWS, ", prompts' first chunks' attention" if self.attn_backend.takes_bfloat16 else "")
 
     @property
     def dense_gemm_dtype(self) -> torch.dtype:

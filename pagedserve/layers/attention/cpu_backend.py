@@ -6,7 +6,8 @@ AVX-512); prefill_in_kernel says which chunks. The rest run torch's fused attent
 first chunk on its own new K/V, and a long chunk after a longer context on that context gathered
 once, the context and the chunk attended apart and merged by log-sum-exp. Which is faster where was
 measured at the default shapes (docs/cpu.md). Where the GEMMs multiply in bfloat16 on AMX tiles, every chunk that
-starts its sequence runs in torch's flash attention in bfloat16, whose products run on the tiles too.
+starts its sequence is attended in bfloat16 on the tiles (the kernels' fresh_causal_attention; torch's flash attention
+in bfloat16 for a head size the kernel does not take).
 """
 
 from __future__ import annotations
