@@ -370,6 +370,40 @@ def test_bfloat16_products_linear_sums_the_bfloat16_products_in_float32(rows, ou
         product(torch.randn(rows, in_features + 32))
 
 
+@pytest.mark.parametrize("tiles", [True, False], ids=["tiles-where-offered", "vectors"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("rows,out_features,in_features", [(1, 16, 32), (5, 37, 64), (33, 100, 576), (64, 4100, 576),
+                                                           (300, 70, 1536)])
+def test_q4_blocks_in_tile_records_give_the_products_of_the_dequantized_weight(type_name, rows, out_features, in_features, tiles):
+    """GGUF Q4 blocks repacked for the tiles (pack_tile_blocks) and dequantized as a task goes: the same bits as the
+    pairs pack_bf16_pairs makes of gguf's dequantized weight, with outputs past a whole block of 16, panels filled as the
+    first group of rows goes and read again by the next, chunks of 240 and 256 rows."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    kernels = built_kernels()
+    qtype = GGMLQuantizationType[type_name]
+    rng = np.random.default_rng(rows * out_features)
+    blocks = quantize(rng.standard_normal((out_features, in_features)).astype(np.float32) * 0.05, qtype)
+    weight = torch.from_numpy(dequantize(blocks, qtype))
+    records = kernels.pack_tile_blocks(torch.from_numpy(blocks.copy()), int(qtype))
+    x = torch.randn(rows, in_features)
+    expected = kernels.bf16_pairs_linear(x, kernels.pack_bf16_pairs(weight), out_features, None, tiles)
+    assert torch.equal(kernels.bf16_pairs_linear(x, records, out_features, None, tiles), expected)
+    assert torch.equal(kernels.bf16_pairs_linear(x[-2:].contiguous(), records, out_features, None, tiles), expected[-2:])
+
+
+def test_tile_records_take_q4_blocks_only():
+    kernels = built_kernels()
+    with pytest.raises(RuntimeError, match="tile blocks take GGUF Q4_0 .2. or Q4_1 .3. blocks, not type id 8"):
+        kernels.pack_tile_blocks(torch.zeros(16, 34, dtype=torch.uint8), 8)
+    records = kernels.pack_tile_blocks(torch.zeros(16, 20, dtype=torch.uint8), 3)
+    with pytest.raises(RuntimeError, match="must be the packed weight's in_features"):
+        kernels.bf16_pairs_linear(torch.zeros(2, 64), records, 16)
+    with pytest.raises(RuntimeError, match="packed must come from pack_bf16_pairs or pack_tile_blocks"):
+        kernels.bf16_pairs_linear(torch.zeros(2, 32), records[:, :, :100].contiguous(), 16)
+
+
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 def test_kv_cache_write_kernel_matches_reference(cache_dtype):
     """The kernel stores what torch's .to(cache dtype) stores (round to nearest even), bit for bit."""

@@ -280,3 +280,26 @@ def test_auto_runs_the_blocks_on_input_rounded_to_8_bits(tiny_hf_llama, tmp_path
             theirs_off.append(abs(theirs[i - 1, ids[i]].item() - exact_logprobs[i][ids[i]].logprob))
     assert sum(theirs_off) > 0 and sum(ours_off) > 0  # both do round
     assert sum(ours_off) <= 1.25 * sum(theirs_off), (sum(ours_off), sum(theirs_off))
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_a_linear_layer_on_the_tiles_reads_its_q4_blocks_for_the_dense_weights_products(type_name):
+    """Given the tiles' kernels, a layer on Q4 blocks packs them for the tiles (dequantized as a step goes) rather than
+    its dense weight in bfloat16: the same products, bit for bit; a Q8_0 layer keeps the bfloat16 pairs."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    from pagedserve.layers import cpu_kernels
+    from pagedserve.layers.gemm import BFloat16ProductsWeight
+    from pagedserve.layers.linear import Linear, QuantizedWeight
+
+    kernels = cpu_kernels.load()
+    qtype = GGMLQuantizationType[type_name]
+    blocks = quantize(np.random.default_rng(0).standard_normal((96, 160)).astype(np.float32) * 0.05, qtype)
+    linear = Linear(160, 96, bias=False)
+    linear.weight.data = torch.from_numpy(dequantize(blocks, qtype))
+    linear.quantized = QuantizedWeight(torch.from_numpy(blocks.copy()), int(qtype), kernels)
+    linear.pack(torch.bfloat16, onednn=False, tile_kernels=kernels)
+    assert (linear.bf16_products.packed.dtype == torch.uint8) == (type_name != "Q8_0")
+    x = torch.randn(20, 160)
+    assert torch.equal(linear.dense_matmul(x, None), BFloat16ProductsWeight(linear.weight, kernels).linear(x))

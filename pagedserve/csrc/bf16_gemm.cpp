@@ -22,6 +22,7 @@
 #include "ops.h"
 
 #include "amx_tiles.h"
+#include "tile_blocks.h"
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -122,22 +123,65 @@ void any_tile(int rows, int blocks, const uint32_t* x, int64_t pairs, const uint
   }
 }
 
+// A weight as the kernels read it: blocks of 16 outputs by `pairs` pairs of bfloat16 (32 words a pair), packed
+// (pack_bf16_pairs), or GGUF blocks in records (pack_tile_blocks) that a task dequantizes into the same pairs, a step
+// of 16 pairs (one record of each of its blocks) at a time.
+constexpr int64_t kStepsAhead = 4;  // steps of records fetched ahead of their dequantization
+
+struct WeightPairs {
+  const uint16_t* packed = nullptr;
+  const uint8_t* records = nullptr;
+  static constexpr int64_t record_bytes = kTileBlockRecordBytes;
+  int64_t blocks = 0, pairs = 0;
+
+  int64_t block_words() const { return pairs * 2 * kRowsPerBlock; }
+  int64_t steps() const { return pairs / kTileBlockPairs; }
+
+  // Where a task finds the pairs of blocks first_block..first_block + count - 1, one after another: in place, or in
+  // scratch, which fill() or fill_step() fill.
+  const uint16_t* panel(int64_t first_block, int64_t count, std::vector<uint16_t>& scratch) const {
+    if (packed != nullptr) return packed + first_block * block_words();
+    if (scratch.size() < static_cast<size_t>(count * block_words())) scratch.resize(count * block_words());
+    return scratch.data();
+  }
+
+  // Step s of the count blocks' records dequantized into their panel, the records kStepsAhead steps on fetched.
+  void fill_step(int64_t first_block, int64_t count, int64_t s, const uint16_t* panel) const {
+    for (int64_t b = 0; b < count; ++b) {
+      const uint8_t* record = records + ((first_block + b) * steps() + s) * record_bytes;
+      if (s + kStepsAhead < steps())
+        for (int64_t line = 0; line < record_bytes; line += 64) __builtin_prefetch(record + kStepsAhead * record_bytes + line, 0, 3);
+      dequantize_tile_record(record, const_cast<uint16_t*>(panel) + b * block_words() + s * kTileBlockPairs * 2 * kRowsPerBlock);
+    }
+  }
+
+  void fill(int64_t first_block, int64_t count, const uint16_t* panel) const {
+    for (int64_t s = 0; s < steps(); ++s) fill_step(first_block, count, s, panel);
+  }
+};
+
 // The m x out_features sums split into tasks of chunk_rows rows by panel_blocks blocks, spread over the threads; each
-// task's rows go in groups of group_rows to tile(first row, rows, first block, blocks, columns). Each thread calls
-// enter() before its tasks and leave() after them.
+// task takes its panel of the weight's pairs (WeightPairs::panel), and its rows go in groups of group_rows to
+// tile(first row, rows, the panel, its first block, blocks, columns, whether the group is the task's first). Where the
+// weight is in records, fill(panel, first block, blocks) fills the panel before the groups, unless the tiles fill it
+// as the first group goes (tiles_fill). Each thread calls enter() before its tasks and leave() after them.
 template <typename Tile, typename Enter, typename Leave>
-void for_each_tile(int64_t m, int64_t blocks, int64_t out_features, int64_t chunk_rows, int64_t panel_blocks,
-                   int64_t group_rows, Tile tile, Enter enter, Leave leave) {
+void for_each_tile(int64_t m, const WeightPairs& weight, int64_t out_features, int64_t chunk_rows, int64_t panel_blocks,
+                   int64_t group_rows, bool tiles_fill, Tile tile, Enter enter, Leave leave) {
+  const int64_t blocks = weight.blocks;
   const int64_t panels = (blocks + panel_blocks - 1) / panel_blocks, chunks = (m + chunk_rows - 1) / chunk_rows;
   at::parallel_for(0, chunks * panels, 1, [&](int64_t begin, int64_t end) {
     enter();
+    thread_local std::vector<uint16_t> scratch;  // kept by the thread: a panel's pairs are written before they are read
     for (int64_t task = begin; task < end; ++task) {
       const int64_t chunk = task / panels, first_block = (task % panels) * panel_blocks;
       const int task_blocks = static_cast<int>(std::min<int64_t>(panel_blocks, blocks - first_block));
       const int64_t columns = std::min<int64_t>(task_blocks * kRowsPerBlock, out_features - first_block * kRowsPerBlock);
-      const int64_t last_row = std::min(m, (chunk + 1) * chunk_rows);
-      for (int64_t r = chunk * chunk_rows; r < last_row; r += group_rows) {
-        tile(r, std::min(group_rows, last_row - r), first_block, task_blocks, columns);
+      const uint16_t* panel = weight.panel(first_block, task_blocks, scratch);
+      if (weight.records != nullptr && !tiles_fill) weight.fill(first_block, task_blocks, panel);
+      const int64_t first_row = chunk * chunk_rows, last_row = std::min(m, (chunk + 1) * chunk_rows);
+      for (int64_t r = first_row; r < last_row; r += group_rows) {
+        tile(r, std::min(group_rows, last_row - r), panel, first_block, task_blocks, columns, r == first_row);
       }
     }
     leave();
@@ -152,6 +196,7 @@ int64_t tile_padded_rows(int64_t m) { return (m + kRowGroup - 1) / kRowGroup * k
 #if defined(PAGEDSERVE_AMX_BF16)
 constexpr int64_t kPanelBlocks = 2;    // blocks of 16 outputs a task sweeps: its panel of the weight is read once
 constexpr int64_t kTileChunkRows = 256; // input rows a task takes: their pairs stay in L2 while it sweeps its panel
+constexpr int64_t kStepsLead = 2;       // steps of a panel dequantized ahead of the tiles that read them
 
 // Tile `tile` of sums into out (leading dimension ld): whole where its 16 x 16 are all wanted, else through scratch.
 void store_sums(int tile, float* out, int64_t ld, int64_t rows, int64_t columns, float* scratch) {
@@ -170,16 +215,24 @@ void store_sums(int tile, float* out, int64_t ld, int64_t rows, int64_t columns,
 // RowTiles x 16 rows of x's pairs (zero rows past `rows`) against Blocks packed blocks: each sum accumulates the
 // same tiles in the same order whatever the other rows are. Tiles 0-3 hold the sums (row tile r, block b: 2r + b), 4-5
 // the input's row tiles, 6-7 the blocks.
+// Where filling is given, the panel w (of blocks first_block...) is dequantized from its records as the tiles go,
+// kStepsLead steps ahead of the tiles that read it: a tile load of rows that vector stores just wrote waits for them to
+// leave the store buffer.
 template <int RowTiles, int Blocks>
 void matrix_tile(const uint32_t* x, int64_t pairs, const uint16_t* w, float* out, int64_t ld, int64_t rows,
-                 int64_t columns, float* scratch) {
+                 int64_t columns, float* scratch, const WeightPairs* filling, int64_t first_block) {
   const int64_t x_stride = pairs * static_cast<int64_t>(sizeof(uint32_t));
   const int64_t block_values = pairs * 2 * kRowsPerBlock;
+  const int64_t steps = pairs / kPairsPerTile;
+  if (filling != nullptr)
+    for (int64_t s = 0; s < std::min(kStepsLead, steps); ++s) filling->fill_step(first_block, Blocks, s, w);
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
   for (int64_t j = 0; j < pairs; j += kPairsPerTile) {
+    const int64_t lead = j / kPairsPerTile + kStepsLead;
+    if (filling != nullptr && lead < steps) filling->fill_step(first_block, Blocks, lead, w);
     _tile_loadd(4, x + j, x_stride);
     _tile_loadd(6, w + j * 2 * kRowsPerBlock, 64);
     if (Blocks == 2) _tile_loadd(7, w + block_values + j * 2 * kRowsPerBlock, 64);
@@ -200,26 +253,27 @@ void matrix_tile(const uint32_t* x, int64_t pairs, const uint16_t* w, float* out
 }
 
 void any_matrix_tile(int row_tiles, int blocks, const uint32_t* x, int64_t pairs, const uint16_t* w, float* out, int64_t ld,
-                     int64_t rows, int64_t columns, float* scratch) {
+                     int64_t rows, int64_t columns, float* scratch, const WeightPairs* filling, int64_t first_block) {
   static_assert(kPanelBlocks == 2 && kRowGroup == 2 * kTileRows16, "the branches below spell out the tile counts");
   if (row_tiles == 2) {
-    blocks == 2 ? matrix_tile<2, 2>(x, pairs, w, out, ld, rows, columns, scratch)
-                : matrix_tile<2, 1>(x, pairs, w, out, ld, rows, columns, scratch);
+    blocks == 2 ? matrix_tile<2, 2>(x, pairs, w, out, ld, rows, columns, scratch, filling, first_block)
+                : matrix_tile<2, 1>(x, pairs, w, out, ld, rows, columns, scratch, filling, first_block);
   } else {
-    blocks == 2 ? matrix_tile<1, 2>(x, pairs, w, out, ld, rows, columns, scratch)
-                : matrix_tile<1, 1>(x, pairs, w, out, ld, rows, columns, scratch);
+    blocks == 2 ? matrix_tile<1, 2>(x, pairs, w, out, ld, rows, columns, scratch, filling, first_block)
+                : matrix_tile<1, 1>(x, pairs, w, out, ld, rows, columns, scratch, filling, first_block);
   }
 }
 
 // The sums of m rows on the tiles: tasks of a chunk of rows by a panel of blocks.
-void matrix_tiles_linear(const uint32_t* x, int64_t m, int64_t pairs, const uint16_t* w, int64_t blocks, float* o,
-                         int64_t out_features) {
+void matrix_tiles_linear(const uint32_t* x, int64_t m, const WeightPairs& weight, float* o, int64_t out_features) {
+  const int64_t pairs = weight.pairs;
   for_each_tile(
-      m, blocks, out_features, kTileChunkRows, kPanelBlocks, kRowGroup,
-      [&](int64_t r, int64_t rows, int64_t first_block, int task_blocks, int64_t columns) {
+      m, weight, out_features, kTileChunkRows, kPanelBlocks, kRowGroup, true,
+      [&](int64_t r, int64_t rows, const uint16_t* panel, int64_t first_block, int task_blocks, int64_t columns, bool first_group) {
         alignas(64) float scratch[kTileRows16 * kRowsPerBlock];  // a tile's sums where not all of them are wanted
-        any_matrix_tile(rows > kTileRows16 ? 2 : 1, task_blocks, x + r * pairs, pairs, w + first_block * pairs * 2 * kRowsPerBlock,
-                        o + r * out_features + first_block * kRowsPerBlock, out_features, rows, columns, scratch);
+        const WeightPairs* filling = weight.records != nullptr && first_group ? &weight : nullptr;
+        any_matrix_tile(rows > kTileRows16 ? 2 : 1, task_blocks, x + r * pairs, pairs, panel,
+                        o + r * out_features + first_block * kRowsPerBlock, out_features, rows, columns, scratch, filling, first_block);
       },
       configure_tiles, [] { _tile_release(); });
 }
@@ -262,18 +316,39 @@ at::Tensor pack_bf16_pairs(const at::Tensor& weight) {
   return packed;
 }
 
+namespace {
+
+// packed as WeightPairs: pack_bf16_pairs's int16 pairs, or pack_tile_blocks's uint8 records.
+WeightPairs weight_pairs(const at::Tensor& packed) {
+  WeightPairs weight;
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous(), "packed must come from pack_bf16_pairs or pack_tile_blocks");
+  weight.blocks = packed.size(0);
+  if (packed.scalar_type() == at::kShort) {
+    TORCH_CHECK(packed.size(2) == 2 * kRowsPerBlock, "packed must come from pack_bf16_pairs");
+    weight.packed = reinterpret_cast<const uint16_t*>(packed.data_ptr<int16_t>());
+    weight.pairs = packed.size(1);
+  } else {
+    TORCH_CHECK(packed.scalar_type() == at::kByte && packed.size(2) == kTileBlockRecordBytes,
+                "packed must come from pack_bf16_pairs or pack_tile_blocks");
+    weight.records = packed.data_ptr<uint8_t>();
+    weight.pairs = packed.size(1) * kTileBlockPairs;
+  }
+  return weight;
+}
+
+}  // namespace
+
 at::Tensor bf16_pairs_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, const c10::optional<at::Tensor>& out,
                              bool tiles) {
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kShort && packed.size(2) == 2 * kRowsPerBlock,
-              "packed must come from pack_bf16_pairs");
-  TORCH_CHECK(out_features > (packed.size(0) - 1) * kRowsPerBlock && out_features <= packed.size(0) * kRowsPerBlock,
+  const WeightPairs weight = weight_pairs(packed);
+  TORCH_CHECK(out_features > (weight.blocks - 1) * kRowsPerBlock && out_features <= weight.blocks * kRowsPerBlock,
               "out_features (", out_features, ") must be the packed weight's");
   TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1, "x must be a CPU tensor");
-  const int64_t pairs = packed.size(1);
+  const int64_t pairs = weight.pairs;
   const int64_t k = x.size(-1);
   TORCH_CHECK(padded_pairs(k) == pairs, "x's last dimension (", k, ") must be the packed weight's in_features");
   const auto rows_in = x.reshape({-1, k});
-  const int64_t m = rows_in.size(0), blocks = packed.size(0);
+  const int64_t m = rows_in.size(0);
   const bool on_tiles = tiles && bf16_matrix_tiles();
   const auto x_pairs = input_pairs(rows_in, pairs, on_tiles ? tile_padded_rows(m) : m);
   const auto* pairs_of_x = reinterpret_cast<const uint32_t*>(x_pairs.data_ptr<at::BFloat16>());
@@ -286,17 +361,16 @@ at::Tensor bf16_pairs_linear(const at::Tensor& x, const at::Tensor& packed, int6
     sums = at::empty({m, out_features}, x.options().dtype(at::kFloat));
   }
   float* o = sums.data_ptr<float>();
-  const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<int16_t>());
 #if defined(PAGEDSERVE_AMX_BF16)
   if (on_tiles) {
-    matrix_tiles_linear(pairs_of_x, m, pairs, w, blocks, o, out_features);
+    matrix_tiles_linear(pairs_of_x, m, weight, o, out_features);
   } else
 #endif
   {
     for_each_tile(
-        m, blocks, out_features, kChunkRows, kTileBlocks, kTileRows,
-        [&](int64_t r, int64_t rows, int64_t first_block, int task_blocks, int64_t columns) {
-          any_tile(static_cast<int>(rows), task_blocks, pairs_of_x + r * pairs, pairs, w + first_block * pairs * 2 * kRowsPerBlock,
+        m, weight, out_features, kChunkRows, kTileBlocks, kTileRows, false,
+        [&](int64_t r, int64_t rows, const uint16_t* panel, int64_t first_block, int task_blocks, int64_t columns, bool) {
+          any_tile(static_cast<int>(rows), task_blocks, pairs_of_x + r * pairs, pairs, panel,
                    o + r * out_features + first_block * kRowsPerBlock, out_features, columns);
         },
         [] {}, [] {});

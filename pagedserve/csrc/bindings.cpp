@@ -78,8 +78,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_dot_products", &bf16_dot_products, "whether this build multiplies bf16_pairs_linear on AVX-512 BF16 dot products or AMX tiles");
   m.def("bf16_matrix_tiles", &bf16_matrix_tiles, "whether bf16_pairs_linear runs on AMX tiles (the build has them and the OS granted them)");
   m.def("pack_bf16_pairs", &pack_bf16_pairs, "a [out_features, in_features] weight in bfloat16, packed for bf16_pairs_linear");
+  m.def("pack_tile_blocks", &pack_tile_blocks,
+        "GGUF Q4_0 / Q4_1 blocks [out_features, bytes a row] of a type id, repacked for bf16_pairs_linear: the same products as "
+        "pack_bf16_pairs of the dequantized weight, a third of the bytes to read");
   m.def("bf16_pairs_linear", &bf16_pairs_linear,
-        "x @ W.T in float32: x and W rounded to bfloat16, their products summed in float32 (W from pack_bf16_pairs), into out "
+        "x @ W.T in float32: x and W rounded to bfloat16, their products summed in float32 (W from pack_bf16_pairs or pack_tile_blocks), into out "
         "where given; on AMX tiles where bf16_matrix_tiles() and tiles",
         py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("out") = py::none(), py::arg("tiles") = true);
   m.def("quantized_block_bytes", &quantized_block_bytes, "bytes per 32-value block of a GGUF type (0: unsupported)");

@@ -51,6 +51,9 @@ at::Tensor int8_linear_silu_and_mul(const at::Tensor& x, const at::Tensor& weigh
 bool bf16_dot_products();
 bool bf16_matrix_tiles();
 at::Tensor pack_bf16_pairs(const at::Tensor& weight);
+// GGUF Q4_0 / Q4_1 blocks [out_features, bytes a row] repacked for bf16_pairs_linear, which dequantizes them to the
+// pairs pack_bf16_pairs makes of the dequantized weight (tile_blocks.cpp).
+at::Tensor pack_tile_blocks(const at::Tensor& weight, int64_t qtype);
 at::Tensor bf16_pairs_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, const c10::optional<at::Tensor>& out,
                              bool tiles);
 // Causal attention of count fresh sequences of one length side by side ([count * length, heads, head_dim] bfloat16),

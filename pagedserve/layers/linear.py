@@ -35,6 +35,12 @@ TILES_MAX_ROWS = 512
 ROUNDED_INPUT_MAX_ROWS = 4
 
 
+# GGUF types the kernels read (csrc/quantized_linear.cpp): name -> GGMLQuantizationType id (fixed by the GGUF format;
+# written here so that loading a model does not import gguf). The AMX tiles also read the Q4 ones, dequantizing.
+GGUF_KERNEL_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+GGUF_Q4_TYPES = (GGUF_KERNEL_TYPES["Q4_0"], GGUF_KERNEL_TYPES["Q4_1"])
+
+
 class QuantizedWeight:
     """A weight in GGUF blocks ([out_features, bytes per row] uint8) and its gguf type id; it runs steps of up to
     max_rows rows (larger ones take the dense weight). Its products are float32 (exact: the blocks' values times x),
@@ -109,9 +115,15 @@ class Linear(nn.Linear):
         output_dtype; given tile_kernels (kernels on AMX tiles, with dtype bfloat16), steps of up to TILES_MAX_ROWS rows
         on a second copy for the tiles instead (float32 sums out)."""
         if tile_kernels is not None:
-            self.bf16_products = BFloat16ProductsWeight(self.weight, tile_kernels)
+            self.bf16_products = BFloat16ProductsWeight(self.weight, tile_kernels, self._q4_blocks())
         self.packed_weight = pack_weight(self.weight, dtype, onednn)
         self.output_dtype = output_dtype
+
+    def _q4_blocks(self) -> tuple[torch.Tensor, int] | None:
+        """This layer's GGUF blocks and type id where they are Q4_0 / Q4_1, the types the tiles read dequantizing."""
+        if self.quantized is None or self.quantized.qtype not in GGUF_Q4_TYPES:
+            return None
+        return self.quantized.blocks, self.quantized.qtype
 
     def pack_int8(self, kernels, output_dtype: torch.dtype, smoothing: torch.Tensor | None = None) -> None:
         """Run the dense product in int8 (W8A8, smoothed by the factors given: Int8Weight) from now on, returning

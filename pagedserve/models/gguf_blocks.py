@@ -16,15 +16,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pagedserve.layers.linear import GGUF_KERNEL_TYPES
+
 logger = logging.getLogger(__name__)
 
 _EXPERT_TENSOR = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 
 # In a subdirectory: the checkpoint loader reads every *.safetensors file of the model directory.
 QUANTIZED_FILE = Path("gguf_blocks") / "blocks.safetensors"
-# GGUF types the kernels read (pagedserve/csrc/quantized_linear.cpp): name -> GGMLQuantizationType id
-# (fixed by the GGUF format; written here so that loading a model does not import gguf).
-KERNEL_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
 
 
 def extract_quantized_blocks(reader, hf_tensors: dict[str, torch.Tensor], out_dir: Path) -> int:
@@ -34,7 +33,7 @@ def extract_quantized_blocks(reader, hf_tensors: dict[str, torch.Tensor], out_di
     from gguf.quants import dequantize
     from safetensors.numpy import save_file
 
-    kernel_types = {GGMLQuantizationType[name] for name in KERNEL_TYPES}
+    kernel_types = {GGMLQuantizationType[name] for name in GGUF_KERNEL_TYPES}
     blocks, metadata = _expert_blocks([t for t in reader.tensors if t.tensor_type in kernel_types], hf_tensors)
     candidates = [t for t in reader.tensors if t.tensor_type in kernel_types and len(t.data.shape) == 2]
     row_owner = _row_index(hf_tensors) if candidates else {}
@@ -92,7 +91,7 @@ def load_quantized_blocks(model_dir: Path) -> dict[str, tuple[torch.Tensor, int]
         return {}
     with safe_open(str(path), framework="pt") as handle:
         types = handle.metadata() or {}
-        return {name: (handle.get_tensor(name), KERNEL_TYPES[types[name]]) for name in handle.keys()}
+        return {name: (handle.get_tensor(name), GGUF_KERNEL_TYPES[types[name]]) for name in handle.keys()}
 
 
 def _row_index(hf_tensors: dict[str, torch.Tensor]) -> dict[int, tuple[str, int]]:
