@@ -160,11 +160,13 @@ struct WeightPairs {
   }
 };
 
-// The m x out_features sums split into tasks of chunk_rows rows by panel_blocks blocks, spread over the threads; each
-// task takes its panel of the weight's pairs (WeightPairs::panel), and its rows go in groups of group_rows to
-// tile(first row, rows, the panel, its first block, blocks, columns, whether the group is the task's first). Where the
-// weight is in records, fill(panel, first block, blocks) fills the panel before the groups, unless the tiles fill it
-// as the first group goes (tiles_fill). Each thread calls enter() before its tasks and leave() after them.
+// The m x out_features sums split into tasks of chunk_rows rows by panel_blocks blocks, spread over the threads, each
+// panel's chunks one after another (so each thread takes as many rows of its panels as the other, and a panel is read
+// or dequantized once for all of its chunks); a task takes its panel of the weight's pairs (WeightPairs::panel), and
+// its rows go in groups of group_rows to tile(first row, rows, the panel, its first block, blocks, columns, whether the
+// tiles fill the panel from its records as this group goes). Where the weight is in records, the panel is filled
+// before its first task's groups, unless the tiles fill it as that task's first group goes (tiles_fill). Each thread
+// calls enter() before its tasks and leave() after them.
 template <typename Tile, typename Enter, typename Leave>
 void for_each_tile(int64_t m, const WeightPairs& weight, int64_t out_features, int64_t chunk_rows, int64_t panel_blocks,
                    int64_t group_rows, bool tiles_fill, Tile tile, Enter enter, Leave leave) {
@@ -173,15 +175,18 @@ void for_each_tile(int64_t m, const WeightPairs& weight, int64_t out_features, i
   at::parallel_for(0, chunks * panels, 1, [&](int64_t begin, int64_t end) {
     enter();
     thread_local std::vector<uint16_t> scratch;  // kept by the thread: a panel's pairs are written before they are read
+    int64_t filled_block = -1;  // the first block of the panel in scratch, in this call
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t chunk = task / panels, first_block = (task % panels) * panel_blocks;
+      const int64_t chunk = task % chunks, first_block = (task / chunks) * panel_blocks;
       const int task_blocks = static_cast<int>(std::min<int64_t>(panel_blocks, blocks - first_block));
       const int64_t columns = std::min<int64_t>(task_blocks * kRowsPerBlock, out_features - first_block * kRowsPerBlock);
       const uint16_t* panel = weight.panel(first_block, task_blocks, scratch);
-      if (weight.records != nullptr && !tiles_fill) weight.fill(first_block, task_blocks, panel);
+      const bool to_fill = weight.records != nullptr && filled_block != first_block;
+      if (to_fill && !tiles_fill) weight.fill(first_block, task_blocks, panel);
+      filled_block = first_block;
       const int64_t first_row = chunk * chunk_rows, last_row = std::min(m, (chunk + 1) * chunk_rows);
       for (int64_t r = first_row; r < last_row; r += group_rows) {
-        tile(r, std::min(group_rows, last_row - r), panel, first_block, task_blocks, columns, r == first_row);
+        tile(r, std::min(group_rows, last_row - r), panel, first_block, task_blocks, columns, to_fill && tiles_fill && r == first_row);
       }
     }
     leave();
@@ -269,9 +274,9 @@ void matrix_tiles_linear(const uint32_t* x, int64_t m, const WeightPairs& weight
   const int64_t pairs = weight.pairs;
   for_each_tile(
       m, weight, out_features, kTileChunkRows, kPanelBlocks, kRowGroup, true,
-      [&](int64_t r, int64_t rows, const uint16_t* panel, int64_t first_block, int task_blocks, int64_t columns, bool first_group) {
+      [&](int64_t r, int64_t rows, const uint16_t* panel, int64_t first_block, int task_blocks, int64_t columns, bool fill) {
         alignas(64) float scratch[kTileRows16 * kRowsPerBlock];  // a tile's sums where not all of them are wanted
-        const WeightPairs* filling = weight.records != nullptr && first_group ? &weight : nullptr;
+        const WeightPairs* filling = fill ? &weight : nullptr;
         any_matrix_tile(rows > kTileRows16 ? 2 : 1, task_blocks, x + r * pairs, pairs, panel,
                         o + r * out_features + first_block * kRowsPerBlock, out_features, rows, columns, scratch, filling, first_block);
       },
