@@ -146,16 +146,16 @@ struct WeightPairs {
   }
 
   // Step s of the count blocks' records dequantized into their panel, the records kStepsAhead steps on fetched.
-  void fill_step(int64_t first_block, int64_t count, int64_t s, const uint16_t* panel) const {
+  void fill_step(int64_t first_block, int64_t count, int64_t s, uint16_t* panel) const {
     for (int64_t b = 0; b < count; ++b) {
       const uint8_t* record = records + ((first_block + b) * steps() + s) * record_bytes;
       if (s + kStepsAhead < steps())
         for (int64_t line = 0; line < record_bytes; line += 64) __builtin_prefetch(record + kStepsAhead * record_bytes + line, 0, 3);
-      dequantize_tile_record(record, const_cast<uint16_t*>(panel) + b * block_words() + s * kTileBlockPairs * 2 * kRowsPerBlock);
+      dequantize_tile_record(record, panel + b * block_words() + s * kTileBlockPairs * 2 * kRowsPerBlock);
     }
   }
 
-  void fill(int64_t first_block, int64_t count, const uint16_t* panel) const {
+  void fill(int64_t first_block, int64_t count, uint16_t* panel) const {
     for (int64_t s = 0; s < steps(); ++s) fill_step(first_block, count, s, panel);
   }
 };
@@ -163,8 +163,8 @@ struct WeightPairs {
 // The m x out_features sums split into tasks of chunk_rows rows by panel_blocks blocks, spread over the threads, each
 // panel's chunks one after another (so each thread takes as many rows of its panels as the other, and a panel is read
 // or dequantized once for all of its chunks); a task takes its panel of the weight's pairs (WeightPairs::panel), and
-// its rows go in groups of group_rows to tile(first row, rows, the panel, its first block, blocks, columns, whether the
-// tiles fill the panel from its records as this group goes). Where the weight is in records, the panel is filled
+// its rows go in groups of group_rows to tile(first row, rows, the panel, its first block, blocks, columns, the scratch
+// the tiles fill with the panel from its records as this group goes, or nullptr). Where the weight is in records, the panel is filled
 // before its first task's groups, unless the tiles fill it as that task's first group goes (tiles_fill). Each thread
 // calls enter() before its tasks and leave() after them.
 template <typename Tile, typename Enter, typename Leave>
@@ -182,11 +182,12 @@ void for_each_tile(int64_t m, const WeightPairs& weight, int64_t out_features, i
       const int64_t columns = std::min<int64_t>(task_blocks * kRowsPerBlock, out_features - first_block * kRowsPerBlock);
       const uint16_t* panel = weight.panel(first_block, task_blocks, scratch);
       const bool to_fill = weight.records != nullptr && filled_block != first_block;
-      if (to_fill && !tiles_fill) weight.fill(first_block, task_blocks, panel);
+      if (to_fill && !tiles_fill) weight.fill(first_block, task_blocks, scratch.data());
       filled_block = first_block;
       const int64_t first_row = chunk * chunk_rows, last_row = std::min(m, (chunk + 1) * chunk_rows);
       for (int64_t r = first_row; r < last_row; r += group_rows) {
-        tile(r, std::min(group_rows, last_row - r), panel, first_block, task_blocks, columns, to_fill && tiles_fill && r == first_row);
+        uint16_t* fill_into = to_fill && tiles_fill && r == first_row ? scratch.data() : nullptr;
+        tile(r, std::min(group_rows, last_row - r), panel, first_block, task_blocks, columns, fill_into);
       }
     }
     leave();
@@ -220,24 +221,30 @@ void store_sums(int tile, float* out, int64_t ld, int64_t rows, int64_t columns,
 // RowTiles x 16 rows of x's pairs (zero rows past `rows`) against Blocks packed blocks: each sum accumulates the
 // same tiles in the same order whatever the other rows are. Tiles 0-3 hold the sums (row tile r, block b: 2r + b), 4-5
 // the input's row tiles, 6-7 the blocks.
-// Where filling is given, the panel w (of blocks first_block...) is dequantized from its records as the tiles go,
-// kStepsLead steps ahead of the tiles that read it: a tile load of rows that vector stores just wrote waits for them to
-// leave the store buffer.
+// Where a fill is given, the panel w (its scratch, of blocks first_block...) is dequantized from the weight's records as
+// the tiles go, kStepsLead steps ahead of the tiles that read it: a tile load of rows that vector stores just wrote
+// waits for them to leave the store buffer.
+struct PanelFill {
+  const WeightPairs* weight = nullptr;
+  int64_t first_block = 0;
+  uint16_t* panel = nullptr;
+};
+
 template <int RowTiles, int Blocks>
 void matrix_tile(const uint32_t* x, int64_t pairs, const uint16_t* w, float* out, int64_t ld, int64_t rows,
-                 int64_t columns, float* scratch, const WeightPairs* filling, int64_t first_block) {
+                 int64_t columns, float* scratch, const PanelFill& fill) {
   const int64_t x_stride = pairs * static_cast<int64_t>(sizeof(uint32_t));
   const int64_t block_values = pairs * 2 * kRowsPerBlock;
   const int64_t steps = pairs / kPairsPerTile;
-  if (filling != nullptr)
-    for (int64_t s = 0; s < std::min(kStepsLead, steps); ++s) filling->fill_step(first_block, Blocks, s, w);
+  if (fill.weight != nullptr)
+    for (int64_t s = 0; s < std::min(kStepsLead, steps); ++s) fill.weight->fill_step(fill.first_block, Blocks, s, fill.panel);
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
   for (int64_t j = 0; j < pairs; j += kPairsPerTile) {
     const int64_t lead = j / kPairsPerTile + kStepsLead;
-    if (filling != nullptr && lead < steps) filling->fill_step(first_block, Blocks, lead, w);
+    if (fill.weight != nullptr && lead < steps) fill.weight->fill_step(fill.first_block, Blocks, lead, fill.panel);
     _tile_loadd(4, x + j, x_stride);
     _tile_loadd(6, w + j * 2 * kRowsPerBlock, 64);
     if (Blocks == 2) _tile_loadd(7, w + block_values + j * 2 * kRowsPerBlock, 64);
@@ -258,14 +265,14 @@ void matrix_tile(const uint32_t* x, int64_t pairs, const uint16_t* w, float* out
 }
 
 void any_matrix_tile(int row_tiles, int blocks, const uint32_t* x, int64_t pairs, const uint16_t* w, float* out, int64_t ld,
-                     int64_t rows, int64_t columns, float* scratch, const WeightPairs* filling, int64_t first_block) {
+                     int64_t rows, int64_t columns, float* scratch, const PanelFill& fill) {
   static_assert(kPanelBlocks == 2 && kRowGroup == 2 * kTileRows16, "the branches below spell out the tile counts");
   if (row_tiles == 2) {
-    blocks == 2 ? matrix_tile<2, 2>(x, pairs, w, out, ld, rows, columns, scratch, filling, first_block)
-                : matrix_tile<2, 1>(x, pairs, w, out, ld, rows, columns, scratch, filling, first_block);
+    blocks == 2 ? matrix_tile<2, 2>(x, pairs, w, out, ld, rows, columns, scratch, fill)
+                : matrix_tile<2, 1>(x, pairs, w, out, ld, rows, columns, scratch, fill);
   } else {
-    blocks == 2 ? matrix_tile<1, 2>(x, pairs, w, out, ld, rows, columns, scratch, filling, first_block)
-                : matrix_tile<1, 1>(x, pairs, w, out, ld, rows, columns, scratch, filling, first_block);
+    blocks == 2 ? matrix_tile<1, 2>(x, pairs, w, out, ld, rows, columns, scratch, fill)
+                : matrix_tile<1, 1>(x, pairs, w, out, ld, rows, columns, scratch, fill);
   }
 }
 
@@ -274,11 +281,11 @@ void matrix_tiles_linear(const uint32_t* x, int64_t m, const WeightPairs& weight
   const int64_t pairs = weight.pairs;
   for_each_tile(
       m, weight, out_features, kTileChunkRows, kPanelBlocks, kRowGroup, true,
-      [&](int64_t r, int64_t rows, const uint16_t* panel, int64_t first_block, int task_blocks, int64_t columns, bool fill) {
+      [&](int64_t r, int64_t rows, const uint16_t* panel, int64_t first_block, int task_blocks, int64_t columns, uint16_t* fill_into) {
         alignas(64) float scratch[kTileRows16 * kRowsPerBlock];  // a tile's sums where not all of them are wanted
-        const WeightPairs* filling = fill ? &weight : nullptr;
+        const PanelFill fill = fill_into != nullptr ? PanelFill{&weight, first_block, fill_into} : PanelFill{};
         any_matrix_tile(rows > kTileRows16 ? 2 : 1, task_blocks, x + r * pairs, pairs, panel,
-                        o + r * out_features + first_block * kRowsPerBlock, out_features, rows, columns, scratch, filling, first_block);
+                        o + r * out_features + first_block * kRowsPerBlock, out_features, rows, columns, scratch, fill);
       },
       configure_tiles, [] { _tile_release(); });
 }
@@ -374,7 +381,7 @@ at::Tensor bf16_pairs_linear(const at::Tensor& x, const at::Tensor& packed, int6
   {
     for_each_tile(
         m, weight, out_features, kChunkRows, kTileBlocks, kTileRows, false,
-        [&](int64_t r, int64_t rows, const uint16_t* panel, int64_t first_block, int task_blocks, int64_t columns, bool) {
+        [&](int64_t r, int64_t rows, const uint16_t* panel, int64_t first_block, int task_blocks, int64_t columns, uint16_t*) {
           any_tile(static_cast<int>(rows), task_blocks, pairs_of_x + r * pairs, pairs, panel,
                    o + r * out_features + first_block * kRowsPerBlock, out_features, columns);
         },
