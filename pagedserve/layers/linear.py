@@ -113,7 +113,7 @@ class Linear(nn.Linear):
              tile_kernels=None) -> None:
         """Run the dense product on a copy of the weight in dtype, reordered for oneDNN where onednn, returning
         output_dtype; given tile_kernels (kernels on AMX tiles, with dtype bfloat16), steps of up to TILES_MAX_ROWS rows
-        on a second copy for the tiles instead (float32 sums out)."""
+        on a second copy for the tiles instead (float32 sums out): the layer's GGUF Q4 blocks where it has them."""
         if tile_kernels is not None:
             self.bf16_products = BFloat16ProductsWeight(self.weight, tile_kernels, self._q4_blocks())
         self.packed_weight = pack_weight(self.weight, dtype, onednn)
