@@ -84,9 +84,11 @@ class IncrementalDetokenizer:
 
     def next_text(self, finished: bool, delta: bool) -> str:
         """The text to report now: everything or only what is new, minus the stop-string buffer while unfinished."""
-        visible = len(self.output_text) if finished else max(len(self.output_text) - self.stop_buffer_length, self._sent_chars)
+        output_text, sent = self.output_text, self._sent_chars
+        visible = len(output_text)
+        if not finished and self.stop_buffer_length:
+            visible = max(visible - self.stop_buffer_length, sent)
         if not delta:
-            return self.output_text[:visible]
-        text = self.output_text[self._sent_chars:visible]
+            return output_text[:visible]
         self._sent_chars = visible
-        return text
+        return output_text[sent:visible]

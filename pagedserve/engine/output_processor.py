@@ -174,7 +174,9 @@ class OutputProcessor:
         if kind is _FINAL_ONLY and not finished:
             return None
         delta = kind is _DELTA
-        completions = [self._completion(sample, delta) for sample in samples]
+        completions = []
+        for sample in samples:  # a loop, not a comprehension: one frame fewer for every output of every step
+            completions.append(self._completion(sample, delta))
         prompt_logprobs = state.prompt_logprobs
         if delta and prompt_logprobs is not None:
             prompt_logprobs = None if state.prompt_logprobs_sent else prompt_logprobs
