@@ -10,10 +10,10 @@
 // nibble, 2j + 1 in the high one. Outputs past the weight's rows are zeros (d = m = 0).
 #pragma once
 #include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 
 #include <cstdint>
-#include <cstring>
+
+#include "gguf_block.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -43,10 +43,7 @@ inline void dequantize_tile_record(const uint8_t* record, uint16_t* pairs) {
   }
 #else
   for (int64_t o = 0; o < kTileBlockOutputs; ++o) {
-    uint16_t d_bits, m_bits;
-    std::memcpy(&d_bits, record + 2 * o, 2);
-    std::memcpy(&m_bits, record + 32 + 2 * o, 2);
-    const float d = c10::Half(d_bits, c10::Half::from_bits()), m = c10::Half(m_bits, c10::Half::from_bits());
+    const float d = half_at(record + 2 * o), m = half_at(record + 32 + 2 * o);
     for (int64_t j = 0; j < kTileBlockPairs; ++j) {
       const uint8_t byte = values[16 * j + o];
       const int even = byte & 0x0F, odd = byte >> 4;
