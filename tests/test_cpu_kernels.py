@@ -180,6 +180,25 @@ def test_silu_and_mul_of_bfloat16_is_the_float32_result_rounded_once(num_tokens)
     torch.testing.assert_close(out, (torch.nn.functional.silu(gate) * up).bfloat16(), rtol=2**-8, atol=1e-30, equal_nan=True)
 
 
+@pytest.mark.parametrize("width", [15, 100, 1536])
+def test_silu_and_mul_of_float32_into_bfloat16_is_its_float32_result_rounded(width):
+    """For a down projection that multiplies its input rounded to bfloat16: a float32 gate-up output's SiLU-and-mul
+    written in bfloat16 at once is the float32 result rounded, bit for bit (NaN as NaN), in the vector loop and its
+    tail; torch's path (no kernels) rounds the same way; a bfloat16 gate-up cannot be widened by it."""
+    torch.manual_seed(0)
+    act = SiluAndMul()
+    gate_up = torch.randn(300, 2 * width) * 4
+    gate_up[0, :9] = torch.tensor([-1000.0, -100.0, -87.5, -20.0, -0.0, 20.0, 100.0, 3e38, float("nan")])
+    act.kernels = built_kernels()
+    narrow, wide = act(gate_up, out_dtype=torch.bfloat16), act(gate_up)
+    assert narrow.dtype == torch.bfloat16 and wide.dtype == torch.float32
+    torch.testing.assert_close(narrow, wide.bfloat16(), rtol=0, atol=0, equal_nan=True)
+    act.kernels = None
+    torch.testing.assert_close(act(gate_up, out_dtype=torch.bfloat16), act(gate_up).bfloat16(), rtol=0, atol=0, equal_nan=True)
+    with pytest.raises(RuntimeError, match="out_dtype must be gate_up's dtype, or bfloat16 for a float32 gate_up"):
+        built_kernels().silu_and_mul(gate_up.bfloat16(), torch.float32)
+
+
 @pytest.mark.parametrize("num_tokens", [1, 32, 300])
 def test_rotary_kernel_matches_reference(num_tokens):
     torch.manual_seed(0)
@@ -360,6 +379,11 @@ def test_bfloat16_products_linear_sums_the_bfloat16_products_in_float32(rows, ou
     assert torch.equal(product(x[-3:].contiguous()), actual[-3:])
     assert torch.equal(product(x[:1].contiguous()), actual[:1])
     assert torch.equal(product(x.view(1, rows, in_features)), actual.view(1, rows, out_features))
+    # bfloat16 rows (a producer's output rounded there) are the float32 ones rounded, taken as they are where whole pairs
+    rounded = x.bfloat16()
+    assert torch.equal(product(rounded), product(rounded.float()))
+    strided = torch.cat([rounded, rounded[:, :5]], dim=1)[:, :in_features]
+    assert torch.equal(product(strided), product(rounded.float()))
     out = torch.full((rows, out_features), float("nan"))
     assert product(x, out).data_ptr() == out.data_ptr() and torch.equal(out, actual)
     with pytest.raises(RuntimeError, match="out must be a contiguous float32 tensor"):
@@ -614,6 +638,30 @@ def test_bfloat16_queries_keys_and_values_give_the_float32_output_rounded():
     decodes = mixed_step_layout(seqs[:2], 2, iter(range(num_blocks)), block_size)  # a step of decodes alone
     alone = layer(query[:2], key[:2], value[:2], cache.clone(), backend.build_metadata(decodes, torch.device("cpu")))
     assert alone.dtype == torch.bfloat16 and torch.equal(alone, narrow[:2])
+
+
+@pytest.mark.parametrize("fresh_in_bfloat16", [True, False], ids=["fresh-on-tiles-where-offered", "fresh-in-float32"])
+def test_the_output_comes_in_the_dtype_the_output_projection_multiplies(fresh_in_bfloat16):
+    """out_dtype bfloat16 (an output projection that multiplies its input rounded to it): from float32 query, key and
+    value, each backend gives its own float32 output rounded once, in a step with decodes, fresh prompts and a chunk
+    after context and in a step of decodes alone."""
+    torch.manual_seed(0)
+    num_heads, num_kv_heads, head_dim, block_size, num_blocks = 9, 3, 64, 16, 64
+    seqs = [(7, 1), (19, 1), (0, 40), (0, 40), (50, 20), (0, 30)]  # (context, query tokens)
+    num_tokens = 2 + 40 + 40 + 20 + 30
+    query = torch.randn(num_tokens, num_heads, head_dim)
+    key, value = torch.randn(2, num_tokens, num_kv_heads, head_dim)
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim).bfloat16()
+    fresh_dtype = torch.bfloat16 if fresh_in_bfloat16 else None
+    for backend in (CPUAttentionBackend(built_kernels(), fresh_prefill_dtype=fresh_dtype), TorchAttentionBackend()):
+        layer = Attention(num_heads, head_dim, num_kv_heads, backend)
+        for step in (seqs, seqs[:2]):
+            layout = mixed_step_layout(step, 2, iter(range(num_blocks)), block_size)
+            rows = len(layout.slot_mapping)
+            outputs = [layer(query[:rows], key[:rows], value[:rows], cache.clone(), backend.build_metadata(layout, torch.device("cpu")),
+                             out_dtype=out_dtype) for out_dtype in (None, torch.bfloat16)]
+            assert outputs[0].dtype == torch.float32 and outputs[1].dtype == torch.bfloat16
+            assert torch.equal(outputs[1], outputs[0].bfloat16())
 
 
 def fresh_qkv(count: int, length: int, heads: int, kv_heads: int, head_dim: int, seed: int = 0):

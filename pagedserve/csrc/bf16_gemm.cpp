@@ -47,11 +47,13 @@ float bf16_value(uint16_t bits) {
   return value;
 }
 
-// x [rows, k] rounded to bfloat16 as padded_rows x pairs words, each the values of inputs 2j (low half) and 2j + 1
-// (high half): the rows in bfloat16, zero past k and past rows (torch's conversion, vectorized).
-at::Tensor input_pairs(const at::Tensor& x, int64_t pairs, int64_t padded_rows) {
-  auto out = at::zeros({padded_rows, 2 * pairs}, x.options().dtype(at::kBFloat16));
-  out.narrow(0, 0, x.size(0)).narrow(1, 0, x.size(1)).copy_(x);
+// x [rows, k] rounded to bfloat16 as rows x pairs words, each the values of inputs 2j (low half) and 2j + 1 (high
+// half), zero past k: x itself where it comes so (a bfloat16 producer's output), else torch's conversion (vectorized).
+at::Tensor input_pairs(const at::Tensor& x, int64_t pairs) {
+  if (x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.size(1) == 2 * pairs) return x;
+  auto out = at::empty({x.size(0), 2 * pairs}, x.options().dtype(at::kBFloat16));
+  if (x.size(1) < 2 * pairs) out.narrow(1, x.size(1), 2 * pairs - x.size(1)).zero_();
+  out.narrow(1, 0, x.size(1)).copy_(x);
   return out;
 }
 
@@ -194,12 +196,8 @@ void for_each_tile(int64_t m, const WeightPairs& weight, int64_t out_features, i
   });
 }
 
-constexpr int64_t kRowGroup = 32;  // input rows AMX tiles cover at once: two tiles of sums for each block
-
-// Rows the AMX tiles read for m rows of input: whole groups of them.
-int64_t tile_padded_rows(int64_t m) { return (m + kRowGroup - 1) / kRowGroup * kRowGroup; }
-
 #if defined(PAGEDSERVE_AMX_BF16)
+constexpr int64_t kRowGroup = 32;      // input rows AMX tiles cover at once: two tiles of sums for each block
 constexpr int64_t kPanelBlocks = 2;    // blocks of 16 outputs a task sweeps: its panel of the weight is read once
 constexpr int64_t kTileChunkRows = 256; // input rows a task takes: their pairs stay in L2 while it sweeps its panel
 constexpr int64_t kStepsLead = 2;       // steps of a panel dequantized ahead of the tiles that read them
@@ -276,15 +274,28 @@ void any_matrix_tile(int row_tiles, int blocks, const uint32_t* x, int64_t pairs
   }
 }
 
+// The rows of x's last group where m is not a whole number of groups, zero after them: the tiles read whole groups,
+// and x has m rows.
+const uint32_t* last_group_rows(const uint32_t* x, int64_t m, int64_t pairs) {
+  thread_local std::vector<uint32_t> group;
+  const int64_t first = m / kRowGroup * kRowGroup;
+  group.assign(kRowGroup * pairs, 0u);
+  std::memcpy(group.data(), x + first * pairs, (m - first) * pairs * sizeof(uint32_t));
+  return group.data();
+}
+
 // The sums of m rows on the tiles: tasks of a chunk of rows by a panel of blocks.
 void matrix_tiles_linear(const uint32_t* x, int64_t m, const WeightPairs& weight, float* o, int64_t out_features) {
   const int64_t pairs = weight.pairs;
+  const int64_t whole_rows = m / kRowGroup * kRowGroup;
+  const uint32_t* last_group = whole_rows < m ? last_group_rows(x, m, pairs) : nullptr;
   for_each_tile(
       m, weight, out_features, kTileChunkRows, kPanelBlocks, kRowGroup, true,
       [&](int64_t r, int64_t rows, const uint16_t* panel, int64_t first_block, int task_blocks, int64_t columns, uint16_t* fill_into) {
         alignas(64) float scratch[kTileRows16 * kRowsPerBlock];  // a tile's sums where not all of them are wanted
         const PanelFill fill = fill_into != nullptr ? PanelFill{&weight, first_block, fill_into} : PanelFill{};
-        any_matrix_tile(rows > kTileRows16 ? 2 : 1, task_blocks, x + r * pairs, pairs, panel,
+        const uint32_t* group = r < whole_rows ? x + r * pairs : last_group;
+        any_matrix_tile(rows > kTileRows16 ? 2 : 1, task_blocks, group, pairs, panel,
                         o + r * out_features + first_block * kRowsPerBlock, out_features, rows, columns, scratch, fill);
       },
       configure_tiles, [] { _tile_release(); });
@@ -362,7 +373,7 @@ at::Tensor bf16_pairs_linear(const at::Tensor& x, const at::Tensor& packed, int6
   const auto rows_in = x.reshape({-1, k});
   const int64_t m = rows_in.size(0);
   const bool on_tiles = tiles && bf16_matrix_tiles();
-  const auto x_pairs = input_pairs(rows_in, pairs, on_tiles ? tile_padded_rows(m) : m);
+  const auto x_pairs = input_pairs(rows_in, pairs);
   const auto* pairs_of_x = reinterpret_cast<const uint32_t*>(x_pairs.data_ptr<at::BFloat16>());
   at::Tensor sums;
   if (out.has_value() && out->defined()) {

@@ -39,7 +39,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm,
         "(RMSNorm(x + residual) in out_dtype (float32 or bfloat16), x + residual in float32); x float32 or bfloat16",
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"), py::arg("out_dtype"));
-  m.def("silu_and_mul", &silu_and_mul, "silu(first half) * second half of the last dimension");
+  m.def("silu_and_mul", &silu_and_mul,
+        "silu(first half) * second half of the last dimension, in out_dtype (default: gate_up's; bfloat16 from float32 "
+        "rounds once, computed as a bfloat16 row's is)",
+        py::arg("gate_up"), py::arg("out_dtype") = py::none());
   m.def("fresh_attention_on_tiles", &fresh_attention_on_tiles,
         "whether fresh_causal_attention runs here: AMX tiles granted, head_dim a multiple of 32", py::arg("head_dim"));
   m.def("fresh_causal_attention", &fresh_causal_attention,

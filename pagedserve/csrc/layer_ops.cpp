@@ -116,26 +116,31 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   return {out.view(x.sizes()), sum.view(x.sizes())};
 }
 
-template <typename T>
+template <typename In, typename Out>
 void silu_and_mul_rows(const at::Tensor& input, at::Tensor& out, int64_t width) {
-  const T* in_ptr = input.data_ptr<T>();
-  T* out_ptr = out.data_ptr<T>();
+  const In* in_ptr = input.data_ptr<In>();
+  Out* out_ptr = out.data_ptr<Out>();
   at::parallel_for(0, input.size(0), grain_rows(2 * width), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       silu_and_mul_row(out_ptr + r * width, in_ptr + r * 2 * width, in_ptr + r * 2 * width + width, width);
   });
 }
 
-at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+at::Tensor silu_and_mul(const at::Tensor& gate_up, c10::optional<at::ScalarType> out_dtype) {
   TORCH_CHECK(gate_up.device().is_cpu() && (gate_up.scalar_type() == at::kFloat || gate_up.scalar_type() == at::kBFloat16),
               "gate_up must be a float32 or bfloat16 CPU tensor");
+  const auto in_dtype = gate_up.scalar_type(), to = out_dtype.value_or(in_dtype);
+  TORCH_CHECK(to == in_dtype || (in_dtype == at::kFloat && to == at::kBFloat16),
+              "out_dtype must be gate_up's dtype, or bfloat16 for a float32 gate_up");
   const int64_t width = gate_up.size(-1) / 2;
   auto input = gate_up.contiguous().view({-1, 2 * width});
-  auto out = at::empty({input.size(0), width}, input.options());
-  if (input.scalar_type() == at::kBFloat16) {
-    silu_and_mul_rows<c10::BFloat16>(input, out, width);
+  auto out = at::empty({input.size(0), width}, input.options().dtype(to));
+  if (in_dtype == at::kBFloat16) {
+    silu_and_mul_rows<c10::BFloat16, c10::BFloat16>(input, out, width);
+  } else if (to == at::kBFloat16) {
+    silu_and_mul_rows<float, c10::BFloat16>(input, out, width);
   } else {
-    silu_and_mul_rows<float>(input, out, width);
+    silu_and_mul_rows<float, float>(input, out, width);
   }
   auto sizes = gate_up.sizes().vec();
   sizes.back() = width;

@@ -16,7 +16,7 @@ void paged_prefill_attention(const at::Tensor& query, const at::Tensor& key_cach
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::ScalarType out_dtype);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,
                                                 at::ScalarType out_dtype);
-at::Tensor silu_and_mul(const at::Tensor& gate_up);
+at::Tensor silu_and_mul(const at::Tensor& gate_up, c10::optional<at::ScalarType> out_dtype = c10::nullopt);
 at::Tensor argmax_rows(const at::Tensor& x);
 int64_t argmax_row(const float* x, int64_t n);  // torch.argmax of one row of n floats
 at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k, const at::Tensor& top_p,

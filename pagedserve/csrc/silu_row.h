@@ -42,3 +42,22 @@ inline void silu_and_mul_row(c10::BFloat16* out, const c10::BFloat16* gate, cons
     out[i] = c10::BFloat16(g / (1.f + std::exp(-g)) * static_cast<float>(up[i]));
   }
 }
+
+// The float32 row's values rounded to bfloat16 (the input of a GEMM that multiplies it rounded so): the same bits as
+// the float32 row's output converted after, without writing it out wide first.
+inline void silu_and_mul_row(c10::BFloat16* out, const float* gate, const float* up, int64_t width) {
+  using Vec = at::vec::Vectorized<float>;
+  using BVec = at::vec::Vectorized<c10::BFloat16>;
+  const auto silu_and_mul = [](Vec g, Vec u) { return g / (Vec(1.f) + g.neg().exp()) * u; };
+  int64_t i = 0;
+  for (; i + BVec::size() <= width; i += BVec::size()) {
+    const Vec low = silu_and_mul(Vec::loadu(gate + i), Vec::loadu(up + i));
+    const Vec high = silu_and_mul(Vec::loadu(gate + i + Vec::size()), Vec::loadu(up + i + Vec::size()));
+    at::vec::convert_float_bfloat16(low, high).store(out + i);
+  }
+  if (i < width) {  // the last values through the float32 row's own loop
+    float rest[BVec::size()];
+    silu_and_mul_row(rest, gate + i, up + i, width - i);
+    for (int64_t j = 0; j < width - i; ++j) out[i + j] = c10::BFloat16(rest[j]);
+  }
+}

@@ -11,10 +11,12 @@ from pagedserve.layers.cpu_kernels import UsesCPUKernels
 
 
 class SiluAndMul(nn.Module, UsesCPUKernels):
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """[T, 2 * I] (gate, then up) -> silu(gate) * up, [T, I]."""
+    def forward(self, gate_up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """[T, 2 * I] (gate, then up) -> silu(gate) * up, [T, I], in out_dtype (default: gate_up's): bfloat16 where the
+        down projection multiplies its input rounded to it, rounded here once rather than written wide and rounded there."""
         kernels = self.kernels_for(gate_up, dtypes=(torch.float32, torch.bfloat16))
         if kernels is not None:
-            return kernels.silu_and_mul(gate_up)
+            return kernels.silu_and_mul(gate_up, out_dtype)
         gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        out = F.silu(gate) * up
+        return out if out_dtype is None else out.to(out_dtype)

@@ -110,7 +110,7 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta, out_dtype=self.o_proj.input_dtype(q.shape[0])))
 
 
 class LlamaDecoderLayer(nn.Module):

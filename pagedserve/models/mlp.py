@@ -22,5 +22,5 @@ class GatedMLP(nn.Module):
     def forward(self, x):
         activated = self.gate_up_proj.int8_silu_and_mul(x)
         if activated is None:
-            activated = self.act_fn(self.gate_up_proj(x))
+            activated = self.act_fn(self.gate_up_proj(x), out_dtype=self.down_proj.input_dtype(x.shape[0]))
         return self.down_proj(activated)

@@ -142,9 +142,9 @@ class CPUAttentionBackend(AttentionBackend):
         return self.fresh_prefill_dtype == torch.bfloat16
 
     def forward(self, query, key, value, kv_cache, meta: CPUAttentionMetadata, scale: float,
-                kv_scales: StaticKVScales = NO_STATIC_SCALES) -> torch.Tensor:
-        """query, key and value in float32, or in bfloat16 where takes_bfloat16; the output in query's dtype (a bfloat16
-        query's step runs its output projection on bfloat16 too)."""
+                kv_scales: StaticKVScales = NO_STATIC_SCALES, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """query, key and value in float32, or in bfloat16 where takes_bfloat16; the output in out_dtype (default: query's;
+        a bfloat16 query's step runs its output projection on bfloat16 too)."""
         kernels, kernel_format = self.kernels, self.kernel_format
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         kernels.write_kv_cache(key, value, key_cache, value_cache, meta.slot_mapping, kernel_format,
@@ -152,8 +152,8 @@ class CPUAttentionBackend(AttentionBackend):
         num_decodes = meta.num_decode_tokens
         if num_decodes == query.shape[0]:  # a step of decodes alone: the kernel's output is the whole of it
             return kernels.paged_decode_attention(query.float().contiguous(), key_cache, value_cache, meta.decode_block_tables,
-                                                  meta.decode_seq_lens, scale, kernel_format).to(query.dtype)
-        out = torch.empty_like(query)
+                                                  meta.decode_seq_lens, scale, kernel_format).to(out_dtype or query.dtype)
+        out = torch.empty_like(query, dtype=out_dtype)
         paged = meta.paged_prefills
         if paged is not None:  # first: the kernel writes its chunks' rows of a float32 tensor, the others' come after
             wide = out if out.dtype == torch.float32 else torch.empty(query.shape, dtype=torch.float32)

@@ -20,7 +20,9 @@ class Attention(nn.Module):
         self.backend = backend
         self.kv_scales: StaticKVScales = NO_STATIC_SCALES  # a checkpoint's, for an FP8 cache (Worker)
 
-    def forward(self, query, key, value, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """query [T, H, D], key/value [T, KV, D], kv_cache [2, num_blocks, block_size, KV, D] -> [T, H*D]."""
-        out = self.backend.forward(query, key, value, kv_cache, meta, self.scale, self.kv_scales)
+    def forward(self, query, key, value, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """query [T, H, D], key/value [T, KV, D], kv_cache [2, num_blocks, block_size, KV, D] -> [T, H*D], in out_dtype
+        (default: query's): the dtype the output projection multiplies, so that its input is not converted twice."""
+        out = self.backend.forward(query, key, value, kv_cache, meta, self.scale, self.kv_scales, out_dtype)
         return out.view(out.shape[0], -1)

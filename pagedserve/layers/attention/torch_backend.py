@@ -19,10 +19,10 @@ class TorchAttentionBackend(AttentionBackend):
         self.kv_format = kv_format
 
     def forward(self, query, key, value, kv_cache, meta: AttentionMetadata, scale: float,
-                kv_scales: StaticKVScales = NO_STATIC_SCALES) -> torch.Tensor:
+                kv_scales: StaticKVScales = NO_STATIC_SCALES, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         fmt = self.kv_format
         reference_write_kv_cache(kv_cache, key, value, meta.slot_mapping, fmt, kv_scales)
-        out = torch.empty_like(query)
+        out = torch.empty_like(query, dtype=out_dtype)
         num_decodes = meta.num_decode_tokens
         if num_decodes:
             out[:num_decodes] = reference_decode_attention(query[:num_decodes], kv_cache, meta, scale, fmt)
