@@ -51,15 +51,20 @@ def test_a_missing_field_reads_as_absent_so_that_defaults_apply(tiny_models, emp
 
 def test_a_second_start_seeds_the_step_time_model_from_the_first_and_skips_the_timed_passes(tiny_models, empty_cache,
                                                                                               monkeypatch):
+    """The first start times each warm-up shape over several passes and keeps the fastest after the first (a pass slowed
+    by whatever else ran then would seed every later start); the second reads those timings back."""
     from pagedserve.engine.core import EngineCore
-    from pagedserve.executor.model_runner import ModelRunner
+    from pagedserve.executor import step_timings_cache
+    from pagedserve.executor.model_runner import WARM_UP_TIMED_PASSES, ModelRunner
 
     passes = []
     time_forward_passes = ModelRunner.time_forward_passes
 
     def counting(self, num_seqs, seq_len, count, context=0):
         passes.append(count)
-        return time_forward_passes(self, num_seqs, seq_len, count, context)
+        seconds = time_forward_passes(self, num_seqs, seq_len, count, context)
+        # The first pass and the last slower than any other: neither is kept
+        return [1.0, *seconds[1:-1], 0.5] if count > 2 else seconds
 
     monkeypatch.setattr(ModelRunner, "time_forward_passes", counting)
     config = EngineConfig(model=str(tiny_models["llama"]), kv_cache_memory=64 * 1024**2, cpu_kernels=False)
@@ -74,7 +79,9 @@ def test_a_second_start_seeds_the_step_time_model_from_the_first_and_skips_the_t
         finally:
             core.shutdown()
         if len(predictions) == 1:
-            assert counts and set(counts) == {2}  # timed: every shape twice
+            assert counts and set(counts) == {1 + WARM_UP_TIMED_PASSES}
+            stored = step_timings_cache.load(step_timings_cache.timings_file(config, core.model_info))
+            assert stored and max(seconds for *_, seconds in stored) < 0.5
     assert counts and set(counts) == {1}  # the second start: each first shape once, nothing timed
     assert predictions[0] == predictions[1]
     assert list((empty_cache / "step_timings").glob("*.json"))

@@ -28,6 +28,16 @@ from pagedserve.spec_decode.rejection_sampler import verify
 logger = logging.getLogger(__name__)
 
 
+# (sequences, new tokens each, context): decodes of a few batch sizes and a short prompt's prefill, the steps a server
+# meets first; and, for the step-time model only, a long context's decodes (so that it can tell attention from
+# per-token costs) and a longer prefill. Their times seed the scheduler's model of step times.
+WARM_UP_FIRST_SHAPES = ((1, 1, 0), (8, 1, 64), (32, 1, 64), (1, 64, 0))
+WARM_UP_FIT_SHAPES = ((8, 1, 1024), (2, 128, 0))
+# Timed passes of each shape, of which the fastest is kept: the warm-up runs while the rest of the server starts, a pass
+# that shares the cores with that (or with any other process) is slower than the steps after it, and the stored timings
+# seed every later start.
+WARM_UP_TIMED_PASSES = 3
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int, device: torch.device, seed: int,
                  attn_backend: AttentionBackend, cpu_kernels=None, proposer: Proposer | None = None) -> None:
@@ -140,25 +150,20 @@ class ModelRunner:
             if len(token_ids) == index:
                 token_ids.append(token_id)
 
-    # (sequences, new tokens each, context): decodes of a few batch sizes and a short prompt's prefill, the
-    # steps a server meets first; and, for the step-time model only, a long context's decodes (so that it can
-    # tell attention from per-token costs) and a longer prefill. Their times seed the scheduler's model of step times.
-    _FIRST_SHAPES = ((1, 1, 0), (8, 1, 64), (32, 1, 64), (1, 64, 0))
-    _FIT_SHAPES = ((8, 1, 1024), (2, 128, 0))
-
     @torch.inference_mode()
     def warm_up(self, max_model_len: int, timed: bool = True) -> list[tuple[int, int, int, float]]:
         """Run the first shapes a server meets and both sampling paths, so the first requests do not pay one-time
-        costs (kernel set-up for new GEMM shapes, first touches of buffers). Timed: every shape twice (the first
-        run pays those costs), and (sequences, new tokens each, context, seconds) of the second runs returned.
+        costs (kernel set-up for new GEMM shapes, first touches of buffers). Timed: every shape once more than
+        WARM_UP_TIMED_PASSES (the first run pays those costs), and (sequences, new tokens each, context, seconds) of the
+        fastest of the others returned.
         K/V land in the first blocks, which hold nothing yet."""
         timings = []
         num_blocks = self.kv_caches[0].shape[1]
-        for num_seqs, seq_len, context in self._FIRST_SHAPES + (self._FIT_SHAPES if timed else ()):
+        for num_seqs, seq_len, context in WARM_UP_FIRST_SHAPES + (WARM_UP_FIT_SHAPES if timed else ()):
             if num_seqs * -(-(context + seq_len) // self.block_size) > num_blocks or context + seq_len > max_model_len:
                 continue  # a cache or a context too small for this shape (tests shrink them)
-            seconds = self.time_forward_passes(num_seqs, seq_len, 2 if timed else 1, context)[-1]
-            timings.append((num_seqs, seq_len, context, seconds))
+            seconds = self.time_forward_passes(num_seqs, seq_len, 1 + WARM_UP_TIMED_PASSES if timed else 1, context)
+            timings.append((num_seqs, seq_len, context, min(seconds[1:], default=seconds[0])))
         hidden = self._forward(*self._dummy_inputs(2, 1, 0),
                                self.attn_backend.build_metadata(dummy_layout(2, 1, 0, self.block_size), self.device))
         if hidden is not None:

@@ -14,6 +14,7 @@ import torch
 from pagedserve import cached_json, envs
 from pagedserve.config import EngineConfig
 from pagedserve.cpu_features import cpu_features
+from pagedserve.executor.model_runner import WARM_UP_FIRST_SHAPES, WARM_UP_FIT_SHAPES, WARM_UP_TIMED_PASSES
 from pagedserve.layers import cpu_kernels
 from pagedserve.model_info import ModelInfo
 from pagedserve.version import __version__
@@ -27,6 +28,7 @@ def timings_file(config: EngineConfig, model_info: ModelInfo) -> Path:
         "step_timings", cpu_features().identity, str(len(os.sched_getaffinity(0))), str(envs.cpu_auto_dtype()), torch.__version__,
         __version__,
         cpu_kernels.build_key(), json.dumps(settings, sort_keys=True), json.dumps(dataclasses.asdict(model_info), sort_keys=True),
+        repr((WARM_UP_FIRST_SHAPES, WARM_UP_FIT_SHAPES, WARM_UP_TIMED_PASSES)),  # what was timed, and how
     )
 
 
