@@ -65,6 +65,10 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit of the first scheduling; -1 until known
         self.num_preemptions = 0
+        # The scheduler's step numbers: how many steps' outputs were in when this request last came to wait (arrived, or
+        # was preempted), and the step that last finished its prompt (whose output brings its first token after it).
+        self.came_after_step = 0
+        self.prompt_done_step = 0
         self.stop_reason: int | str | None = None
         self._stop_ids = sampling_params.all_stop_token_ids()
         # The token count at which max_tokens ends the request (max_model_len is the scheduler's to apply).

@@ -57,10 +57,12 @@ class DecodeStallBound:
         if shape.decode_tokens and not shape.prefill_tokens:
             self.decode_step_time.observe(shape, seconds)
 
-    def allowance(self, running: list[Request], num_waiting: int, max_num_seqs: int) -> PrefillAllowance | None:
+    def allowance(self, running: list[Request], num_waiting: int, max_num_seqs: int,
+                  newest_came_after_step: int) -> PrefillAllowance | None:
         """What bounds the next step's prompt work in time: None when nothing does (no limit set, the model not yet
         fit, no request decoding, so that no stream waits for the prompts, no prompt to bound, or a burst: at least as
-        many requests waiting to join as streams decoding)."""
+        many requests waiting to join as streams that flowed before the newest of them came, those whose prompt was
+        done by step newest_came_after_step; streams that came in the same burst are not kept steady against it)."""
         if self.limit is None or not self.step_time.ready:
             return None
         # Prompt work: a waiting request that may join, or a running one with prompt tokens left. Most steps of a
@@ -68,16 +70,20 @@ class DecodeStallBound:
         num_running = len(running)
         if not (num_waiting > 0 and num_running < max_num_seqs) and not _any_prompt_left(running):
             return None
-        num_decoding, sum_of_context_lens = 0, 0
+        num_decoding, num_flowing_before, sum_of_context_lens = 0, 0, 0
         for request in running:
             num_computed_tokens = request.num_computed_tokens
             if len(request.all_token_ids) - num_computed_tokens == 1:
                 num_decoding += 1
                 sum_of_context_lens += num_computed_tokens
+                if request.prompt_done_step <= newest_came_after_step:
+                    num_flowing_before += 1
         # In a burst, one long step stalls the few streams decoding once and spares as many or more prompts a wait of
         # many bounded steps (each stream's single long gap stays out of its gaps' tail); the bound keeps streams
-        # steady against the prompts that trickle in while they decode.
-        if not num_decoding or min(num_waiting, max_num_seqs - num_running) >= num_decoding:
+        # steady against the prompts that trickle in while they decode. Streams that arrived with the prompts (their
+        # own prompts went first) are the burst's too: bounding for them would make the burst's last prompts wait
+        # through many bounded steps for the sake of its first.
+        if not num_decoding or min(num_waiting, max_num_seqs - num_running) >= num_flowing_before:
             return None
         decoding = ShapeTally()
         decoding.add_decodes(num_decoding, sum_of_context_lens)
