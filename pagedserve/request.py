@@ -65,7 +65,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit of the first scheduling; -1 until known
         self.num_preemptions = 0
-        # The scheduler's step numbers: how many steps' outputs were in when this request last came to wait (arrived, or
+        # The stall bound's step numbers: how many steps were planned when this request last came to wait (arrived, or
         # was preempted), and the step that last finished its prompt (whose output brings its first token after it).
         self.came_after_step = 0
         self.prompt_done_step = 0

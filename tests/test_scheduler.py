@@ -475,34 +475,23 @@ def test_a_burst_of_waiting_requests_is_let_in_without_the_time_bound(num_decodi
     assert prompt_tokens < 128 if bounded else prompt_tokens == 128 * seats
 
 
-@pytest.mark.parametrize("came_during_the_first_step", [True, False])
-def test_streams_that_came_in_the_burst_are_not_kept_steady_against_it(came_during_the_first_step):
-    """Requests that arrive while the first prompts of their burst run are one burst with them: once those decode, a
-    step still takes the rest of the burst's prompts up to the token budget, however many more streams decode than
-    wait. Requests that arrive after the streams' first tokens meet the time bound (fewer waiting than decoding)."""
-    from scheduler_harness import fake_run
-
-    scheduler = _stall_scheduler(DecodeStallLimit(multiple=2.0))
-    for index in range(5):
-        scheduler.add_request(make_request(f"d{index}", prompt_len=20, max_tokens=100))
-    first = scheduler.schedule()
-    late = [make_request(f"w{index}", prompt_len=128, max_tokens=10) for index in range(4)]
-    if came_during_the_first_step:
-        for request in late:
-            scheduler.add_request(request)
-    scheduler.update_from_output(first, fake_run(first, scheduler))
-    if not came_during_the_first_step:
-        for request in late:
-            scheduler.add_request(request)
+def test_streams_that_came_in_the_burst_are_not_kept_steady_against_it():
+    """A burst's first request starts alone; the rest arrive while it runs and enter as the token budget allows. Once
+    more of the burst decode than wait, a step still takes the waiting prompts up to the budget: only streams that
+    flowed before the newest waiting request came (here the first one) are kept steady against them. A request that
+    comes once the burst's streams decode meets the time bound again."""
+    scheduler = _stall_scheduler(DecodeStallLimit(multiple=2.0), budget=1 + 4 * 128)
+    scheduler.add_request(make_request("first", prompt_len=128, max_tokens=100))
+    step(scheduler)
+    for index in range(8):
+        scheduler.add_request(make_request(f"burst{index}", prompt_len=128, max_tokens=100))
     output, _ = step(scheduler)
-    prompt_tokens = output.total_num_scheduled_tokens - 5
-    assert (output.stall_limit_s is None) == came_during_the_first_step
-    assert prompt_tokens == 4 * 128 if came_during_the_first_step else prompt_tokens < 128
-    if came_during_the_first_step:  # requests that come while the burst's 9 streams decode meet the bound again
-        for index in range(3):
-            scheduler.add_request(make_request(f"late{index}", prompt_len=128, max_tokens=10))
-        output, _ = step(scheduler)
-        assert output.stall_limit_s is not None and output.total_num_scheduled_tokens - 9 < 128
+    assert output.stall_limit_s is None and output.total_num_scheduled_tokens == 1 + 4 * 128
+    output, _ = step(scheduler)  # 5 decode, 4 wait: the burst's own streams do not count against it
+    assert output.stall_limit_s is None and output.total_num_scheduled_tokens == 1 + 4 * 128  # the whole budget
+    scheduler.add_request(make_request("late", prompt_len=128, max_tokens=10))
+    output, _ = step(scheduler)
+    assert output.stall_limit_s is not None and output.total_num_scheduled_tokens - 9 < 128
 
 
 def test_prompts_progress_however_tight_the_time_limit():

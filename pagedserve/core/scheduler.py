@@ -70,11 +70,6 @@ class Scheduler:
         # Prompt logprob positions already reported per request, so a recompute does not repeat them.
         self.num_prompt_logprobs_sent: dict[str, int] = {}
         self.stall_bound = DecodeStallBound(max_decode_stall, min_chunk_tokens=kv_cache_manager.block_size, experts=experts)
-        self.num_steps = 0  # steps scheduled so far
-        self.num_steps_done = 0  # steps whose outputs are in
-        # The latest came_after_step any request got: whether the streams decoding were flowing before the newest
-        # prompts came (the stall bound keeps those steady) or came with them in one burst.
-        self._newest_came_after_step = 0
         # Pipeline parallelism: every decode carries its last token (SchedulerOutput.last_token_ids).
         self.send_last_tokens = send_last_tokens
         self.speculative = speculative
@@ -94,7 +89,7 @@ class Scheduler:
         if request.request_id in self.requests or self.remote_kv is not None and request.request_id in self.remote_kv.loading:
             raise ValueError(f"request_id {request.request_id!r} is already in use by a running request")
         self.requests[request.request_id] = request
-        self._mark_waiting(request)
+        self.stall_bound.came_to_wait(request)
         self.waiting.add(request)
         if self.structured_output is not None:
             self.structured_output.add_request(request)
@@ -147,9 +142,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         if self.remote_kv is not None:
             self._take_remote_kv_news()
-        self.num_steps += 1
-        allowance = self.stall_bound.allowance(self.running, len(self.waiting), self.max_num_seqs, self._newest_came_after_step)
-        plan = StepPlan(self.max_num_batched_tokens, allowance, self.long_prefill_token_threshold, self.send_last_tokens)
+        plan = StepPlan(self.max_num_batched_tokens, self.stall_bound.allowance(self.running, len(self.waiting), self.max_num_seqs),
+                        self.long_prefill_token_threshold, self.send_last_tokens)
         if self.drafts:
             self.drafts.begin_step(self.running)
         # New prompts only when nothing was preempted: memory is tight, let the running ones finish.
@@ -161,9 +155,7 @@ class Scheduler:
             propose_for = self.drafts.requests_to_draft_for(scheduled, len(self.running))
         output = plan.build(self.finished_req_ids, self.preempted_req_ids, propose_for)
         self.finished_req_ids, self.preempted_req_ids = set(), set()
-        for request_id, start, num_tokens, num_tokens_known in output.prompt_chunks:
-            if start + num_tokens == num_tokens_known:  # the prompt is done: this step's output brings a token
-                self.requests[request_id].prompt_done_step = self.num_steps
+        self.stall_bound.step_planned(output.prompt_chunks, self.requests)
         if self.kv_connector is not None:
             output.kv_connector_metadata = self.kv_connector.build_connector_meta(output, self.requests, self.kv_cache_manager.block_ids)
         if self.structured_output is not None and self.structured_output.has_constrained:
@@ -342,7 +334,7 @@ class Scheduler:
         self.running.remove(victim)
         self._take_back_blocks(victim)
         victim.status = RequestStatus.PREEMPTED
-        self._mark_waiting(victim)
+        self.stall_bound.came_to_wait(victim)
         self.preempted_req_ids.add(victim.request_id)
         if self.drafts:
             self.drafts.preempted(victim.request_id)
@@ -360,10 +352,6 @@ class Scheduler:
             return False
         self._take_back_blocks(holders[-1])
         return True
-
-    def _mark_waiting(self, request: Request) -> None:
-        """The request waits from now on, after the steps whose outputs are in."""
-        request.came_after_step = self._newest_came_after_step = self.num_steps_done
 
     def _take_back_blocks(self, victim: Request) -> None:
         """A preemption: the request's blocks go back and its KV is computed (or loaded) again when it is admitted."""
@@ -388,7 +376,6 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         # Runs for every scheduled request each step: lookups are hoisted, and the logprob and draft maps are read
         # only when the step produced any.
-        self.num_steps_done += 1
         outputs: list[EngineCoreOutput] = self._ended_unscheduled
         self._ended_unscheduled = []
         if scheduler_output.kv_connector_metadata is not None:

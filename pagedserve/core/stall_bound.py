@@ -49,6 +49,22 @@ class DecodeStallBound:
         self.min_chunk_tokens = min_chunk_tokens
         self.step_time = StepTimeModel(experts=experts)
         self.decode_step_time = StepTimeModel(experts=experts)
+        self.num_steps = 0  # steps planned so far
+        # The latest came_after_step a request got: whether the streams decoding flowed before the newest prompts came
+        # (the bound keeps those steady) or came in one burst with them.
+        self._newest_came_after_step = 0
+
+    def came_to_wait(self, request: Request) -> None:
+        """A request waits from now on (it arrived, or was preempted), after the steps planned so far."""
+        request.came_after_step = self._newest_came_after_step = self.num_steps
+
+    def step_planned(self, prompt_chunks: list[tuple[str, int, int, int]], requests: dict[str, Request]) -> None:
+        """A step was planned with these prompt chunks (SchedulerOutput.prompt_chunks): a request whose known tokens
+        one of them finishes decodes after it."""
+        self.num_steps += 1
+        for request_id, start, num_tokens, num_tokens_known in prompt_chunks:
+            if start + num_tokens == num_tokens_known:
+                requests[request_id].prompt_done_step = self.num_steps
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         """How long a step of this shape took."""
@@ -57,12 +73,11 @@ class DecodeStallBound:
         if shape.decode_tokens and not shape.prefill_tokens:
             self.decode_step_time.observe(shape, seconds)
 
-    def allowance(self, running: list[Request], num_waiting: int, max_num_seqs: int,
-                  newest_came_after_step: int) -> PrefillAllowance | None:
+    def allowance(self, running: list[Request], num_waiting: int, max_num_seqs: int) -> PrefillAllowance | None:
         """What bounds the next step's prompt work in time: None when nothing does (no limit set, the model not yet
         fit, no request decoding, so that no stream waits for the prompts, no prompt to bound, or a burst: at least as
-        many requests waiting to join as streams that flowed before the newest of them came, those whose prompt was
-        done by step newest_came_after_step; streams that came in the same burst are not kept steady against it)."""
+        many requests waiting to join as streams that flowed before the newest of them came, their prompts done by then;
+        streams whose prompts went in the same burst's steps are not kept steady against it)."""
         if self.limit is None or not self.step_time.ready:
             return None
         # Prompt work: a waiting request that may join, or a running one with prompt tokens left. Most steps of a
@@ -71,6 +86,7 @@ class DecodeStallBound:
         if not (num_waiting > 0 and num_running < max_num_seqs) and not _any_prompt_left(running):
             return None
         num_decoding, num_flowing_before, sum_of_context_lens = 0, 0, 0
+        newest_came_after_step = self._newest_came_after_step
         for request in running:
             num_computed_tokens = request.num_computed_tokens
             if len(request.all_token_ids) - num_computed_tokens == 1:
