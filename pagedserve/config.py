@@ -52,8 +52,7 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = field(default=None, metadata={"help": "force the number of KV blocks (testing)"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse KV blocks of shared prefixes"})
     # While streams decode the stall bound sizes a step's prompt work in time; the budget bounds the steps it leaves
-    # alone (a burst, an idle engine's prompts), which are as fast a token at 4096 as at 2048 and stall a burst's early
-    # streams half as often.
+    # alone (a burst, an idle engine's prompts), and a burst let in in fewer steps stalls its early streams fewer times.
     max_num_batched_tokens: int = field(default=4096, metadata={"help": "token budget of one engine step"})
     max_num_seqs: int = field(default=256, metadata={"help": "most requests running at once"})
     long_prefill_token_threshold: int = field(default=0, metadata={"help": "cap of one prompt's chunk per step (0: no cap)"})
