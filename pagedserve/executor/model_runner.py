@@ -38,6 +38,7 @@ WARM_UP_FIT_SHAPES = ((8, 1, 1024), (2, 128, 0))
 # seed every later start.
 WARM_UP_TIMED_PASSES = 3
 
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int, device: torch.device, seed: int,
                  attn_backend: AttentionBackend, cpu_kernels=None, proposer: Proposer | None = None) -> None:
