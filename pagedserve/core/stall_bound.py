@@ -49,22 +49,22 @@ class DecodeStallBound:
         self.min_chunk_tokens = min_chunk_tokens
         self.step_time = StepTimeModel(experts=experts)
         self.decode_step_time = StepTimeModel(experts=experts)
-        self.num_steps = 0  # steps planned so far
+        self._num_steps = 0  # steps planned so far (step_planned)
         # The latest came_after_step a request got: whether the streams decoding flowed before the newest prompts came
         # (the bound keeps those steady) or came in one burst with them.
         self._newest_came_after_step = 0
 
     def came_to_wait(self, request: Request) -> None:
         """A request waits from now on (it arrived, or was preempted), after the steps planned so far."""
-        request.came_after_step = self._newest_came_after_step = self.num_steps
+        request.came_after_step = self._newest_came_after_step = self._num_steps
 
     def step_planned(self, prompt_chunks: list[tuple[str, int, int, int]], requests: dict[str, Request]) -> None:
         """A step was planned with these prompt chunks (SchedulerOutput.prompt_chunks): a request whose known tokens
         one of them finishes decodes after it."""
-        self.num_steps += 1
+        self._num_steps += 1
         for request_id, start, num_tokens, num_tokens_known in prompt_chunks:
             if start + num_tokens == num_tokens_known:
-                requests[request_id].prompt_done_step = self.num_steps
+                requests[request_id].prompt_done_step = self._num_steps
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         """How long a step of this shape took."""

@@ -165,10 +165,10 @@ struct WeightPairs {
 // The m x out_features sums split into tasks of chunk_rows rows by panel_blocks blocks, spread over the threads, each
 // panel's chunks one after another (so each thread takes as many rows of its panels as the other, and a panel is read
 // or dequantized once for all of its chunks); a task takes its panel of the weight's pairs (WeightPairs::panel), and
-// its rows go in groups of group_rows to tile(first row, rows, the panel, its first block, blocks, columns, the scratch
-// the tiles fill with the panel from its records as this group goes, or nullptr). Where the weight is in records, the panel is filled
-// before its first task's groups, unless the tiles fill it as that task's first group goes (tiles_fill). Each thread
-// calls enter() before its tasks and leave() after them.
+// its rows go in groups of group_rows to tile(first row, rows, the panel, its first block, blocks, columns, the
+// scratch the tiles fill with the panel from its records as this group goes, or nullptr). Where the weight is in
+// records, the panel is filled before its first task's groups, unless the tiles fill it as that task's first group
+// goes (tiles_fill). Each thread calls enter() before its tasks and leave() after them.
 template <typename Tile, typename Enter, typename Leave>
 void for_each_tile(int64_t m, const WeightPairs& weight, int64_t out_features, int64_t chunk_rows, int64_t panel_blocks,
                    int64_t group_rows, bool tiles_fill, Tile tile, Enter enter, Leave leave) {

@@ -4,10 +4,14 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
-// out[i] = silu(gate[i]) * up[i] = gate / (1 + exp(-gate)) * up, as torch computes silu.
+// silu(g) * u = g / (1 + exp(-g)) * u, as torch computes silu: the float32 rows' formula, whatever they are written in.
+inline at::vec::Vectorized<float> silu_and_mul_exact(at::vec::Vectorized<float> g, at::vec::Vectorized<float> u) {
+  return g / (at::vec::Vectorized<float>(1.f) + g.neg().exp()) * u;
+}
+
+// out[i] = silu(gate[i]) * up[i].
 inline void silu_and_mul_row(float* out, const float* gate, const float* up, int64_t width) {
-  using Vec = at::vec::Vectorized<float>;
-  at::vec::map2<float>([](Vec g, Vec u) { return g / (Vec(1.f) + g.neg().exp()) * u; }, out, gate, up, width);
+  at::vec::map2<float>(silu_and_mul_exact, out, gate, up, width);
 }
 
 // silu(g) * u of float32 vectors whose result is rounded to bfloat16 next: where the build has AVX-512, exp in its
@@ -48,11 +52,10 @@ inline void silu_and_mul_row(c10::BFloat16* out, const c10::BFloat16* gate, cons
 inline void silu_and_mul_row(c10::BFloat16* out, const float* gate, const float* up, int64_t width) {
   using Vec = at::vec::Vectorized<float>;
   using BVec = at::vec::Vectorized<c10::BFloat16>;
-  const auto silu_and_mul = [](Vec g, Vec u) { return g / (Vec(1.f) + g.neg().exp()) * u; };
   int64_t i = 0;
   for (; i + BVec::size() <= width; i += BVec::size()) {
-    const Vec low = silu_and_mul(Vec::loadu(gate + i), Vec::loadu(up + i));
-    const Vec high = silu_and_mul(Vec::loadu(gate + i + Vec::size()), Vec::loadu(up + i + Vec::size()));
+    const Vec low = silu_and_mul_exact(Vec::loadu(gate + i), Vec::loadu(up + i));
+    const Vec high = silu_and_mul_exact(Vec::loadu(gate + i + Vec::size()), Vec::loadu(up + i + Vec::size()));
     at::vec::convert_float_bfloat16(low, high).store(out + i);
   }
   if (i < width) {  // the last values through the float32 row's own loop
