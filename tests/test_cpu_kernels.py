@@ -73,6 +73,28 @@ def test_cpu_decode_kernel_matches_reference(num_heads, num_kv_heads, head_dim, 
 
 
 @pytest.mark.parametrize("head_dim", [64, 24])  # the three-pass route and the online-softmax one
+def test_cpu_decode_kernel_reads_query_views_as_their_contiguous_copies(head_dim):
+    """The query as the qkv GEMM leaves it (each row's heads contiguous, rows qkv wide apart) is read in place, and one
+    whose heads are not contiguous is copied first: both give the contiguous query's output, bit for bit."""
+    kernels = built_kernels()
+    torch.manual_seed(0)
+    num_heads, num_kv_heads, block_size, seq_lens = 9, 3, 16, [1, 40, 700, 16]
+    kv_cache = torch.randn(2, 64, block_size, num_kv_heads, head_dim) * 3
+    rng = np.random.default_rng(2)
+    meta = decode_metadata([rng.choice(64, -(-n // block_size), replace=False).astype(np.int64) for n in seq_lens], seq_lens)
+    qkv = torch.randn(len(seq_lens), (num_heads + 2 * num_kv_heads) * head_dim)
+    row_view = qkv[:, : num_heads * head_dim].view(len(seq_lens), num_heads, head_dim)
+    heads_apart = row_view.transpose(0, 1).contiguous().transpose(0, 1)
+
+    def decode(queries):
+        return kernels.paged_decode_attention(queries, kv_cache[0], kv_cache[1], meta.decode_block_tables, meta.decode_seq_lens, 0.125)
+
+    expected = decode(row_view.contiguous())
+    assert not row_view.is_contiguous() and torch.equal(decode(row_view), expected)
+    assert heads_apart.stride(1) != head_dim and torch.equal(decode(heads_apart), expected)
+
+
+@pytest.mark.parametrize("head_dim", [64, 24])  # the three-pass route and the online-softmax one
 def test_cpu_decode_kernel_output_does_not_depend_on_the_batch(head_dim):
     """A long context is attended in parts and merged; where it is cut depends on its own length, so a
     sequence's output is bit-identical alone and beside others (which changes the threads' shares)."""

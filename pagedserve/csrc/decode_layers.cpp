@@ -10,10 +10,12 @@
 
 at::Tensor BlockLinear::operator()(const at::Tensor& x) const {
   const int64_t rows = x.size(0);
-  if (rows > blocks_max_rows && tile_pairs.has_value()) return bf16_pairs_linear(x, *tile_pairs, out_features, c10::nullopt, true);
+  if (on_tiles(rows)) return bf16_pairs_linear(x, *tile_pairs, out_features, c10::nullopt, true);
   if (rows <= rounded_max_rows) return quantized_linear_q8(x, blocks, qtype, c10::nullopt);
   return quantized_linear(x, blocks, qtype, c10::nullopt, interleaved);
 }
+
+at::ScalarType BlockLinear::input_dtype(int64_t rows) const { return on_tiles(rows) ? at::kBFloat16 : at::kFloat; }
 
 LlamaDecodeLayers::LlamaDecodeLayers(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
                                      int64_t kv_format, at::Tensor cos_cache, at::Tensor sin_cache)
@@ -32,10 +34,10 @@ std::tuple<at::Tensor, at::Tensor> LlamaDecodeLayers::forward(at::Tensor hidden,
   for (size_t i = 0; i < layers_.size(); ++i) {
     const DecoderLayerWeights& layer = layers_[i];
     if (sum.defined()) {
-      std::tie(hidden, sum) = add_rms_norm(hidden, sum, layer.input_norm, eps_, at::kFloat);
+      std::tie(hidden, sum) = add_rms_norm(hidden, sum, layer.input_norm, eps_, layer.qkv.input_dtype(rows));
     } else {
       sum = hidden;
-      hidden = rms_norm(hidden, layer.input_norm, eps_, at::kFloat);
+      hidden = rms_norm(hidden, layer.input_norm, eps_, layer.qkv.input_dtype(rows));
     }
     const at::Tensor qkv = layer.qkv(hidden);
     const at::Tensor query = qkv.narrow(1, 0, q_size).reshape({rows, num_heads_, head_dim_});
@@ -45,9 +47,9 @@ std::tuple<at::Tensor, at::Tensor> LlamaDecodeLayers::forward(at::Tensor hidden,
     const at::Tensor key_cache = kv_caches[i].select(0, 0), value_cache = kv_caches[i].select(0, 1);
     write_kv_cache(key, value, key_cache, value_cache, slot_mapping, kv_format_, layer.k_scale, layer.v_scale);
     const at::Tensor attended =
-        paged_decode_attention(query.contiguous(), key_cache, value_cache, block_tables, seq_lens, scale_, kv_format_);
-    std::tie(hidden, sum) = add_rms_norm(layer.o(attended.view({rows, -1})), sum, layer.post_norm, eps_, at::kFloat);
-    hidden = layer.down(silu_and_mul(layer.gate_up(hidden)));
+        paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale_, kv_format_);
+    std::tie(hidden, sum) = add_rms_norm(layer.o(attended.view({rows, -1})), sum, layer.post_norm, eps_, layer.gate_up.input_dtype(rows));
+    hidden = layer.down(silu_and_mul(layer.gate_up(hidden), layer.down.input_dtype(rows)));
   }
   return {hidden, sum};
 }

@@ -18,6 +18,12 @@ struct BlockLinear {
   c10::optional<at::Tensor> tile_pairs;
   int64_t out_features;
   at::Tensor operator()(const at::Tensor& x) const;
+  // What a step of `rows` rows multiplies: bfloat16 on the tiles (an input that comes in it is read in place, the same
+  // product as float32 rounded), float32 on the blocks.
+  at::ScalarType input_dtype(int64_t rows) const;
+
+ private:
+  bool on_tiles(int64_t rows) const { return rows > blocks_max_rows && tile_pairs.has_value(); }
 };
 
 struct DecoderLayerWeights {

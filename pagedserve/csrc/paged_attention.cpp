@@ -937,21 +937,25 @@ int64_t prefill_lanes() {
 }
 
 // query [B, H, D]; key_cache/value_cache [num_blocks, block_size, KV, D]; block_tables [B, max_blocks];
-// seq_lens [B]. Returns [B, H, D]. Query and result float32, the caches float32, bfloat16 or float16
-// (int64 tables and lengths), all contiguous.
-at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache, at::Tensor block_tables,
+// seq_lens [B]. Returns [B, H, D] (contiguous). Query and result float32, the caches float32, bfloat16 or float16
+// (int64 tables and lengths), contiguous but for the query's rows, read in place where each row's heads are contiguous
+// (a view of the qkv GEMM's output).
+at::Tensor paged_decode_attention(at::Tensor query_in, at::Tensor key_cache, at::Tensor value_cache, at::Tensor block_tables,
                                   at::Tensor seq_lens, double scale, int64_t kv_format) {
-  TORCH_CHECK(query.dtype() == at::kFloat && query.is_contiguous(), "query must be contiguous float32");
+  TORCH_CHECK(query_in.dtype() == at::kFloat && query_in.dim() == 3, "query must be float32 [sequences, heads, head_dim]");
+  const int64_t num_seqs = query_in.size(0), num_heads = query_in.size(1), head_dim = query_in.size(2);
+  const bool rows_whole = query_in.stride(2) == 1 && query_in.stride(1) == head_dim;
+  const at::Tensor query = rows_whole ? query_in : query_in.contiguous();
   check_caches(key_cache, value_cache);
-  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   TORCH_CHECK(block_size <= kMaxBlockSize, "block_size must be <= ", kMaxBlockSize);
   const int64_t group = num_heads / num_kv_heads;
   const int64_t max_blocks = block_tables.size(1);
-  auto out = at::empty_like(query);
+  auto out = at::empty({num_seqs, num_heads, head_dim}, query.options());
   auto tables = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
   const float* q_ptr = query.data_ptr<float>();
+  const int64_t q_row_stride = query.stride(0);
   const int64_t* table_ptr = tables.data_ptr<int64_t>();
   const int64_t* len_ptr = lens.data_ptr<int64_t>();
   float* out_ptr = out.data_ptr<float>();
@@ -963,7 +967,6 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Te
 
   const AttentionShape shape{num_heads, group, head_dim, block_size, row_stride, block_stride, fscale, head_stride};
   const DecodePlan plan(len_ptr, num_seqs, block_size);
-  const int64_t qdim = num_heads * head_dim;
   dispatch_cache_type(key_cache, kv_format, [&](auto element) {
     using T = decltype(element);
     const T* k_ptr = reinterpret_cast<const T*>(key_cache.data_ptr());
@@ -973,7 +976,7 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Te
       decode_in_parts(shape, plan, out_ptr, [&] { return DecodeScratch(shape, plan.max_len); },
                       [&](const DecodePart& part, const DecodePart* next, DecodeScratch& w) {
                         const T* next_keys = next ? k_ptr + table_ptr[next->seq * max_blocks + next->first_block] * block_stride : nullptr;
-                        attend_sequence_three_pass(shape, q_ptr + part.seq * qdim, k_ptr, v_ptr, table_ptr + part.seq * max_blocks,
+                        attend_sequence_three_pass(shape, q_ptr + part.seq * q_row_stride, k_ptr, v_ptr, table_ptr + part.seq * max_blocks,
                                                    len_ptr[part.seq], part.first_block, part.end_block, plan.max_len, w, next_keys);
                       });
       return;
@@ -981,7 +984,7 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Te
 #endif
     decode_in_parts(shape, plan, out_ptr, [&] { return SequenceScratch(shape); },
                     [&](const DecodePart& part, const DecodePart*, SequenceScratch& w) {
-                      attend_sequence(shape, q_ptr + part.seq * qdim, k_ptr, v_ptr, table_ptr + part.seq * max_blocks, len_ptr[part.seq],
+                      attend_sequence(shape, q_ptr + part.seq * q_row_stride, k_ptr, v_ptr, table_ptr + part.seq * max_blocks, len_ptr[part.seq],
                                       part.first_block, part.end_block, w);
                     });
   });

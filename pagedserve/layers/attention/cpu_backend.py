@@ -151,7 +151,7 @@ class CPUAttentionBackend(AttentionBackend):
                                kv_scales.key or 0.0, kv_scales.value or 0.0)  # 0: each row's own scale
         num_decodes = meta.num_decode_tokens
         if num_decodes == query.shape[0]:  # a step of decodes alone: the kernel's output is the whole of it
-            return kernels.paged_decode_attention(query.float().contiguous(), key_cache, value_cache, meta.decode_block_tables,
+            return kernels.paged_decode_attention(query.float(), key_cache, value_cache, meta.decode_block_tables,
                                                   meta.decode_seq_lens, scale, kernel_format).to(out_dtype or query.dtype)
         out = torch.empty_like(query, dtype=out_dtype)
         paged = meta.paged_prefills
@@ -162,7 +162,7 @@ class CPUAttentionBackend(AttentionBackend):
             if wide is not out:
                 out.copy_(wide)
         if num_decodes:
-            out[:num_decodes] = kernels.paged_decode_attention(query[:num_decodes].float().contiguous(), key_cache, value_cache,
+            out[:num_decodes] = kernels.paged_decode_attention(query[:num_decodes].float(), key_cache, value_cache,
                                                                meta.decode_block_tables, meta.decode_seq_lens, scale, kernel_format)
         for run in meta.fresh_runs:
             rows = slice(run.query_start, run.query_start + run.query_len * run.count)
