@@ -41,18 +41,27 @@ def test_bad_flag_value_is_reported_clearly():
     assert "block_size must be one of" in result.stderr
 
 
-def test_openmp_wait_settings_are_set_before_torch_loads_and_users_win():
-    """Threads sleep between parallel regions after a short spin (see executor/cpu_host.py); values
-    the user exported are kept."""
+def test_openmp_wait_settings_are_set_before_torch_loads_and_users_win(tmp_path):
+    """Threads sleep between parallel regions after a spin (see pagedserve/openmp.py): of the uncalibrated count until
+    a turn of it was measured on this processor, then of SPIN_SECONDS; values the user exported are kept."""
     import os
+
+    from pagedserve import openmp
 
     script = "import pagedserve.entrypoints.cli, os; print(os.environ['OMP_WAIT_POLICY'], os.environ['GOMP_SPINCOUNT'])"
     clean = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    ours = subprocess.run([sys.executable, "-c", script], env=clean, capture_output=True, text=True, timeout=120)
-    assert ours.stdout.split() == ["PASSIVE", "20000"], ours.stderr
-    users = subprocess.run([sys.executable, "-c", script], env={**clean, "OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "7"},
-                           capture_output=True, text=True, timeout=120)
-    assert users.stdout.split() == ["ACTIVE", "7"], users.stderr
+    clean["PAGEDSERVE_CACHE_DIR"] = str(tmp_path)
+
+    def settings(env):
+        result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+        return result.stdout.split() or result.stderr
+
+    assert settings(clean) == ["PASSIVE", str(openmp.UNCALIBRATED_SPIN_COUNT)]
+    measured = subprocess.run([sys.executable, "-c", "from pagedserve import openmp; openmp.calibrate_spin(lambda: 1e-8)"],
+                              env=clean, capture_output=True, text=True, timeout=120)
+    assert measured.returncode == 0, measured.stderr
+    assert settings(clean) == ["PASSIVE", str(round(openmp.SPIN_SECONDS / 1e-8))]
+    assert settings({**clean, "OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "7"}) == ["ACTIVE", "7"]
 
 
 def test_environment_without_openmp_defaults_leaves_out_only_what_pagedserve_set():

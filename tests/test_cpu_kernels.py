@@ -834,6 +834,20 @@ def test_a_finished_build_is_used_without_building_again(monkeypatch, kernels_lo
     assert module is not None and callable(module.paged_decode_attention)
 
 
+def test_a_spin_turn_is_timed_and_kept_for_later_starts(tmp_path, monkeypatch):
+    """The kernels time an x86 pause (the turn of libgomp's spin); the first measurement on a processor is kept, and
+    the spin count later starts set comes from it."""
+    from pagedserve import openmp
+
+    seconds = built_kernels().spin_pause_seconds()
+    assert 1e-10 < seconds < 1e-5
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
+    assert openmp.spin_count() == openmp.UNCALIBRATED_SPIN_COUNT
+    openmp.calibrate_spin(lambda: seconds)
+    openmp.calibrate_spin(lambda: 1.0)  # measured once: a later measurement does not replace it
+    assert openmp.spin_count() == round(openmp.SPIN_SECONDS / seconds)
+
+
 def test_a_build_that_does_not_load_is_built_again(monkeypatch, tmp_path, caplog, kernels_loaded_anew):
     import torch.utils.cpp_extension
 

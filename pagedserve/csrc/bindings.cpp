@@ -52,6 +52,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_thread_cpus", &set_thread_cpus,
         "thread i of torch's OpenMP threads (the caller is 0) runs on cpus_of_thread[i] only; the thread count becomes its length",
         py::arg("cpus_of_thread"));
+  m.def("spin_pause_seconds", &spin_pause_seconds,
+        "seconds one turn of an OpenMP thread's spin (an x86 pause) takes on this processor; 0 where there is no pause");
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=-1) of a [rows, n] float32 tensor (same NaN and tie rules)");
   m.def("sample_rows", &sample_rows,
         "one token per row of [rows, n] float32 logits: temperature (0: argmax), top_k (0: off), top_p, min_p, and a draw "

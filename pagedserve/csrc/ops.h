@@ -64,3 +64,5 @@ at::Tensor fresh_causal_attention(const at::Tensor& query, const at::Tensor& key
 // Thread i of torch's OpenMP threads (the caller is 0) may run on cpus_of_thread[i] only; torch's thread count becomes
 // its length.
 void set_thread_cpus(const std::vector<std::vector<int64_t>>& cpus_of_thread);
+// Seconds one turn of an OpenMP thread's spin (an x86 pause) takes on this processor; 0 where there is no pause.
+double spin_pause_seconds();

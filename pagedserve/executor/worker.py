@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pagedserve import envs
+from pagedserve import envs, openmp
 from pagedserve.config import DataParallelPlace, EngineConfig
 from pagedserve.core.contracts import ModelRunnerOutput, SchedulerOutput
 from pagedserve.cpu_features import cpu_features
@@ -173,6 +173,9 @@ class Worker:
         self.generation_defaults = generation_defaults_of(config, self.model_dir)
         # Compiled now (the first time on a machine), not during the first request.
         self.cpu_kernels = cpu_kernels.load() if config.cpu_kernels and self.device.type == "cpu" else None
+        if self.cpu_kernels is not None:
+            openmp.calibrate_spin(self.cpu_kernels.spin_pause_seconds)
+            logger.info("OpenMP threads wait with %s", openmp.spin_setting())
         self.thread_pinning = None
         if self.on_cpu:
             self.thread_pinning = cpu_host.thread_pinning(config, rank_info().rank, self.cpu_kernels, is_engine_process())
