@@ -9,9 +9,9 @@ defaults; that is logged. Threads that spin without end starve the front end and
 they share the cores (PASSIVE: they sleep between parallel regions), but waking a sleeping thread is
 slow beside a parallel region's work and a decode step opens hundreds of them, so they spin first.
 
-A spin is counted in turns (GOMP_SPINCOUNT), each an x86 `pause`, whose length differs by an order of magnitude
-between processors; the count is SPIN_SECONDS over the length of a turn on this processor, measured once by the
-kernels (a worker's first start on the machine) and kept in the cache directory for every later start.
+A spin is counted in turns (GOMP_SPINCOUNT), each an x86 `pause`, whose length is the processor design's; the count
+is SPIN_SECONDS over the length of a turn on this processor, measured once by the kernels (when set-up compiles them,
+or at a worker's first start on the machine) and kept in the cache directory for every later start.
 """
 
 from __future__ import annotations

@@ -186,8 +186,11 @@ def _vector_flags() -> list[str]:
     return []
 
 
-if __name__ == "__main__":  # set-up compiles the kernels ahead of the first start
-    from pagedserve import log
+if __name__ == "__main__":  # set-up compiles the kernels ahead of the first start, and times the OpenMP spin's turn
+    from pagedserve import log, openmp
 
     log.configure()
-    sys.exit(0 if load() is not None else 1)
+    built = load()
+    if built is not None:
+        openmp.calibrate_spin(built.spin_pause_seconds)
+    sys.exit(0 if built is not None else 1)
