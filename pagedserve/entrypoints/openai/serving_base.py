@@ -193,7 +193,9 @@ def make_usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)
 
 
-def sse(payload) -> str:
+def sse(payload: str | dict) -> str:
+    """One SSE event: payload as JSON text already (a chunk's model_dump_json: pydantic-core's encoder, many times the
+    speed of json.dumps of its model_dump), or a dict to encode."""
     data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
     return f"data: {data}\n\n"
 

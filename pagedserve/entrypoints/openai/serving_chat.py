@@ -86,7 +86,7 @@ class OpenAIServingChat(ServingBase):
 
         def chunk(choices, usage=None):
             return sse(ChatCompletionChunk(id=request_id, created=created, model=self.models.response_name(request.model), choices=choices,
-                                           usage=usage).model_dump(exclude_none=True))
+                                           usage=usage).model_dump_json(exclude_none=True))
 
         completion_tokens, final = 0, None
         streams = [tools.stream() for _ in range(request.n)]

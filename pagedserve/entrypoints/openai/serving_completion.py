@@ -72,10 +72,10 @@ class OpenAIServingCompletion(ServingBase):
             if output.finished:
                 finals[prompt_index] = output
             if choices:
-                yield sse(CompletionChunk(id=request_id, created=created, model=model, choices=choices).model_dump())
+                yield sse(CompletionChunk(id=request_id, created=created, model=model, choices=choices).model_dump_json())
         if request.stream_options is not None and request.stream_options.include_usage:
             usage = make_usage(sum(len(o.prompt_token_ids) for o in finals.values()), sum(token_counts.values()))
-            yield sse(CompletionChunk(id=request_id, created=created, model=model, choices=[], usage=usage).model_dump())
+            yield sse(CompletionChunk(id=request_id, created=created, model=model, choices=[], usage=usage).model_dump_json())
 
     def _choice(self, index, output: RequestOutput, text, token_ids, logprobs, finish_reason, stop_reason, request, echo: bool):
         prompt_text = ""
