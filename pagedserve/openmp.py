@@ -20,6 +20,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from pagedserve import cached_json
 from pagedserve.cpu_features import cpu_features
@@ -65,7 +66,7 @@ def spin_setting() -> str:
     return f"OMP_WAIT_POLICY={policy or 'unset'} GOMP_SPINCOUNT={count or 'unset'}"
 
 
-def _pause_file():
+def _pause_file() -> Path:
     return cached_json.cache_file("openmp", "spin_pause_seconds", cpu_features().identity)
 
 
