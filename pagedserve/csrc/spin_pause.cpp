@@ -1,6 +1,6 @@
 // How long one turn of an OpenMP thread's spin takes. libgomp's waiting threads spin GOMP_SPINCOUNT turns, each a
-// `pause` on x86, before they sleep; a pause takes a few cycles on some processors and over a hundred on others, so
-// the count that makes a spin of a given length is the machine's (pagedserve/openmp.py).
+// `pause` on x86, before they sleep; how long a pause lasts is the processor design's, so the count that makes a spin
+// of a given length is the machine's (pagedserve/openmp.py).
 #include <algorithm>
 #include <chrono>
 
