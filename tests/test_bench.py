@@ -67,6 +67,33 @@ def test_repeats_must_be_positive(tmp_path):
     assert result.returncode == 2 and "--repeats" in result.stderr and "must be >= 1" in result.stderr
 
 
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
+def test_burstiness_must_be_a_positive_number(value):
+    result = subprocess.run([sys.executable, "-m", "pagedserve.entrypoints.cli", "bench", "serve", "--burstiness", value],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "--burstiness" in result.stderr and "must be a finite number > 0" in result.stderr
+
+
+def test_request_gaps_have_the_rate_and_the_burstiness_asked():
+    """Gamma-distributed gaps, mean 1/rate, coefficient of variation 1/sqrt(burstiness): burstiness 1 is the Poisson
+    process (the same draws as exponential gaps), 0.1 clumps, 4 spreads evenly; no gap at rate inf."""
+    import random
+    import statistics
+
+    from pagedserve.benchmarks.serve import arrival_gap
+
+    assert arrival_gap(random.Random(0), float("inf"), 0.1) == 0.0
+    poisson, exponential = random.Random(3), random.Random(3)
+    assert [arrival_gap(poisson, 20.0) for _ in range(100)] == pytest.approx([exponential.expovariate(20.0) for _ in range(100)],
+                                                                             rel=1e-12)
+    for burstiness in (0.1, 1.0, 4.0):
+        rng = random.Random(1)
+        gaps = [arrival_gap(rng, 20.0, burstiness) for _ in range(40000)]
+        mean = statistics.fmean(gaps)
+        assert mean == pytest.approx(0.05, rel=0.05)
+        assert statistics.pstdev(gaps) / mean == pytest.approx(burstiness ** -0.5, rel=0.05)
+
+
 def test_ceiling_decodes_after_the_context_it_names():
     import torch
 

@@ -127,9 +127,18 @@ async def send_one(session, url: str, endpoint: str, body: dict, api_key: str | 
     return result
 
 
+def arrival_gap(rng: random.Random, request_rate: float, burstiness: float = 1.0) -> float:
+    """Seconds before the next request is sent: gamma-distributed with mean 1/request_rate, as vLLM's benchmark draws
+    them (burstiness 1: a Poisson process; below 1 the requests come in clumps with long pauses between them, above 1
+    more evenly); none at rate inf."""
+    if request_rate == float("inf"):
+        return 0.0
+    return rng.gammavariate(burstiness, 1.0 / (request_rate * burstiness))
+
+
 async def run_load(url: str, models: list[str], requests: list[BenchRequest], request_rate: float, max_concurrency: int | None,
-                   api_key: str | None, seed: int, endpoint: str = "completions", sampling: Sampling | None = None
-                   ) -> tuple[list[RequestResult], float]:
+                   api_key: str | None, seed: int, endpoint: str = "completions", sampling: Sampling | None = None,
+                   burstiness: float = 1.0) -> tuple[list[RequestResult], float]:
     """models: the names the requests are sent to, in turn."""
     import aiohttp
 
@@ -152,7 +161,7 @@ async def run_load(url: str, models: list[str], requests: list[BenchRequest], re
         for body in bodies:
             tasks.append(asyncio.ensure_future(limited(body)))
             if request_rate != float("inf"):
-                await asyncio.sleep(rng.expovariate(request_rate))  # Poisson arrivals
+                await asyncio.sleep(arrival_gap(rng, request_rate, burstiness))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
     progress.close()
@@ -274,12 +283,14 @@ def run(args) -> dict:
                 requests = make_requests(args, seed=next(seeds))
                 with _probing(url, args.health_interval) as probe:
                     results, duration = asyncio.run(run_load(url, models, requests, rate, concurrency, args.api_key, seed,
-                                                             args.endpoint, sampling))
+                                                             args.endpoint, sampling, args.burstiness))
                 repeats.append(summarize(results, duration) | (summarize_health(probe) if probe else {}))
-            summary = {"request_rate": rate, "max_concurrency": concurrency, **sampling.fields(), "seeded": sampling.seeded,
+            summary = {"request_rate": rate, "burstiness": args.burstiness, "max_concurrency": concurrency, **sampling.fields(),
+                       "seeded": sampling.seeded,
                        "structure": structure, **median_summary(repeats)}
             records.append(summary)
             title = f"serve ({workload_name(args)}, temperature {temperature:g}, rate {rate}"
+            title += f", burstiness {args.burstiness:g}" if args.burstiness != 1.0 and rate != float("inf") else ""
             title += f", structure {structure}" if structure != "none" else ""
             title += f", max concurrency {concurrency}" if concurrency else ""
             print_table(title + (f", median of {len(repeats)} runs)" if len(repeats) > 1 else ")"), [

@@ -54,7 +54,11 @@ def register(sub) -> None:
     serve.add_argument("--structure", nargs="+", choices=["none", "json-schema", "json-schema-distinct"], default=["none"],
                        help="the output's structure: none; json-schema (one JSON schema for every request, compiled once); "
                             "json-schema-distinct (a schema of its own for each request, each compiled cold); several run in turn")
-    serve.add_argument("--request-rate", nargs="+", default=["inf"], help="requests/s (Poisson), or inf; several run in turn")
+    serve.add_argument("--request-rate", nargs="+", default=["inf"],
+                       help="requests/s (Poisson, or as --burstiness shapes the gaps), or inf; several run in turn")
+    serve.add_argument("--burstiness", type=_positive_float, default=1.0,
+                       help="shape of the gamma distribution of the gaps between requests at a finite rate, their mean "
+                            "1/rate: 1 is Poisson, below 1 the requests come in clumps, above 1 more evenly (default 1)")
     serve.add_argument("--max-concurrency", type=int, nargs="+", default=None,
                        help="cap on requests in flight; several run in turn (a sweep, for `bench plot`)")
     serve.add_argument("--health-interval", type=float, default=0.1,
@@ -184,6 +188,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value
 
 
