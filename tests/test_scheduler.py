@@ -433,6 +433,7 @@ def test_prompt_tokens_are_bounded_by_time_while_streams_decode():
         scheduler.add_request(make_request(f"d{index}", prompt_len=20, max_tokens=100))
     first, _ = step(scheduler)
     assert first.total_num_scheduled_tokens == 160  # nothing decodes yet: no time bound
+    step(scheduler)  # the streams flow before the long prompts come
     for index in range(4):
         scheduler.add_request(make_request(f"long{index}", prompt_len=1000, max_tokens=10))
     output, _ = step(scheduler)
@@ -466,6 +467,7 @@ def test_a_burst_of_waiting_requests_is_let_in_without_the_time_bound(num_decodi
     for index in range(num_decoding):
         scheduler.add_request(make_request(f"d{index}", prompt_len=20, max_tokens=100))
     step(scheduler)
+    step(scheduler)  # the streams flow: their first tokens are out before the others come
     for index in range(num_waiting):
         scheduler.add_request(make_request(f"w{index}", prompt_len=128, max_tokens=10))
     output, _ = step(scheduler)
@@ -478,8 +480,8 @@ def test_a_burst_of_waiting_requests_is_let_in_without_the_time_bound(num_decodi
 def test_streams_that_came_in_the_burst_are_not_kept_steady_against_it():
     """A burst's first request starts alone; the rest arrive while it runs and enter as the token budget allows. Once
     more of the burst decode than wait, a step still takes the waiting prompts up to the budget: only streams that
-    flowed before the newest waiting request came (here the first one) are kept steady against them. A request that
-    comes once the burst's streams decode meets the time bound again."""
+    flowed before the newest waiting request came are kept steady against them, and the first had no token out when
+    the rest came. A request that comes once the burst's streams decode meets the time bound again."""
     scheduler = _stall_scheduler(DecodeStallLimit(multiple=2.0), budget=1 + 4 * 128)
     scheduler.add_request(make_request("first", prompt_len=128, max_tokens=100))
     step(scheduler)
@@ -494,10 +496,30 @@ def test_streams_that_came_in_the_burst_are_not_kept_steady_against_it():
     assert output.stall_limit_s is not None and output.total_num_scheduled_tokens - 9 < 128
 
 
+def test_streams_whose_prompts_ran_while_the_rest_of_the_burst_came_do_not_bound_it():
+    """The engine takes its input between steps: requests that come while a step runs its first prompts join after it.
+    Those prompts' streams had no token out when the others came, so the next step takes the late part of the burst
+    up to the token budget, although more streams decode than wait; a request that comes after their first tokens
+    are out meets the time bound."""
+    scheduler = _stall_scheduler(DecodeStallLimit(multiple=2.0), budget=9 * 128)
+    for index in range(9):
+        scheduler.add_request(make_request(f"early{index}", prompt_len=128, max_tokens=100))
+    output, _ = step(scheduler)
+    assert output.total_num_scheduled_tokens == 9 * 128
+    for index in range(7):
+        scheduler.add_request(make_request(f"late{index}", prompt_len=128, max_tokens=100))
+    output, _ = step(scheduler)  # 9 decode, 7 wait: every prompt of the burst's late part in this step
+    assert output.stall_limit_s is None and output.total_num_scheduled_tokens == 9 + 7 * 128
+    scheduler.add_request(make_request("after", prompt_len=128, max_tokens=10))
+    output, _ = step(scheduler)  # the 9 early streams flowed before it came
+    assert output.stall_limit_s is not None and output.total_num_scheduled_tokens - 16 < 128
+
+
 def test_prompts_progress_however_tight_the_time_limit():
     scheduler = _stall_scheduler(DecodeStallLimit(seconds=0.001))  # below even the decode-only step
     for index in range(4):
         scheduler.add_request(make_request(f"d{index}", prompt_len=20, max_tokens=100))
+    step(scheduler)
     step(scheduler)
     scheduler.add_request(make_request("long", prompt_len=200, max_tokens=5))
     finished, chunks = None, []
@@ -534,6 +556,7 @@ def test_a_step_names_its_prompt_chunks_and_the_time_it_was_planned_within():
     first, _ = step(scheduler)
     assert first.stall_limit_s is None  # nothing decoded yet
     assert first.prompt_chunks == [(f"d{index}", 0, 20, 20) for index in range(8)]
+    step(scheduler)  # the streams' first tokens are out before the long prompt comes
     scheduler.add_request(make_request("long", prompt_len=300, max_tokens=3))
     covered = 0
     while covered < 300:

@@ -51,7 +51,9 @@ class DecodeStallBound:
         self.decode_step_time = StepTimeModel(experts=experts)
         self._num_steps = 0  # steps planned so far (step_planned)
         # The latest came_after_step a request got: whether the streams decoding flowed before the newest prompts came
-        # (the bound keeps those steady) or came in one burst with them.
+        # (the bound keeps those steady) or came in one burst with them. The engine takes its input between steps, so
+        # a request that came after step N was planned came while N ran: a stream whose prompt N finished had no
+        # token out yet when it came.
         self._newest_came_after_step = 0
 
     def came_to_wait(self, request: Request) -> None:
@@ -76,7 +78,7 @@ class DecodeStallBound:
     def allowance(self, running: list[Request], num_waiting: int, max_num_seqs: int) -> PrefillAllowance | None:
         """What bounds the next step's prompt work in time: None when nothing does (no limit set, the model not yet
         fit, no request decoding, so that no stream waits for the prompts, no prompt to bound, or a burst: at least as
-        many requests waiting to join as streams that flowed before the newest of them came, their prompts done by then;
+        many requests waiting to join as streams that flowed before the newest of them came, a token of theirs out by then;
         streams whose prompts went in the same burst's steps are not kept steady against it)."""
         if self.limit is None or not self.step_time.ready:
             return None
@@ -92,7 +94,7 @@ class DecodeStallBound:
             if len(request.all_token_ids) - num_computed_tokens == 1:
                 num_decoding += 1
                 sum_of_context_lens += num_computed_tokens
-                if request.prompt_done_step <= newest_came_after_step:
+                if request.prompt_done_step < newest_came_after_step:
                     num_flowing_before += 1
         # In a burst, one long step stalls the few streams decoding once and spares as many or more prompts a wait of
         # many bounded steps (each stream's single long gap stays out of its gaps' tail); the bound keeps streams
