@@ -94,6 +94,37 @@ def test_request_gaps_have_the_rate_and_the_burstiness_asked():
         assert statistics.pstdev(gaps) / mean == pytest.approx(burstiness ** -0.5, rel=0.05)
 
 
+def test_the_health_probe_is_up_and_has_probed_before_the_load_begins():
+    """The probe's process starts (a new interpreter, a CPU's worth for a while) and probes once before the block that
+    runs the load, so the start-up does not compete with the server's first steps; it probes until the block ends."""
+    import http.server
+    import threading
+
+    from pagedserve.benchmarks.health_probe import health_probe
+
+    hits = []
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            hits.append(self.path)
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with health_probe(f"http://127.0.0.1:{server.server_address[1]}", interval_s=60.0) as probe:
+            hits_when_the_load_begins = list(hits)
+    finally:
+        server.shutdown()
+    assert hits_when_the_load_begins == ["/health"]
+    assert len(probe["latencies"]) == 1 and probe["failures"] == 0
+
+
 def test_ceiling_decodes_after_the_context_it_names():
     import torch
 

@@ -31,15 +31,21 @@ def probe_once(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> tuple[float, int
     return time.perf_counter() - start, status
 
 
-def _probe_until_stopped(url: str, interval_s: float, stop, results) -> None:
+# How long the probe's process may take to start and probe once before the load goes ahead without waiting for it.
+_START_TIMEOUT_S = 60.0
+
+
+def _probe_until_stopped(url: str, interval_s: float, started, stop, results) -> None:
     latencies, failures = [], 0
     next_at = time.perf_counter()
-    while not stop.is_set():
+    while True:
         seconds, status = probe_once(url)
         latencies.append(seconds)
         failures += status != 200
+        started.set()  # the first probe is in: the load may begin
         next_at = max(next_at + interval_s, time.perf_counter())
-        stop.wait(max(0.0, next_at - time.perf_counter()))
+        if stop.wait(max(0.0, next_at - time.perf_counter())):
+            break
     results.send((latencies, failures))
 
 
@@ -48,10 +54,13 @@ def health_probe(url: str, interval_s: float):
     """Probe url's /health every interval_s while the block runs; yields a dict that holds, after the block,
     "latencies" (seconds, one per probe) and "failures" (probes without a 200)."""
     context = multiprocessing.get_context("spawn")
-    stop = context.Event()
+    started, stop = context.Event(), context.Event()
     receiver, sender = context.Pipe(duplex=False)
-    process = context.Process(target=_probe_until_stopped, args=(url, interval_s, stop, sender), daemon=True)
+    process = context.Process(target=_probe_until_stopped, args=(url, interval_s, started, stop, sender), daemon=True)
     process.start()
+    # A new interpreter's start takes a CPU for a while: over, and the first probe in, by the time the load begins,
+    # so that it slows neither the server's first steps nor the load's client.
+    started.wait(_START_TIMEOUT_S)
     outcome: dict = {"latencies": [], "failures": 0}
     try:
         yield outcome
