@@ -108,6 +108,24 @@ def test_prefault_maps_every_page_only_when_allowed_and_keeps_contents():
     assert caches[1][1, 7].eq(3.0).all() and caches[1].sum().item() == 3.0 * 16 * 2 * 64 and not caches[0].any()
 
 
+def test_prefault_asks_before_every_call_so_a_step_waits_for_one_at_most():
+    """Once the engine steps, the thread maps no more than the call it is in: one layer's K or V for a run of blocks."""
+    import time
+
+    from pagedserve.executor.cpu_host import _BLOCKS_PER_CALL, _running, prefault_in_background
+
+    caches = [fresh_pages((2, 300, 16, 2, 64)) for _ in range(3)]
+    answers = iter([True])
+    thread = prefault_in_background(caches, may_run=lambda: next(answers, False))
+    time.sleep(0.5)
+    mapped_halves = [resident_fraction(cache[half]) for cache in caches for half in (0, 1)]
+    assert mapped_halves[0] == pytest.approx(_BLOCKS_PER_CALL / 300, abs=0.02) and not any(mapped_halves[1:])
+    assert thread.is_alive()  # waiting to be let go on
+    _running[thread].set()
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+
+
 @pytest.mark.parametrize("prefault", [True, False])
 def test_engine_maps_its_kv_cache_when_idle(prefault, tiny_models):
     """With prefault_kv_cache (the default) the engine maps every page of its cache once it is idle;

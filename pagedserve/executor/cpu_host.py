@@ -219,20 +219,28 @@ def _map_blocks(madvise, refs: list[weakref.ref], num_blocks: int, may_run: Call
     except (AttributeError, OSError):
         pass  # no SCHED_IDLE here: the thread still only sleeps in the kernel while it maps pages
     for first in range(0, num_blocks, _BLOCKS_PER_CALL):
-        while not may_run():
-            if stop.wait(0.01):
-                return
-        if stop.is_set():
-            return
         last = min(first + _BLOCKS_PER_CALL, num_blocks)
         for ref in refs:
-            cache = ref()
-            if cache is None:
-                return  # the engine is gone
-            for half in cache:  # K, then V
-                if not _populate(madvise, half[first:last]):
+            for half in (0, 1):  # K, then V
+                # Asked before every call: a step that begins while one runs waits for it (in the hypervisor, where
+                # the guest cannot preempt it), so no more than one call may overlap a step.
+                if not _allowed(may_run, stop):
                     return
-            del cache
+                cache = ref()
+                if cache is None:
+                    return  # the engine is gone
+                mapped = _populate(madvise, cache[half, first:last])
+                del cache
+                if not mapped:
+                    return
+
+
+def _allowed(may_run: Callable[[], bool], stop: threading.Event) -> bool:
+    """Waits until may_run() says the thread may go on (checked every ~10 ms); False once it is stopped."""
+    while not may_run():
+        if stop.wait(0.01):
+            return False
+    return not stop.is_set()
 
 
 def _populate(madvise, blocks: torch.Tensor) -> bool:
