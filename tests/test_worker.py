@@ -108,6 +108,33 @@ def test_prefault_maps_every_page_only_when_allowed_and_keeps_contents():
     assert caches[1][1, 7].eq(3.0).all() and caches[1].sum().item() == 3.0 * 16 * 2 * 64 and not caches[0].any()
 
 
+def _vm_flags_at(address: int) -> list[str]:
+    """The VmFlags of the mapping that holds address (/proc/self/smaps)."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            low, high = (int(part, 16) for part in head.split("-"))
+            inside = low <= address < high
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_the_kv_cache_asks_for_small_pages():
+    """numpy asks for 2 MB pages under large arrays; the KV cache's zeros ask for 4 KB pages instead (MADV_NOHUGEPAGE),
+    which a VM maps many times faster on first touch."""
+    import numpy as np
+
+    from pagedserve.executor.worker import zeroed
+
+    cache = zeroed((2, 4096, 16, 2, 64), torch.bfloat16, torch.device("cpu"))  # 32 MB, a mapping of its own
+    flags = _vm_flags_at(cache.data_ptr() + cache.numel())
+    assert "nh" in flags and "hg" not in flags
+    assert "hg" in _vm_flags_at(np.zeros(2**25, dtype=np.uint8).ctypes.data + 2**24)  # what numpy asks for itself
+    assert not cache.any()
+
+
 def test_prefault_asks_before_every_call_so_a_step_waits_for_one_at_most():
     """Once the engine steps, the thread maps no more than the call it is in: one layer's K or V for a run of blocks."""
     import time

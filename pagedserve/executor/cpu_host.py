@@ -169,9 +169,20 @@ def keep_freed_memory() -> bool:
 
 # ---- KV cache pages ----------------------------------------------------------------------------
 
+_MADV_NOHUGEPAGE = 15  # <linux/mman.h>
 _MADV_POPULATE_WRITE = 23  # <linux/mman.h>; Linux 5.14+
 _BLOCKS_PER_CALL = 64  # ~0.75 MB per layer and K or V at the default shapes: a short syscall
 _running: dict[threading.Thread, threading.Event] = {}
+
+
+def use_small_pages(tensor: torch.Tensor) -> bool:
+    """Asks for 4 KB pages under a contiguous tensor not yet touched; returns whether the kernel took it. numpy asks
+    for 2 MB pages under every large array (MADV_HUGEPAGE), and a VM that hands free memory back to its host backs a
+    2 MB page afresh at its first touch, many times slower a byte than 4 KB pages (docs/cpu.md, "KV cache pages")."""
+    madvise = _madvise()
+    start = -(-tensor.data_ptr() // mmap.PAGESIZE) * mmap.PAGESIZE  # the whole pages inside the tensor
+    end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // mmap.PAGESIZE * mmap.PAGESIZE
+    return madvise is not None and end > start and madvise(start, end - start, _MADV_NOHUGEPAGE) == 0
 
 
 def prefault_in_background(kv_caches: list[torch.Tensor], may_run: Callable[[], bool] = lambda: True) -> threading.Thread | None:
