@@ -100,7 +100,7 @@ class DecodeStallBound:
         # many bounded steps (each stream's single long gap stays out of its gaps' tail); the bound keeps streams
         # steady against the prompts that trickle in while they decode. Streams that arrived with the prompts (their
         # own prompts went first) are the burst's too: bounding for them would make the burst's last prompts wait
-        # through many bounded steps for the sake of its first.
+        # through many bounded steps for the sake of its first (they take one long gap instead of several shorter ones).
         if not num_decoding or min(num_waiting, max_num_seqs - num_running) >= num_flowing_before:
             return None
         decoding = ShapeTally()
