@@ -15,7 +15,7 @@ faults; but a first touch of memory is slow on VMs, and without help the engine 
 steps as it first writes K/V into each block. A background thread maps the pages in while the engine
 is idle (MADV_POPULATE_WRITE: as a write would, without changing contents, so it is safe beside the
 engine's own writes), in the order the block pool hands blocks out, at SCHED_IDLE. The cache is in 4 KB pages:
-a VM that hands free memory back to its host backs a 2 MB page afresh at its first touch. It holds the caches
+a VM that hands free memory back to its host backs a 2 MB page afresh at its first touch. The thread holds the caches
 through weak references, so a dropped engine stops it, and it is stopped at interpreter exit (a
 daemon thread still inside madvise there made the C++ runtime abort the exiting process).
 """
