@@ -25,15 +25,12 @@ def test_long_prefills_reuse_freed_host_memory():
     import resource
 
     from pagedserve import LLM, SamplingParams
-    from pagedserve.executor.cpu_host import _running
 
     # An engine of its own, its KV cache's pages all mapped before the count begins (mapping them counts as faults of
-    # this process, as does any other engine's that a test left in it), so that only the prefills' own pages count:
-    # the kernel moves 4 KB pages of a cache left idle for minutes (the session's shared engine), and writing K/V
-    # into them faults them back in.
+    # this process), so that only the prefills' own pages count: the kernel moves 4 KB pages of a cache left idle for
+    # minutes (the session's shared engine), and writing K/V into them faults them back in.
     llm = LLM(max_model_len=2048, kv_cache_memory=256 * 1024**2)
-    for prefault in list(_running):
-        prefault.join(120)
+    llm.llm_engine.call_utility("wait_for_kv_cache_mapping", 120)
     rng = random.Random(0)
     faulted_mb = []
     for _ in range(3):
