@@ -125,6 +125,57 @@ def test_the_health_probe_is_up_and_has_probed_before_the_load_begins():
     assert len(probe["latencies"]) == 1 and probe["failures"] == 0
 
 
+def _serve_connections(answers):
+    """A connection handler for asyncio.start_server that takes each connection's first request and answers it as
+    answers[i] (the i-th connection) says: "close" shuts the connection unanswered, "stream" streams one completion
+    chunk and [DONE], "cut" sends the response's head and one chunk, then shuts the connection. Returns the handler
+    and the list of the answers given so far."""
+    seen = []
+    chunk = b'data: {"choices": [{"text": "hi"}], "usage": {"completion_tokens": 1}}\n\n'
+
+    async def on_connection(reader, writer):
+        answer = answers[len(seen)]
+        seen.append(answer)
+        await reader.readuntil(b"\r\n\r\n")
+        if answer != "close":
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+            body = chunk + (b"data: [DONE]\n\n" if answer == "stream" else b"")
+            writer.write(b"%x\r\n%s\r\n" % (len(body), body) + (b"0\r\n\r\n" if answer == "stream" else b""))
+            await writer.drain()
+        writer.close()
+
+    return on_connection, seen
+
+
+@pytest.mark.parametrize("answers, succeeds, connections", [
+    (["close", "stream"], True, 2),  # closed before any answer (a kept-alive connection the server let go): sent again
+    (["close", "close", "stream"], True, 3),
+    (["cut"], False, 1),  # cut off after the answer began: an error of the run, never sent twice
+])
+def test_a_request_the_server_closed_unanswered_is_sent_again(answers, succeeds, connections):
+    import asyncio
+
+    import aiohttp
+
+    from pagedserve.benchmarks.serve import send_one
+
+    async def run():
+        on_connection, seen = _serve_connections(answers)
+        server = await asyncio.start_server(on_connection, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server, aiohttp.ClientSession() as session:
+            result = await send_one(session, f"http://127.0.0.1:{port}", "completions", {"prompt": "a"}, None)
+        return result, seen
+
+    result, seen = asyncio.run(run())
+    assert len(seen) == connections
+    assert result.success is succeeds
+    if succeeds:
+        assert result.output_tokens == 1 and result.ttft > 0
+    else:
+        assert "ClientPayloadError" in result.error or "ServerDisconnected" in result.error
+
+
 def test_ceiling_decodes_after_the_context_it_names():
     import torch
 

@@ -93,6 +93,24 @@ def content_of(payload: dict) -> str:
     return "".join(texts)
 
 
+# Times a request is sent again after its connection closed before any answer.
+_UNANSWERED_RESENDS = 2
+
+
+async def post_answered(session, url: str, body: dict, headers: dict):
+    """The response to a POST, sent again on another connection where the server closed the one it went on before
+    answering: a server may let a kept-alive connection go just as the client reuses it (llama.cpp's does), and the
+    request then never reached it. Failures once the answer has begun are the run's, never sent twice."""
+    import aiohttp
+
+    for resends_left in range(_UNANSWERED_RESENDS, -1, -1):
+        try:
+            return await session.post(url, json=body, headers=headers)
+        except aiohttp.ServerDisconnectedError:
+            if not resends_left:
+                raise
+
+
 async def send_one(session, url: str, endpoint: str, body: dict, api_key: str | None) -> RequestResult:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     result = RequestResult()
@@ -100,7 +118,7 @@ async def send_one(session, url: str, endpoint: str, body: dict, api_key: str | 
     chunks_with_text = 0
     path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
     try:
-        async with session.post(url + path, json=body, headers=headers) as response:
+        async with await post_answered(session, url + path, body, headers) as response:
             if response.status != 200:
                 result.error = f"HTTP {response.status}: {(await response.text())[:200]}"
                 return result
