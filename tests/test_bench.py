@@ -127,15 +127,22 @@ def test_the_health_probe_is_up_and_has_probed_before_the_load_begins():
 
 def _serve_connections(answers):
     """A connection handler for asyncio.start_server that takes each connection's first request and answers it as
-    answers[i] (the i-th connection) says: "close" shuts the connection unanswered, "stream" streams one completion
-    chunk and [DONE], "cut" sends the response's head and one chunk, then shuts the connection. Returns the handler
-    and the list of the answers given so far."""
+    answers[i] (the i-th connection) says: "close" shuts the connection unanswered, "reset" resets it before reading
+    the request, "stream" streams one completion chunk and [DONE], "cut" sends the response's head and one chunk,
+    then shuts the connection. Returns the handler and the list of the answers given so far."""
+    import socket
+    import struct
+
     seen = []
     chunk = b'data: {"choices": [{"text": "hi"}], "usage": {"completion_tokens": 1}}\n\n'
 
     async def on_connection(reader, writer):
         answer = answers[len(seen)]
         seen.append(answer)
+        if answer == "reset":  # at once, before the request is read: the client's write or read fails
+            writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            writer.close()
+            return
         await reader.readuntil(b"\r\n\r\n")
         if answer != "close":
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
@@ -150,6 +157,8 @@ def _serve_connections(answers):
 @pytest.mark.parametrize("answers, succeeds, connections", [
     (["close", "stream"], True, 2),  # closed before any answer (a kept-alive connection the server let go): sent again
     (["close", "close", "stream"], True, 3),
+    (["reset", "stream"], True, 2),
+    (["close", "close", "close"], False, 3),  # sent twice again at most
     (["cut"], False, 1),  # cut off after the answer began: an error of the run, never sent twice
 ])
 def test_a_request_the_server_closed_unanswered_is_sent_again(answers, succeeds, connections):

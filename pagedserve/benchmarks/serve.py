@@ -98,15 +98,16 @@ _UNANSWERED_RESENDS = 2
 
 
 async def post_answered(session, url: str, body: dict, headers: dict):
-    """The response to a POST, sent again on another connection where the server closed the one it went on before
-    answering: a server may let a kept-alive connection go just as the client reuses it (llama.cpp's does), and the
-    request then never reached it. Failures once the answer has begun are the run's, never sent twice."""
+    """The response to a POST, sent again on another connection where the one it went on closed or broke before any
+    answer (a server may let a kept-alive connection go just as the client reuses it, as llama.cpp's does: the request
+    then never reached it, or only in part). A timeout is not sent again (the server may be at work on it), nor is
+    anything that fails once the answer has begun: those are the run's failures."""
     import aiohttp
 
     for resends_left in range(_UNANSWERED_RESENDS, -1, -1):
         try:
             return await session.post(url, json=body, headers=headers)
-        except aiohttp.ServerDisconnectedError:
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
             if not resends_left:
                 raise
 
