@@ -11,7 +11,8 @@
 // length, so one long sequence does not leave a thread idle behind many short ones.
 //
 // The cache may store float32, bfloat16 or float16 (kv_cache_dtype); the kernels compute in float32.
-// The three-pass decode widens values in registers as it loads them; the other routes widen what they
+// The three-pass decode widens values in registers as it loads them (16 at a time where the build has AVX-512, but
+// for a float32 cache: DecodeLanes); the other routes widen what they
 // read (a block for a decode, a key or value row for a prefill tile) into a small float scratch that
 // stays in L1, so their scoring and accumulating code is one for every storage type.
 //
@@ -77,9 +78,9 @@ inline int64_t row_width(int64_t head_dim, int64_t kv_format) { return head_dim 
 
 // Vectors of 8 floats (Lanes8), or of 16 (Lanes16) where the build has AVX-512. The prefill tiles compute on 16
 // where they can (their loops are bound by arithmetic, and a lane's sums keep their order). The three-pass decode
-// takes 16 for 8-bit rows, whose widening makes its loops bound by arithmetic; 16- and 32-bit caches keep 8 there:
-// reading memory bounds them, wider loops gained little, and their sums stay in the order they have been measured in
-// (docs/benchmarks.md).
+// takes 16 for 8- and 16-bit rows: widening them takes as many instructions as the products, and with the rows in
+// cache the loops are bound by arithmetic, so half the instructions let more of the reads overlap them. A float32
+// cache keeps 8: its rows need no widening, and the exact path's sums stay in the order transformers was compared in.
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 struct Lanes8 : Floats8 {
   template <typename T>
@@ -97,10 +98,14 @@ struct Lanes16 : Floats16 {
     const __m256i widened = _mm256_cvtepi8_epi16(bytes(p));
     return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(widened, 7), _mm256_set1_epi16(static_cast<short>(0xBFFF))));
   }
+  // 16 values of a 16-bit row: bfloat16 is the high half of a float32, float16 widens by F16C.
+  static Vec widen(const c10::BFloat16* p) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves(p)), 16)); }
+  static Vec widen(const c10::Half* p) { return _mm512_cvtph_ps(halves(p)); }
   static __m128i bytes(const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); }
+  static __m256i halves(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 };
 template <typename T>
-using DecodeLanes = std::conditional_t<kEightBit<T>, Lanes16, Lanes8>;
+using DecodeLanes = std::conditional_t<std::is_same_v<T, float>, Lanes8, Lanes16>;
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 template <typename T>
 using DecodeLanes = Lanes8;
@@ -339,6 +344,21 @@ inline void scale_and_accumulate(float* __restrict acc, float rescale, const flo
 
 // s[i] = exp(s[i] - max) for the n scores of a block; returns their sum. Vectorized: a scalar exp
 // per score was a fifth of the kernel's time.
+// The largest of n floats, a vector of them at a time (std::max_element's compare-and-select waits on each
+// comparison in turn, and a decode takes the largest of every head's scores).
+inline float max_of(const float* s, int64_t n) {
+  using Vec = at::vec::Vectorized<float>;
+  float result = -std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+  if (n >= Vec::size()) {
+    Vec vmax = Vec::loadu(s);
+    for (i = Vec::size(); i + Vec::size() <= n; i += Vec::size()) vmax = at::vec::maximum(vmax, Vec::loadu(s + i));
+    result = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, vmax);
+  }
+  for (; i < n; ++i) result = std::max(result, s[i]);
+  return result;
+}
+
 inline float exp_and_sum(float* s, int64_t n, float max) {
   using Vec = at::vec::Vectorized<float>;
   const Vec vmax(max);
@@ -396,7 +416,7 @@ struct SequenceScratch {
 // accumulator: acc = acc * exp(old_max - new_max) + sum_i exp(s_i - new_max) v_i.
 inline void fold_scores(float* scores, int64_t n, const float* v_rows, int64_t row_stride, int64_t dim, float& running_max,
                         float& running_sum, float* acc) {
-  const float block_max = *std::max_element(scores, scores + n);
+  const float block_max = max_of(scores, n);
   const float new_max = std::max(running_max, block_max);
   const float rescale = std::exp(running_max - new_max);  // 0 on the first block
   const float block_sum = exp_and_sum(scores, n, new_max);
@@ -571,7 +591,7 @@ void attend_sequence_three_pass(const AttentionShape& s, const float* q_in, cons
   }
   for (int64_t h = 0; h < s.num_heads; ++h) {  // pass 2: softmax over the part's keys
     float* scores = w.scores.data() + h * max_len;
-    w.maxes[h] = *std::max_element(scores, scores + part_len);
+    w.maxes[h] = max_of(scores, part_len);
     w.sums[h] = exp_and_sum(scores, part_len, w.maxes[h]);
   }
   std::fill(w.acc.begin(), w.acc.end(), 0.f);
