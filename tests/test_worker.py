@@ -112,17 +112,58 @@ def test_prefault_maps_every_page_only_when_allowed_and_keeps_contents():
     assert caches[1][1, 7].eq(3.0).all() and caches[1].sum().item() == 3.0 * 16 * 2 * 64 and not caches[0].any()
 
 
-def _vm_flags_at(address: int) -> list[str]:
-    """The VmFlags of the mapping that holds address (/proc/self/smaps)."""
+def _smaps_field(address: int, field: str) -> list[str]:
+    """The values of a field (VmFlags, AnonHugePages, ...) of the mapping that holds address (/proc/self/smaps)."""
     inside = False
     for line in open("/proc/self/smaps"):
         head = line.split()[0]
         if "-" in head and ":" not in head:
             low, high = (int(part, 16) for part in head.split("-"))
             inside = low <= address < high
-        elif inside and head == "VmFlags:":
+        elif inside and head == f"{field}:":
             return line.split()[1:]
     raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def _vm_flags_at(address: int) -> list[str]:
+    return _smaps_field(address, "VmFlags")
+
+
+def _kernel_gathers_huge_pages() -> bool:
+    """Whether this kernel gathers mapped 4 KB pages into a 2 MB page on request (MADV_COLLAPSE, Linux 6.1+)."""
+    import ctypes
+    import mmap
+
+    from pagedserve.executor.cpu_host import libc
+
+    mapping = mmap.mmap(-1, 4 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    mapping.write(b"\1" * (4 << 20))
+    address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+    start = -(-address // (2 << 20)) * (2 << 20)
+    madvise = libc().madvise
+    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    gathered = madvise(start, 2 << 20, 14) == 0 and madvise(start, 2 << 20, 25) == 0  # MADV_HUGEPAGE, MADV_COLLAPSE
+    del madvise
+    return gathered
+
+
+def test_prefault_gathers_the_mapped_cache_into_2mb_pages_keeping_every_value():
+    """Once every page is mapped, the prefault gathers each cache's pages into 2 MB pages (the decode attention reads
+    every running sequence's blocks each step, and 4 KB pages make its reads wait on page walks) where the kernel can,
+    else leaves them as they are; either way every value stays."""
+    from pagedserve.executor.cpu_host import prefault_in_background
+
+    caches = [fresh_pages((2, 2048, 16, 3, 64), torch.bfloat16) for _ in range(2)]  # 12 MB per K or V
+    caches[1][1, 700].fill_(3.0)  # K/V an engine wrote before the thread reached them
+    thread = prefault_in_background(caches)
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    huge_kb = [int(_smaps_field(cache[half, 1024].data_ptr(), "AnonHugePages")[0]) for cache in caches for half in (0, 1)]
+    if _kernel_gathers_huge_pages():
+        assert min(huge_kb) >= 8 * 1024, huge_kb  # each half's whole 2 MB pages at least
+    else:
+        assert huge_kb == [0, 0, 0, 0]
+    assert caches[1][1, 700].eq(3.0).all() and caches[1].float().sum().item() == 3.0 * 16 * 3 * 64 and not caches[0].any()
 
 
 def test_the_kv_cache_asks_for_small_pages():

@@ -72,7 +72,8 @@ class Executor(ABC):
 
     @abstractmethod
     def wait_for_kv_cache_mapping(self, timeout_s: float | None = None) -> None:
-        """Return once the KV cache's memory is mapped in (CPU: see cpu_host.prefault_in_background)."""
+        """Return once the KV cache's memory is mapped in (CPU: and gathered into 2 MB pages; see
+        cpu_host.prefault_in_background)."""
 
     @abstractmethod
     def shutdown(self) -> None: ...

@@ -14,10 +14,13 @@ runner's logits of many rows).
 faults; but a first touch of memory is slow on VMs, and without help the engine pays it inside its
 steps as it first writes K/V into each block. A background thread maps the pages in while the engine
 is idle (MADV_POPULATE_WRITE: as a write would, without changing contents, so it is safe beside the
-engine's own writes), in the order the block pool hands blocks out, at SCHED_IDLE. The cache is in 4 KB pages:
-a VM that hands free memory back to its host backs a 2 MB page afresh at its first touch. The thread holds the caches
-through weak references, so a dropped engine stops it, and it is stopped at interpreter exit (a
-daemon thread still inside madvise there made the C++ runtime abort the exiting process).
+engine's own writes), in the order the block pool hands blocks out, at SCHED_IDLE. The cache is mapped in 4 KB pages:
+a VM that hands free memory back to its host backs a 2 MB page afresh at its first touch, many times slower a byte.
+Once every page is mapped, the same thread gathers the cache into 2 MB pages (MADV_COLLAPSE, Linux 6.1+), again only
+while the engine is idle: the decode attention reads every block of every running sequence each step, and with 4 KB
+pages its reads wait on page walks. The thread holds the caches through weak references, so a dropped engine stops
+it, and it is stopped at interpreter exit (a daemon thread still inside madvise there made the C++ runtime abort the
+exiting process).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import ctypes.util
+import errno
 import logging
 import mmap
 import os
@@ -170,16 +174,20 @@ def keep_freed_memory() -> bool:
 
 # ---- KV cache pages ----------------------------------------------------------------------------
 
-_MADV_NOHUGEPAGE = 15  # <linux/mman.h>
-_MADV_POPULATE_WRITE = 23  # <linux/mman.h>; Linux 5.14+
+_MADV_HUGEPAGE = 14  # <linux/mman.h>
+_MADV_NOHUGEPAGE = 15
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+
+_MADV_COLLAPSE = 25  # Linux 6.1+
 _BLOCKS_PER_CALL = 64  # ~0.75 MB per layer and K or V at the default shapes: a short syscall
+_HUGE_PAGE = 2 << 20  # what one MADV_COLLAPSE call gathers: one page, so a step waits for one at most
 _running: dict[threading.Thread, threading.Event] = {}
 
 
 def use_small_pages(tensor: torch.Tensor) -> bool:
     """Asks for 4 KB pages under a contiguous tensor not yet touched; returns whether the kernel took it. numpy asks
     for 2 MB pages under every large array (MADV_HUGEPAGE), and a VM that hands free memory back to its host backs a
-    2 MB page afresh at its first touch, many times slower a byte than 4 KB pages (docs/cpu.md, "KV cache pages")."""
+    2 MB page afresh at its first touch, many times slower a byte than 4 KB pages (docs/cpu.md, "KV cache pages"); the
+    prefault gathers the pages into 2 MB ones once they are mapped, while the engine is idle."""
     madvise = _madvise()
     start = -(-tensor.data_ptr() // mmap.PAGESIZE) * mmap.PAGESIZE  # the whole pages inside the tensor
     end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // mmap.PAGESIZE * mmap.PAGESIZE
@@ -187,8 +195,9 @@ def use_small_pages(tensor: torch.Tensor) -> bool:
 
 
 def prefault_in_background(kv_caches: list[torch.Tensor], may_run: Callable[[], bool] = lambda: True) -> threading.Thread | None:
-    """Starts mapping the pages of kv_caches (each [2, num_blocks, ...], contiguous) block by block,
-    whenever may_run() says so (checked every ~10 ms); returns the thread, or None where madvise is unavailable."""
+    """Starts mapping the pages of kv_caches (each [2, num_blocks, ...], contiguous) block by block, then gathering
+    them into 2 MB pages, whenever may_run() says so (checked every ~10 ms); returns the thread, or None where madvise
+    is unavailable."""
     madvise = _madvise()
     if madvise is None or not kv_caches:
         return None
@@ -218,18 +227,20 @@ def _madvise():
 
 def _prefault(madvise, refs: list[weakref.ref], num_blocks: int, may_run: Callable[[], bool], stop: threading.Event) -> None:
     try:
-        _map_blocks(madvise, refs, num_blocks, may_run, stop)
+        try:
+            # At idle priority: page faults on a VM hold the core in the hypervisor, where the guest cannot
+            # preempt them, so a thread at normal priority slowed the engine's own work.
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread, on Linux
+        except (AttributeError, OSError):
+            pass  # no SCHED_IDLE here: the thread still only sleeps in the kernel while it maps pages
+        if _map_blocks(madvise, refs, num_blocks, may_run, stop):
+            _gather_huge_pages(madvise, refs, may_run, stop)
     finally:
         _running.pop(threading.current_thread(), None)
 
 
-def _map_blocks(madvise, refs: list[weakref.ref], num_blocks: int, may_run: Callable[[], bool], stop: threading.Event) -> None:
-    try:
-        # At idle priority: page faults on a VM hold the core in the hypervisor, where the guest cannot
-        # preempt them, so a thread at normal priority slowed the engine's own work.
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread, on Linux
-    except (AttributeError, OSError):
-        pass  # no SCHED_IDLE here: the thread still only sleeps in the kernel while it maps pages
+def _map_blocks(madvise, refs: list[weakref.ref], num_blocks: int, may_run: Callable[[], bool], stop: threading.Event) -> bool:
+    """True once every block is mapped; False if stopped first."""
     for first in range(0, num_blocks, _BLOCKS_PER_CALL):
         last = min(first + _BLOCKS_PER_CALL, num_blocks)
         for ref in refs:
@@ -237,14 +248,47 @@ def _map_blocks(madvise, refs: list[weakref.ref], num_blocks: int, may_run: Call
                 # Asked before every call: a step that begins while one runs waits for it (in the hypervisor, where
                 # the guest cannot preempt it), so no more than one call may overlap a step.
                 if not _allowed(may_run, stop):
-                    return
+                    return False
                 cache = ref()
                 if cache is None:
-                    return  # the engine is gone
+                    return False  # the engine is gone
                 mapped = _populate(madvise, cache[half, first:last])
                 del cache
                 if not mapped:
+                    return False
+    return True
+
+
+def _huge_page_range(tensor: torch.Tensor) -> tuple[int, int]:
+    """The whole 2 MB pages inside a contiguous tensor: (start, end) addresses."""
+    start = -(-tensor.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
+    return start, max(start, (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // _HUGE_PAGE * _HUGE_PAGE)
+
+
+def _gather_huge_pages(madvise, refs: list[weakref.ref], may_run: Callable[[], bool], stop: threading.Event) -> None:
+    """Gathers each cache's mapped 4 KB pages into 2 MB pages, one page a call, the blocks the pool hands out first
+    first. A kernel without MADV_COLLAPSE leaves them as they are; a page it cannot gather now stays small."""
+    offset, any_left = 0, True
+    while any_left:
+        any_left = False
+        for ref in refs:
+            for half in (0, 1):
+                if not _allowed(may_run, stop):
                     return
+                cache = ref()
+                if cache is None:
+                    return
+                start, end = _huge_page_range(cache[half])
+                del cache
+                if start + offset >= end:
+                    continue
+                any_left = True
+                if offset == 0 and madvise(start, end - start, _MADV_HUGEPAGE) != 0:  # undoes use_small_pages
+                    return
+                if madvise(start + offset, _HUGE_PAGE, _MADV_COLLAPSE) != 0 and ctypes.get_errno() == errno.EINVAL:
+                    logger.debug("the KV cache stays in 4 KB pages: this kernel has no MADV_COLLAPSE")
+                    return
+        offset += _HUGE_PAGE
 
 
 def _allowed(may_run: Callable[[], bool], stop: threading.Event) -> bool:

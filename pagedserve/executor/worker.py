@@ -396,7 +396,7 @@ class Worker:
             self.kv_prefault.step_ended()
 
     def wait_for_kv_cache_mapping(self, timeout_s: float | None = None) -> None:
-        """Return once the KV cache's pages are mapped in (at once without the prefault)."""
+        """Return once the KV cache's pages are mapped in and gathered into 2 MB pages (at once without the prefault)."""
         if self.kv_prefault is not None:
             self.kv_prefault.wait(timeout_s)
 
@@ -464,7 +464,8 @@ def generation_defaults_of(config: EngineConfig, model_dir: Path) -> dict[str, f
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Zeros. On CPU they come from calloc: the OS hands out zero pages when first touched, so a
-    cache of gigabytes costs nothing at start-up (torch.zeros would write every byte); in 4 KB pages."""
+    cache of gigabytes costs nothing at start-up (torch.zeros would write every byte); in 4 KB pages (the KV cache's
+    prefault gathers them into 2 MB pages once mapped: cpu_host)."""
     if device.type == "cpu" and dtype in _NUMPY_DTYPES:
         tensor = torch.from_numpy(np.zeros(shape, dtype=_NUMPY_DTYPES[dtype])).view(dtype)
         cpu_host.use_small_pages(tensor)
