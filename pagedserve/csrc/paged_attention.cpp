@@ -342,8 +342,6 @@ inline void scale_and_accumulate(float* __restrict acc, float rescale, const flo
   }
 }
 
-// s[i] = exp(s[i] - max) for the n scores of a block; returns their sum. Vectorized: a scalar exp
-// per score was a fifth of the kernel's time.
 // The largest of n floats, a vector of them at a time (std::max_element's compare-and-select waits on each
 // comparison in turn, and a decode takes the largest of every head's scores).
 inline float max_of(const float* s, int64_t n) {
@@ -359,6 +357,8 @@ inline float max_of(const float* s, int64_t n) {
   return result;
 }
 
+// s[i] = exp(s[i] - max) for the n scores of a block; returns their sum. Vectorized: a scalar exp
+// per score was a fifth of the kernel's time.
 inline float exp_and_sum(float* s, int64_t n, float max) {
   using Vec = at::vec::Vectorized<float>;
   const Vec vmax(max);
