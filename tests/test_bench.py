@@ -417,7 +417,25 @@ def test_machine_limits_are_measured_and_name_the_processor(tmp_path):
     assert record["cpu"] == features.model_name and record["isa"] == features.isa
     assert record["read_bandwidth_gb_s"] > 0 and record["float32_gflop_s"] > 0
     assert record["bfloat16_gflop_s"] is None or record["bfloat16_gflop_s"] > 0
-    assert "memory read, GB/s" in stdout and "float32 matmul 128^3, GFLOP/s" in stdout
+    assert record["float32_matmul_size"] in (128, 256, 512)  # quick products are timed at up to 4x the size asked
+    assert "memory read, GB/s" in stdout and f"float32 matmul, GFLOP/s (best at n = {record['float32_matmul_size']})" in stdout
+
+
+def test_a_quick_product_is_timed_at_larger_sizes_and_the_best_rate_kept(monkeypatch):
+    """A library may not split a small product among every thread: where a product takes under the budget, twice the
+    size is timed too (two doublings at most), and the best rate is the machine's; a slow product stops the growth."""
+    import torch
+
+    from pagedserve.benchmarks import machine
+
+    rates = {1024: 1400.0, 2048: 2400.0, 4096: 2300.0, 8192: 9999.0}  # GFLOP/s; 4096^3 at 2300 takes ~60 ms
+    timed = []
+    monkeypatch.setattr(machine, "_matmul_rate", lambda dtype, size, repeats: timed.append(size) or rates[size])
+    assert machine.max_rate_and_size(torch.bfloat16, 1024, 3) == (2400.0, 2048)
+    assert timed == [1024, 2048, 4096]
+    timed.clear()
+    rates[1024] = 20.0  # 1024^3 takes ~0.1 s: no larger product
+    assert machine.max_rate_and_size(torch.bfloat16, 1024, 3) == (20.0, 1024) and timed == [1024]
 
 
 def test_kv_capacity_per_dtype_and_kv_accuracy_against_float32(tmp_path, tiny_models):

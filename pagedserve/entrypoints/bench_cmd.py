@@ -124,7 +124,8 @@ def register(sub) -> None:
     machine = _workload(workloads, "machine", "the machine's limits: memory read bandwidth, float32 / bfloat16 / int8 matrix "
                                               "rates (no model)")
     machine.add_argument("--memory-mib", type=_positive_int, default=1024, help="size of the tensor read")
-    machine.add_argument("--matmul-size", type=_positive_int, default=1024, help="n of the n x n x n matrix products")
+    machine.add_argument("--matmul-size", type=_positive_int, default=1024,
+                         help="the smallest n of the n x n x n matrix products (quick ones are timed up to 4n too)")
     machine.add_argument("--repeats", type=_positive_int, default=5, help="each figure is the best of this many")
 
     executor = _workload(workloads, "executor", "the executor's messages per step with several ranks, no model", engine=True)
