@@ -21,7 +21,7 @@ def read_bandwidth_gb_s(num_bytes: int, repeats: int) -> float:
 
 
 # A product this quick at one size is timed at twice the size too, up to this many doublings: a library may not split
-# a small product among every thread (oneDNN's bfloat16 1024^3 on AMX tiles runs as fast on one thread as on two).
+# a small product among every thread, and the limit is the rate the machine reaches, not the rate of one size.
 _GROW_BELOW_S, _MAX_DOUBLINGS = 0.05, 2
 
 
