@@ -125,26 +125,16 @@ def _smaps_field(address: int, field: str) -> list[str]:
     raise AssertionError(f"no mapping holds {address:#x}")
 
 
-def _vm_flags_at(address: int) -> list[str]:
-    return _smaps_field(address, "VmFlags")
-
-
 def _kernel_gathers_huge_pages() -> bool:
-    """Whether this kernel gathers mapped 4 KB pages into a 2 MB page on request (MADV_COLLAPSE, Linux 6.1+)."""
-    import ctypes
-    import mmap
+    """Whether this kernel gathers mapped 4 KB pages into a 2 MB page on request (MADV_COLLAPSE, Linux 6.1+), asked of
+    a mapping of the test's own."""
+    from pagedserve.executor.cpu_host import _HUGE_PAGE, _MADV_COLLAPSE, _MADV_HUGEPAGE, _madvise
 
-    from pagedserve.executor.cpu_host import libc
-
-    mapping = mmap.mmap(-1, 4 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    mapping.write(b"\1" * (4 << 20))
-    address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
-    start = -(-address // (2 << 20)) * (2 << 20)
-    madvise = libc().madvise
-    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    gathered = madvise(start, 2 << 20, 14) == 0 and madvise(start, 2 << 20, 25) == 0  # MADV_HUGEPAGE, MADV_COLLAPSE
-    del madvise
-    return gathered
+    scratch = fresh_pages((2 * _HUGE_PAGE,), torch.uint8)
+    scratch.fill_(1)
+    start = -(-scratch.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
+    madvise = _madvise()
+    return madvise(start, _HUGE_PAGE, _MADV_HUGEPAGE) == 0 and madvise(start, _HUGE_PAGE, _MADV_COLLAPSE) == 0
 
 
 def test_prefault_gathers_the_mapped_cache_into_2mb_pages_keeping_every_value():
@@ -174,9 +164,9 @@ def test_the_kv_cache_asks_for_small_pages():
     from pagedserve.executor.worker import zeroed
 
     cache = zeroed((2, 4096, 16, 2, 64), torch.bfloat16, torch.device("cpu"))  # 32 MB, a mapping of its own
-    flags = _vm_flags_at(cache.data_ptr() + cache.numel())
+    flags = _smaps_field(cache.data_ptr() + cache.numel(), "VmFlags")
     assert "nh" in flags and "hg" not in flags
-    assert "hg" in _vm_flags_at(np.zeros(2**25, dtype=np.uint8).ctypes.data + 2**24)  # what numpy asks for itself
+    assert "hg" in _smaps_field(np.zeros(2**25, dtype=np.uint8).ctypes.data + 2**24, "VmFlags")  # what numpy asks for itself
     assert not cache.any()
 
 

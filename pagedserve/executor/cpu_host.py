@@ -189,9 +189,14 @@ def use_small_pages(tensor: torch.Tensor) -> bool:
     2 MB page afresh at its first touch, many times slower a byte than 4 KB pages (docs/cpu.md, "KV cache pages"); the
     prefault gathers the pages into 2 MB ones once they are mapped, while the engine is idle."""
     madvise = _madvise()
-    start = -(-tensor.data_ptr() // mmap.PAGESIZE) * mmap.PAGESIZE  # the whole pages inside the tensor
-    end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // mmap.PAGESIZE * mmap.PAGESIZE
+    start, end = _whole_pages(tensor, mmap.PAGESIZE)
     return madvise is not None and end > start and madvise(start, end - start, _MADV_NOHUGEPAGE) == 0
+
+
+def _whole_pages(tensor: torch.Tensor, page_bytes: int) -> tuple[int, int]:
+    """The whole pages of page_bytes inside a contiguous tensor: (start, end) addresses, end == start if none."""
+    start = -(-tensor.data_ptr() // page_bytes) * page_bytes
+    return start, max(start, (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // page_bytes * page_bytes)
 
 
 def prefault_in_background(kv_caches: list[torch.Tensor], may_run: Callable[[], bool] = lambda: True) -> threading.Thread | None:
@@ -259,12 +264,6 @@ def _map_blocks(madvise, refs: list[weakref.ref], num_blocks: int, may_run: Call
     return True
 
 
-def _huge_page_range(tensor: torch.Tensor) -> tuple[int, int]:
-    """The whole 2 MB pages inside a contiguous tensor: (start, end) addresses."""
-    start = -(-tensor.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
-    return start, max(start, (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // _HUGE_PAGE * _HUGE_PAGE)
-
-
 def _gather_huge_pages(madvise, refs: list[weakref.ref], may_run: Callable[[], bool], stop: threading.Event) -> None:
     """Gathers each cache's mapped 4 KB pages into 2 MB pages, one page a call, the blocks the pool hands out first
     first. A kernel without MADV_COLLAPSE leaves them as they are; a page it cannot gather now stays small."""
@@ -278,7 +277,7 @@ def _gather_huge_pages(madvise, refs: list[weakref.ref], may_run: Callable[[], b
                 cache = ref()
                 if cache is None:
                     return
-                start, end = _huge_page_range(cache[half])
+                start, end = _whole_pages(cache[half], _HUGE_PAGE)
                 del cache
                 if start + offset >= end:
                     continue
