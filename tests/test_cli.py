@@ -127,3 +127,12 @@ def test_max_decode_stall_is_parsed_once_into_what_the_scheduler_reads():
     for bad in ("1x", "0s", "nans", "infx", "fast", "x"):
         with pytest.raises(ValueError, match="max_decode_stall"):
             EngineConfig(max_decode_stall=bad)
+
+
+def test_reading_a_command_line_leaves_the_engine_and_web_stacks_unloaded():
+    """`pagedserve serve` starts its engine process once its arguments are read: loading torch or a web stack first would
+    hold back the engine's start (the server loads its own web stack while the engine starts)."""
+    probe = ("import sys; from pagedserve.entrypoints.cli import build_parser; build_parser().parse_args(['serve']); "
+             "print(sorted(m for m in ('torch', 'transformers', 'fastapi', 'aiohttp', 'uvicorn') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
+    assert result.stdout.strip() == "[]"

@@ -24,14 +24,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pagedserve.entrypoints import bench_cmd, generate_cmd, proxy, serve_cmd
+    from pagedserve.entrypoints import bench_cmd, generate_cmd, proxy_cmd, serve_cmd
 
     parser = argparse.ArgumentParser(prog="pagedserve", description="LLM inference and serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
     serve_cmd.register(sub)
     generate_cmd.register(sub)
     bench_cmd.register(sub)
-    proxy.register(sub)
+    proxy_cmd.register(sub)
     return parser
 
 

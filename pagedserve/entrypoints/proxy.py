@@ -11,7 +11,6 @@ an instance comes back as it is; an instance that cannot be reached is a 503.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
@@ -211,20 +210,3 @@ async def _decode_stream(session: aiohttp.ClientSession, decode: Instances, path
 def _unreachable(url: str, exc: Exception) -> JSONResponse:
     logger.warning("instance %s could not be reached: %s", url, exc)
     return error_response(503, f"the instance {url} could not be reached: {exc}")
-
-
-def register(sub) -> None:
-    proxy = sub.add_parser("proxy", help="one OpenAI-compatible front door over prefill and decode instances (disaggregated "
-                                         "prefill and decode with the P2pConnector)")
-    proxy.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill instances (http://host:port)")
-    proxy.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode instances (http://host:port)")
-    proxy.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    proxy.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
-    proxy.set_defaults(handler=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    uvicorn.run(build_app(args.prefill, args.decode), host=args.host, port=args.port, log_level="warning")
-    return 0
