@@ -49,6 +49,65 @@ def test_a_missing_field_reads_as_absent_so_that_defaults_apply(tiny_models, emp
         config.no_such_field  # noqa: B018
 
 
+_TOKENIZER_PROBE = """
+import json, sys
+from pagedserve.engine.tokenizer import load_tokenizer
+tokenizer = load_tokenizer(sys.argv[1])
+texts = ["Hello, world!", "<|im_start|>user\\n  two  spaces\\tand a tab<|im_end|>", "naïve café 東京 🚀", " leading space", ""]
+print(json.dumps({
+    "class": f"{type(tokenizer).__module__}.{type(tokenizer).__name__}",
+    "ids": [tokenizer.encode(text) for text in texts],
+    "tokens": [tokenizer.convert_ids_to_tokens(tokenizer.encode(text)) for text in texts],
+    "decoded": [tokenizer.decode(tokenizer.encode(text), skip_special_tokens=True) for text in texts],
+    "special": [tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, sorted(tokenizer.all_special_tokens)],
+    "chat": tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+            if tokenizer.chat_template else None,
+    "vocab": len(tokenizer),
+    "imported": sorted(name for name in ("torch", "transformers.models.auto.tokenization_auto") if name in sys.modules),
+}))
+"""
+
+
+def _tokenizer_as_loaded(model_dir) -> dict:
+    """What load_tokenizer gives in a fresh process: the tokenizer's class, what it makes of some texts, and the heavy
+    modules it imported."""
+    run = subprocess.run([sys.executable, "-c", _TOKENIZER_PROBE, str(model_dir)], capture_output=True, text=True, check=True)
+    return json.loads(run.stdout)
+
+
+def _auto_tokenizer_class(model_dir) -> str:
+    from transformers import AutoTokenizer
+
+    chosen = type(AutoTokenizer.from_pretrained(str(model_dir)))
+    return f"{chosen.__module__}.{chosen.__name__}"
+
+
+@pytest.mark.parametrize("model", ["default model", "llama", "qwen2"])  # qwen2: a model's own tokenizer class
+def test_a_tokenizer_loads_as_auto_tokenizer_loads_it_and_later_without_the_configs_imports(model, tiny_models,
+                                                                                            default_model_dir, empty_cache):
+    """The first load asks AutoTokenizer (which imports transformers' config classes, torch with them); later loads call
+    the class it chose, with the same result and neither import."""
+    model_dir = default_model_dir if model == "default model" else tiny_models[model]
+    first = _tokenizer_as_loaded(model_dir)
+    later = _tokenizer_as_loaded(model_dir)
+    assert "torch" in first.pop("imported")
+    assert later.pop("imported") == []
+    assert later == first
+    assert first["class"] == _auto_tokenizer_class(model_dir)
+
+
+def test_a_changed_tokenizer_config_is_loaded_as_auto_tokenizer_loads_it_anew(tiny_models, empty_cache, tmp_path):
+    import shutil
+
+    model_dir = shutil.copytree(tiny_models["llama"], tmp_path / "model")
+    assert _tokenizer_as_loaded(model_dir)["class"] == _auto_tokenizer_class(model_dir)
+    tokenizer_config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config | {"tokenizer_class": "Qwen2Tokenizer"}))
+    changed = _tokenizer_as_loaded(model_dir)
+    assert changed["class"] == _auto_tokenizer_class(model_dir) != _tokenizer_as_loaded(tiny_models["llama"])["class"]
+    assert "torch" in changed["imported"]  # AutoTokenizer asked again
+
+
 def test_a_second_start_seeds_the_step_time_model_from_the_first_and_skips_the_timed_passes(tiny_models, empty_cache,
                                                                                               monkeypatch):
     """The first start times each warm-up shape over several passes and keeps the fastest after the first (a pass slowed
