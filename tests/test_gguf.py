@@ -82,6 +82,29 @@ def test_converted_gguf_is_cached(tiny_hf_llama, tmp_path):
     assert (first / ".pagedserve-complete").stat().st_mtime_ns == marker_time
 
 
+def test_a_gguf_files_digest_is_read_once_per_version_of_the_file(tiny_hf_llama, tmp_path):
+    """A later start finds the conversion without reading the whole file again; a file that changed is read anew."""
+    import os
+    import subprocess
+    import sys
+
+    path = tiny_gguf(tmp_path, tiny_hf_llama, "Q8_0")
+    probe = ("import sys; from pathlib import Path; from pagedserve.models import gguf_convert; "
+             "print(gguf_convert.converted_dir_for(Path(sys.argv[1])))")
+
+    def converted_dir() -> str:  # in a new process, as a start asks
+        return subprocess.run([sys.executable, "-c", probe, str(path)], capture_output=True, text=True, check=True).stdout
+
+    first = converted_dir()
+    original = path.read_bytes()
+    stat = path.stat()
+    path.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))  # same size; its modification time put back below
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert converted_dir() == first  # the digest kept for this size and time: the file was not read
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
+    assert converted_dir() != first  # a new version of the file: read, and its own digest
+
+
 def test_missing_gguf_file_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="GGUF file not found"):
         LLM(str(tmp_path / "absent.gguf"))

@@ -17,6 +17,7 @@ import time
 from functools import lru_cache
 from pathlib import Path
 
+from pagedserve import cached_json
 from pagedserve.envs import cache_root
 
 logger = logging.getLogger(__name__)
@@ -48,11 +49,17 @@ def converted_dir_for(gguf_path: Path) -> Path:
 
 @lru_cache(maxsize=8)
 def _content_digest(path: str, size: int, mtime_ns: int) -> str:
-    """Once per file version in a process (a start asks more than once); size and mtime say when it changed."""
+    """Once per file version (size and mtime say when it changed): kept in the cache, so that a later start need not
+    read the whole file again (seconds for a model of gigabytes), and in this process, which asks more than once."""
+    record = cached_json.cache_file("gguf_digests", path, str(size), str(mtime_ns), str(_LAYOUT_VERSION))
+    stored = cached_json.read(record)
+    if isinstance(stored, str):
+        return stored
     digest = hashlib.sha256(f"layout {_LAYOUT_VERSION}:".encode())
     with open(path, "rb") as handle:
         while chunk := handle.read(8 * 1024**2):
             digest.update(chunk)
+    cached_json.write(record, digest.hexdigest()[:16])
     return digest.hexdigest()[:16]
 
 
