@@ -35,6 +35,7 @@ _FILES_BESIDE_CONNECTIONS = 256
 def _load_web_stack() -> None:
     for module in ("uvicorn", "uvloop", "pagedserve.entrypoints.openai.api_server"):  # FastAPI, pydantic, uvicorn: about a second
         importlib.import_module(module)
+    freeze_start_up_objects()  # the bulk of them, while the engine starts: what is left once it runs is little
 
 
 def run_server(config: EngineConfig, settings: ServerSettings) -> int:
