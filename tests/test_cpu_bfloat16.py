@@ -26,7 +26,7 @@ def test_bfloat16_gemms_run_between_float32_activations_on_the_float32_kernels(b
     linears = [m for m in worker.model.modules() if isinstance(m, Linear)]
     on_tiles = worker.cpu_kernels.bf16_matrix_tiles()  # AMX: steps of few rows on the tiles, float32 sums out
     assert worker.bfloat16_on_tiles == on_tiles and (worker.attn_backend.fresh_prefill_dtype is not None) == on_tiles
-    assert linears and all(m.packed_weight.dtype == torch.bfloat16 and (m.bf16_products is not None) == on_tiles for m in linears)
+    assert linears and all(m.packed.dtype == torch.bfloat16 and (m.bf16_products is not None) == on_tiles for m in linears)
     model = worker.model
     if worker.cpu_kernels.bf16_dot_products():  # the lm_head multiplies in bfloat16 too, its sums kept in float32
         assert model.bfloat16_lm_head is not None and model.packed_lm_head is None
@@ -45,6 +45,29 @@ def test_bfloat16_gemms_run_between_float32_activations_on_the_float32_kernels(b
     for name, module in worker.model.named_modules():
         if isinstance(module, Linear):
             assert module.output_dtype == (torch.bfloat16 if name.endswith(kept) else torch.float32), name
+
+
+def test_a_prompt_step_beyond_the_tiles_makes_silu_and_mul_in_the_gate_up_gemms(bfloat16_llm):
+    """Where the tiles take steps of few rows, the larger steps reach oneDNN with the gate-up's gate and up packed apart,
+    SiLU and the product applied as the two GEMMs store their sums: the same values as the whole product followed by
+    the SiLU-and-mul pass, to bfloat16's rounding; a step the tiles take, and the layer's own product, are unchanged."""
+    worker = worker_of(bfloat16_llm)
+    mlp = worker.model.model.layers[0].mlp
+    gate_up = mlp.gate_up_proj
+    linears = {name: m for name, m in worker.model.named_modules() if isinstance(m, Linear)}
+    apart = {name for name, m in linears.items() if m.packed_parts is not None}
+    assert apart == ({name for name in linears if name.endswith("mlp.gate_up_proj")} if worker.cpu_kernels.bf16_matrix_tiles() else set())
+    weight = gate_up.weight.detach().to(torch.bfloat16).float()
+    size = weight.shape[0] // 2
+    for rows in (7, TILES_MAX_ROWS + 9):
+        x = torch.randn(rows, gate_up.in_features, generator=torch.Generator().manual_seed(rows))
+        exact = x.to(torch.bfloat16).float() @ weight.T
+        expected = torch.nn.functional.silu(exact[:, :size]) * exact[:, size:]
+        fused = gate_up.fused_silu_and_mul(x)
+        assert (fused is not None) == (gate_up.packed_parts is not None and rows > TILES_MAX_ROWS)
+        activated = fused if fused is not None else mlp.act_fn(gate_up(x), out_dtype=torch.float32)
+        torch.testing.assert_close(activated.float(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+        torch.testing.assert_close(gate_up(x).float(), exact, rtol=2e-2, atol=2e-2 * exact.abs().max().item())
 
 
 def test_bfloat16_products_reach_the_next_layer_as_they_come_with_the_same_logprobs(bfloat16_llm, monkeypatch):

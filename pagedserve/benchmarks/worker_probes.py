@@ -43,7 +43,7 @@ def gemm_work(worker, decode_rows: int) -> dict:
 def _dense_weight(module):
     """What a linear layer's dense product reads: its int8 values, its packed copy (as many bytes as its AMX tiles'
     copy), or None (the weight itself)."""
-    return module.int8_weight.values if module.int8_weight is not None else module.packed_weight
+    return module.int8_weight.values if module.int8_weight is not None else module.packed
 
 
 def _dense_lm_head(model):

@@ -112,5 +112,5 @@ class LoRAManager:
 
 def _gemm_of(linear: Linear) -> tuple[torch.dtype, bool]:
     """(dtype, through oneDNN) of the layer's own dense GEMM, which its adapters' products follow."""
-    packed = linear.packed_weight
+    packed = linear.packed
     return (packed.dtype, packed.is_mkldnn) if packed is not None else (torch.float32, False)

@@ -113,3 +113,11 @@ def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tens
         return out
     out = out.to(out_dtype)
     return out if bias is None else out + bias
+
+
+def packed_silu_and_mul(x: torch.Tensor, packed_gate: torch.Tensor, packed_up: torch.Tensor) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T) in the packed weights' dtype, from two oneDNN GEMMs that apply SiLU and the product
+    as they store their sums (post-ops): the gate-up product is never written out whole and read back."""
+    low = x if x.dtype == packed_gate.dtype else x.to(packed_gate.dtype)
+    activated_gate = torch.ops.mkldnn._linear_pointwise(low, packed_gate, None, "swish", [], "")
+    return torch.ops.mkldnn._linear_pointwise.binary(low, activated_gate, packed_up, None, "mul")

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.distributed.parallel_state import tp_all_reduce, tp_rank, tp_size
-from pagedserve.layers.gemm import BFloat16ProductsWeight, Int8Weight, pack_weight, packed_linear
+from pagedserve.layers.gemm import BFloat16ProductsWeight, Int8Weight, pack_weight, packed_linear, packed_silu_and_mul
 from pagedserve.layers.lora import LinearLoRA
 
 # Rows up to which a GEMM runs on the GGUF blocks until measured on the machine (executor/gemm_choice.py): few-row
@@ -94,6 +94,9 @@ class Linear(nn.Linear):
     it. A fused layer (qkv, gate-up) lists its parts' output sizes in shard_sizes."""
 
     packed_weight: torch.Tensor | None = None
+    # A gate-up layer's gate and up packed apart for oneDNN in place of packed_weight (pack_parts_apart): its steps that
+    # oneDNN multiplies apply SiLU and the product in the two GEMMs' epilogues (fused_silu_and_mul).
+    packed_parts: tuple[torch.Tensor, torch.Tensor] | None = None
     int8_weight: Int8Weight | None = None  # the dense product's weight where GEMMs run in int8 (W8A8)
     bf16_products: BFloat16ProductsWeight | None = None  # where bfloat16 GEMMs run on AMX tiles: the weight for steps of few rows
     # A router's scores pick experts: rounding its input to 8 bits would move tokens between experts, so a router keeps
@@ -119,6 +122,20 @@ class Linear(nn.Linear):
         self.packed_weight = pack_weight(self.weight, dtype, onednn)
         self.output_dtype = output_dtype
 
+    def pack_parts_apart(self) -> None:
+        """For a gate-up layer packed for oneDNN: its gate and up packed apart (packed_parts) in place of the whole, so
+        that silu(gate) * up comes out of the GEMMs themselves rather than a pass that reads their whole output back."""
+        gate, up = self.shard_sizes
+        dtype = self.packed_weight.dtype
+        self.packed_parts = (pack_weight(self.weight[:gate], dtype), pack_weight(self.weight[gate : gate + up], dtype))
+        self.packed_weight = None
+
+    @property
+    def packed(self) -> torch.Tensor | None:
+        """The dense weight's packed copy (its gate half, where the parts were packed apart): what says the dtype and the
+        library of the dense product."""
+        return self.packed_parts[0] if self.packed_parts is not None else self.packed_weight
+
     def _q4_blocks(self) -> tuple[torch.Tensor, int] | None:
         """This layer's GGUF blocks and type id where they are Q4_0 / Q4_1, the types the tiles read dequantizing."""
         if self.quantized is None or self.quantized.qtype not in GGUF_Q4_TYPES:
@@ -129,7 +146,7 @@ class Linear(nn.Linear):
         """Run the dense product in int8 (W8A8, smoothed by the factors given: Int8Weight) from now on, returning
         output_dtype."""
         self.int8_weight = Int8Weight(self.weight, kernels, smoothing)
-        self.packed_weight = self.bf16_products = None
+        self.packed_weight = self.packed_parts = self.bf16_products = None
         self.output_dtype = output_dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -144,13 +161,17 @@ class Linear(nn.Linear):
             self.lora.add_to(out, x)
         return out
 
-    def int8_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
-        """For a gate-up layer: silu(gate) * up of its product in one int8 pass, where x's rows take the int8 GEMM (not the
-        blocks) and nothing adds to its output first (a bias, adapters); else None."""
-        on_blocks = self.quantized is not None and self.quantized.takes(x)
-        if self.int8_weight is None or self.bias is not None or self.lora is not None or on_blocks:
+    def fused_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """For a gate-up layer: silu(gate) * up of its product made by the GEMM itself, where x's rows take such a GEMM
+        (the int8 one's single pass, or oneDNN's on the parts packed apart, in their epilogues) and nothing adds to its
+        output first (a bias, adapters); else None."""
+        if self.bias is not None or self.lora is not None or (self.quantized is not None and self.quantized.takes(x)):
             return None
-        return self.int8_weight.silu_and_mul(x)
+        if self.int8_weight is not None:
+            return self.int8_weight.silu_and_mul(x)
+        if self.packed_parts is not None and not self.on_tiles(x.shape[0]):
+            return packed_silu_and_mul(x, *self.packed_parts)
+        return None
 
     def dense_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The product on the dense weight (packed where pack() or pack_int8() ran), whatever the blocks would take."""
@@ -161,6 +182,10 @@ class Linear(nn.Linear):
             return out if bias is None else out + bias
         if self.packed_weight is not None:
             return packed_linear(x, self.packed_weight, bias, self.output_dtype)
+        if self.packed_parts is not None:
+            biases = bias.split(self.shard_sizes) if bias is not None else (None, None)
+            return torch.cat([packed_linear(x, part, part_bias, self.output_dtype)
+                              for part, part_bias in zip(self.packed_parts, biases, strict=True)], dim=-1)
         return F.linear(x, self.weight, bias)
 
     def input_dtype(self, rows: int) -> torch.dtype | None:
@@ -169,7 +194,7 @@ class Linear(nn.Linear):
         that rounds it. None: the input's own dtype."""
         if self.lora is not None or self.int8_weight is not None or (self.quantized is not None and self.quantized.takes_rows(rows)):
             return None
-        packed_bfloat16 = self.packed_weight is not None and self.packed_weight.dtype == torch.bfloat16
+        packed_bfloat16 = self.packed is not None and self.packed.dtype == torch.bfloat16
         return torch.bfloat16 if self.on_tiles(rows) or packed_bfloat16 else None
 
     def on_tiles(self, rows: int) -> bool:

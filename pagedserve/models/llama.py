@@ -248,6 +248,11 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, GatedMLP):
                 module.gate_up_proj.output_dtype = dtype
+                packed = module.gate_up_proj.packed_weight
+                if tiles and dtype == torch.bfloat16 and packed is not None and packed.is_mkldnn:
+                    # Steps that reach oneDNN are the large ones (the tiles take the rest), where a pass over the
+                    # gate-up output costs most.
+                    module.gate_up_proj.pack_parts_apart()
             elif isinstance(module, FusedMoE):
                 module.pack(dtype, onednn)
             elif isinstance(module, LlamaDecoderLayer):

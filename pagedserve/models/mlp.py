@@ -20,7 +20,7 @@ class GatedMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x):
-        activated = self.gate_up_proj.int8_silu_and_mul(x)
+        activated = self.gate_up_proj.fused_silu_and_mul(x)
         if activated is None:
             activated = self.act_fn(self.gate_up_proj(x), out_dtype=self.down_proj.input_dtype(x.shape[0]))
         return self.down_proj(activated)
