@@ -13,6 +13,7 @@ from pagedserve.engine.dp_client import DPAsyncMPClient
 from pagedserve.engine.engine_view import EngineView
 from pagedserve.engine.frontend import FrontEnd, FrontEndAccess
 from pagedserve.engine.metrics import EngineMetrics
+from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.processor import PromptType
 from pagedserve.engine.tokenizer import load_tokenizer, preload_tokenizer_library
 from pagedserve.lora_request import LoRARequest
@@ -42,15 +43,16 @@ class AsyncLLM(FrontEndAccess):
             if while_starting is not None:
                 while_starting()
 
-        tokenizer = None
+        tokenizer = output_processor = None
 
-        def on_model_located(model_dir: str) -> None:  # read while the engine loads the model
-            nonlocal tokenizer
+        def on_model_located(model_dir: str) -> None:  # made while the engine loads the model
+            nonlocal tokenizer, output_processor
             tokenizer = load_tokenizer(config.tokenizer or model_dir)
+            output_processor = OutputProcessor(tokenizer)
 
         client_class = DPAsyncMPClient if config.data_parallel_size > 1 else AsyncMPClient
         self.client: EngineCoreClient = client_class(config, while_starting=front_end_start_up, on_model_located=on_model_located)
-        self.front_end = FrontEnd(config, self.client.model_info, tokenizer)
+        self.front_end = FrontEnd(config, self.client.model_info, tokenizer, output_processor)
         self.metrics = EngineMetrics(served_model_name or config.model, config.data_parallel_size)
         self.engine_view = EngineView(self.metrics, self.front_end.prompt_of)
         self.max_waiting_requests = max_waiting_requests

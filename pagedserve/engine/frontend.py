@@ -30,8 +30,9 @@ class PreparedRequest:
 class FrontEnd:
     """One per LLMEngine or AsyncLLM, which differ only in how they reach the engine core and deliver outputs."""
 
-    def __init__(self, config: EngineConfig, model_info: ModelInfo, tokenizer=None) -> None:
-        """tokenizer: the model's, when already loaded."""
+    def __init__(self, config: EngineConfig, model_info: ModelInfo, tokenizer=None,
+                 output_processor: OutputProcessor | None = None) -> None:
+        """tokenizer, output_processor: the model's tokenizer and an output processor over it, when already made."""
         self.model_info = model_info
         tokenizer_dir = config.tokenizer or model_info.model_dir
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(tokenizer_dir)
@@ -42,7 +43,7 @@ class FrontEnd:
         self.enable_lora = config.enable_lora
         self.kv_transfer = config.kv_transfer
         self.processor = Processor(self.tokenizer, model_info)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = output_processor if output_processor is not None else OutputProcessor(self.tokenizer)
 
     @property
     def max_model_len(self) -> int:

@@ -44,8 +44,8 @@ def _choice_file(directory: Path) -> Path | None:
     (its config, tokenizer config and tokenizer files decide the class); None for what is not a local directory."""
     if not directory.is_dir():
         return None
-    files = sorted(f"{entry.name}:{stat.st_size}:{stat.st_mtime_ns}" for entry in directory.iterdir()
-                   if entry.is_file() and (stat := entry.stat()))
+    stats = sorted((entry.name, entry.stat()) for entry in directory.iterdir() if entry.is_file())
+    files = [f"{name}:{stat.st_size}:{stat.st_mtime_ns}" for name, stat in stats]
     return cached_json.cache_file("tokenizer_classes", str(directory.resolve()), *files, metadata.version("transformers"),
                                   _FORMAT)
 
