@@ -68,5 +68,6 @@ def grammar_compiler(tokenizer_dir: str, vocab_size: int, stop_token_ids: tuple[
 
 
 def preload_tokenizer_library() -> None:
-    """Import transformers' fast tokenizers (about a second) ahead of need, e.g. while the engine starts."""
+    """Import transformers' fast tokenizers (most of what loading a tokenizer costs) ahead of need, e.g. while the engine
+    starts."""
     importlib.import_module(_FAST_TOKENIZER_MODULE)
