@@ -70,6 +70,39 @@ def test_a_prompt_step_beyond_the_tiles_makes_silu_and_mul_in_the_gate_up_gemms(
         torch.testing.assert_close(gate_up(x).float(), exact, rtol=2e-2, atol=2e-2 * exact.abs().max().item())
 
 
+def test_a_step_beyond_the_tiles_runs_its_gemms_at_a_multiple_of_64_rows_with_the_same_logprobs(bfloat16_llm, monkeypatch):
+    """oneDNN makes a primitive for each new row count: where its bfloat16 GEMMs take the steps beyond the tiles, a step
+    runs through the layers at its token count rounded up to a multiple of ONEDNN_ROW_MULTIPLE, the rows past its tokens
+    zero and left out of the attention; its logprobs are those of the step run at its own row count."""
+    from pagedserve.layers.linear import ONEDNN_ROW_MULTIPLE
+
+    worker = worker_of(bfloat16_llm)
+    model = worker.model.model
+    assert model.pads_gemm_rows == worker.cpu_kernels.bf16_matrix_tiles()
+    tokens = TILES_MAX_ROWS + 40
+    prompt = torch.randint(100, 40000, (tokens,), generator=torch.Generator().manual_seed(1)).tolist()
+    seen_rows = set()
+    dense_matmul = Linear.dense_matmul
+
+    def counting(self, x, bias):
+        seen_rows.add(x.shape[0])
+        return dense_matmul(self, x, bias)
+
+    def prompt_logprobs():
+        bfloat16_llm.llm_engine.call_utility("reset_prefix_cache")
+        scored = bfloat16_llm.generate({"prompt_token_ids": prompt}, greedy(1, prompt_logprobs=0), use_tqdm=False)[0]
+        return [{token: entry.logprob for token, entry in position.items()} for position in scored.prompt_logprobs[1:]]
+
+    monkeypatch.setattr(Linear, "dense_matmul", counting)
+    padded = prompt_logprobs()
+    rounded = -(-tokens // ONEDNN_ROW_MULTIPLE) * ONEDNN_ROW_MULTIPLE
+    assert tokens % ONEDNN_ROW_MULTIPLE and (rounded in seen_rows) == model.pads_gemm_rows and (tokens in seen_rows) != model.pads_gemm_rows
+    monkeypatch.setattr(model, "pads_gemm_rows", False)
+    seen_rows.clear()
+    assert prompt_logprobs() == padded
+    assert rounded not in seen_rows
+
+
 def test_bfloat16_products_reach_the_next_layer_as_they_come_with_the_same_logprobs(bfloat16_llm, monkeypatch):
     """A prompt step of more rows than the tiles take runs oneDNN's bfloat16 GEMMs: their outputs reach what reads them
     in bfloat16 as they come and each RMSNorm hands the next GEMM bfloat16 (Linear.input_dtype). The prompt's logprobs

@@ -30,6 +30,10 @@ QUANTIZED_MAX_ROWS = 64
 # oneDNN's bfloat16 GEMM and its conversions at every shape measured; from a full prefill step on, oneDNN's blocking
 # keeps level or pulls ahead (docs/cpu.md).
 TILES_MAX_ROWS = 512
+# oneDNN makes a primitive for each row count of each GEMM shape at its first call, and keeps a bounded number: steps
+# that reach its bfloat16 GEMMs beyond the tiles' rows run at row counts rounded up to a multiple of this (a few rows of
+# padding), so that a handful of primitives serves every step.
+ONEDNN_ROW_MULTIPLE = 64
 # Rows up to which blocks that round their input take the integer kernel: it multiplies each row's bytes on its own,
 # while the float32 kernel's broadcast GEMM shares each block's unpacking among its rows, and pulls ahead from a few.
 ROUNDED_INPUT_MAX_ROWS = 4
@@ -208,6 +212,15 @@ class Linear(nn.Linear):
     def rank_blocks(self, blocks: torch.Tensor, shard: int | None, bytes_per_block: int) -> torch.Tensor | None:
         """The part of a part's GGUF blocks ([out rows, bytes]) this rank holds; None where it cannot be cut."""
         return self.rank_slice(blocks, shard, is_bias=False)
+
+
+def pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """tensor with zero rows after its own, to `rows` rows (tensor itself where it has as many)."""
+    if tensor.shape[0] == rows:
+        return tensor
+    padded = tensor.new_zeros((rows, *tensor.shape[1:]))
+    padded[: tensor.shape[0]] = tensor
+    return padded
 
 
 def split_evenly(size: int, name: str) -> tuple[int, int]:

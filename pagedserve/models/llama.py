@@ -25,11 +25,14 @@ from pagedserve.layers.fused_moe import FusedMoE
 from pagedserve.layers.gemm import BFloat16ProductsWeight, linear_into, pack_weight, packed_linear
 from pagedserve.layers.layernorm import RMSNorm, SplitRMSNorm
 from pagedserve.layers.linear import (
+    ONEDNN_ROW_MULTIPLE,
+    TILES_MAX_ROWS,
     BlocksOrDense,
     Linear,
     QKVParallelLinear,
     QuantizedWeight,
     RowParallelLinear,
+    pad_rows,
 )
 from pagedserve.layers.rotary import RotaryEmbedding
 from pagedserve.layers.vocab_embedding import VocabParallelEmbedding, gather_logits
@@ -98,7 +101,8 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, attn_backend)
 
     def forward(self, positions, hidden_states, kv_cache, meta: AttentionMetadata):
-        qkv = self.qkv_proj(hidden_states)
+        rows, tokens = hidden_states.shape[0], meta.slot_mapping.shape[0]  # rows past the tokens: LlamaModel.gemm_rows
+        qkv = self.qkv_proj(hidden_states)[:tokens]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm_across_heads:
             q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
@@ -110,7 +114,7 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, kv_cache, meta, out_dtype=self.o_proj.input_dtype(q.shape[0])))
+        return self.o_proj(pad_rows(self.attn(q, k, v, kv_cache, meta, out_dtype=self.o_proj.input_dtype(rows)), rows))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -172,6 +176,18 @@ class LlamaModel(nn.Module):
         if info.is_last_stage:
             self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.native_decode: NativeDecodeLayers | None = None  # the layers in one C++ call, for the steps it takes
+        self.pads_gemm_rows = False  # set where the GEMMs are packed for it (LlamaForCausalLM.pack_gemm_weights)
+
+    def gemm_rows(self, tokens: int) -> int:
+        """The rows a step of `tokens` tokens runs through the layers: more, to a multiple of ONEDNN_ROW_MULTIPLE (zero
+        rows past the tokens, which the attention leaves out), where its GEMMs are oneDNN's bfloat16 ones beyond the AMX
+        tiles' rows and every row is a token's to every layer (no adapters, which pick theirs by token, nor experts)."""
+        if tokens <= TILES_MAX_ROWS or not self.pads_gemm_rows:
+            return tokens
+        first = self.layers[self.stage_layers[0]]
+        if first.self_attn.qkv_proj.lora is not None:
+            return tokens
+        return -(-tokens // ONEDNN_ROW_MULTIPLE) * ONEDNN_ROW_MULTIPLE
 
     def forward(self, input_ids, positions, kv_caches, meta, intermediate=None):
         """kv_caches: this stage's layers' caches. The last stage returns the final hidden states; the others
@@ -184,8 +200,12 @@ class LlamaModel(nn.Module):
         if native is not None and native.takes(meta, hidden_states.shape[0]):
             hidden_states, residual = native.forward(hidden_states, residual, positions, kv_caches, meta)
         else:
+            tokens = hidden_states.shape[0]
+            rows = self.gemm_rows(tokens)
+            hidden_states, residual = pad_rows(hidden_states, rows), None if residual is None else pad_rows(residual, rows)
             for index, kv_cache in zip(self.stage_layers, kv_caches):
                 hidden_states, residual = self.layers[index](positions, hidden_states, residual, kv_cache, meta)
+            hidden_states, residual = hidden_states[:tokens], residual[:tokens]
         if not rank_info().is_last_stage:
             return hidden_states, residual
         hidden_states, _ = self.norm(hidden_states, residual)
@@ -245,6 +265,8 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack(dtype, onednn, activation_dtype, kernels if tiles else None)
+        self.model.pads_gemm_rows = tiles and dtype == torch.bfloat16 and onednn and not any(
+            isinstance(module, FusedMoE) for module in self.modules())
         for module in self.modules():
             if isinstance(module, GatedMLP):
                 module.gate_up_proj.output_dtype = dtype
