@@ -18,8 +18,6 @@ from pagedserve.structured_output.grammar_compiler import GrammarCompiler
 
 # Bumped when what is stored changes shape.
 _FORMAT = "1"
-# The module most fast tokenizer classes are, or derive from: importing it ahead leaves a remembered class little to load.
-_FAST_TOKENIZER_MODULE = "transformers.tokenization_utils_tokenizers"
 
 
 def load_tokenizer(model_dir: str | Path):
@@ -68,6 +66,6 @@ def grammar_compiler(tokenizer_dir: str, vocab_size: int, stop_token_ids: tuple[
 
 
 def preload_tokenizer_library() -> None:
-    """Import transformers' fast tokenizers (most of what loading a tokenizer costs) ahead of need, e.g. while the engine
-    starts."""
-    importlib.import_module(_FAST_TOKENIZER_MODULE)
+    """Import transformers' fast tokenizers (most of what loading a tokenizer costs: the class most tokenizers are, or
+    derive from) ahead of need, e.g. while the engine starts."""
+    from transformers import PreTrainedTokenizerFast  # noqa: F401
