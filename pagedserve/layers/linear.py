@@ -98,7 +98,7 @@ class Linear(nn.Linear):
     it. A fused layer (qkv, gate-up) lists its parts' output sizes in shard_sizes."""
 
     packed_weight: torch.Tensor | None = None
-    # A gate-up layer's gate and up packed apart for oneDNN in place of packed_weight (pack_parts_apart): its steps that
+    # A gate-up layer's gate and up packed apart for oneDNN in place of packed_weight (pack, parts_apart): its steps that
     # oneDNN multiplies apply SiLU and the product in the two GEMMs' epilogues (fused_silu_and_mul).
     packed_parts: tuple[torch.Tensor, torch.Tensor] | None = None
     int8_weight: Int8Weight | None = None  # the dense product's weight where GEMMs run in int8 (W8A8)
@@ -117,22 +117,21 @@ class Linear(nn.Linear):
     full_in_features: int | None = None  # None: in_features
 
     def pack(self, dtype: torch.dtype = torch.float32, onednn: bool = True, output_dtype: torch.dtype | None = None,
-             tile_kernels=None) -> None:
+             tile_kernels=None, parts_apart: bool = False) -> None:
         """Run the dense product on a copy of the weight in dtype, reordered for oneDNN where onednn, returning
         output_dtype; given tile_kernels (kernels on AMX tiles, with dtype bfloat16), steps of up to TILES_MAX_ROWS rows
-        on a second copy for the tiles instead (float32 sums out): the layer's GGUF Q4 blocks where it has them."""
+        on a second copy for the tiles instead (float32 sums out): the layer's GGUF Q4 blocks where it has them.
+        parts_apart, for a gate-up layer: its gate and up packed apart (packed_parts) in place of the whole, so that
+        silu(gate) * up comes out of the GEMMs themselves rather than a pass that reads their whole output back."""
         if tile_kernels is not None:
             self.bf16_products = BFloat16ProductsWeight(self.weight, tile_kernels, self._q4_blocks())
-        self.packed_weight = pack_weight(self.weight, dtype, onednn)
+        if parts_apart:
+            gate, up = self.shard_sizes
+            self.packed_parts = (pack_weight(self.weight[:gate], dtype, onednn), pack_weight(self.weight[gate : gate + up], dtype, onednn))
+            self.packed_weight = None
+        else:
+            self.packed_weight, self.packed_parts = pack_weight(self.weight, dtype, onednn), None
         self.output_dtype = output_dtype
-
-    def pack_parts_apart(self) -> None:
-        """For a gate-up layer packed for oneDNN: its gate and up packed apart (packed_parts) in place of the whole, so
-        that silu(gate) * up comes out of the GEMMs themselves rather than a pass that reads their whole output back."""
-        gate, up = self.shard_sizes
-        dtype = self.packed_weight.dtype
-        self.packed_parts = (pack_weight(self.weight[:gate], dtype), pack_weight(self.weight[gate : gate + up], dtype))
-        self.packed_weight = None
 
     @property
     def packed(self) -> torch.Tensor | None:

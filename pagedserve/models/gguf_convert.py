@@ -59,8 +59,9 @@ def _content_digest(path: str, size: int, mtime_ns: int) -> str:
     with open(path, "rb") as handle:
         while chunk := handle.read(8 * 1024**2):
             digest.update(chunk)
-    cached_json.write(record, digest.hexdigest()[:16])
-    return digest.hexdigest()[:16]
+    short = digest.hexdigest()[:16]
+    cached_json.write(record, short)
+    return short
 
 
 def ensure_converted(gguf_path: str | Path) -> Path:

@@ -22,7 +22,7 @@ from torch import nn
 from pagedserve.distributed.parallel_state import rank_info, tp_size
 from pagedserve.layers.attention import Attention, AttentionBackend, AttentionMetadata
 from pagedserve.layers.fused_moe import FusedMoE
-from pagedserve.layers.gemm import BFloat16ProductsWeight, linear_into, pack_weight, packed_linear
+from pagedserve.layers.gemm import BFloat16ProductsWeight, linear_into, onednn_packs, pack_weight, packed_linear
 from pagedserve.layers.layernorm import RMSNorm, SplitRMSNorm
 from pagedserve.layers.linear import (
     ONEDNN_ROW_MULTIPLE,
@@ -262,19 +262,18 @@ class LlamaForCausalLM(nn.Module):
         readers take it (LlamaDecoderLayer.keep_gemm_outputs); but for steps on AMX tiles, which return their float32
         sums (Linear.pack, where tiles). The lm_head returns
         LOGITS_DTYPE: in bfloat16 on the kernels' bfloat16 dot products where they have them, else in float32."""
+        # Where the tiles take the steps of few rows, the steps that reach oneDNN's bfloat16 GEMMs are the large ones:
+        # there a pass over the gate-up output costs most, and a new row count costs each GEMM shape a primitive.
+        onednn_beyond_tiles = tiles and dtype == torch.bfloat16 and onednn and onednn_packs(dtype)
+        gate_ups = {module.gate_up_proj for module in self.modules() if isinstance(module, GatedMLP)}
         for module in self.modules():
             if isinstance(module, Linear):
-                module.pack(dtype, onednn, activation_dtype, kernels if tiles else None)
-        self.model.pads_gemm_rows = tiles and dtype == torch.bfloat16 and onednn and not any(
-            isinstance(module, FusedMoE) for module in self.modules())
+                module.pack(dtype, onednn, activation_dtype, kernels if tiles else None,
+                            parts_apart=onednn_beyond_tiles and module in gate_ups)
+        self.model.pads_gemm_rows = onednn_beyond_tiles and not any(isinstance(module, FusedMoE) for module in self.modules())
         for module in self.modules():
             if isinstance(module, GatedMLP):
                 module.gate_up_proj.output_dtype = dtype
-                packed = module.gate_up_proj.packed_weight
-                if tiles and dtype == torch.bfloat16 and packed is not None and packed.is_mkldnn:
-                    # Steps that reach oneDNN are the large ones (the tiles take the rest), where a pass over the
-                    # gate-up output costs most.
-                    module.gate_up_proj.pack_parts_apart()
             elif isinstance(module, FusedMoE):
                 module.pack(dtype, onednn)
             elif isinstance(module, LlamaDecoderLayer):
