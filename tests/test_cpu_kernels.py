@@ -338,9 +338,11 @@ def q8_scheme(x: torch.Tensor, raw_blocks: np.ndarray, qtype) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
-@pytest.mark.parametrize("rows,out_features,in_features", [(1, 5, 32), (2, 33, 64), (3, 7, 96), (5, 13, 576), (9, 40, 160)])
+@pytest.mark.parametrize("rows,out_features,in_features", [(1, 5, 32), (2, 33, 64), (3, 7, 96), (5, 13, 576), (9, 40, 160),
+                                                            (70, 24, 96), (150, 17, 64)])
 def test_q8_quantized_linear_computes_its_scheme(type_name, rows, out_features, in_features):
-    """Integer products of x rounded per 32 values: row tiles of 4 and their remainders, odd and even block counts."""
+    """Integer products of x rounded per 32 values, on the blocks' panels: a last group of fewer than 8 weight rows,
+    input rows past a chunk of 64, odd and even block counts."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
 
@@ -348,19 +350,20 @@ def test_q8_quantized_linear_computes_its_scheme(type_name, rows, out_features, 
     qtype = GGMLQuantizationType[type_name]
     rng = np.random.default_rng(rows * out_features)
     raw = quantize(rng.standard_normal((out_features, in_features)).astype(np.float32), qtype)
-    blocks = torch.from_numpy(raw.copy())
+    panels = kernels.pack_q8_panels(torch.from_numpy(raw.copy()), int(qtype))
     x, bias = torch.randn(rows, in_features), torch.randn(out_features)
     x[0, 32:64] = 0  # a block of zeros rounds to zeros (where there are two)
     expected = q8_scheme(x, raw, qtype)
-    actual = kernels.quantized_linear_q8(x, blocks, int(qtype), bias)
+    actual = kernels.quantized_linear_q8(x, panels, int(qtype), out_features, bias)
     torch.testing.assert_close(actual.double(), expected + bias.double(), rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(kernels.quantized_linear_q8(x, blocks, int(qtype)).double(), expected, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(kernels.quantized_linear_q8(x, panels, int(qtype), out_features).double(), expected, rtol=1e-5, atol=1e-4)
     # It departs from the float32 product only by the rounding of x: about 0.5% of it.
     exact = x.double() @ torch.from_numpy(dequantize(raw, qtype)).double().T
     assert 0 < (actual.double() - bias.double() - exact).norm() / exact.norm() < 0.03
     # Each output's sum runs over the blocks in one order, whatever rows come with it.
-    for row in range(rows):
-        assert torch.equal(kernels.quantized_linear_q8(x[row : row + 1].contiguous(), blocks, int(qtype), bias), actual[row : row + 1])
+    for row in range(min(rows, 12)):
+        alone = kernels.quantized_linear_q8(x[row : row + 1].contiguous(), panels, int(qtype), out_features, bias)
+        assert torch.equal(alone, actual[row : row + 1])
 
 
 def test_quantized_linear_names_bad_input():
@@ -370,10 +373,17 @@ def test_quantized_linear_names_bad_input():
         kernels.quantized_linear(torch.zeros(2, 32), blocks, 12)
     with pytest.raises(RuntimeError, match="do not hold 64 values"):
         kernels.quantized_linear(torch.zeros(2, 64), blocks, 3)
+    panels = kernels.pack_q8_panels(blocks, 3)
     with pytest.raises(RuntimeError, match="unsupported GGUF quantization type"):
-        kernels.quantized_linear_q8(torch.zeros(2, 32), blocks, 12)
-    with pytest.raises(RuntimeError, match="do not hold 64 values"):
-        kernels.quantized_linear_q8(torch.zeros(2, 64), blocks, 3)
+        kernels.quantized_linear_q8(torch.zeros(2, 32), panels, 12, 4)
+    with pytest.raises(RuntimeError, match="panels do not hold 4 rows of 64 values"):
+        kernels.quantized_linear_q8(torch.zeros(2, 64), panels, 3, 4)
+    with pytest.raises(RuntimeError, match="panels do not hold 9 rows of 32 values"):
+        kernels.quantized_linear_q8(torch.zeros(2, 32), panels, 3, 9)
+    with pytest.raises(RuntimeError, match="not whole blocks of 32"):
+        kernels.quantized_linear_q8(torch.zeros(2, 40), panels, 3, 4)
+    with pytest.raises(RuntimeError, match="unsupported GGUF quantization type"):
+        kernels.pack_q8_panels(blocks, 12)
     with pytest.raises(RuntimeError, match="multiple of 8 rows"):
         kernels.interleave_gguf_rows(blocks, 3)
     with pytest.raises(RuntimeError, match="interleaved weight does not match"):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from pagedserve.executor import gemm_choice
-from pagedserve.layers.linear import BlocksOrDense
+from pagedserve.layers.linear import EVERY_STEP, BlocksOrDense
 
 
 class FakeClock:
@@ -44,6 +44,18 @@ def test_each_shape_keeps_its_blocks_up_to_the_last_row_count_they_were_not_slow
         fake_gemm(clock, "narrow 8x8", blocks_per_row=1.0, dense_seconds=4.5),  # a second layer of the first shape
     ]
     assert gemm_choice.measure(gemms, clock) == {"narrow 8x8": 4, "wide 8x64": 64, "fast dense 8x16": 0}
+
+
+def test_blocks_that_round_their_input_are_measured_at_prefill_rows_and_may_take_every_step():
+    clock = FakeClock()
+    gemms = [
+        fake_gemm(clock, "float 8x8", blocks_per_row=1.0, dense_seconds=1000.0),  # float products: decode rows only
+        fake_gemm(clock, "integer 8x64", blocks_per_row=1.0, dense_seconds=1000.0),  # ahead at every count measured
+        fake_gemm(clock, "integer 8x16", blocks_per_row=1.0, dense_seconds=160.0),  # ahead up to 128 rows
+    ]
+    for gemm in gemms[1:]:
+        gemm.blocks.rounds_activations = True
+    assert gemm_choice.measure(gemms, clock) == {"float 8x8": 64, "integer 8x64": EVERY_STEP, "integer 8x16": 128}
 
 
 class FakeModel:

@@ -274,7 +274,7 @@ def test_auto_runs_the_blocks_on_input_rounded_to_8_bits(tiny_hf_llama, tmp_path
     rounding each linear layer's input in transformers."""
     from pagedserve.cpu_features import CPUFeatures
     from pagedserve.executor import worker as worker_module
-    from pagedserve.layers.linear import QUANTIZED_MAX_ROWS, ROUNDED_INPUT_MAX_ROWS
+    from pagedserve.layers.linear import QUANTIZED_MAX_ROWS
 
     path = tiny_gguf(tmp_path, tiny_hf_llama, "Q4_1")
     exact = LLM(str(path), dtype="float32", kv_cache_memory=4 * 1024**2)
@@ -284,10 +284,10 @@ def test_auto_runs_the_blocks_on_input_rounded_to_8_bits(tiny_hf_llama, tmp_path
     worker = worker_of(rounding)
     assert worker.dtype == worker.gemm_dtype == torch.float32
     blocks = [gemm.blocks for gemm in worker.model.blocks_and_dense_gemms()]
-    assert blocks and all(b.rounded_max_rows == ROUNDED_INPUT_MAX_ROWS for b in blocks)
+    assert blocks and all(b.rounds_activations and b.interleaved is None for b in blocks)
     assert not any(gemm.blocks.rounds_activations for gemm in worker_of(exact).model.blocks_and_dense_gemms())
     for b in blocks:  # prefills on the blocks' integer products too, whatever this machine measured
-        b.max_rows = b.rounded_max_rows = QUANTIZED_MAX_ROWS
+        b.max_rows = QUANTIZED_MAX_ROWS
     reference = transformers_on_rounded_input(tiny_hf_llama, "Q4_1")
     scoring = greedy(1, prompt_logprobs=0)
     ours_off, theirs_off = [], []

@@ -5,9 +5,10 @@
 
 namespace {
 
-// (blocks, qtype, interleaved or None, rounded_max_rows, blocks_max_rows, AMX tiles' pairs or None, out_features), as
+// (blocks, qtype, interleaved or None, panels or None, blocks_max_rows, AMX tiles' pairs or None, out_features), as
 // models/native_decode.py passes a Linear.
-using BlockLinearArgs = std::tuple<at::Tensor, int64_t, c10::optional<at::Tensor>, int64_t, int64_t, c10::optional<at::Tensor>, int64_t>;
+using BlockLinearArgs =
+    std::tuple<at::Tensor, int64_t, c10::optional<at::Tensor>, c10::optional<at::Tensor>, int64_t, c10::optional<at::Tensor>, int64_t>;
 
 BlockLinear block_linear(const BlockLinearArgs& args) {
   return {std::get<0>(args), std::get<1>(args), std::get<2>(args), std::get<3>(args), std::get<4>(args), std::get<5>(args),
@@ -66,8 +67,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantized_linear", &quantized_linear, "x @ W.T (+ bias) with W in GGUF Q4_0/Q4_1/Q8_0 blocks",
         py::arg("x"), py::arg("weight"), py::arg("qtype"), py::arg("bias") = py::none(), py::arg("interleaved") = py::none());
   m.def("quantized_linear_q8", &quantized_linear_q8,
-        "x @ W.T (+ bias) with W in GGUF Q4_0/Q4_1/Q8_0 blocks and x rounded to 8 bits per block of 32 values (integer products)",
-        py::arg("x"), py::arg("weight"), py::arg("qtype"), py::arg("bias") = py::none());
+        "x @ W.T (+ bias) with W in GGUF Q4_0/Q4_1/Q8_0 blocks, read from their panels (pack_q8_panels), and x rounded to 8 bits "
+        "per block of 32 values (integer products)",
+        py::arg("x"), py::arg("panels"), py::arg("qtype"), py::arg("out_features"), py::arg("bias") = py::none());
+  m.def("pack_q8_panels", &pack_q8_panels, "GGUF blocks as the panels quantized_linear_q8 reads (8 rows side by side)");
   m.def("interleave_gguf_rows", &interleave_gguf_rows, "the copy of GGUF blocks (8 rows interleaved) read for steps of 3+ rows");
   m.def("dequantize_gguf", &dequantize_gguf, "float32 values of GGUF Q4_0/Q4_1/Q8_0 blocks");
   m.def("lora_add_", &lora_add_, "add each listed row's LoRA product (its group's adapter) to out, in place");
@@ -103,7 +106,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             self.add_layer({std::move(input_norm), std::move(post_norm), block_linear(qkv), block_linear(o), block_linear(gate_up),
                             block_linear(down), k_scale, v_scale});
           },
-          "the next layer: its norms' weights, its linear layers as (blocks, qtype, interleaved or None, rounded_max_rows, "
+          "the next layer: its norms' weights, its linear layers as (blocks, qtype, interleaved or None, panels or None, "
           "blocks_max_rows, AMX tiles' bfloat16 pairs or None, out_features), its KV cache's static scales (0: each row's own)",
           py::arg("input_norm"), py::arg("post_norm"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"),
           py::arg("k_scale"), py::arg("v_scale"))

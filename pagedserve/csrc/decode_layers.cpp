@@ -11,7 +11,7 @@
 at::Tensor BlockLinear::operator()(const at::Tensor& x) const {
   const int64_t rows = x.size(0);
   if (on_tiles(rows)) return bf16_pairs_linear(x, *tile_pairs, out_features, c10::nullopt, true);
-  if (rows <= rounded_max_rows) return quantized_linear_q8(x, blocks, qtype, c10::nullopt);
+  if (panels.has_value()) return quantized_linear_q8(x, *panels, qtype, out_features);
   return quantized_linear(x, blocks, qtype, c10::nullopt, interleaved);
 }
 

@@ -44,6 +44,15 @@ inline void fetch_row(const uint8_t* row, int64_t row_bytes) {
   for (int64_t offset = 0; offset < row_bytes; offset += 64) __builtin_prefetch(row + offset, 0, 3);
 }
 
+// The checks of GGUF blocks [N, whole blocks a row] uint8 of a supported type. Returns the bytes of one block.
+inline int64_t checked_block_rows(const at::Tensor& weight, int64_t qtype) {
+  const int64_t bytes = quantized_block_bytes(qtype);
+  TORCH_CHECK(bytes > 0, "unsupported GGUF quantization type id ", qtype, " (supported: Q4_0=2, Q4_1=3, Q8_0=8)");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.is_contiguous(), "weight must be contiguous uint8 blocks");
+  TORCH_CHECK(weight.size(1) % bytes == 0, "rows of ", weight.size(1), " bytes are not whole blocks of ", bytes);
+  return bytes;
+}
+
 // The checks of a linear layer's arguments on GGUF blocks: x [M, K] float32, weight [N, K / 32 * block bytes] uint8 of a
 // supported type, bias [N] float32 or none. Returns the bias's values, or nullptr.
 inline const float* checked_linear_args(const at::Tensor& x, const at::Tensor& weight, int64_t qtype, const c10::optional<at::Tensor>& bias) {

@@ -419,10 +419,7 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& weight, int64
 
 // The float32 values of GGUF blocks [N, K / 32 * block_bytes] -> [N, K] (for embedding lookups and checks).
 at::Tensor dequantize_gguf(const at::Tensor& weight, int64_t qtype) {
-  const int64_t bytes = quantized_block_bytes(qtype);
-  TORCH_CHECK(bytes > 0, "unsupported GGUF quantization type id ", qtype, " (supported: Q4_0=2, Q4_1=3, Q8_0=8)");
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.is_contiguous(), "weight must be contiguous uint8 blocks");
-  TORCH_CHECK(weight.size(1) % bytes == 0, "rows of ", weight.size(1), " bytes are not whole blocks of ", bytes);
+  const int64_t bytes = checked_block_rows(weight, qtype);
   const int64_t n = weight.size(0), num_blocks = weight.size(1) / bytes, k = num_blocks * kBlockValues;
   auto out = at::empty({n, k}, weight.options().dtype(at::kFloat));
   const uint8_t* w_ptr = weight.data_ptr<uint8_t>();
@@ -436,10 +433,7 @@ at::Tensor dequantize_gguf(const at::Tensor& weight, int64_t qtype) {
 // GGUF blocks [N, K / 32 * block_bytes] -> the interleaved copy quantized_linear reads for steps of
 // more than two rows (layout above interleave_block). N must be a multiple of 8.
 at::Tensor interleave_gguf_rows(const at::Tensor& weight, int64_t qtype) {
-  const int64_t bytes = quantized_block_bytes(qtype);
-  TORCH_CHECK(bytes > 0, "unsupported GGUF quantization type id ", qtype, " (supported: Q4_0=2, Q4_1=3, Q8_0=8)");
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.is_contiguous(), "weight must be contiguous uint8 blocks");
-  TORCH_CHECK(weight.size(1) % bytes == 0, "rows of ", weight.size(1), " bytes are not whole blocks of ", bytes);
+  const int64_t bytes = checked_block_rows(weight, qtype);
   const int64_t n = weight.size(0), row_bytes = weight.size(1), num_blocks = row_bytes / bytes;
   TORCH_CHECK(n % kPanelRows == 0, "interleaving takes a multiple of ", kPanelRows, " rows, not ", n);
   const int64_t record_bytes = interleaved_record_bytes(qtype);

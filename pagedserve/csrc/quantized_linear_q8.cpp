@@ -4,10 +4,11 @@
 // Turning a block's 32 values into float32 takes more instructions than reading its bytes from memory does time, so
 // the float32 kernel (quantized_linear.cpp) is bound by that conversion on processors without wide vector units.
 // Here the block's values stay bytes: with x's block rounded to q_x at scale d_x, and the weight's value written as
-// d * c + o with c centred on 0 (below),
+// d * c + o with c centred on 0 (a Q4 nibble less 8, offset m + 8d: Q4_0's is 0; a Q8_0 byte as it is, offset 0),
 //   sum_j x_j (d c_j + o)  ~  d * d_x * sum_j c_j q_x,j  +  o * sum_j x_j,
-// an integer dot product of 32 byte pairs (maddubs + madd on AVX2, dpbusd with VNNI) and one multiply-add; the sum
-// of x over the block is kept exact, so only the rounding of x to q_x departs from the float32 product.
+// an integer dot product of 32 byte pairs and one multiply-add; the sum of x over the block is kept exact, so only the
+// rounding of x to q_x departs from the float32 product. Centred values keep x's rounding error from being multiplied
+// by the nibbles' mean.
 //
 // Each output is accumulated over the blocks in order, the same whatever rows come with it: a row's product does not
 // depend on its batch.
@@ -16,11 +17,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <memory>
 #include <vector>
 
 #include "gguf_block.h"
 #include "ops.h"
-#include "vec_lanes.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -28,91 +30,83 @@
 
 namespace {
 
-// Input rows a task multiplies together by each weight row: their 4 accumulators, the weight's bytes and the
-// products fit the 16 AVX2 registers, and the weight's unpacking is shared by the 4.
-constexpr int64_t kRowTile = 4;
-
 // x's rows rounded per block of 32 values: q = nearbyint(x * 127 / max|x|) (symmetric, so -q is always an int8),
 // with the block's scale max|x| / 127, its exact sum and the sum of its q.
 struct RoundedRows {
-  std::vector<int8_t> values;
-  std::vector<float> scales, sums;
-  std::vector<int32_t> value_sums;
+  std::unique_ptr<int8_t[]> values;
+  std::unique_ptr<float[]> scales, sums;
+  std::unique_ptr<int32_t[]> value_sums;
 };
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline float max_of_lanes(__m256 a) {
+  __m128 r = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  r = _mm_max_ps(r, _mm_movehl_ps(r, r));
+  return _mm_cvtss_f32(_mm_max_ss(r, _mm_shuffle_ps(r, r, 1)));
+}
+
+inline float sum_of_lanes(__m256 a) {
+  __m128 r = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+  return _mm_cvtss_f32(_mm_add_ss(r, _mm_shuffle_ps(r, r, 1)));
+}
+
+inline int32_t sum_of_lanes(__m256i a) {
+  __m128i r = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+  r = _mm_add_epi32(r, _mm_shuffle_epi32(r, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(r, _mm_shuffle_epi32(r, 0xB1)));
+}
+#endif
+
+// Block b of x (32 values at in) into `rounded`.
+inline void round_block(const float* in, int64_t b, RoundedRows& rounded) {
+  int8_t* out = rounded.values.get() + b * kBlockValues;
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 v[4];
+  for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(in + 8 * i);
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256 largest = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], magnitude), _mm256_and_ps(v[1], magnitude)),
+                                       _mm256_max_ps(_mm256_and_ps(v[2], magnitude), _mm256_and_ps(v[3], magnitude)));
+  const float amax = max_of_lanes(largest);
+  const __m256 inverse = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  __m256i q[4];  // cvtps rounds to nearest even, as nearbyint does
+  for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
+  // packs works within 128-bit halves: the permute puts the 8 groups of 4 bytes back in value order.
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  rounded.scales[b] = amax / 127.f;
+  rounded.sums[b] = sum_of_lanes(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+  rounded.value_sums[b] = sum_of_lanes(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+#else
+  float amax = 0.f, sum = 0.f;
+  for (int64_t j = 0; j < kBlockValues; ++j) {
+    amax = std::max(amax, std::fabs(in[j]));
+    sum += in[j];
+  }
+  const float inverse = amax > 0.f ? 127.f / amax : 0.f;
+  int32_t value_sum = 0;
+  for (int64_t j = 0; j < kBlockValues; ++j) {
+    out[j] = static_cast<int8_t>(std::nearbyint(in[j] * inverse));
+    value_sum += out[j];
+  }
+  rounded.scales[b] = amax / 127.f;
+  rounded.sums[b] = sum;
+  rounded.value_sums[b] = value_sum;
+#endif
+}
 
 RoundedRows round_rows(const float* x, int64_t rows, int64_t k) {
   const int64_t num_blocks = rows * (k / kBlockValues);
-  RoundedRows rounded{std::vector<int8_t>(rows * k), std::vector<float>(num_blocks), std::vector<float>(num_blocks),
-                      std::vector<int32_t>(num_blocks)};
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    const float* in = x + b * kBlockValues;
-    float amax = 0.f, sum = 0.f;
-    for (int64_t j = 0; j < kBlockValues; ++j) {
-      amax = std::max(amax, std::fabs(in[j]));
-      sum += in[j];
-    }
-    const float inverse = amax > 0.f ? 127.f / amax : 0.f;
-    int32_t value_sum = 0;
-    for (int64_t j = 0; j < kBlockValues; ++j) {
-      const int8_t q = static_cast<int8_t>(std::nearbyint(in[j] * inverse));
-      rounded.values[b * kBlockValues + j] = q;
-      value_sum += q;
-    }
-    rounded.scales[b] = amax / 127.f;
-    rounded.sums[b] = sum;
-    rounded.value_sums[b] = value_sum;
-  }
+  RoundedRows rounded{std::make_unique<int8_t[]>(rows * k), std::make_unique<float[]>(num_blocks),
+                      std::make_unique<float[]>(num_blocks), std::make_unique<int32_t[]>(num_blocks)};
+  at::parallel_for(0, num_blocks, 2048, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) round_block(x + b * kBlockValues, b, rounded);
+  });
   return rounded;
 }
 
-// A weight block as value = d * c + offset with c centred: q - 8 for Q4 (offset m + 8d: Q4_0's is 0), q for Q8_0.
-// Centred values keep x's rounding error from being multiplied by the nibbles' mean.
-struct CentredBlock {
-  float d, offset;
-};
-
-inline CentredBlock centred(const uint8_t* block, int64_t qtype) {
-  const float d = half_at(block);
-  return {d, qtype == kQ4_1 ? half_at(block + 2) + 8.f * d : 0.f};
-}
-
-#if defined(__AVX2__) && defined(__FMA__)
-// The block's 32 values as bytes in value order: unsigned nibbles q for Q4, signed bytes for Q8_0.
-inline __m256i block_bytes(const uint8_t* block, int64_t qtype) {
-  if (qtype == kQ8_0) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
-  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(nibbles_of(block, qtype)));
-  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(0x0F));
-}
-
-// Eight int32 partial sums of the 32 products of unsigned bytes u and signed bytes s (|s| <= 127, so no pair of
-// products saturates maddubs' int16).
-inline __m256i unsigned_dot(__m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-#endif
-}
-
-// Eight int32 lanes summing to sum_j c_j x_j for weight bytes w (block_bytes) and x's bytes, whose sum is x_sum: a Q4
-// block's sum of q x less 8 x_sum (-x_sum in each lane), a Q8_0 block's |w| times x with w's sign.
-inline __m256i centred_dot(__m256i w, __m256i x, int32_t x_sum, int64_t qtype) {
-  if (qtype == kQ8_0) return unsigned_dot(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-  return _mm256_sub_epi32(unsigned_dot(w, x), _mm256_set1_epi32(x_sum));
-}
-
-#else
-// c_j of a block (centred above).
-inline int32_t centred_value(const uint8_t* block, int64_t qtype, int64_t j) {
-  if (qtype == kQ8_0) return static_cast<int8_t>(block[2 + j]);
-  const uint8_t* q = nibbles_of(block, qtype);
-  return (j < 16 ? q[j] & 0x0F : q[j - 16] >> 4) - 8;
-}
-#endif
-
-// Whether the rows are fetched ahead (fetch_row): where their products take less time than their bytes take to come
-// from memory (a Q8_0 row: 34 bytes a block of 32 values; a Q4 row where VNNI's dpbusd multiplies its bytes). With
-// AVX2's maddubs and madd a Q4 row is bound by its unpacking and products instead, and fetching ahead slowed it.
+// Whether the panels are fetched ahead (fetch_row) for steps of one or two rows: where their products take less time
+// than their bytes take to come from memory (a Q8_0 panel; a Q4 one where VNNI's dpbusd multiplies its bytes).
 constexpr bool fetches_ahead(int64_t qtype) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   return true;
@@ -121,101 +115,211 @@ constexpr bool fetches_ahead(int64_t qtype) {
 #endif
 }
 
-// Blocks go to two accumulators in turn (even, odd) so that one block's multiply-add does not wait on the previous
-// one's; every row takes the same order, whatever rows come with it.
-constexpr int kChains = 2;
+// Panels: the blocks of 8 output rows side by side, so that one maddubs (dpbusd) multiplies 4 values of each of the 8
+// rows by the same 4 bytes of x, broadcast. Each block's unpacking is then shared by every input row of a step, and
+// an output's sums land in a vector lane of their own with no horizontal sum. Per group of 8 rows and per block: the
+// rows' d, then their m (Q4_1's offset; 0 otherwise), as fp16; then the values in 32-byte vectors, lane c (4 bytes)
+// for row c:
+//   Q4: 4 vectors; vector s holds the block's nibble bytes 4s..4s+3 of each row (values 4s.. in the low nibbles,
+//       16 + 4s.. in the high ones, as the block pairs them);
+//   Q8_0: 8 vectors; vector t holds values 4t..4t+3 of each row.
+// Rows past the weight's last (in a last group of fewer than 8) are zeros.
+constexpr int64_t kGroupRows = 8;
+constexpr int64_t kPanelScaleBytes = 2 * kGroupRows * sizeof(uint16_t);
 
-// out[i * n + r] for weight rows r in [first, last) and the MR input rows starting at `row` of `rounded`.
-template <int MR, int64_t qtype>
-void rows_times_weight_rows(const RoundedRows& rounded, int64_t row, int64_t k, const uint8_t* w, int64_t row_bytes,
-                            int64_t first, int64_t last, const float* bias, float* out, int64_t n) {
-  const int64_t stride = quantized_block_bytes(qtype), num_blocks = k / kBlockValues;
-  const int8_t* xq = rounded.values.data() + row * k;
-  const float* xd = rounded.scales.data() + row * num_blocks;
-  const float* xs = rounded.sums.data() + row * num_blocks;
-  const int32_t* xqs = rounded.value_sums.data() + row * num_blocks;
-  for (int64_t r = first; r < last; ++r) {
-    const uint8_t* weight_row = w + r * row_bytes;
-    float offsets[MR][kChains] = {};
-#if defined(__AVX2__) && defined(__FMA__)
-    if (fetches_ahead(qtype) && r + kFetchAheadRows < last) fetch_row(weight_row + kFetchAheadRows * row_bytes, row_bytes);
-    __m256 acc[MR][kChains];
-    for (int i = 0; i < MR; ++i)
-      for (int c = 0; c < kChains; ++c) acc[i][c] = _mm256_setzero_ps();
-    // Block b into chain c (a constant in each call, so the accumulators stay in registers).
-    const auto add_block = [&](int64_t b, int c) __attribute__((always_inline)) {
-      const uint8_t* block = weight_row + b * stride;
-      const CentredBlock weight = centred(block, qtype);
-      const __m256i wv = block_bytes(block, qtype);
-      for (int i = 0; i < MR; ++i) {
-        const int64_t xb = i * num_blocks + b;
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * k + b * kBlockValues));
-        const __m256 sums = _mm256_cvtepi32_ps(centred_dot(wv, xv, xqs[xb], qtype));
-        acc[i][c] = _mm256_fmadd_ps(sums, _mm256_set1_ps(weight.d * xd[xb]), acc[i][c]);
-        if constexpr (qtype != kQ8_0) offsets[i][c] += weight.offset * xs[xb];  // a Q8_0 block's offset is 0
-      }
-    };
-    int64_t b = 0;
-    for (; b + kChains <= num_blocks; b += kChains) {
-      add_block(b, 0);
-      add_block(b + 1, 1);
-    }
-    if (b < num_blocks) add_block(b, 0);
-    for (int i = 0; i < MR; ++i)
-      out[i * n + r] = horizontal_sum(_mm256_add_ps(acc[i][0], acc[i][1])) + (offsets[i][0] + offsets[i][1]) + (bias ? bias[r] : 0.f);
-#else
-    float acc[MR][kChains] = {};
-    for (int64_t b = 0; b < num_blocks; ++b) {
-      const int c = b % kChains;
-      const uint8_t* block = weight_row + b * stride;
-      const CentredBlock weight = centred(block, qtype);
-      for (int i = 0; i < MR; ++i) {
-        const int64_t xb = i * num_blocks + b;
-        int32_t sum = 0;
-        for (int64_t j = 0; j < kBlockValues; ++j) sum += centred_value(block, qtype, j) * xq[i * k + b * kBlockValues + j];
-        acc[i][c] += static_cast<float>(sum) * (weight.d * xd[xb]);
-        offsets[i][c] += weight.offset * xs[xb];
-      }
-    }
-    for (int i = 0; i < MR; ++i) out[i * n + r] = (acc[i][0] + acc[i][1]) + (offsets[i][0] + offsets[i][1]) + (bias ? bias[r] : 0.f);
-#endif
+int64_t panel_value_bytes(int64_t qtype) { return (qtype == kQ8_0 ? 2 : 1) * kGroupRows * 16; }
+int64_t panel_record_bytes(int64_t qtype) { return kPanelScaleBytes + panel_value_bytes(qtype); }
+
+void pack_panel_record(const uint8_t* weight, int64_t n, int64_t row_bytes, int64_t first_row, int64_t b, int64_t qtype,
+                       uint8_t* record) {
+  std::memset(record, 0, panel_record_bytes(qtype));
+  uint8_t* values = record + kPanelScaleBytes;
+  for (int64_t c = 0; c < kGroupRows && first_row + c < n; ++c) {
+    const uint8_t* block = weight + (first_row + c) * row_bytes + b * quantized_block_bytes(qtype);
+    std::memcpy(record + 2 * c, block, 2);
+    if (qtype == kQ4_1) std::memcpy(record + 2 * (kGroupRows + c), block + 2, 2);
+    const uint8_t* bytes = qtype == kQ8_0 ? block + 2 : nibbles_of(block, qtype);
+    const int64_t num_words = qtype == kQ8_0 ? 8 : 4;
+    for (int64_t t = 0; t < num_words; ++t) std::memcpy(values + t * 32 + 4 * c, bytes + 4 * t, 4);
   }
 }
 
-// rows_times_weight_rows for a tile of 1 to kRowTile input rows.
+#if defined(__AVX2__) && defined(__FMA__)
+// The exact integer sum of a block's products for one input row, one lane per weight row of the group: bytes of the
+// weight (unsigned) times x's bytes (signed) broadcast 4 at a time. With VNNI dpbusd adds each 4 products into int32;
+// AVX2's maddubs gives int16 pairs, which a Q4 block (products below 16 * 127) can add up in int16 over its 32 values
+// before one madd widens them, while a Q8_0 block's pairs are widened at once.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+constexpr bool kDotsInInt32 = true;
+#else
+constexpr bool kDotsInInt32 = false;
+#endif
+
 template <int64_t qtype>
-void rows_of_type(int64_t rows, const RoundedRows& rounded, int64_t row, int64_t k, const uint8_t* w, int64_t row_bytes,
-                  int64_t first, int64_t last, const float* bias, float* out, int64_t n) {
-  switch (rows) {
-    case 4: rows_times_weight_rows<4, qtype>(rounded, row, k, w, row_bytes, first, last, bias, out, n); break;
-    case 3: rows_times_weight_rows<3, qtype>(rounded, row, k, w, row_bytes, first, last, bias, out, n); break;
-    case 2: rows_times_weight_rows<2, qtype>(rounded, row, k, w, row_bytes, first, last, bias, out, n); break;
-    default: rows_times_weight_rows<1, qtype>(rounded, row, k, w, row_bytes, first, last, bias, out, n); break;
+struct BlockDots {
+  __m256i sums = _mm256_setzero_si256();
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  void add(__m256i u, __m256i s) { sums = _mm256_dpbusd_epi32(sums, u, s); }
+  __m256i total() const { return sums; }
+#else
+  void add(__m256i u, __m256i s) {
+    const __m256i pairs = _mm256_maddubs_epi16(u, s);
+    if constexpr (qtype == kQ8_0) sums = _mm256_add_epi32(sums, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+    else sums = _mm256_add_epi16(sums, pairs);
   }
+  __m256i total() const { return qtype == kQ8_0 ? sums : _mm256_madd_epi16(sums, _mm256_set1_epi16(1)); }
+#endif
+  static __m256i sum(const BlockDots& a, const BlockDots& b) {
+    BlockDots both;
+    both.sums = qtype == kQ8_0 || kDotsInInt32 ? _mm256_add_epi32(a.sums, b.sums) : _mm256_add_epi16(a.sums, b.sums);
+    return both.total();
+  }
+};
+
+inline __m256i broadcast_word(const int8_t* p) {
+  return _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float*>(p)));
+}
+
+// acc[i * 8 + c] for the `rows` input rows starting at `first` and the 8 weight rows of the group whose records start
+// at `group`: per output, over the blocks in order, sums * (d * d_x), then (Q4_1) offset * x's sum. A block's 8 vectors
+// of weight bytes stay in registers while every row passes; the accumulators are in memory, touched once a block.
+template <int64_t qtype>
+void rows_times_group(const RoundedRows& rounded, int64_t first, int64_t rows, int64_t k, const uint8_t* group, float* acc) {
+  const int64_t num_blocks = k / kBlockValues, record_bytes = panel_record_bytes(qtype);
+  for (int64_t i = 0; i < rows; ++i) _mm256_storeu_ps(acc + i * kGroupRows, _mm256_setzero_ps());
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const uint8_t* record = group + b * record_bytes;
+    const __m256i* values = reinterpret_cast<const __m256i*>(record + kPanelScaleBytes);
+    // w[t]: values 4t..4t+3 of each row (a Q8_0 row's as magnitudes: its signs go onto x's bytes instead).
+    __m256i w[8];
+    for (int t = 0; t < 8; ++t) {
+      if constexpr (qtype == kQ8_0) {
+        w[t] = _mm256_abs_epi8(_mm256_loadu_si256(values + t));
+      } else {
+        const __m256i packed = _mm256_loadu_si256(values + t % 4);
+        w[t] = _mm256_and_si256(t < 4 ? packed : _mm256_srli_epi16(packed, 4), _mm256_set1_epi8(0x0F));
+      }
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(record)));
+    __m256 offset = _mm256_setzero_ps();
+    if constexpr (qtype == kQ4_1)
+      offset = _mm256_fmadd_ps(_mm256_set1_ps(8.f), d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(record + 16))));
+    const int8_t* xq = rounded.values.get() + first * k + b * kBlockValues;
+    for (int64_t i = 0; i < rows; ++i) {
+      BlockDots<qtype> dots[2];  // two chains, so that their additions do not wait on each other
+      for (int t = 0; t < 8; ++t) {
+        const __m256i x = broadcast_word(xq + i * k + 4 * t);
+        if constexpr (qtype == kQ8_0) dots[t % 2].add(w[t], _mm256_sign_epi8(x, _mm256_loadu_si256(values + t)));
+        else dots[t % 2].add(w[t], x);
+      }
+      const int64_t xb = (first + i) * num_blocks + b;
+      __m256i sums = BlockDots<qtype>::sum(dots[0], dots[1]);
+      if constexpr (qtype != kQ8_0) sums = _mm256_sub_epi32(sums, _mm256_set1_epi32(8 * rounded.value_sums[xb]));  // c = q - 8
+      __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, _mm256_set1_ps(rounded.scales[xb])),
+                                 _mm256_loadu_ps(acc + i * kGroupRows));
+      if constexpr (qtype == kQ4_1) a = _mm256_fmadd_ps(offset, _mm256_set1_ps(rounded.sums[xb]), a);
+      _mm256_storeu_ps(acc + i * kGroupRows, a);
+    }
+  }
+}
+#else
+template <int64_t qtype>
+void rows_times_group(const RoundedRows& rounded, int64_t first, int64_t rows, int64_t k, const uint8_t* group, float* acc) {
+  const int64_t num_blocks = k / kBlockValues, record_bytes = panel_record_bytes(qtype);
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t c = 0; c < kGroupRows; ++c) {
+      float a = 0.f;
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        const uint8_t* record = group + b * record_bytes;
+        const uint8_t* values = record + kPanelScaleBytes;
+        const int8_t* xq = rounded.values.get() + (first + i) * k + b * kBlockValues;
+        const int64_t xb = (first + i) * num_blocks + b;
+        int32_t sum = 0;
+        for (int64_t j = 0; j < kBlockValues; ++j) {
+          int32_t w;
+          if (qtype == kQ8_0) {
+            w = static_cast<int8_t>(values[(j / 4) * 32 + 4 * c + j % 4]);
+          } else {
+            const int64_t v = j % 16;
+            const uint8_t byte = values[(v / 4) * 32 + 4 * c + v % 4];
+            w = j < 16 ? byte & 0x0F : byte >> 4;
+          }
+          sum += w * xq[j];
+        }
+        if (qtype != kQ8_0) sum -= 8 * rounded.value_sums[xb];
+        const float d = half_at(record + 2 * c);
+        a = std::fma(static_cast<float>(sum), d * rounded.scales[xb], a);
+        if (qtype == kQ4_1) a = std::fma(std::fma(8.f, d, half_at(record + 16 + 2 * c)), rounded.sums[xb], a);
+      }
+      acc[i * kGroupRows + c] = a;
+    }
+}
+#endif
+
+// Input rows walked together past a task's groups: their rounded bytes stay in L2 meanwhile.
+constexpr int64_t kPanelChunkRows = 64;
+
+template <int64_t qtype>
+void panels_linear(const RoundedRows& rounded, int64_t m, int64_t k, const uint8_t* panels, int64_t n, const float* bias, float* out) {
+  const int64_t group_bytes = k / kBlockValues * panel_record_bytes(qtype), num_groups = (n + kGroupRows - 1) / kGroupRows;
+  at::parallel_for(0, num_groups, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(std::min(kPanelChunkRows, m) * kGroupRows);
+    for (int64_t chunk = 0; chunk < m; chunk += kPanelChunkRows) {
+      const int64_t rows = std::min(kPanelChunkRows, m - chunk);
+      for (int64_t g = begin; g < end; ++g) {
+        const uint8_t* group = panels + g * group_bytes;
+        if (fetches_ahead(qtype) && rows <= 2 && g + 1 < end) fetch_row(group + group_bytes, group_bytes);
+        rows_times_group<qtype>(rounded, chunk, rows, k, group, acc.data());
+        const int64_t first_col = g * kGroupRows, cols = std::min(kGroupRows, n - first_col);
+        for (int64_t i = 0; i < rows; ++i)
+          for (int64_t c = 0; c < cols; ++c)
+            out[(chunk + i) * n + first_col + c] = acc[i * kGroupRows + c] + (bias ? bias[first_col + c] : 0.f);
+      }
+    }
+  });
 }
 
 }  // namespace
 
-// x [M, K] float32; weight [N, K / 32 * block_bytes] uint8 (GGUF blocks); bias [N] float32 or undefined. Returns
-// x @ dequantized(weight).T + bias, [M, N], with x rounded to 8 bits per block of 32 values.
-at::Tensor quantized_linear_q8(const at::Tensor& x, const at::Tensor& weight, int64_t qtype, const c10::optional<at::Tensor>& bias) {
-  const float* bias_ptr = checked_linear_args(x, weight, qtype, bias);
-  const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
+// GGUF blocks [N, K / 32 * block_bytes] -> the panels quantized_linear_q8 reads (layout above pack_panel_record):
+// [ceil(N / 8), K / 32 * record bytes].
+at::Tensor pack_q8_panels(const at::Tensor& weight, int64_t qtype) {
+  const int64_t bytes = checked_block_rows(weight, qtype);
+  const int64_t n = weight.size(0), row_bytes = weight.size(1), num_blocks = row_bytes / bytes;
+  const int64_t num_groups = (n + kGroupRows - 1) / kGroupRows, record_bytes = panel_record_bytes(qtype);
+  auto out = at::empty({num_groups, num_blocks * record_bytes}, weight.options());
+  const uint8_t* w_ptr = weight.data_ptr<uint8_t>();
+  uint8_t* out_ptr = out.data_ptr<uint8_t>();
+  at::parallel_for(0, num_groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g)
+      for (int64_t b = 0; b < num_blocks; ++b)
+        pack_panel_record(w_ptr, n, row_bytes, g * kGroupRows, b, qtype, out_ptr + (g * num_blocks + b) * record_bytes);
+  });
+  return out;
+}
+
+// x [M, K] float32; panels (pack_q8_panels) of a weight [out_features, K / 32 * block bytes] uint8 in GGUF blocks;
+// bias [out_features] float32 or undefined. Returns x @ dequantized(weight).T + bias, [M, out_features], with x
+// rounded to 8 bits per block of 32 values.
+at::Tensor quantized_linear_q8(const at::Tensor& x, const at::Tensor& panels, int64_t qtype, int64_t out_features,
+                               const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(quantized_block_bytes(qtype) > 0, "unsupported GGUF quantization type id ", qtype, " (supported: Q4_0=2, Q4_1=3, Q8_0=8)");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be a contiguous float32 [M, K] tensor");
+  const int64_t m = x.size(0), k = x.size(1), n = out_features;
+  TORCH_CHECK(k % kBlockValues == 0, "x's rows of ", k, " values are not whole blocks of ", kBlockValues);
+  TORCH_CHECK(panels.dim() == 2 && panels.scalar_type() == at::kByte && panels.is_contiguous() &&
+                  panels.size(0) == (n + kGroupRows - 1) / kGroupRows && panels.size(1) == k / kBlockValues * panel_record_bytes(qtype),
+              "panels do not hold ", n, " rows of ", k, " values of this type (make them with pack_q8_panels)");
+  const float* bias_ptr = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == n && bias->is_contiguous(), "bias must be float32 [N]");
+    bias_ptr = bias->data_ptr<float>();
+  }
   auto out = at::empty({m, n}, x.options());
   const RoundedRows rounded = round_rows(x.data_ptr<float>(), m, k);
-  const uint8_t* w_ptr = weight.data_ptr<uint8_t>();
-  float* out_ptr = out.data_ptr<float>();
-  const int64_t row_bytes = weight.size(1);
-  // Each task takes a range of weight rows for every input row, a tile of input rows at a time: its weight rows stay in
-  // the cache while the tiles pass.
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t row = 0; row < m; row += kRowTile) {
-      const int64_t rows = std::min(kRowTile, m - row);
-      float* o = out_ptr + row * n;
-      if (qtype == kQ4_0) rows_of_type<kQ4_0>(rows, rounded, row, k, w_ptr, row_bytes, begin, end, bias_ptr, o, n);
-      else if (qtype == kQ4_1) rows_of_type<kQ4_1>(rows, rounded, row, k, w_ptr, row_bytes, begin, end, bias_ptr, o, n);
-      else rows_of_type<kQ8_0>(rows, rounded, row, k, w_ptr, row_bytes, begin, end, bias_ptr, o, n);
-    }
-  });
+  const uint8_t* p = panels.data_ptr<uint8_t>();
+  if (qtype == kQ4_0) panels_linear<kQ4_0>(rounded, m, k, p, n, bias_ptr, out.data_ptr<float>());
+  else if (qtype == kQ4_1) panels_linear<kQ4_1>(rounded, m, k, p, n, bias_ptr, out.data_ptr<float>());
+  else panels_linear<kQ8_0>(rounded, m, k, p, n, bias_ptr, out.data_ptr<float>());
   return out;
 }

@@ -20,13 +20,19 @@ import torch
 
 from pagedserve import cached_json
 from pagedserve.layers import cpu_kernels
-from pagedserve.layers.linear import BlocksOrDense
+from pagedserve.layers.linear import EVERY_STEP, BlocksOrDense
 from pagedserve.version import __version__
 
 # Row counts measured, in order: a decode step's batch sizes up to where the blocks stop being an option.
 CANDIDATE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+# Row counts measured next for blocks that round their input, whose integer products can outrun the dense weight's
+# float ones at any row count: prefill steps. Blocks still ahead at the last take every larger step too (EVERY_STEP):
+# there both paths are bound by arithmetic, whose rates stop changing with the rows.
+PREFILL_ROWS = (128, 256, 512)
 # Passes over the model per path and row count; the fastest counts, as the others carry the machine's slow moments.
+# A prefill-sized GEMM runs long enough for fewer.
 PASSES = 5
+PREFILL_PASSES = 2
 # How much faster the dense weight must be to take a row count from the blocks: more than the timings of one shape
 # move between starts where the two are close (a few-row GEMM on both reads at a similar pace), so a noisy moment does
 # not give away the blocks' smaller reads, which other work running beside a step is spared too.
@@ -52,28 +58,41 @@ def choose(model, dense_dtype: torch.dtype) -> dict[str, int]:
 
 def measure(gemms: Sequence[BlocksOrDense], clock: Callable[[], float] = time.perf_counter) -> dict[str, int]:
     """Per shape, the largest candidate row count up to which its dense weight was never clearly faster than its
-    blocks (0: the dense weight always)."""
+    blocks (0: the dense weight always; EVERY_STEP: the blocks at every count, prefill-sized ones included)."""
     max_rows = dict.fromkeys((gemm.shape for gemm in gemms), 0)
     still_winning = set(max_rows)
     for rows in CANDIDATE_ROWS:
-        inputs = {gemm.shape: torch.randn(rows, gemm.in_features) for gemm in gemms}
-        on_blocks, on_dense = _fastest_passes(gemms, inputs, clock)
-        for name in list(still_winning):
-            if on_dense[name] * DENSE_MARGIN < on_blocks[name]:
-                still_winning.discard(name)
-            else:
-                max_rows[name] = rows
-        if not still_winning:
-            break
+        _keep_winners(gemms, rows, PASSES, still_winning, max_rows, clock)
+    rounding = [gemm for gemm in gemms if gemm.blocks.rounds_activations]
+    for rows in PREFILL_ROWS:
+        _keep_winners([gemm for gemm in rounding if gemm.shape in still_winning], rows, PREFILL_PASSES, still_winning, max_rows, clock)
+    for name in still_winning & {gemm.shape for gemm in rounding}:
+        max_rows[name] = EVERY_STEP
     return max_rows
 
 
-def _fastest_passes(gemms: Sequence[BlocksOrDense], inputs: dict[str, torch.Tensor], clock) -> tuple[dict[str, float], dict[str, float]]:
-    """Per shape, the least time over PASSES passes of running each GEMM of the model once, in order, on its blocks
+def _keep_winners(gemms: Sequence[BlocksOrDense], rows: int, passes: int, still_winning: set[str], max_rows: dict[str, int],
+                  clock) -> None:
+    """Times gemms at `rows` rows; a shape whose dense weight was clearly faster leaves still_winning, the others'
+    max_rows become `rows`."""
+    if not still_winning or not gemms:
+        return
+    inputs = {gemm.shape: torch.randn(rows, gemm.in_features) for gemm in gemms}
+    on_blocks, on_dense = _fastest_passes(gemms, inputs, passes, clock)
+    for name in still_winning & set(inputs):
+        if on_dense[name] * DENSE_MARGIN < on_blocks[name]:
+            still_winning.discard(name)
+        else:
+            max_rows[name] = rows
+
+
+def _fastest_passes(gemms: Sequence[BlocksOrDense], inputs: dict[str, torch.Tensor], passes: int,
+                    clock) -> tuple[dict[str, float], dict[str, float]]:
+    """Per shape, the least time over `passes` passes of running each GEMM of the model once, in order, on its blocks
     and on its dense weight. The two kinds of pass alternate, so a moment when the machine is busy (another process
     starting beside this one) slows both alike."""
     fastest_blocks, fastest_dense = dict.fromkeys(inputs, math.inf), dict.fromkeys(inputs, math.inf)
-    for _ in range(PASSES):
+    for _ in range(passes):
         for fastest, run in ((fastest_blocks, lambda gemm, x: gemm.blocks.linear(x)), (fastest_dense, lambda gemm, x: gemm.dense(x))):
             spent = dict.fromkeys(inputs, 0.0)
             for gemm in gemms:

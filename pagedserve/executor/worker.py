@@ -23,7 +23,7 @@ from pagedserve.layers.attention import Attention, select_attention_backend
 from pagedserve.layers.attention.kv_quant import NO_STATIC_SCALES, KVFormat, kv_format
 from pagedserve.layers.fused_moe import FusedMoE
 from pagedserve.layers.gemm import onednn_available
-from pagedserve.layers.linear import TILES_MAX_ROWS, Linear, kv_heads_of_rank
+from pagedserve.layers.linear import TILES_MAX_ROWS, Linear, kv_heads_of_rank, row_limit_text
 from pagedserve.lora_request import LoRARequest
 from pagedserve.model_info import ModelInfo
 from pagedserve.models.gguf_blocks import load_quantized_blocks
@@ -235,8 +235,8 @@ class Worker:
     def _choose_gemm_paths(self) -> None:
         rows = gemm_choice.choose(self.model, self.dense_gemm_dtype)
         if rows:
-            logger.info("GEMMs on the GGUF blocks up to these row counts, on %s weights beyond (measured on this machine): %s",
-                        _name(self.dense_gemm_dtype), ", ".join(f"{shape} {count}" for shape, count in rows.items()))
+            logger.info("GEMMs on the GGUF blocks (measured on this machine; %s weights for larger steps): %s",
+                        _name(self.dense_gemm_dtype), ", ".join(f"{shape} {row_limit_text(count)}" for shape, count in rows.items()))
 
     def _packs_for_onednn(self) -> bool:
         available = onednn_available(self.device, self.dtype)
@@ -360,7 +360,7 @@ class Worker:
             self._choose_gemm_paths()
         # After the row counts are chosen and the adapters' layers known: the native layers read both once.
         if not config.enable_lora and self.model.use_native_decode(self.cpu_kernels):
-            logger.info("decode steps of up to %d rows run the decoder layers in one C++ call", self.model.model.native_decode.max_rows)
+            logger.info("decode steps %s run the decoder layers in one C++ call", row_limit_text(self.model.model.native_decode.max_rows))
         if self.on_cpu and config.prefault_kv_cache:
             self.kv_prefault = cpu_host.KVCachePrefault(self.kv_caches + self.draft_kv_caches)
         logger.info(

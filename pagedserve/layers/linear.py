@@ -10,6 +10,7 @@ of M rows takes is measured per weight shape on the machine at hand (executor/ge
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -26,6 +27,8 @@ from pagedserve.layers.lora import LinearLoRA
 # interleaved copy of the blocks, which on some processors stays level with oneDNN up to 64 rows and on others falls
 # behind from 3.
 QUANTIZED_MAX_ROWS = 64
+# The row limit of blocks that take every step, whatever its size (as gemm_choice may find for integer products).
+EVERY_STEP = sys.maxsize
 # Rows up to which a bfloat16 GEMM runs on the C++ kernels' AMX tiles (where pack() gave it them): there they beat
 # oneDNN's bfloat16 GEMM and its conversions at every shape measured; from a full prefill step on, oneDNN's blocking
 # keeps level or pulls ahead (docs/cpu.md).
@@ -34,9 +37,6 @@ TILES_MAX_ROWS = 512
 # that reach its bfloat16 GEMMs beyond the tiles' rows run at row counts rounded up to a multiple of this (a few rows of
 # padding), so that a handful of primitives serves every step.
 ONEDNN_ROW_MULTIPLE = 64
-# Rows up to which blocks that round their input take the integer kernel: it multiplies each row's bytes on its own,
-# while the float32 kernel's broadcast GEMM shares each block's unpacking among its rows, and pulls ahead from a few.
-ROUNDED_INPUT_MAX_ROWS = 4
 
 
 # GGUF types the kernels read (csrc/quantized_linear.cpp): name -> GGMLQuantizationType id (fixed by the GGUF format;
@@ -45,34 +45,41 @@ GGUF_KERNEL_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
 GGUF_Q4_TYPES = (GGUF_KERNEL_TYPES["Q4_0"], GGUF_KERNEL_TYPES["Q4_1"])
 
 
+def row_limit_text(max_rows: int) -> str:
+    """A row limit as the logs say it."""
+    return "at any number of rows" if max_rows >= EVERY_STEP else f"up to {max_rows} rows"
+
+
 class QuantizedWeight:
     """A weight in GGUF blocks ([out_features, bytes per row] uint8) and its gguf type id; it runs steps of up to
     max_rows rows (larger ones take the dense weight). Its products are float32 (exact: the blocks' values times x),
     where steps of 3+ rows read an interleaved copy of the blocks (8 rows side by side, made here once) that the
-    kernel's broadcast GEMM needs; or, once round_activations() ran, steps of up to rounded_max_rows rows multiply
-    integers, their input rounded to 8 bits."""
+    kernel's broadcast GEMM needs; or, once round_activations() ran, integers on panels of the blocks, every step's input
+    rounded to 8 bits."""
 
     def __init__(self, blocks: torch.Tensor, qtype: int, kernels) -> None:
         self.blocks = blocks.contiguous()
         self.qtype = qtype
         self.interleaved = kernels.interleave_gguf_rows(self.blocks, qtype) if blocks.shape[0] % 8 == 0 else None
+        self.panels: torch.Tensor | None = None
         self._kernels = kernels
         self.max_rows = QUANTIZED_MAX_ROWS
-        self.rounded_max_rows = 0
 
     @property
     def rounds_activations(self) -> bool:
-        return self.rounded_max_rows > 0
+        return self.panels is not None
 
     def round_activations(self) -> None:
-        """From now on, steps of few rows round x to 8 bits per block of 32 values and multiply integers
-        (csrc/quantized_linear_q8.cpp), as llama.cpp's and vLLM's GGUF kernels do: fewer instructions per block than
-        widening it to float32."""
-        self.rounded_max_rows = ROUNDED_INPUT_MAX_ROWS
+        """From now on, steps round x to 8 bits per block of 32 values and multiply integers, as llama.cpp's and vLLM's
+        GGUF kernels do (csrc/quantized_linear_q8.cpp): fewer instructions per block than widening it to float32. They
+        read the blocks' panels (8 rows side by side, made here once), which share each block's unpacking among a step's
+        rows; the float32 kernel's interleaved copy is let go."""
+        self.panels = self._kernels.pack_q8_panels(self.blocks, self.qtype)
+        self.interleaved = None
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.shape[0] <= self.rounded_max_rows:
-            return self._kernels.quantized_linear_q8(x.contiguous(), self.blocks, self.qtype, bias)
+        if self.panels is not None:
+            return self._kernels.quantized_linear_q8(x.contiguous(), self.panels, self.qtype, self.blocks.shape[0], bias)
         return self._kernels.quantized_linear(x.contiguous(), self.blocks, self.qtype, bias, self.interleaved)
 
     def takes(self, x: torch.Tensor) -> bool:

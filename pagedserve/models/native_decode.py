@@ -85,5 +85,5 @@ def _plain(layer) -> bool:
 def _linear_args(linear: Linear) -> tuple:
     """A linear layer's paths as the C++ layers take them: its blocks and their row limits, its AMX tiles' pairs (or None)."""
     blocks, tiles = linear.quantized, linear.bf16_products
-    return (blocks.blocks, blocks.qtype, blocks.interleaved, blocks.rounded_max_rows, blocks.max_rows,
+    return (blocks.blocks, blocks.qtype, blocks.interleaved, blocks.panels, blocks.max_rows,
             tiles.packed if tiles is not None else None, linear.out_features)
