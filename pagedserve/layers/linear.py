@@ -53,15 +53,15 @@ def row_limit_text(max_rows: int) -> str:
 class QuantizedWeight:
     """A weight in GGUF blocks ([out_features, bytes per row] uint8) and its gguf type id; it runs steps of up to
     max_rows rows (larger ones take the dense weight). Its products are float32 (exact: the blocks' values times x),
-    where steps of 3+ rows read an interleaved copy of the blocks (8 rows side by side, made here once) that the
-    kernel's broadcast GEMM needs; or, once round_activations() ran, integers on panels of the blocks, every step's input
-    rounded to 8 bits."""
+    where steps of 3+ rows read an interleaved copy of the blocks (8 rows side by side, made once) that the kernel's
+    broadcast GEMM needs; or, once round_activations() ran, integers on panels of the blocks, every step's input rounded
+    to 8 bits."""
 
     def __init__(self, blocks: torch.Tensor, qtype: int, kernels) -> None:
         self.blocks = blocks.contiguous()
         self.qtype = qtype
-        self.interleaved = kernels.interleave_gguf_rows(self.blocks, qtype) if blocks.shape[0] % 8 == 0 else None
         self.panels: torch.Tensor | None = None
+        self._interleaved: torch.Tensor | None = None
         self._kernels = kernels
         self.max_rows = QUANTIZED_MAX_ROWS
 
@@ -69,13 +69,21 @@ class QuantizedWeight:
     def rounds_activations(self) -> bool:
         return self.panels is not None
 
+    @property
+    def interleaved(self) -> torch.Tensor | None:
+        """The float32 kernel's interleaved copy of the blocks, made at its first use: None where the rows are not a
+        multiple of 8, or where the products are integers on the panels instead."""
+        if self._interleaved is None and self.panels is None and self.blocks.shape[0] % 8 == 0:
+            self._interleaved = self._kernels.interleave_gguf_rows(self.blocks, self.qtype)
+        return self._interleaved
+
     def round_activations(self) -> None:
         """From now on, steps round x to 8 bits per block of 32 values and multiply integers, as llama.cpp's and vLLM's
         GGUF kernels do (csrc/quantized_linear_q8.cpp): fewer instructions per block than widening it to float32. They
         read the blocks' panels (8 rows side by side, made here once), which share each block's unpacking among a step's
         rows; the float32 kernel's interleaved copy is let go."""
         self.panels = self._kernels.pack_q8_panels(self.blocks, self.qtype)
-        self.interleaved = None
+        self._interleaved = None
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.panels is not None:
