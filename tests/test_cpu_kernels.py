@@ -339,10 +339,10 @@ def q8_scheme(x: torch.Tensor, raw_blocks: np.ndarray, qtype) -> torch.Tensor:
 
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("rows,out_features,in_features", [(1, 5, 32), (2, 33, 64), (3, 7, 96), (5, 13, 576), (9, 40, 160),
-                                                            (70, 24, 96), (150, 17, 64)])
+                                                            (70, 24, 96), (150, 17, 64), (24, 72, 160), (70, 136, 96)])
 def test_q8_quantized_linear_computes_its_scheme(type_name, rows, out_features, in_features):
     """Integer products of x rounded per 32 values, on the blocks' panels: a last group of fewer than 8 weight rows,
-    input rows past a chunk of 64, odd and even block counts."""
+    input rows past a chunk of 64, odd and even block counts, groups split among the threads."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
 
