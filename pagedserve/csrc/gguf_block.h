@@ -53,6 +53,13 @@ inline int64_t checked_block_rows(const at::Tensor& weight, int64_t qtype) {
   return bytes;
 }
 
+// A linear layer's bias of n outputs: float32 [n], or none. Returns its values, or nullptr.
+inline const float* checked_bias(const c10::optional<at::Tensor>& bias, int64_t n) {
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == n && bias->is_contiguous(), "bias must be float32 [N]");
+  return bias->data_ptr<float>();
+}
+
 // The checks of a linear layer's arguments on GGUF blocks: x [M, K] float32, weight [N, K / 32 * block bytes] uint8 of a
 // supported type, bias [N] float32 or none. Returns the bias's values, or nullptr.
 inline const float* checked_linear_args(const at::Tensor& x, const at::Tensor& weight, int64_t qtype, const c10::optional<at::Tensor>& bias) {
@@ -63,7 +70,5 @@ inline const float* checked_linear_args(const at::Tensor& x, const at::Tensor& w
   const int64_t k = x.size(1);
   TORCH_CHECK(k % kBlockValues == 0 && weight.size(1) == k / kBlockValues * bytes, "weight rows of ", weight.size(1),
               " bytes do not hold ", k, " values of this type");
-  if (!bias.has_value() || !bias->defined()) return nullptr;
-  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == weight.size(0) && bias->is_contiguous(), "bias must be float32 [N]");
-  return bias->data_ptr<float>();
+  return checked_bias(bias, weight.size(0));
 }

@@ -146,17 +146,6 @@ inline void dequantize_row(const T* row, int64_t head_dim, float* dst) {
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-// The largest magnitude of n floats (n a multiple of 8), a NaN passed over: MAXPS returns its second operand when the
-// first is a NaN.
-inline float largest_magnitude(const float* src, int64_t n) {
-  const __m256 magnitude_bits = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-  __m256 largest = _mm256_setzero_ps();
-  for (int64_t i = 0; i < n; i += 8) largest = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(src + i), magnitude_bits), largest);
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(largest), _mm256_extractf128_ps(largest, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
-}
-
 // Eight floats (finite, within the format's range) in an fp8 format, rounded as c10's scalar conversion rounds them
 // (fp8e4m3fn_from_fp32_value, fp8e5m2_from_fp32_value), so the bytes are the torch path's: below the format's
 // smallest normal, a float add puts the rounded subnormal in the low bits; above it, the exponent is rebiased and the

@@ -23,6 +23,7 @@
 
 #include "gguf_block.h"
 #include "ops.h"
+#include "vec_lanes.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -39,18 +40,6 @@ struct RoundedRows {
 };
 
 #if defined(__AVX2__) && defined(__FMA__)
-inline float max_of_lanes(__m256 a) {
-  __m128 r = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  r = _mm_max_ps(r, _mm_movehl_ps(r, r));
-  return _mm_cvtss_f32(_mm_max_ss(r, _mm_shuffle_ps(r, r, 1)));
-}
-
-inline float sum_of_lanes(__m256 a) {
-  __m128 r = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-  return _mm_cvtss_f32(_mm_add_ss(r, _mm_shuffle_ps(r, r, 1)));
-}
-
 inline int32_t sum_of_lanes(__m256i a) {
   __m128i r = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
   r = _mm_add_epi32(r, _mm_shuffle_epi32(r, 0x4E));
@@ -64,10 +53,7 @@ inline void round_block(const float* in, int64_t b, RoundedRows& rounded) {
 #if defined(__AVX2__) && defined(__FMA__)
   __m256 v[4];
   for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(in + 8 * i);
-  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-  const __m256 largest = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], magnitude), _mm256_and_ps(v[1], magnitude)),
-                                       _mm256_max_ps(_mm256_and_ps(v[2], magnitude), _mm256_and_ps(v[3], magnitude)));
-  const float amax = max_of_lanes(largest);
+  const float amax = largest_magnitude(in, kBlockValues);
   const __m256 inverse = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
   __m256i q[4];  // cvtps rounds to nearest even, as nearbyint does
   for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
@@ -75,7 +61,7 @@ inline void round_block(const float* in, int64_t b, RoundedRows& rounded) {
   const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
   rounded.scales[b] = amax / 127.f;
-  rounded.sums[b] = sum_of_lanes(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+  rounded.sums[b] = horizontal_sum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
   rounded.value_sums[b] = sum_of_lanes(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
 #else
   float amax = 0.f, sum = 0.f;
@@ -149,12 +135,6 @@ void pack_panel_record(const uint8_t* weight, int64_t n, int64_t row_bytes, int6
 // weight (unsigned) times x's bytes (signed) broadcast 4 at a time. With VNNI dpbusd adds each 4 products into int32;
 // AVX2's maddubs gives int16 pairs, which a Q4 block (products below 16 * 127) can add up in int16 over its 32 values
 // before one madd widens them, while a Q8_0 block's pairs are widened at once.
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-constexpr bool kDotsInInt32 = true;
-#else
-constexpr bool kDotsInInt32 = false;
-#endif
-
 template <int64_t qtype>
 struct BlockDots {
   __m256i sums = _mm256_setzero_si256();
@@ -169,11 +149,6 @@ struct BlockDots {
   }
   __m256i total() const { return qtype == kQ8_0 ? sums : _mm256_madd_epi16(sums, _mm256_set1_epi16(1)); }
 #endif
-  static __m256i sum(const BlockDots& a, const BlockDots& b) {
-    BlockDots both;
-    both.sums = qtype == kQ8_0 || kDotsInInt32 ? _mm256_add_epi32(a.sums, b.sums) : _mm256_add_epi16(a.sums, b.sums);
-    return both.total();
-  }
 };
 
 inline __m256i broadcast_word(const int8_t* p) {
@@ -206,14 +181,14 @@ void rows_times_group(const RoundedRows& rounded, int64_t first, int64_t rows, i
       offset = _mm256_fmadd_ps(_mm256_set1_ps(8.f), d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(record + 16))));
     const int8_t* xq = rounded.values.get() + first * k + b * kBlockValues;
     for (int64_t i = 0; i < rows; ++i) {
-      BlockDots<qtype> dots[2];  // two chains, so that their additions do not wait on each other
+      BlockDots<qtype> dots;
       for (int t = 0; t < 8; ++t) {
         const __m256i x = broadcast_word(xq + i * k + 4 * t);
-        if constexpr (qtype == kQ8_0) dots[t % 2].add(w[t], _mm256_sign_epi8(x, _mm256_loadu_si256(values + t)));
-        else dots[t % 2].add(w[t], x);
+        if constexpr (qtype == kQ8_0) dots.add(w[t], _mm256_sign_epi8(x, _mm256_loadu_si256(values + t)));
+        else dots.add(w[t], x);
       }
       const int64_t xb = (first + i) * num_blocks + b;
-      __m256i sums = BlockDots<qtype>::sum(dots[0], dots[1]);
+      __m256i sums = dots.total();
       if constexpr (qtype != kQ8_0) sums = _mm256_sub_epi32(sums, _mm256_set1_epi32(8 * rounded.value_sums[xb]));  // c = q - 8
       __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, _mm256_set1_ps(rounded.scales[xb])),
                                  _mm256_loadu_ps(acc + i * kGroupRows));
@@ -310,11 +285,7 @@ at::Tensor quantized_linear_q8(const at::Tensor& x, const at::Tensor& panels, in
   TORCH_CHECK(panels.dim() == 2 && panels.scalar_type() == at::kByte && panels.is_contiguous() &&
                   panels.size(0) == (n + kGroupRows - 1) / kGroupRows && panels.size(1) == k / kBlockValues * panel_record_bytes(qtype),
               "panels do not hold ", n, " rows of ", k, " values of this type (make them with pack_q8_panels)");
-  const float* bias_ptr = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == n && bias->is_contiguous(), "bias must be float32 [N]");
-    bias_ptr = bias->data_ptr<float>();
-  }
+  const float* bias_ptr = checked_bias(bias, n);
   auto out = at::empty({m, n}, x.options());
   const RoundedRows rounded = round_rows(x.data_ptr<float>(), m, k);
   const uint8_t* p = panels.data_ptr<uint8_t>();

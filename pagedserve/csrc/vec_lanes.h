@@ -21,6 +21,17 @@ inline float horizontal_sum(__m256 a) {
   r = _mm_add_ps(r, _mm_movehl_ps(r, r));
   return _mm_cvtss_f32(_mm_add_ss(r, _mm_shuffle_ps(r, r, 1)));
 }
+
+// The largest magnitude of n floats (n a multiple of 8), a NaN passed over: MAXPS returns its second operand when the
+// first is a NaN.
+inline float largest_magnitude(const float* src, int64_t n) {
+  const __m256 magnitude_bits = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 largest = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) largest = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(src + i), magnitude_bits), largest);
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(largest), _mm256_extractf128_ps(largest, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
 #endif
 
 #if defined(__AVX512F__)
