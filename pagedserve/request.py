@@ -70,10 +70,12 @@ class Request:
         self.came_after_step = 0
         self.prompt_done_step = 0
         self.stop_reason: int | str | None = None
-        self._stop_ids = sampling_params.all_stop_token_ids()
-        # The token count at which max_tokens ends the request (max_model_len is the scheduler's to apply).
+        # What can end the request with a token: a stop token, or the token count at which max_tokens ends it
+        # (max_model_len is the scheduler's to apply). No other token can, so the scheduler's path for every token
+        # of every step tests these two and calls finish_if_stopped only when one holds.
+        self.stop_token_ids = sampling_params.all_stop_token_ids()
         max_tokens = sampling_params.max_tokens
-        self._max_num_tokens_by_params = len(self.prompt_token_ids) + max_tokens if max_tokens is not None else _UNBOUNDED
+        self.max_num_tokens_by_params = len(self.prompt_token_ids) + max_tokens if max_tokens is not None else _UNBOUNDED
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -101,19 +103,22 @@ class Request:
         return self.sampling_params.prompt_logprobs is not None
 
     def append_output_token(self, token_id: int, max_model_len: int) -> bool:
-        """Append a new token, then set a finished status if the request must stop with it. Returns True if it did.
-        Runs for every running request every step: what the limits need is computed once, at construction."""
+        """Append a new token, then set a finished status if the request must stop with it. Returns True if it did."""
+        self.all_token_ids.append(token_id)
+        return self.finish_if_stopped(max_model_len)
+
+    def finish_if_stopped(self, max_model_len: int) -> bool:
+        """Set a finished status if the request must stop with its last token. Returns True if it did."""
         all_token_ids = self.all_token_ids
-        all_token_ids.append(token_id)
-        num_tokens = len(all_token_ids)
-        if token_id in self._stop_ids:
+        token_id, num_tokens = all_token_ids[-1], len(all_token_ids)
+        if token_id in self.stop_token_ids:
             params = self.sampling_params
             if num_tokens - len(self.prompt_token_ids) >= params.min_tokens:
                 self.status = RequestStatus.FINISHED_STOPPED
                 if token_id not in params.eos_token_ids or params.ignore_eos:
                     self.stop_reason = token_id
                 return True
-        if num_tokens >= max_model_len or num_tokens >= self._max_num_tokens_by_params:
+        if num_tokens >= max_model_len or num_tokens >= self.max_num_tokens_by_params:
             self.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         return False

@@ -8,7 +8,10 @@ from hypothesis import strategies as st
 from scheduler_harness import check_block_accounting, fake_run, make_request, make_scheduler, step
 
 from pagedserve.config import DecodeStallLimit, SpeculativeConfig
-from pagedserve.request import RequestStatus
+from pagedserve.core.contracts import ModelRunnerOutput
+from pagedserve.outputs import LogprobsLists
+from pagedserve.request import Request, RequestStatus
+from pagedserve.sampling_params import SamplingParams
 
 
 def test_decodes_go_first_and_the_prompt_gets_the_rest_of_the_budget():
@@ -184,6 +187,40 @@ def test_length_and_eos_finish_reasons():
         _, outputs = step(sched)
         reasons.update({o.request_id: o.finish_reason for o in outputs if o.finished})
     assert reasons == {"len": "length"}
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), num_blocks=st.integers(10, 40), max_model_len=st.integers(12, 60))
+def test_a_step_of_sampled_tokens_alone_ends_requests_as_a_step_with_logprobs_does(seed, num_blocks, max_model_len):
+    """Steps whose requests gained only their sampled tokens take a pass of their own; a step with logprobs takes the
+    general one. Fed the same tokens, the two give the same outputs, finishes (stop tokens, min_tokens, max_tokens,
+    max_model_len) and blocks, preemptions included."""
+    rng = random.Random(seed)
+    plain, general = (make_scheduler(num_blocks=num_blocks, max_model_len=max_model_len, budget=16, max_num_seqs=6) for _ in range(2))
+    for index in range(8):
+        params = dict(temperature=0.0, max_tokens=rng.randint(1, 20), min_tokens=rng.randint(0, 2),
+                      stop_token_ids=rng.sample(range(40), rng.randint(0, 3)), eos_token_ids=[2], ignore_eos=rng.random() < 0.3)
+        params["min_tokens"] = min(params["min_tokens"], params["max_tokens"])
+        prompt = [rng.randrange(100, 150) for _ in range(rng.randint(1, 10))]
+        for sched in (plain, general):
+            sched.add_request(Request(f"r{index}", prompt, SamplingParams(**params)))
+    while plain.has_unfinished_requests():
+        plain_step, general_step = plain.schedule(), general.schedule()
+        assert plain_step.num_scheduled_tokens == general_step.num_scheduled_tokens
+        tokens = {request_id: rng.randrange(0, 40) for request_id in plain_step.num_scheduled_tokens
+                  if plain.requests[request_id].num_computed_tokens == plain.requests[request_id].num_tokens}
+        with_logprobs = {request_id: LogprobsLists([[token]], [[-0.5]], [1]) for request_id, token in tokens.items()}
+        plain_outputs = plain.update_from_output(plain_step, ModelRunnerOutput(sampled_token_ids=dict(tokens)))
+        general_outputs = general.update_from_output(general_step, ModelRunnerOutput(sampled_token_ids=dict(tokens),
+                                                                                     logprobs=with_logprobs))
+        assert _news(plain_outputs) == _news(general_outputs)
+        assert plain.kv_cache_manager.num_free_blocks == general.kv_cache_manager.num_free_blocks
+        check_block_accounting(plain)
+    assert not general.has_unfinished_requests()
+
+
+def _news(outputs) -> list[tuple]:
+    return sorted((output.request_id, output.new_token_ids, output.finish_reason, output.stop_reason) for output in outputs)
 
 
 # ---- randomized: arrivals, lengths, aborts and finishes ------------------------------------------

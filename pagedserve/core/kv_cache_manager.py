@@ -84,19 +84,20 @@ class KVCacheManager:
         num_required_blocks = cdiv(num_computed_tokens + num_new_tokens + num_lookahead_tokens, block_size)
         num_new_blocks = num_required_blocks - len(req_blocks) - len(new_computed_blocks)
         # Cached blocks sitting in the free queue stop being free once touched.
-        num_evictable_computed = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+        num_evictable_computed = sum(1 for block in new_computed_blocks if block.ref_cnt == 0) if new_computed_blocks else 0
         if num_new_blocks > block_pool.num_free_blocks - num_evictable_computed:
             if not req_blocks:
                 del self.req_to_blocks[request_id]
             return None
-        block_pool.touch(new_computed_blocks)
-        req_blocks.extend(new_computed_blocks)
+        if new_computed_blocks:  # a prefix-cache hit (a decode that outgrew its blocks has none)
+            block_pool.touch(new_computed_blocks)
+            req_blocks.extend(new_computed_blocks)
         new_blocks = block_pool.get_new_blocks(max(num_new_blocks, 0))
         req_blocks.extend(new_blocks)
         # Blocks of the prompt are cached as they are computed: other requests may share them at once (a system
         # prompt, the other samples of the request). Blocks of generated tokens are cached when the request is freed.
-        caches = cache_prompt_blocks and self.enable_caching and not request.skips_prefix_cache
-        if caches and num_computed_tokens < request.num_prompt_tokens:
+        if (num_computed_tokens < request.num_prompt_tokens and cache_prompt_blocks and self.enable_caching
+                and not request.skips_prefix_cache):
             self.cache_full_blocks(request, num_computed_tokens + num_new_tokens)
         self.slot_capacity[request_id] = len(req_blocks) * block_size
         return new_blocks

@@ -173,28 +173,24 @@ class Scheduler:
 
     def _schedule_running(self, plan: StepPlan) -> bool:
         """Running requests in order, each its next token or chunk, preempting the least important when the cache
-        is full. Returns whether any request was preempted. Runs for every running request each step: lookups are
-        hoisted, and a decode whose blocks hold its token costs one call, the plan's."""
+        is full. Returns whether any request was preempted. Runs for every running request each step: the plan takes
+        runs of plain decodes in one pass, and only the others come through this loop."""
         kv = self.kv_cache_manager
-        allocate_slots, req_to_blocks, slot_capacity = kv.allocate_slots, kv.req_to_blocks, kv.slot_capacity.get
+        allocate_slots, req_to_blocks = kv.allocate_slots, kv.req_to_blocks
         drafts_policy = self.drafts
-        plain_decodes = drafts_policy is None
+        running = self.running
         preempted_any = False
-        # Decodes whose blocks hold their token (allocate_slots would have nothing to do) wait here until a request
-        # that is not one comes, and join the plan together: most requests of most steps are such decodes.
-        plain: list[Request] = []
-        # Preemption removes only requests at or after the current one, which a list iterator tolerates.
-        for index, request in enumerate(self.running):
-            if plan.token_budget <= len(plain):
-                break
+        index = 0
+        # Preemption removes only requests at or after the current one, so the index stays valid.
+        while index < len(running) and plan.token_budget > 0:
+            if drafts_policy is None:  # with drafts, every decode may verify some
+                index = plan.take_plain_decodes(running, index, kv)
+                if index == len(running) or plan.token_budget == 0:
+                    break
+            request = running[index]
+            index += 1
             num_computed_tokens = request.num_computed_tokens
             num_new_tokens = len(request.all_token_ids) - num_computed_tokens
-            if num_new_tokens == 1 and plain_decodes and num_computed_tokens < slot_capacity(request.request_id, 0):
-                plain.append(request)
-                continue
-            if plain:
-                plan.add_plain_decodes(plain)
-                plain = []
             drafts = _NO_DRAFTS
             if num_new_tokens > 1:  # an unfinished prompt: chunk it (0: no time left in this step for it)
                 num_new_tokens = plan.chunk_size(num_new_tokens, num_computed_tokens)
@@ -209,7 +205,7 @@ class Scheduler:
             new_blocks = allocate_slots(request, num_new_tokens, None, lookahead)
             if new_blocks is None:
                 preempted_any = True
-                new_blocks = self._preempt_until_it_fits(request, num_new_tokens, lookahead, index)
+                new_blocks = self._preempt_until_it_fits(request, num_new_tokens, lookahead, index - 1)
                 if new_blocks is None:  # it preempted itself
                     break
             num_blocks = len(req_to_blocks[request.request_id]) if new_blocks else 0
@@ -217,7 +213,6 @@ class Scheduler:
                 plan.add_decode(request, drafts, new_blocks, num_blocks)
             else:
                 plan.add_chunk(request, num_new_tokens, new_blocks, num_blocks)
-        plan.add_plain_decodes(plain)
         return preempted_any
 
     def _preempt_until_it_fits(self, request: Request, num_new_tokens: int, lookahead: int, index: int) -> list | None:
@@ -374,14 +369,52 @@ class Scheduler:
     # ---- after the model ran ---------------------------------------------------------------
 
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        # Runs for every scheduled request each step: lookups are hoisted, and the logprob and draft maps are read
-        # only when the step produced any.
         outputs: list[EngineCoreOutput] = self._ended_unscheduled
         self._ended_unscheduled = []
         if scheduler_output.kv_connector_metadata is not None:
             self.kv_connector.step_done(scheduler_output.kv_connector_metadata)
-        stopped: list[tuple[Request, int]] = []  # each with the index its last output gets (a finishing request has new tokens)
         structured = self.structured_output if self.structured_output is not None and self.structured_output.has_constrained else None
+        if (structured is None and not scheduler_output.drafts_to_verify and not runner_output.logprobs
+                and not runner_output.prompt_logprobs and not runner_output.proposed_drafts):
+            stopped = self._append_sampled_tokens(runner_output.sampled_token_ids, outputs)
+        else:
+            stopped = self._append_step_news(scheduler_output, runner_output, structured, outputs)
+        for request, index in stopped:
+            self.running.remove(request)
+            kv_transfer_params = self._free_request(request)
+            if kv_transfer_params is not None:
+                outputs[index].kv_transfer_params = kv_transfer_params
+        return outputs
+
+    def _append_sampled_tokens(self, sampled_token_ids: dict[str, int], outputs: list[EngineCoreOutput]) -> list[tuple[Request, int]]:
+        """A step whose requests gained only their sampled tokens (no drafts, logprobs or grammars): each one's token
+        appended and its output made, in one pass; nearly every step of a busy engine is one. Returns the requests
+        that finished, each with the index of its output."""
+        stopped: list[tuple[Request, int]] = []
+        get_request, max_model_len, add_output, running = self.requests.get, self.max_model_len, outputs.append, _RUNNING
+        for request_id, token_id in sampled_token_ids.items():
+            request = get_request(request_id)
+            if request is None or request.status is not running:
+                continue  # aborted (or, with steps in flight, preempted) while the step ran
+            tokens = request.all_token_ids
+            tokens.append(token_id)
+            num_tokens = len(tokens)
+            # Only a stop token or a length limit can end it (Request.stop_token_ids): the full test runs for those.
+            if ((token_id in request.stop_token_ids or num_tokens >= max_model_len or num_tokens >= request.max_num_tokens_by_params)
+                    and request.finish_if_stopped(max_model_len)):
+                stopped.append((request, len(outputs)))
+                add_output(EngineCoreOutput(request_id, [token_id], None, None, request.status.finish_reason, request.stop_reason,
+                                            request.num_cached_tokens))
+            else:
+                add_output(EngineCoreOutput(request_id, [token_id], None, None, None, None, request.num_cached_tokens))
+        return stopped
+
+    def _append_step_news(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput, structured,
+                          outputs: list[EngineCoreOutput]) -> list[tuple[Request, int]]:
+        """Each scheduled request's news from the step (its accepted drafts, sampled token, logprobs, prompt logprobs,
+        its grammar's verdict) appended to it and to outputs. Returns the requests that finished, each with the index
+        of its output. Lookups are hoisted, and the logprob and draft maps are read only when the step produced any."""
+        stopped: list[tuple[Request, int]] = []  # each with the index its last output gets (a finishing request has new tokens)
         get_request, get_sampled = self.requests.get, runner_output.sampled_token_ids.get
         logprobs, prompt_logprobs_of = runner_output.logprobs, runner_output.prompt_logprobs
         verified, proposed_drafts = scheduler_output.drafts_to_verify, runner_output.proposed_drafts
@@ -417,12 +450,7 @@ class Scheduler:
                 token_logprobs = token_logprobs.head(len(new_token_ids))
             outputs.append(EngineCoreOutput(request_id, new_token_ids, token_logprobs, prompt_logprobs, finish_reason, request.stop_reason,
                                             request.num_cached_tokens))
-        for request, index in stopped:
-            self.running.remove(request)
-            kv_transfer_params = self._free_request(request)
-            if kv_transfer_params is not None:
-                outputs[index].kv_transfer_params = kv_transfer_params
-        return outputs
+        return stopped
 
     def _append_verified(self, request: Request, drafts: list[int], runner_output: ModelRunnerOutput,
                          new_token_ids: list[int]) -> str | None:

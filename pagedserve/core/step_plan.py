@@ -3,8 +3,11 @@ what it carries (its shape, for the step-time model), and the parts of the Sched
 
 from __future__ import annotations
 
+from itertools import islice
+
 from pagedserve.core.block_pool import KVCacheBlock
 from pagedserve.core.contracts import NewRequestData, RunningRequestData, SchedulerOutput
+from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.stall_bound import PrefillAllowance
 from pagedserve.core.step_time import ShapeTally
 from pagedserve.request import Request
@@ -58,21 +61,36 @@ class StepPlan:
         request.num_computed_tokens += num_tokens
         self.token_budget -= num_tokens
 
-    def add_plain_decodes(self, requests: list[Request]) -> None:
-        """Running requests' next tokens, without drafts and without new blocks: what nearly every request does in
-        nearly every step, so each costs no more than this."""
+    def take_plain_decodes(self, running: list[Request], start: int, kv: KVCacheManager) -> int:
+        """Schedule running[start:]'s next tokens while each is a plain decode (one token, no drafts) whose slot the
+        cache has or can give (a new block), and budget is left. What nearly every request does in nearly every step,
+        so each costs one pass of this loop. Returns the index of the first request not taken: not a plain decode, or
+        one the cache has no block for (the scheduler preempts for it)."""
         scheduled, last_token_ids = self.num_scheduled_tokens, self.last_token_ids if self.send_last_tokens else None
+        capacity, allocate_slots = kv.slot_capacity.get, kv.allocate_slots
+        end = min(len(running), start + self.token_budget)
         context_lens = 0
-        for request in requests:
+        index = start
+        for request in islice(running, start, end):
             context_len = request.num_computed_tokens
+            request_id = request.request_id
+            if len(request.all_token_ids) - context_len != 1:
+                break
+            if context_len >= capacity(request_id, 0):  # its blocks are full
+                new_blocks = allocate_slots(request, 1)
+                if new_blocks is None:
+                    break
+                self._describe_new_blocks(request_id, new_blocks, len(kv.req_to_blocks[request_id]))
             if last_token_ids is not None:
-                last_token_ids[request.request_id] = (context_len, request.all_token_ids[-1])
-            scheduled[request.request_id] = 1
+                last_token_ids[request_id] = (context_len, request.all_token_ids[-1])
+            scheduled[request_id] = 1
             request.num_computed_tokens = context_len + 1
             context_lens += context_len
-        self.num_plain_decodes += len(requests)
+            index += 1
+        self.num_plain_decodes += index - start
         self.plain_decode_context_lens += context_lens
-        self.token_budget -= len(requests)
+        self.token_budget -= index - start
+        return index
 
     def add_chunk(self, request: Request, num_tokens: int, new_blocks: list[KVCacheBlock], num_blocks: int) -> None:
         """The next chunk of a running request's prompt."""
