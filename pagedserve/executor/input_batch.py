@@ -131,10 +131,13 @@ def prepare_inputs(requests: RunnerRequests, num_scheduled_tokens: dict[str, int
                    attn_backend: AttentionBackend, device: torch.device, with_adapters: bool = False) -> ModelInputs:
     # Decodes (one query token) first: attention takes them in one batched call.
     batch = _FlatBatch(block_size)
-    decode_ids = [request_id for request_id, num_tokens in num_scheduled_tokens.items() if num_tokens == 1]
+    if sum(num_scheduled_tokens.values()) == len(num_scheduled_tokens):  # one token each: decodes only, as most steps
+        decode_ids, chunks = list(num_scheduled_tokens), []
+    else:
+        decode_ids = [request_id for request_id, num_tokens in num_scheduled_tokens.items() if num_tokens == 1]
+        chunks = [(requests[request_id], num_tokens) for request_id, num_tokens in num_scheduled_tokens.items() if num_tokens != 1]
     decode_states = requests.of(decode_ids)
     batch.add_decodes(decode_ids, decode_states, requests.block_tables)
-    chunks = [(requests[request_id], num_tokens) for request_id, num_tokens in num_scheduled_tokens.items() if num_tokens != 1]
     if with_adapters:  # each adapter's chunks side by side: one product over all of them
         chunks.sort(key=lambda chunk: chunk[0].lora_request.lora_int_id if chunk[0].lora_request else 0)
     for state, num_tokens in chunks:
