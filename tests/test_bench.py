@@ -41,7 +41,8 @@ def test_throughput_with_baseline_and_ceiling(tmp_path, tiny_models):
     # Each step kind beside the machine's own limit, in the dtype the GEMMs multiply in (float32 in the suite).
     assert record["gemm_dtype"] == "float32" and record["ceiling"]["machine_read_gb_s"] > 0
     assert 0 < record["prefill_fraction_of_machine_limit"] and 0 < record["decode_fraction_of_machine_limit"]
-    assert "bare prefill, fraction of the machine's limit" in stdout and "matrix GFLOP/s (float32)" in stdout
+    assert record["gemm_products"] == "float32" and record["ceiling"]["machine_float32_gop_s"] > 0
+    assert "bare prefill, fraction of the machine's limit" in stdout and "by what the GEMMs multiply in" in stdout
 
 
 def test_gemm_work_counts_the_weights_a_decode_step_reads(default_llm):
@@ -52,13 +53,54 @@ def test_gemm_work_counts_the_weights_a_decode_step_reads(default_llm):
 
     worker = worker_of(default_llm)
     model = worker.model
-    small, large = worker_probes.gemm_work(worker, 1), worker_probes.gemm_work(worker, 1000)
+    small, large = worker_probes.gemm_work(worker, 1, 512), worker_probes.gemm_work(worker, 1000, 512)
     linears = [m for m in model.modules() if hasattr(m, "quantized") and hasattr(m, "packed_weight")]
     blocks = sum(m.quantized.blocks.numel() for m in linears) + model.quantized_lm_head.blocks.numel()
     dense = 4 * (sum(m.weight.numel() for m in linears) + model.lm_head.weight.numel())
     assert (small["decode_weight_bytes"], large["decode_weight_bytes"]) == (blocks, dense)
-    assert small["flops_per_token"] == 2 * sum(m.in_features * m.out_features for m in linears)
-    assert small["lm_head_flops_per_row"] == 2 * model.lm_head.weight.numel() and small["gemm_dtype"] == "float32"
+    gemm_flops, lm_head_flops = 2 * sum(m.in_features * m.out_features for m in linears), 2 * model.lm_head.weight.numel()
+    # In float32 the blocks' products are float32 too.
+    assert small["flops_per_token"] == {"prefill": {"float32": gemm_flops}, "decode": {"float32": gemm_flops}}
+    assert small["lm_head_flops_per_row"] == {"prefill": {"float32": lm_head_flops}, "decode": {"float32": lm_head_flops}}
+    assert small["gemm_dtype"] == "float32"
+
+
+def test_gemm_work_names_integer_products_where_the_blocks_round_their_input(default_llm, monkeypatch):
+    """Blocks that round the input to 8 bits multiply integers at the steps they take (a decode's rows here), and the
+    dense products the rest (a prefill's rows)."""
+    from conftest import worker_of
+
+    from pagedserve.benchmarks import worker_probes
+    from pagedserve.layers.linear import QuantizedWeight
+
+    worker = worker_of(default_llm)
+    monkeypatch.setattr(QuantizedWeight, "rounds_activations", property(lambda self: True))
+    work = worker_probes.gemm_work(worker, 1, 512)
+    linears = [m for m in worker.model.modules() if hasattr(m, "quantized") and hasattr(m, "packed_weight")]
+    gemm_flops = 2 * sum(m.in_features * m.out_features for m in linears)
+    assert work["flops_per_token"] == {"prefill": {"float32": gemm_flops}, "decode": {"int8": gemm_flops}}
+    assert list(work["lm_head_flops_per_row"]["decode"]) == ["int8"] and list(work["lm_head_flops_per_row"]["prefill"]) == ["float32"]
+
+
+def test_machine_limits_price_each_products_flops_at_its_own_rate(monkeypatch):
+    """A step's GEMMs in int8 and in float32 take their FLOPs' time at each one's measured rate; a decode step the
+    longer of that and reading its weights."""
+    from types import SimpleNamespace
+
+    from pagedserve.benchmarks import ceiling, machine
+
+    work = {"gemm_dtype": "float32", "decode_weight_bytes": 10**9,
+            "flops_per_token": {"prefill": {"float32": 6 * 10**8, "int8": 2 * 10**8}, "decode": {"int8": 8 * 10**8}},
+            "lm_head_flops_per_row": {"prefill": {"float32": 128 * 10**8}, "decode": {"int8": 10**8}}}
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(call_utility=lambda *args: [work]))
+    monkeypatch.setattr(machine, "read_bandwidth_gb_s", lambda *args: 20.0)
+    monkeypatch.setattr(machine, "matmul_gflop_s", lambda dtype, *args: {"float32": 300.0}[str(dtype).removeprefix("torch.")])
+    monkeypatch.setattr(machine, "int8_gop_s", lambda *args: 900.0)
+    limits = ceiling.machine_limits(llm, decode_rows=64)
+    prefill_token_s = 6e8 / 300e9 + 2e8 / 900e9 + 128e8 / ceiling.PREFILL_LEN / 300e9
+    assert limits["prefill_limit_tokens_per_s"] == pytest.approx(1 / prefill_token_s)
+    assert limits["decode_limit_tokens_per_s"] == pytest.approx(64 / max(1e9 / 20e9, 64 * 9e8 / 900e9))
+    assert limits["gemm_products"] == "float32, int8" and (limits["machine_float32_gop_s"], limits["machine_int8_gop_s"]) == (300, 900)
 
 
 def test_repeats_must_be_positive(tmp_path):
@@ -419,6 +461,8 @@ def test_machine_limits_are_measured_and_name_the_processor(tmp_path):
     assert record["bfloat16_gflop_s"] is None or record["bfloat16_gflop_s"] > 0
     assert record["float32_matmul_size"] in (128, 256, 512)  # quick products are timed at up to 4x the size asked
     assert "memory read, GB/s" in stdout and f"float32 matmul, GFLOP/s (best at n = {record['float32_matmul_size']})" in stdout
+    # The vector units' byte products: every processor these kernels build for has AVX2's at least.
+    assert record["int8_vector_gop_s"] > 0 and "int8 products on the vector units" in stdout
 
 
 def test_a_quick_product_is_timed_at_larger_sizes_and_the_best_rate_kept(monkeypatch):

@@ -65,18 +65,33 @@ _READ_MIB, _MATMUL_SIZE, _LIMIT_REPEATS = 512, 1024, 3
 
 
 def machine_limits(llm, decode_rows: int) -> dict:
-    """The machine's own limits for each kind of step, from its memory read rate and its matrix rate in the dtype the
-    GEMMs multiply in (both measured now): a prefill token needs its GEMMs' products (a sequence's last token the
+    """The machine's own limits for each kind of step, from its memory read rate and its rate of products in what each
+    GEMM multiplies in (all measured now): a prefill token needs its GEMMs' products (a sequence's last token the
     lm_head's too); a decode step of decode_rows rows reads the weights its GEMMs take at that size, and multiplies,
     whichever takes longer. Attention and the rest are left out: these are limits no engine beats."""
-    work = llm.llm_engine.call_utility("collective_rpc", worker_probes.gemm_work, decode_rows)[0]
+    work = llm.llm_engine.call_utility("collective_rpc", worker_probes.gemm_work, decode_rows, PREFILL_SEQS * PREFILL_LEN)[0]
     read_gb_s = machine.read_bandwidth_gb_s(_READ_MIB * 2**20, _LIMIT_REPEATS)
-    matrix_gflop_s = machine.matmul_gflop_s(getattr(torch, work["gemm_dtype"]), _MATMUL_SIZE, _LIMIT_REPEATS)
-    prefill_flops = work["flops_per_token"] + work["lm_head_flops_per_row"] / PREFILL_LEN
-    decode_step_s = max(work["decode_weight_bytes"] / (read_gb_s * 1e9),
-                        decode_rows * (work["flops_per_token"] + work["lm_head_flops_per_row"]) / (matrix_gflop_s * 1e9))
-    return {"gemm_dtype": work["gemm_dtype"], "machine_read_gb_s": read_gb_s, "machine_matrix_gflop_s": matrix_gflop_s,
-            "prefill_limit_tokens_per_s": matrix_gflop_s * 1e9 / prefill_flops, "decode_limit_tokens_per_s": decode_rows / decode_step_s}
+    steps = ("prefill", "decode")
+    products = {product for step in steps for part in ("flops_per_token", "lm_head_flops_per_row") for product in work[part][step]}
+    rates = {product: _product_rate(product) for product in sorted(products)}
+
+    def seconds(flops_by_product: dict[str, int], count: float) -> float:
+        return sum(count * flops / (rates[product] * 1e9) for product, flops in flops_by_product.items())
+
+    prefill_token_s = seconds(work["flops_per_token"]["prefill"], 1) + seconds(work["lm_head_flops_per_row"]["prefill"], 1 / PREFILL_LEN)
+    decode_flops = work["flops_per_token"]["decode"], work["lm_head_flops_per_row"]["decode"]
+    decode_step_s = max(work["decode_weight_bytes"] / (read_gb_s * 1e9), sum(seconds(flops, decode_rows) for flops in decode_flops))
+    return {"gemm_dtype": work["gemm_dtype"], "gemm_products": ", ".join(rates), "machine_read_gb_s": read_gb_s,
+            **{f"machine_{product}_gop_s": rate for product, rate in rates.items()},
+            "prefill_limit_tokens_per_s": 1 / prefill_token_s, "decode_limit_tokens_per_s": decode_rows / decode_step_s}
+
+
+def _product_rate(product: str) -> float:
+    """The machine's rate (G multiply-adds x 2 a second) of GEMM products in this dtype; int8's the better of torch's
+    int8 GEMM and the vector units' own byte products (machine.int8_gop_s)."""
+    if product == "int8":
+        return machine.int8_gop_s(_MATMUL_SIZE, _LIMIT_REPEATS)
+    return machine.matmul_gflop_s(getattr(torch, product), _MATMUL_SIZE, _LIMIT_REPEATS)
 
 
 def decode_batch(llm, requests: list[BenchRequest]) -> int:

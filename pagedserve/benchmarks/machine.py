@@ -1,7 +1,8 @@
-"""The machine's own limits, measured: memory read bandwidth, and the rate of matrix products in float32, bfloat16
-and int8 through torch (whose oneDNN kernels use AVX-512 or AMX tiles where the processor has them, and plain FMAs
-where it has not). A step's time is judged against these: a decode step reads the weights once (bandwidth), a
-prefill step multiplies (the matrix rate of its dtype)."""
+"""The machine's own limits, measured: memory read bandwidth, the rate of matrix products in float32, bfloat16 and int8
+through torch (whose oneDNN kernels use AVX-512 or AMX tiles where the processor has them, and plain FMAs where it has
+not), and the rate at which the vector units multiply bytes (the integer products of GGUF blocks on input rounded to
+8 bits, where torch's int8 GEMM may have no kernel for these vectors). A step's time is judged against these: a decode
+step reads the weights once (bandwidth), a prefill step multiplies (the product rate of what its GEMMs multiply in)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from pagedserve.benchmarks.report import print_table, write_json
 from pagedserve.cpu_features import cpu_features
+from pagedserve.layers import cpu_kernels
 
 
 def read_bandwidth_gb_s(num_bytes: int, repeats: int) -> float:
@@ -60,6 +62,35 @@ def _matmul_rate(dtype: torch.dtype, size: int, repeats: int) -> float | None:
     return max(rates, default=None)
 
 
+# The vector units' byte products are timed in runs at least this long (their turns doubled until one is).
+_VECTOR_RUN_S = 0.05
+
+
+def int8_vector_gop_s(repeats: int) -> float | None:
+    """G byte multiply-adds x 2 a second that the vector units' widest unsigned-by-signed byte multiply-add reaches on
+    every thread, in registers (csrc/int8_peak.cpp), best of repeats; None without the kernels or such an instruction."""
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        return None
+    threads, turns = torch.get_num_threads(), 1 << 16
+    while True:
+        start = time.perf_counter()
+        products = kernels.int8_vector_products(turns, threads)
+        took = time.perf_counter() - start
+        if products == 0:
+            return None
+        if took >= _VECTOR_RUN_S:
+            break
+        turns *= 2
+    best = min(_seconds(lambda: kernels.int8_vector_products(turns, threads)) for _ in range(repeats))
+    return 2 * products / best / 1e9
+
+
+def int8_gop_s(size: int, repeats: int) -> float:
+    """The machine's rate of int8 products: the better of torch's int8 GEMM (matmul_gflop_s) and the vector units'."""
+    return max(rate for rate in (matmul_gflop_s(torch.int8, size, repeats), int8_vector_gop_s(repeats), 0.0) if rate is not None)
+
+
 def _onednn_product(a: torch.Tensor, b: torch.Tensor) -> list:
     """a @ b through oneDNN's linear on b reordered for it, where this torch and processor have it for a's dtype."""
     try:
@@ -94,10 +125,12 @@ def run(args) -> dict:
     }
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16), ("int8", torch.int8)):
         record[f"{name}_gflop_s"], record[f"{name}_matmul_size"] = max_rate_and_size(dtype, args.matmul_size, args.repeats)
+    record["int8_vector_gop_s"] = int8_vector_gop_s(args.repeats)
     print_table(f"machine limits ({record['cpu']}; {' '.join(record['isa']) or 'no AVX2'}; {record['threads']} threads)", [
         ("memory read, GB/s", record["read_bandwidth_gb_s"]),
         *((f"{name} matmul, GFLOP/s (best at n = {record[f'{name}_matmul_size']})", record[f"{name}_gflop_s"] or "not available")
           for name in ("float32", "bfloat16", "int8")),
+        ("int8 products on the vector units (registers only), GOP/s", record["int8_vector_gop_s"] or "not available"),
     ])
     write_json(args.json, record)
     return record

@@ -135,7 +135,7 @@ def _ceiling_figures(record: dict, runs: list[dict]) -> list:
     rates = {key: statistics.median(one["ceiling"][key] for one in runs) for key, value in first.items() if not isinstance(value, str)}
     # The same in every run of uniform lengths; with --dataset mixed the first run's (each run keeps its own).
     rates["decode_context"] = first["decode_context"]
-    record["gemm_dtype"] = first["gemm_dtype"]
+    record["gemm_dtype"], record["gemm_products"] = first["gemm_dtype"], first["gemm_products"]
     tokens = record["prompt_tokens"] + record["output_tokens"]
     record["ceiling"] = rates
     record["ceiling_tokens_per_s"] = tokens / ceiling_seconds(rates, record["prompt_tokens"], record["output_tokens"])
@@ -147,9 +147,11 @@ def _ceiling_figures(record: dict, runs: list[dict]) -> list:
     record["decode_fraction_of_machine_limit"] = rates["decode_tokens_per_s"] / rates["decode_limit_tokens_per_s"]
     return [("bare forward, prefill tokens/s", rates["prefill_tokens_per_s"]),
             ("bare forward, decode tokens/s (full batch)", rates["decode_tokens_per_s"]),
-            (f"machine limits: memory read GB/s, matrix GFLOP/s ({record['gemm_dtype']})",
-             f"{rates['machine_read_gb_s']:.1f}, {rates['machine_matrix_gflop_s']:.0f}"),
-            ("bare prefill, fraction of the machine's limit (its GEMMs at the matrix rate)", record["prefill_fraction_of_machine_limit"]),
+            ("machine limits: memory read GB/s; products GOP/s, by what the GEMMs multiply in",
+             f"{rates['machine_read_gb_s']:.1f}; " + ", ".join(f"{product} {rates[f'machine_{product}_gop_s']:.0f}"
+                                                           for product in record["gemm_products"].split(", "))),
+            ("bare prefill, fraction of the machine's limit (its GEMMs at their products' rates)",
+             record["prefill_fraction_of_machine_limit"]),
             ("bare decode, fraction of the machine's limit (its weights at the read rate, or its GEMMs)",
              record["decode_fraction_of_machine_limit"]),
             ("ceiling total tokens/s for this workload", record["ceiling_tokens_per_s"]),

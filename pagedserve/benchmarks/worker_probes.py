@@ -24,20 +24,37 @@ def experts_held(worker) -> dict[str, list[int]]:
     return {name: list(module.local_experts) for name, module in worker.model.named_modules() if hasattr(module, "local_experts")}
 
 
-def gemm_work(worker, decode_rows: int) -> dict:
-    """What this rank's GEMMs ask of the machine: the dtype they multiply in, the multiply-adds (as FLOPs) of one token
-    through every GEMM but the lm_head and of one row through the lm_head, and the bytes of weights a decode step of
-    decode_rows rows reads (each GEMM's GGUF blocks where it takes them for that many rows, else its dense weight)."""
+def gemm_work(worker, decode_rows: int, prefill_rows: int) -> dict:
+    """What this rank's GEMMs ask of the machine: the multiply-adds (as FLOPs) of one token through every GEMM but the
+    lm_head and of one row through the lm_head, each by what it multiplies in at a prefill step's rows and at a decode
+    step's ("int8" where it takes its GGUF blocks with the input rounded to 8 bits, else the dtype of its dense product),
+    and the bytes of weights a decode step of decode_rows rows reads (each GEMM's GGUF blocks where it takes them for
+    that many rows, else its dense weight)."""
     model = worker.model
+    dense = str(worker.dense_gemm_dtype).removeprefix("torch.")
     gemms = [(module.in_features * module.out_features, module.quantized, _dense_weight(module), module.weight)
              for module in model.modules() if hasattr(module, "quantized") and hasattr(module, "packed_weight")]
     decode_bytes = sum(_bytes_read(decode_rows, blocks, packed, weight) for _, blocks, packed, weight in gemms)
-    lm_head_flops = 0
+    flops = {step: _flops_by_product(((2 * size, blocks) for size, blocks, *_ in gemms), rows, dense)
+             for step, rows in (("prefill", prefill_rows), ("decode", decode_rows))}
+    lm_head_flops = {"prefill": {}, "decode": {}}
     if model.lm_head is not None:
-        lm_head_flops = 2 * model.lm_head.weight.numel()
+        lm_head = [(2 * model.lm_head.weight.numel(), model.quantized_lm_head)]
+        # The lm_head's dense product is in the activations' GEMM dtype, whatever the layers' quantization.
+        lm_head_dense = str(worker.gemm_dtype).removeprefix("torch.")
+        lm_head_flops = {step: _flops_by_product(lm_head, rows, lm_head_dense)
+                         for step, rows in (("prefill", prefill_rows), ("decode", decode_rows))}
         decode_bytes += _bytes_read(decode_rows, model.quantized_lm_head, _dense_lm_head(model), model.lm_head.weight)
-    return {"gemm_dtype": str(worker.dense_gemm_dtype).removeprefix("torch."), "flops_per_token": 2 * sum(size for size, *_ in gemms),
-            "lm_head_flops_per_row": lm_head_flops, "decode_weight_bytes": decode_bytes}
+    return {"gemm_dtype": dense, "flops_per_token": flops, "lm_head_flops_per_row": lm_head_flops, "decode_weight_bytes": decode_bytes}
+
+
+def _flops_by_product(gemms, rows: int, dense: str) -> dict[str, int]:
+    """FLOPs of (flops, GGUF blocks or None) GEMMs at a step of `rows` rows, by what they multiply in."""
+    by_product: dict[str, int] = {}
+    for flops, blocks in gemms:
+        product = "int8" if blocks is not None and blocks.rounds_activations and blocks.takes_rows(rows) else dense
+        by_product[product] = by_product.get(product, 0) + flops
+    return by_product
 
 
 def _dense_weight(module):

@@ -55,6 +55,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("cpus_of_thread"));
   m.def("spin_pause_seconds", &spin_pause_seconds,
         "seconds one turn of an OpenMP thread's spin (an x86 pause) takes on this processor; 0 where there is no pause");
+  m.def("int8_vector_products", &int8_vector_products,
+        "the byte multiply-adds that `iterations` turns of the widest unsigned-by-signed byte multiply-add do on num_threads "
+        "threads, in registers (time it for the vector units' rate); 0 where the processor has none",
+        py::arg("iterations"), py::arg("num_threads"));
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=-1) of a [rows, n] float32 tensor (same NaN and tie rules)");
   m.def("sample_rows", &sample_rows,
         "one token per row of [rows, n] float32 logits: temperature (0: argmax), top_k (0: off), top_p, min_p, and a draw "

@@ -69,3 +69,6 @@ at::Tensor fresh_causal_attention(const at::Tensor& query, const at::Tensor& key
 void set_thread_cpus(const std::vector<std::vector<int64_t>>& cpus_of_thread);
 // Seconds one turn of an OpenMP thread's spin (an x86 pause) takes on this processor; 0 where there is no pause.
 double spin_pause_seconds();
+// The byte multiply-adds (unsigned by signed) iterations turns of the vector units' widest such instruction do on
+// num_threads threads, in registers (int8_peak.cpp); 0 where the processor has none.
+int64_t int8_vector_products(int64_t iterations, int64_t num_threads);
