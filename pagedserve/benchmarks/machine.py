@@ -12,7 +12,7 @@ import torch
 
 from pagedserve.benchmarks.report import print_table, write_json
 from pagedserve.cpu_features import cpu_features
-from pagedserve.layers import cpu_kernels
+from pagedserve.executor.vector_rate import int8_vector_gop_s
 
 
 def read_bandwidth_gb_s(num_bytes: int, repeats: int) -> float:
@@ -60,30 +60,6 @@ def _matmul_rate(dtype: torch.dtype, size: int, repeats: int) -> float | None:
         products = [lambda: torch.mm(a, b), *_onednn_product(a, b)]
     rates = [rate for rate in (_rate(product, size, repeats) for product in products) if rate is not None]
     return max(rates, default=None)
-
-
-# The vector units' byte products are timed in runs at least this long (their turns doubled until one is).
-_VECTOR_RUN_S = 0.05
-
-
-def int8_vector_gop_s(repeats: int) -> float | None:
-    """G byte multiply-adds x 2 a second that the vector units' widest unsigned-by-signed byte multiply-add reaches on
-    every thread, in registers (csrc/int8_peak.cpp), best of repeats; None without the kernels or such an instruction."""
-    kernels = cpu_kernels.load()
-    if kernels is None:
-        return None
-    threads, turns = torch.get_num_threads(), 1 << 16
-    while True:
-        start = time.perf_counter()
-        products = kernels.int8_vector_products(turns, threads)
-        took = time.perf_counter() - start
-        if products == 0:
-            return None
-        if took >= _VECTOR_RUN_S:
-            break
-        turns *= 2
-    best = min(_seconds(lambda: kernels.int8_vector_products(turns, threads)) for _ in range(repeats))
-    return 2 * products / best / 1e9
 
 
 def int8_gop_s(size: int, repeats: int) -> float:
