@@ -122,7 +122,7 @@ def register(sub) -> None:
     sched.add_argument("--model", default=EngineConfig.model, help="whose tokenizer detokenizes the step's outputs")
 
     machine = _workload(workloads, "machine", "the machine's limits: memory read bandwidth, float32 / bfloat16 / int8 matrix "
-                                              "rates (no model)")
+                                              "rates, and the vector units' byte products (no model)")
     machine.add_argument("--memory-mib", type=_positive_int, default=1024, help="size of the tensor read")
     machine.add_argument("--matmul-size", type=_positive_int, default=1024,
                          help="the smallest n of the n x n x n matrix products (quick ones are timed up to 4n too)")
