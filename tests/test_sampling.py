@@ -212,6 +212,21 @@ def test_the_filters_keep_what_the_api_says():
     assert distribution(tied, top_p=0.5) == pytest.approx(tied)  # each 0.2 has only 0.4 strictly above it
 
 
+def test_top_p_of_one_keeps_every_kept_token_as_the_draw_does():
+    """top_p 1 is off, in the distribution as in the kernel's draw: a token far lighter than the rest stays, where the
+    kept tokens heavier than it weigh all of the total to float64's precision; rows of other top_p in the same batch
+    get their own sets."""
+    logits = torch.tensor([[0.0, -80.0, -1.0], [0.0, -80.0, -1.0]], dtype=torch.float64)
+    columns = FilterColumns(torch.tensor([1.0, 1.0]), torch.tensor([0, 0]), torch.tensor([1.0, 0.5]), torch.tensor([0.0, 0.0]))
+    both = filtered_distribution(logits, columns)
+    assert both[0, 1] > 0 and both[0].sum() == pytest.approx(1.0)
+    assert both[1].tolist() == [1.0, 0.0, 0.0]  # the heaviest token alone holds half of the weight
+    for row in range(2):
+        alone = FilterColumns(columns.temperature[row:row + 1], columns.top_k[row:row + 1], columns.top_p[row:row + 1],
+                              columns.min_p[row:row + 1])
+        assert torch.equal(filtered_distribution(logits[row:row + 1], alone)[0], both[row])
+
+
 @pytest.mark.parametrize(
     "field,value,message",
     [

@@ -140,12 +140,17 @@ def kept_weights(logits: torch.Tensor, columns: FilterColumns) -> tuple[torch.Te
 
 
 def filtered_distribution(logits: torch.Tensor, columns: FilterColumns, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """[R, V] logits -> [R, V] the distribution each row draws from (see the module doc), in dtype."""
+    """[R, V] logits -> [R, V] the distribution each row draws from (see the module doc), in dtype. A row with top_p >= 1
+    keeps every kept token, as the draw does, with no sort of its vocabulary."""
     columns = columns.filled()
-    _, kept = kept_weights(logits.to(dtype), columns)
-    total = kept.double().sum(dim=-1, keepdim=True)
-    in_set = heavier_mass(kept) < columns.top_p.double().unsqueeze(1) * total
-    filtered = torch.where(in_set, kept, 0.0)
+    _, filtered = kept_weights(logits.to(dtype), columns)
+    limited = columns.top_p < 1.0
+    if bool(limited.any()):
+        rows = limited.nonzero().squeeze(1)
+        kept = filtered[rows]
+        total = kept.double().sum(dim=-1, keepdim=True)
+        in_set = heavier_mass(kept) < columns.top_p[rows].double().unsqueeze(1) * total
+        filtered[rows] = torch.where(in_set, kept, 0.0)
     return filtered / filtered.sum(dim=-1, keepdim=True)
 
 
