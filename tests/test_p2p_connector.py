@@ -267,6 +267,38 @@ def test_a_transfer_cut_half_way_fails_and_reads_nothing_after_the_cut(monkeypat
     assert all(not t[:, 10:16].any() for t in target)
 
 
+def test_a_pull_from_an_instance_that_is_gone_fails_at_once():
+    """A killed prefill instance never answers: its port refuses the connection, or drops it while the puller waits.
+    Either ends the pull then (so that the decode instance computes the prompt itself), not after timeout_s."""
+    import threading
+
+    import torch
+    import zmq
+
+    from pagedserve.kv_transfer import block_transport
+    from pagedserve.ports import free_port
+
+    target = [torch.zeros(2, 16, 4, 2, 8)]
+    with pytest.raises(block_transport.TransferError, match="refused .* the instance is gone"):
+        block_transport.pull_blocks(target, f"tcp://127.0.0.1:{free_port()}", "r", "token", [0], [1], timeout_s=60)
+    address = f"tcp://127.0.0.1:{free_port()}"
+    server = zmq.Context.instance().socket(zmq.ROUTER)
+    server.setsockopt(zmq.LINGER, 0)
+    server.bind(address)
+
+    def take_the_ask_and_die():
+        server.recv_multipart()
+        server.close()
+
+    dying = threading.Thread(target=take_the_ask_and_die)
+    dying.start()
+    try:
+        with pytest.raises(block_transport.TransferError, match="(dropped|refused) .* the instance is gone"):
+            block_transport.pull_blocks(target, address, "r", "token", [0], [1], timeout_s=60)
+    finally:
+        dying.join()
+
+
 def test_bad_settings_are_refused_by_name(tiny_models):
     extra = "kv_transfer_config.kv_connector_extra_config."
     for config, message in [(p2p("kv_producer", 80), extra + "kv_port must be an integer in"),

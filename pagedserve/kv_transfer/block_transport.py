@@ -18,12 +18,15 @@ import warnings
 import msgspec
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 _BLOCKS_PER_MESSAGE = 32  # bounds a message's size; a long prompt moves in several
 # How long a puller asks again for a hold the server does not know: the prefill instance tells its ranks of a hold with
 # its next step, which follows the request's end at once unless a long step was already running.
 UNKNOWN_HOLD_WAIT_S = 10.0
 _POLL_MS = 100  # how often the server looks whether it is closing
+# What a puller's connection events say of the prefill instance: either, and it is gone.
+_GONE_EVENTS = {zmq.EVENT_CONNECT_RETRIED: "refused", zmq.EVENT_DISCONNECTED: "dropped"}
 
 
 class _Ask(msgspec.Struct, array_like=True):
@@ -111,29 +114,32 @@ class BlockServer:
 
 def pull_blocks(kv_caches: list[torch.Tensor], address: str, request_id: str, token: str, remote_block_ids: list[int],
                 block_ids: list[int], timeout_s: float) -> int:
-    """Copy the remote blocks into ours, in order; the bytes moved. Raises TransferError (timeout_s: for each answer)."""
+    """Copy the remote blocks into ours, in order; the bytes moved. Raises TransferError (timeout_s: for each answer;
+    at once where the prefill instance's port refuses the connection or drops it: the instance is gone)."""
     socket = zmq.Context.instance().socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
+    events = socket.get_monitor_socket(zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_DISCONNECTED)
     socket.connect(address)
     moved = 0
     try:
         for start in range(0, len(block_ids), _BLOCKS_PER_MESSAGE):
             remote, local = remote_block_ids[start:start + _BLOCKS_PER_MESSAGE], block_ids[start:start + _BLOCKS_PER_MESSAGE]
-            answer, data = _ask(socket, _Ask(request_id, token, remote), timeout_s)
+            answer, data = _ask(socket, events, _Ask(request_id, token, remote), timeout_s)
             _write(kv_caches, local, answer, data)
             moved += len(data)
     finally:
+        socket.disable_monitor()
+        events.close()
         socket.close()
     return moved
 
 
-def _ask(socket, ask: _Ask, timeout_s: float) -> tuple[_Answer, zmq.Frame]:
+def _ask(socket, events, ask: _Ask, timeout_s: float) -> tuple[_Answer, zmq.Frame]:
     encoded = msgspec.msgpack.encode(ask)
     pause, unknown_until = 0.002, time.monotonic() + UNKNOWN_HOLD_WAIT_S
     while True:
         socket.send(encoded)
-        if not socket.poll(int(timeout_s * 1000)):
-            raise TransferError(f"the prefill instance did not answer for {ask.request_id}'s blocks within {timeout_s:.0f} s")
+        _wait_for_answer(socket, events, ask.request_id, timeout_s)
         header, data = socket.recv_multipart(copy=False)
         answer = msgspec.msgpack.decode(header.bytes, type=_Answer)
         if answer.status == "ok":
@@ -144,6 +150,24 @@ def _ask(socket, ask: _Ask, timeout_s: float) -> tuple[_Answer, zmq.Frame]:
             raise TransferError(f"the prefill instance holds no blocks for {ask.request_id}")
         time.sleep(pause)  # its hold is on its way to the serving rank
         pause = min(pause * 2, 0.05)
+
+
+def _wait_for_answer(socket, events, request_id: str, timeout_s: float) -> None:
+    """Until the socket holds an answer; TransferError once timeout_s passed, or as soon as the connection to the
+    prefill instance was refused or dropped (ZMQ would only try again: a killed instance never answers)."""
+    poller = zmq.Poller()
+    poller.register(socket, zmq.POLLIN)
+    poller.register(events, zmq.POLLIN)
+    deadline = time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        ready = dict(poller.poll(int(left * 1000) + 1))
+        if socket in ready:
+            return
+        if events in ready:
+            event = recv_monitor_message(events)["event"]
+            raise TransferError(f"the prefill instance's connection was {_GONE_EVENTS[event]} while asking for {request_id}'s "
+                                "blocks: the instance is gone")
+    raise TransferError(f"the prefill instance did not answer for {request_id}'s blocks within {timeout_s:.0f} s")
 
 
 def _write(kv_caches: list[torch.Tensor], block_ids: list[int], answer: _Answer, data: zmq.Frame) -> None:
