@@ -227,6 +227,25 @@ def test_top_p_of_one_keeps_every_kept_token_as_the_draw_does():
         assert torch.equal(filtered_distribution(logits[row:row + 1], alone)[0], both[row])
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_a_top_p_set_found_among_the_heaviest_tokens_is_the_one_a_sort_of_the_vocabulary_finds(seed, monkeypatch):
+    """Rows of peaked and flat weights, with ties (rounded logits), at top_p from tiny to near 1: the set found among a
+    row's heaviest tokens (doubled as needed) equals the one found with the whole vocabulary sorted."""
+    from pagedserve.layers import sampling_rule
+
+    generator = torch.Generator().manual_seed(seed)
+    scales = torch.tensor([0.3, 1.0, 3.0, 8.0])[:, None]
+    logits = (torch.randn(4, 3000, generator=generator, dtype=torch.float64) * scales * 4).round() / 4
+    kept = torch.exp(logits - logits.max(dim=-1, keepdim=True).values)
+    for top_p in (0.01, 0.3, 0.9, 0.999):
+        column = torch.full((4,), top_p)
+        found = sampling_rule.top_p_sets(kept, column)
+        with monkeypatch.context() as patch:
+            patch.setattr(sampling_rule, "FIRST_HEAVIEST", kept.shape[-1])
+            assert torch.equal(found, sampling_rule.top_p_sets(kept, column))
+        assert found.any(dim=-1).all()  # the heaviest token is always in its set
+
+
 @pytest.mark.parametrize(
     "field,value,message",
     [

@@ -123,13 +123,35 @@ def kept_threshold(weights: torch.Tensor, top_k: torch.Tensor, min_p: torch.Tens
     return threshold
 
 
-def heavier_mass(kept: torch.Tensor) -> torch.Tensor:
-    """[R, V] for each token, the kept weight of the tokens strictly heavier than it (float64)."""
-    values, order = kept.double().sort(dim=-1, descending=True)
+# The heaviest tokens a row's top-p set is first looked for among; doubled until they hold it.
+FIRST_HEAVIEST = 64
+
+
+def top_p_sets(kept: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[R, V] whether each token is in its row's top-p set (the module doc): a kept token whose strictly heavier kept
+    tokens weigh less than top_p of the row's kept weight. That mass falls as the weight does, so a set is every token
+    at least as heavy as its lightest member; which is found among each row's heaviest tokens, as many as hold a token
+    outside the set (doubled until they do), not by sorting the vocabulary: a set is usually a small part of it."""
+    weights = kept.double()
+    needed = top_p.double() * weights.sum(dim=-1)
+    vocab_size = weights.shape[-1]
+    count = min(FIRST_HEAVIEST, vocab_size)
+    while True:
+        heaviest = weights.topk(count, dim=-1).values  # descending, ties side by side
+        heavier = _heavier_in_order(heaviest)
+        if count == vocab_size or bool((heavier[:, -1] >= needed).all()):
+            break
+        count = min(2 * count, vocab_size)
+    lightest_member = torch.where(heavier < needed.unsqueeze(1), heaviest, torch.inf).min(dim=-1).values
+    return weights >= lightest_member.unsqueeze(1)
+
+
+def _heavier_in_order(values: torch.Tensor) -> torch.Tensor:
+    """[R, n] weights in descending order -> for each, the sum of the weights before it strictly heavier (float64)."""
     before = values.cumsum(dim=-1) - values
     # Ties: a token's strictly heavier tokens are those before the first of its equals.
     first_equal = torch.searchsorted(-values.contiguous(), -values.contiguous(), right=False)
-    return torch.empty_like(values).scatter_(-1, order, before.gather(-1, first_equal))
+    return before.gather(-1, first_equal)
 
 
 def kept_weights(logits: torch.Tensor, columns: FilterColumns) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,16 +163,14 @@ def kept_weights(logits: torch.Tensor, columns: FilterColumns) -> tuple[torch.Te
 
 def filtered_distribution(logits: torch.Tensor, columns: FilterColumns, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """[R, V] logits -> [R, V] the distribution each row draws from (see the module doc), in dtype. A row with top_p >= 1
-    keeps every kept token, as the draw does, with no sort of its vocabulary."""
+    keeps every kept token, as the draw does."""
     columns = columns.filled()
     _, filtered = kept_weights(logits.to(dtype), columns)
     limited = columns.top_p < 1.0
     if bool(limited.any()):
         rows = limited.nonzero().squeeze(1)
         kept = filtered[rows]
-        total = kept.double().sum(dim=-1, keepdim=True)
-        in_set = heavier_mass(kept) < columns.top_p[rows].double().unsqueeze(1) * total
-        filtered[rows] = torch.where(in_set, kept, 0.0)
+        filtered[rows] = torch.where(top_p_sets(kept, columns.top_p[rows]), kept, 0.0)
     return filtered / filtered.sum(dim=-1, keepdim=True)
 
 
