@@ -165,7 +165,7 @@ def _wait_for_answer(socket, events, request_id: str, timeout_s: float) -> None:
             return
         if events in ready:
             event = recv_monitor_message(events)["event"]
-            raise TransferError(f"the prefill instance's connection was {_GONE_EVENTS[event]} while asking for {request_id}'s "
+            raise TransferError(f"the prefill instance's connection was {_GONE_EVENTS.get(event, 'lost')} while asking for {request_id}'s "
                                 "blocks: the instance is gone")
     raise TransferError(f"the prefill instance did not answer for {request_id}'s blocks within {timeout_s:.0f} s")
 
