@@ -62,9 +62,10 @@ def _matmul_rate(dtype: torch.dtype, size: int, repeats: int) -> float | None:
     return max(rates, default=None)
 
 
-def int8_gop_s(size: int, repeats: int) -> float:
-    """The machine's rate of int8 products: the better of torch's int8 GEMM (matmul_gflop_s) and the vector units'."""
-    return max(rate for rate in (matmul_gflop_s(torch.int8, size, repeats), int8_vector_gop_s(repeats), 0.0) if rate is not None)
+def int8_gop_s(size: int, repeats: int) -> float | None:
+    """The machine's rate of int8 products: the better of torch's int8 GEMM (matmul_gflop_s) and the vector units';
+    None where it has neither."""
+    return max((rate for rate in (matmul_gflop_s(torch.int8, size, repeats), int8_vector_gop_s(repeats)) if rate is not None), default=None)
 
 
 def _onednn_product(a: torch.Tensor, b: torch.Tensor) -> list:

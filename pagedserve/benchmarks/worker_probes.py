@@ -35,15 +35,14 @@ def gemm_work(worker, decode_rows: int, prefill_rows: int) -> dict:
     gemms = [(module.in_features * module.out_features, module.quantized, _dense_weight(module), module.weight)
              for module in model.modules() if hasattr(module, "quantized") and hasattr(module, "packed_weight")]
     decode_bytes = sum(_bytes_read(decode_rows, blocks, packed, weight) for _, blocks, packed, weight in gemms)
-    flops = {step: _flops_by_product(((2 * size, blocks) for size, blocks, *_ in gemms), rows, dense)
-             for step, rows in (("prefill", prefill_rows), ("decode", decode_rows))}
+    steps = (("prefill", prefill_rows), ("decode", decode_rows))
+    flops = {step: _flops_by_product(((2 * size, blocks) for size, blocks, *_ in gemms), rows, dense) for step, rows in steps}
     lm_head_flops = {"prefill": {}, "decode": {}}
     if model.lm_head is not None:
         lm_head = [(2 * model.lm_head.weight.numel(), model.quantized_lm_head)]
         # The lm_head's dense product is in the activations' GEMM dtype, whatever the layers' quantization.
         lm_head_dense = str(worker.gemm_dtype).removeprefix("torch.")
-        lm_head_flops = {step: _flops_by_product(lm_head, rows, lm_head_dense)
-                         for step, rows in (("prefill", prefill_rows), ("decode", decode_rows))}
+        lm_head_flops = {step: _flops_by_product(lm_head, rows, lm_head_dense) for step, rows in steps}
         decode_bytes += _bytes_read(decode_rows, model.quantized_lm_head, _dense_lm_head(model), model.lm_head.weight)
     return {"gemm_dtype": dense, "flops_per_token": flops, "lm_head_flops_per_row": lm_head_flops, "decode_weight_bytes": decode_bytes}
 

@@ -6,6 +6,7 @@
 #include <omp.h>
 
 #include <cstdint>
+#include <cstring>
 
 #include "ops.h"
 
@@ -21,32 +22,40 @@ namespace {
 // each chain multiplies its own sums' bytes (else one product of unchanged bytes would serve every chain and turn).
 constexpr int kChains = 8;
 
-#if defined(__AVX512BW__)
+// The widest vectors and their byte multiply-add; the sums' operand role as the comment above says.
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 using Vec = __m512i;
-constexpr int64_t kVecBytes = 64;
-inline Vec splat(char value) { return _mm512_set1_epi8(value); }
-inline int32_t first_lane(Vec v) { return _mm_cvtsi128_si32(_mm512_castsi512_si128(v)); }
-#if defined(__AVX512VNNI__)
 inline Vec multiply_add(Vec sums, Vec u, Vec s) { return _mm512_dpbusd_epi32(sums, u, s); }
 constexpr bool kSumsAreOperands = true;
-#else
+#elif defined(__AVX512BW__)
+using Vec = __m512i;
 inline Vec multiply_add(Vec sums, Vec u, Vec s) { return _mm512_add_epi16(sums, _mm512_maddubs_epi16(u, s)); }
 constexpr bool kSumsAreOperands = false;
-#endif
-#define PAGEDSERVE_INT8_VECTORS 1
-#elif defined(__AVX2__)
+#elif defined(__AVX2__) && defined(__AVXVNNI__)
 using Vec = __m256i;
-constexpr int64_t kVecBytes = 32;
-inline Vec splat(char value) { return _mm256_set1_epi8(value); }
-inline int32_t first_lane(Vec v) { return _mm_cvtsi128_si32(_mm256_castsi256_si128(v)); }
-#if defined(__AVXVNNI__)
 inline Vec multiply_add(Vec sums, Vec u, Vec s) { return _mm256_dpbusd_avx_epi32(sums, u, s); }
 constexpr bool kSumsAreOperands = true;
-#else
+#elif defined(__AVX2__)
+using Vec = __m256i;
 inline Vec multiply_add(Vec sums, Vec u, Vec s) { return _mm256_add_epi16(sums, _mm256_maddubs_epi16(u, s)); }
 constexpr bool kSumsAreOperands = false;
 #endif
+
+#if defined(__AVX2__)
 #define PAGEDSERVE_INT8_VECTORS 1
+constexpr int64_t kVecBytes = sizeof(Vec);
+
+inline Vec splat(char value) {
+  Vec v;
+  std::memset(&v, value, sizeof v);
+  return v;
+}
+
+inline int32_t first_lane(Vec v) {
+  int32_t lane;
+  std::memcpy(&lane, &v, sizeof lane);
+  return lane;
+}
 #endif
 
 #ifdef PAGEDSERVE_INT8_VECTORS
