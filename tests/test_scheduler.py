@@ -448,11 +448,11 @@ def test_step_time_model_keeps_what_a_long_run_of_one_shape_does_not_inform():
         assert model.predict(probe) == pytest.approx(cost(probe), rel=0.05)
 
 
-def _stall_scheduler(stall, budget=4096, max_num_seqs=64):
+def _stall_scheduler(stall, budget=4096, max_num_seqs=64, **kwargs):
     from pagedserve.core.step_time import StepShape
 
-    scheduler = make_scheduler(num_blocks=4096, block_size=16, max_model_len=2048, budget=budget, max_num_seqs=max_num_seqs,
-                               caching=False, stall=stall)
+    kwargs = {"num_blocks": 4096, "block_size": 16, "max_model_len": 2048, "caching": False} | kwargs
+    scheduler = make_scheduler(budget=budget, max_num_seqs=max_num_seqs, stall=stall, **kwargs)
     # A model fit to steps of known cost: 10 ms + 1 ms a decode token + 1 ms a prompt token, no attention cost.
     for decodes, prompts in [(1, 0), (8, 0), (32, 0), (0, 64), (0, 256), (16, 100), (4, 300)]:
         scheduler.observe_step(StepShape(decodes, prompts, 0.0), 0.010 + 0.001 * (decodes + prompts))
@@ -567,6 +567,52 @@ def test_prompts_progress_however_tight_the_time_limit():
         finished = finished or next((o for o in engine_outputs if o.request_id == "long" and o.finished), None)
     assert finished is not None  # a block of 16 prompt tokens a step: prefilled in 13 steps, then 5 decodes
     assert max(chunks) == 16 and sum(c for c in chunks if c > 1) == 200
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=operations, num_blocks=st.integers(12, 60), budget=st.integers(4, 64), max_num_seqs=st.integers(1, 8),
+       seed=st.integers(0, 1000), speculation=st.sampled_from(list(SPECULATION)))
+# Prompts chunked short by the budget, one to a single token; and a step whose drafts spend the budget before the
+# prompt's request.
+@example(ops=[("step", 1), ("add", 13, 5, 0), ("add", 9, 6, 0), ("step", 3), ("step", 3), ("add", 21, 8, 0), ("step", 2)],
+         num_blocks=60, budget=4, max_num_seqs=6, seed=0, speculation="draft_model")
+@example(ops=[("add", 9, 8, 0), ("step", 1), ("add", 14, 10, 0), ("step", 1), ("step", 2), ("step", 1), ("step", 3)],
+         num_blocks=60, budget=4, max_num_seqs=3, seed=0, speculation="draft_model")
+def test_the_time_bound_looks_for_prompt_work_only_where_a_step_can_have_left_some(ops, num_blocks, budget, max_num_seqs,
+                                                                                   seed, speculation):
+    """The bound skips its scan of the running requests for unfinished prompts after a step that reached them all
+    and finished every chunk it took. Against a scheduler that scans before every step, fed the same requests,
+    aborts and tokens (preemptions, drafts and budget-cut chunks included), every step is planned alike."""
+    rng = random.Random(seed)
+    kept, scanning = (_stall_scheduler(DecodeStallLimit(multiple=1.5), budget=budget, max_num_seqs=max_num_seqs,
+                                       num_blocks=num_blocks, block_size=4, max_model_len=48, caching=True,
+                                       speculative=SPECULATION[speculation]) for _ in range(2))
+    counter = 0
+
+    def run_step():
+        scanning.stall_bound._prompt_may_be_left = True  # as if nothing were known: the scan runs
+        output, reference = kept.schedule(), scanning.schedule()
+        assert (output.num_scheduled_tokens, output.stall_limit_s, output.drafts_to_verify) == \
+            (reference.num_scheduled_tokens, reference.stall_limit_s, reference.drafts_to_verify)
+        runner_output = fake_run(output, kept, rng)
+        assert _news(kept.update_from_output(output, runner_output)) == _news(scanning.update_from_output(reference, runner_output))
+
+    for op in ops:
+        if op[0] == "add":
+            _, prompt_len, max_tokens, _ = op
+            prompt = [rng.randrange(60, 200) for _ in range(min(prompt_len, 40))]
+            for sched in (kept, scanning):
+                sched.add_request(make_request(f"r{counter}", prompt=prompt, max_tokens=min(max_tokens, 48 - len(prompt)) or 1))
+            counter += 1
+        elif op[0] == "abort" and counter:
+            for sched in (kept, scanning):
+                sched.finish_requests([f"r{op[1] % counter}"])
+        else:
+            for _ in range(op[1]):
+                run_step()
+    while kept.has_unfinished_requests():
+        run_step()
+    assert not scanning.has_unfinished_requests()
 
 
 def test_a_step_of_decodes_has_the_shape_the_warm_up_fits_the_step_time_model_with():

@@ -155,7 +155,7 @@ class Scheduler:
             propose_for = self.drafts.requests_to_draft_for(scheduled, len(self.running))
         output = plan.build(self.finished_req_ids, self.preempted_req_ids, propose_for)
         self.finished_req_ids, self.preempted_req_ids = set(), set()
-        self.stall_bound.step_planned(output.prompt_chunks, self.requests)
+        self.stall_bound.step_planned(output.prompt_chunks, self.requests, len(output.num_scheduled_tokens) == len(self.running))
         if self.kv_connector is not None:
             output.kv_connector_metadata = self.kv_connector.build_connector_meta(output, self.requests, self.kv_cache_manager.block_ids)
         if self.structured_output is not None and self.structured_output.has_constrained:
@@ -192,7 +192,8 @@ class Scheduler:
             num_computed_tokens = request.num_computed_tokens
             num_new_tokens = len(request.all_token_ids) - num_computed_tokens
             drafts = _NO_DRAFTS
-            if num_new_tokens > 1:  # an unfinished prompt: chunk it (0: no time left in this step for it)
+            is_prompt = num_new_tokens > 1
+            if is_prompt:  # an unfinished prompt: chunk it (0: no time left in this step for it)
                 num_new_tokens = plan.chunk_size(num_new_tokens, num_computed_tokens)
             elif num_new_tokens == 1 and drafts_policy is not None:
                 drafts = drafts_policy.take_drafts(request, plan.token_budget)
@@ -209,10 +210,10 @@ class Scheduler:
                 if new_blocks is None:  # it preempted itself
                     break
             num_blocks = len(req_to_blocks[request.request_id]) if new_blocks else 0
-            if num_new_tokens == 1 or drafts:
-                plan.add_decode(request, drafts, new_blocks, num_blocks)
-            else:
+            if is_prompt:  # a chunk of one token too: the budget can leave room for just one
                 plan.add_chunk(request, num_new_tokens, new_blocks, num_blocks)
+            else:
+                plan.add_decode(request, drafts, new_blocks, num_blocks)
         return preempted_any
 
     def _preempt_until_it_fits(self, request: Request, num_new_tokens: int, lookahead: int, index: int) -> list | None:

@@ -55,18 +55,27 @@ class DecodeStallBound:
         # a request that came after step N was planned came while N ran: a stream whose prompt N finished had no
         # token out yet when it came.
         self._newest_came_after_step = 0
+        # Whether a running request may have prompt tokens left: after a step that reached every running request,
+        # only one whose chunk stopped short of its known tokens has (a decode gains one token for the one computed;
+        # a request that waited comes through the waiting queue). Spares every step of a busy engine the scan.
+        self._prompt_may_be_left = True
 
     def came_to_wait(self, request: Request) -> None:
         """A request waits from now on (it arrived, or was preempted), after the steps planned so far."""
         request.came_after_step = self._newest_came_after_step = self._num_steps
 
-    def step_planned(self, prompt_chunks: list[tuple[str, int, int, int]], requests: dict[str, Request]) -> None:
+    def step_planned(self, prompt_chunks: list[tuple[str, int, int, int]], requests: dict[str, Request],
+                     reached_every_running: bool) -> None:
         """A step was planned with these prompt chunks (SchedulerOutput.prompt_chunks): a request whose known tokens
-        one of them finishes decodes after it."""
+        one of them finishes decodes after it. reached_every_running: every running request has a part in it."""
         self._num_steps += 1
+        prompt_may_be_left = not reached_every_running
         for request_id, start, num_tokens, num_tokens_known in prompt_chunks:
             if start + num_tokens == num_tokens_known:
                 requests[request_id].prompt_done_step = self._num_steps
+            else:
+                prompt_may_be_left = True
+        self._prompt_may_be_left = prompt_may_be_left
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         """How long a step of this shape took."""
@@ -85,7 +94,7 @@ class DecodeStallBound:
         # Prompt work: a waiting request that may join, or a running one with prompt tokens left. Most steps of a
         # busy engine have none, and they pay only for this look.
         num_running = len(running)
-        if not (num_waiting > 0 and num_running < max_num_seqs) and not _any_prompt_left(running):
+        if not (num_waiting > 0 and num_running < max_num_seqs) and not (self._prompt_may_be_left and _any_prompt_left(running)):
             return None
         num_decoding, num_flowing_before, sum_of_context_lens = 0, 0, 0
         newest_came_after_step = self._newest_came_after_step
