@@ -74,8 +74,20 @@ class KVCacheManager:
         blocks are not offered to other requests yet."""
         request_id, block_size, block_pool = request.request_id, self.block_size, self.block_pool
         if not new_computed_blocks:
-            if request.num_computed_tokens + num_new_tokens + num_lookahead_tokens <= self.slot_capacity.get(request_id, -1):
+            num_computed_tokens = request.num_computed_tokens
+            num_slots, capacity = num_computed_tokens + num_new_tokens + num_lookahead_tokens, self.slot_capacity.get(request_id, -1)
+            if num_slots <= capacity:
                 return []
+            if capacity >= 0 and num_computed_tokens >= request.num_prompt_tokens:
+                # A running request past its prompt that outgrew its blocks (a decode crossing into a new block, nearly
+                # always): only new blocks, none of them for the prefix cache yet.
+                num_new_blocks = cdiv(num_slots - capacity, block_size)
+                if num_new_blocks > block_pool.num_free_blocks:
+                    return None
+                new_blocks = block_pool.get_new_blocks(num_new_blocks)
+                self.req_to_blocks[request_id].extend(new_blocks)
+                self.slot_capacity[request_id] = capacity + num_new_blocks * block_size
+                return new_blocks
             new_computed_blocks = []
         req_blocks = self.req_to_blocks.get(request_id)
         if req_blocks is None:
