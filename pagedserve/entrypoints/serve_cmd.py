@@ -63,6 +63,10 @@ def register(sub) -> None:
     group.add_argument("--allow-runtime-lora-updating", action=argparse.BooleanOptionalAction, default=False,
                        help="let /v1/load_lora_adapter and /v1/unload_lora_adapter (behind --api-key) change the adapters "
                             "while the server runs")
+    group.add_argument("--max-stored-responses", type=int, default=1000,
+                       help="responses (/v1/responses with store true, the API's default) kept in memory for "
+                            "previous_response_id and GET /v1/responses/ID, the oldest dropped beyond; 0: none kept, and a "
+                            "request's store true is refused (default: %(default)s)")
     group.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                        help="uvicorn log level; the access log is at info (default: %(default)s)")
     add_engine_args(serve)
@@ -89,10 +93,11 @@ def run_serve(args) -> int:
     from pagedserve.entrypoints.openai.launch import run_server
     from pagedserve.entrypoints.openai.settings import ServerSettings
 
-    for name in ("max_waiting_requests", "max_n", "max_request_bytes", "max_connections"):
+    for name in ("max_waiting_requests", "max_stored_responses", "max_n", "max_request_bytes", "max_connections"):
         value = getattr(args, name)
-        if value is not None and value < (0 if name == "max_waiting_requests" else 1):
-            raise ValueError(f"{name} must be >= {0 if name == 'max_waiting_requests' else 1}, got {value}")
+        least = 0 if name in ("max_waiting_requests", "max_stored_responses") else 1
+        if value is not None and value < least:
+            raise ValueError(f"{name} must be >= {least}, got {value}")
     for name in ("chat_template_timeout", "shutdown_timeout", "request_read_timeout", "keep_alive_timeout"):
         if getattr(args, name) <= 0:
             raise ValueError(f"{name} must be > 0 seconds, got {getattr(args, name)}")
@@ -106,6 +111,6 @@ def run_serve(args) -> int:
         max_connections=args.max_connections, enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser, web_console=args.web_console,
         web_console_show_prompts=args.web_console_show_prompts, lora_modules=args.lora_modules,
-        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating, max_stored_responses=args.max_stored_responses,
     )
     return run_server(engine_config_from_args(args), settings)

@@ -31,9 +31,12 @@ from pagedserve.entrypoints.openai.protocol import (
     UnloadLoRAAdapterRequest,
     VersionResponse,
 )
+from pagedserve.entrypoints.openai.responses_protocol import DeletedResponse, ResponseObject, ResponsesRequest
+from pagedserve.entrypoints.openai.responses_store import ResponseStore
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedserve.entrypoints.openai.serving_models import ServingModels
+from pagedserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedserve.entrypoints.openai.settings import ServerSettings
 from pagedserve.entrypoints.openai.web_console import install_web_console
 from pagedserve.version import __version__
@@ -41,7 +44,8 @@ from pagedserve.version import __version__
 logger = logging.getLogger(__name__)
 
 _ERRORS = {status: {"model": ErrorResponse, "description": description} for status, description in (
-    (400, "bad input: the message names the field"), (401, "missing or wrong API key"), (404, "unknown model"),
+    (400, "bad input: the message names the field"), (401, "missing or wrong API key"),
+    (404, "unknown model, or no stored response of that id"),
     (413, "request body over the limit"), (500, "a server bug: the message names the request id to look up in the log"),
     (503, "at capacity, shutting down, or the engine is gone"),
 )}
@@ -72,6 +76,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
     engine.front_end.cap_unrequested_tokens(settings.default_max_tokens)
     completions = OpenAIServingCompletion(engine, models, max_n)
     chat = OpenAIServingChat(engine, models, max_n, renderer, settings.auto_tool_call_parser)
+    responses = OpenAIServingResponses(chat, ResponseStore(settings.max_stored_responses))
     app = FastAPI(title="pagedserve", version=__version__)
     install_error_handlers(app)
 
@@ -120,6 +125,18 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={**_ERRORS, 200: {"content": _STREAMS}})
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
         return _respond(await chat.create_chat_completion(request, raw_request))
+
+    @app.post("/v1/responses", response_model=ResponseObject, responses={**_ERRORS, 200: {"content": _STREAMS}})
+    async def create_response(request: ResponsesRequest, raw_request: Request):
+        return _respond(await responses.create_response(request, raw_request))
+
+    @app.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=_ERRORS)
+    async def get_response(response_id: str):
+        return _respond(responses.get(response_id))
+
+    @app.delete("/v1/responses/{response_id}", response_model=DeletedResponse, responses=_ERRORS)
+    async def delete_response(response_id: str):
+        return _respond(responses.delete(response_id))
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(request: TokenizeRequest):

@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from pagedserve.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 
@@ -81,9 +82,11 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(400, f"{where}: {message}" if where else message, param=location[0] if location else None)
 
     @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(_, exc: StarletteHTTPException):
+    async def on_http_error(request: Request, exc: StarletteHTTPException):
         response = error_response(exc.status_code, str(exc.detail))
         response.headers.update(exc.headers or {})  # a 405's Allow, say
+        if exc.status_code == 405:  # the router names the first route of the path only: every route's methods count
+            response.headers["Allow"] = ", ".join(_methods_of(app, request.scope))
         return response
 
     @app.exception_handler(Exception)
@@ -92,3 +95,13 @@ def install_error_handlers(app: FastAPI) -> None:
         request_id = request_id_of(request)
         logger.error("unhandled error in request %s", request_id, exc_info=exc)
         return internal_error_response(request_id)
+
+
+def _methods_of(app: FastAPI, scope) -> list[str]:
+    """The methods the app's routes answer at the scope's path."""
+    methods: set[str] = set()
+    for route in app.router.routes:
+        match, _ = route.matches(scope)
+        if match != Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return sorted(methods)

@@ -69,7 +69,7 @@ def _apply_limits(bodies: dict, limits: ServedLimits) -> None:
     # Generated tokens follow at least one prompt token in the context.
     for name, field in (("CompletionRequest", "max_tokens"), ("ChatCompletionRequest", "max_tokens"),
                         ("ChatCompletionRequest", "max_completion_tokens"), ("CompletionRequest", "min_tokens"),
-                        ("ChatCompletionRequest", "min_tokens")):
+                        ("ChatCompletionRequest", "min_tokens"), ("ResponsesRequest", "max_output_tokens")):
         _integer_branch(bodies[name]["properties"][field])["maximum"] = limits.max_model_len - 1
     _integer_branch(bodies["CompletionRequest"]["properties"]["truncate_prompt_tokens"])["maximum"] = limits.max_model_len
     if not limits.trust_request_chat_template:

@@ -139,17 +139,22 @@ class JSONSchemaResponseFormat(StrictModel):
 
 
 def _format_branch(value) -> str | None:
-    """The branch of a response_format, told by its type (its tag, which error locations leave out)."""
+    """The branch of an output format, told by its type (its tag, which error locations leave out)."""
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
     return f"{kind}-branch" if kind in ("text", "json_object", "json_schema") else None
 
 
-ResponseFormat = Annotated[
-    Annotated[TextFormat, Tag("text-branch")] | Annotated[JSONObjectFormat, Tag("json_object-branch")]
-    | Annotated[JSONSchemaResponseFormat, Tag("json_schema-branch")],
-    Discriminator(_format_branch, custom_error_type="response_format_type",
-                  custom_error_message="type must be text, json_object or json_schema"),
-]
+def output_format(json_schema_format: type, error_type: str):
+    """An output format's type: text, any JSON object, or a JSON schema, given as json_schema_format (each API shapes
+    that one its own way)."""
+    return Annotated[
+        Annotated[TextFormat, Tag("text-branch")] | Annotated[JSONObjectFormat, Tag("json_object-branch")]
+        | Annotated[json_schema_format, Tag("json_schema-branch")],
+        Discriminator(_format_branch, custom_error_type=error_type, custom_error_message="type must be text, json_object or json_schema"),
+    ]
+
+
+ResponseFormat = output_format(JSONSchemaResponseFormat, "response_format_type")
 
 
 class StructuredOutputsFields(StrictModel):

@@ -6,7 +6,7 @@ import asyncio
 import dataclasses
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request
 
@@ -88,20 +88,28 @@ class ServingBase:
             raise _as_api_error(exc, structure_field) from exc
         return added
 
-    async def sse_stream(self, added, events: AsyncIterator[str], raw_request: Request) -> AsyncIterator[str]:
-        """SSE framing shared by both endpoints: the events, an error event if generation fails, then
-        [DONE]. However the stream ends (a client that went away included), the sub-requests are aborted;
-        that is a no-op for finished ones."""
+    async def sse_stream(self, added, events: AsyncIterator[str], raw_request: Request,
+                         error_event: Callable[[int, str], str] | None = None) -> AsyncIterator[str]:
+        """SSE framing shared by the endpoints: the events, an error event if generation fails (error_event's, given
+        the status and message, where the endpoint's API has its own; then the stream ends there), else [DONE] last.
+        However the stream ends (a client that went away included), the sub-requests are aborted; that is a no-op for
+        finished ones."""
         try:
             async for event in events:
                 yield event
         except Exception as exc:
-            yield stream_error_event(exc, request_id_of(raw_request))
+            status, message = stream_failure(exc, request_id_of(raw_request))
+            if error_event is not None:
+                yield error_event(status, message)
+                return
+            kind = "service_unavailable_error" if status == 503 else "server_error" if status >= 500 else "invalid_request_error"
+            yield sse({"error": {"message": message, "type": kind, "param": None, "code": status}})
         finally:
             await events.aclose()
             for sub_id, _ in added:
                 await self.engine.abort(sub_id)
-        yield sse("[DONE]")
+        if error_event is None:
+            yield sse("[DONE]")
 
     def streams(self, added) -> list[AsyncIterator[RequestOutput]]:
         return [self.engine.iterate(sub_id, queue) for sub_id, queue in added]
@@ -200,14 +208,12 @@ def sse(payload: str | dict) -> str:
     return f"data: {data}\n\n"
 
 
-def stream_error_event(exc: Exception, request_id: str) -> str:
-    """The last event of a stream that failed: what the client may know, never internal text."""
+def stream_failure(exc: Exception, request_id: str) -> tuple[int, str]:
+    """Why a stream failed, as its last event tells it (status, message): what the client may know, never internal
+    text."""
     if isinstance(exc, APIError):
-        status, message = exc.status, exc.message
-    elif isinstance(exc, _SERVER_ENDED):
-        status, message = 503, str(exc)
-    else:
-        logger.error("stream of request %s failed", request_id, exc_info=exc)
-        status, message = 500, f"internal server error (request id {request_id}); the server log has the details"
-    kind = "service_unavailable_error" if status == 503 else "server_error" if status >= 500 else "invalid_request_error"
-    return sse({"error": {"message": message, "type": kind, "param": None, "code": status}})
+        return exc.status, exc.message
+    if isinstance(exc, _SERVER_ENDED):
+        return 503, str(exc)
+    logger.error("stream of request %s failed", request_id, exc_info=exc)
+    return 500, f"internal server error (request id {request_id}); the server log has the details"

@@ -48,6 +48,23 @@ class OpenAIServingChat(ServingBase):
             raise APIError.bad_request(exc, param="messages") from exc
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request):
+        request_id = random_id("chatcmpl")
+        added, tools = await self.start(request, request_id)
+        if request.stream:
+            return self.sse_stream(added, self._stream_events(request, request_id, added, tools), raw_request)
+        output = (await self.collect_final(added, raw_request))[0]
+        choices = []
+        for c in output.outputs:
+            reply = tools.reply(c.text, c.finish_reason)
+            choices.append(ChatCompletionChoice(index=c.index, message=AssistantMessage(content=reply.content, tool_calls=reply.tool_calls),
+                                                logprobs=self._logprobs(c.token_ids, c.logprobs, request),
+                                                finish_reason=reply.finish_reason, stop_reason=c.stop_reason))
+        return ChatCompletionResponse(id=request_id, model=self.models.response_name(request.model), choices=choices,
+                                      usage=usage_of([output]), kv_transfer_params=output.kv_transfer_params)
+
+    async def start(self, request: ChatCompletionRequest, request_id: str) -> tuple[list, ToolPlan]:
+        """Check the request, render its conversation and add its samples to the engine: -> (the sub-requests added, as
+        add_requests gives them; how its text becomes tool calls). Raises APIError naming the field at fault."""
         lora_request = self.check_model(request.model)
         self.check_n(request.n)
         if request.top_logprobs is not None and not request.logprobs:
@@ -66,20 +83,9 @@ class OpenAIServingChat(ServingBase):
                 params = dataclasses.replace(params, structured_outputs=tools.structure)
         except ValueError as exc:
             raise APIError.bad_request(exc, param="top_logprobs" if "logprobs" in str(exc) else None) from exc
-        request_id = random_id("chatcmpl")
         added = await self.add_requests(request_id, [{"prompt_token_ids": prompt_ids}], params, request.stream, request.priority,
                                         "tools" if tools.structure is not None else request.structure_field(), lora_request)
-        if request.stream:
-            return self.sse_stream(added, self._stream_events(request, request_id, added, tools), raw_request)
-        output = (await self.collect_final(added, raw_request))[0]
-        choices = []
-        for c in output.outputs:
-            reply = tools.reply(c.text, c.finish_reason)
-            choices.append(ChatCompletionChoice(index=c.index, message=AssistantMessage(content=reply.content, tool_calls=reply.tool_calls),
-                                                logprobs=self._logprobs(c.token_ids, c.logprobs, request),
-                                                finish_reason=reply.finish_reason, stop_reason=c.stop_reason))
-        return ChatCompletionResponse(id=request_id, model=self.models.response_name(request.model), choices=choices,
-                                      usage=usage_of([output]), kv_transfer_params=output.kv_transfer_params)
+        return added, tools
 
     async def _stream_events(self, request: ChatCompletionRequest, request_id: str, added, tools: ToolPlan) -> AsyncIterator[str]:
         created = int(time.time())

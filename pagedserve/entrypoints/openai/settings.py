@@ -66,6 +66,8 @@ class ServerSettings:
     # /v1/load_lora_adapter and /v1/unload_lora_adapter may change them while the server runs.
     lora_modules: list[LoRAModule] = field(default_factory=list)
     allow_runtime_lora_updating: bool = False
+    # Responses kept for GET /v1/responses/{id} and previous_response_id (store: true), the oldest dropped beyond.
+    max_stored_responses: int = 1000
 
     def __post_init__(self) -> None:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:

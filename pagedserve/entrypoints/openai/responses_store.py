@@ -1,0 +1,34 @@
+"""Responses kept in the server's memory (a request's store: true, the API's default), for GET /v1/responses/{id} and
+for a later request's previous_response_id: each with the conversation up to it, as chat messages. The oldest go
+first past the server's limit (--max-stored-responses), so memory stays bounded however long the server runs."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from pagedserve.entrypoints.openai.responses_protocol import ResponseObject
+
+
+@dataclass
+class StoredResponse:
+    response: ResponseObject
+    conversation: list[dict]  # every turn's messages up to and including this response's own, instructions left out
+
+
+class ResponseStore:
+    def __init__(self, max_responses: int) -> None:
+        self.max_responses = max_responses
+        self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
+
+    def put(self, response: ResponseObject, conversation: list[dict]) -> None:
+        self._responses[response.id] = StoredResponse(response, conversation)
+        self._responses.move_to_end(response.id)
+        while len(self._responses) > self.max_responses:
+            self._responses.popitem(last=False)
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        return self._responses.get(response_id)
+
+    def delete(self, response_id: str) -> bool:
+        return self._responses.pop(response_id, None) is not None

@@ -1,0 +1,243 @@
+"""POST /v1/responses, and GET and DELETE /v1/responses/{id}: the Responses API over the chat endpoint. A request's
+input (after the stored conversation its previous_response_id names) becomes a chat completion request, which the chat
+endpoint checks, renders and runs (serving_chat.py: the same template, tools and structures); its text and tool calls
+come back as output items, whole or as the API's stream of events."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from pydantic import ValidationError
+
+from pagedserve.entrypoints.openai.errors import APIError
+from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, DeltaMessage
+from pagedserve.entrypoints.openai.responses_protocol import (
+    DeletedResponse,
+    FunctionCallOutput,
+    IncompleteDetails,
+    InputTokensDetails,
+    OutputMessage,
+    OutputText,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseUsage,
+    conversation_of,
+)
+from pagedserve.entrypoints.openai.responses_store import ResponseStore
+from pagedserve.entrypoints.openai.serving_base import sse
+from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedserve.entrypoints.openai.tool_calls import ToolPlan
+from pagedserve.outputs import RequestOutput
+
+# The chat request's fields that a chat-side error names, as this endpoint's request names them.
+_FIELD_NAMES = {"messages": "input", "response_format": "text.format", "max_completion_tokens": "max_output_tokens"}
+
+
+class OpenAIServingResponses:
+    def __init__(self, chat: OpenAIServingChat, store: ResponseStore) -> None:
+        self.chat = chat
+        self.store = store
+
+    async def create_response(self, request: ResponsesRequest, raw_request: Request):
+        if request.store and self.store.max_responses == 0:
+            raise APIError(400, "this server keeps no responses (--max-stored-responses 0): give store false", param="store")
+        conversation = self._history(request.previous_response_id) + conversation_of(request.input_items())
+        chat_request = _chat_request(request, conversation)
+        response = ResponseObject(
+            model=self.chat.models.response_name(request.model), instructions=request.instructions,
+            max_output_tokens=request.max_output_tokens, parallel_tool_calls=request.parallel_tool_calls,
+            previous_response_id=request.previous_response_id, store=request.store, temperature=request.temperature,
+            top_p=request.top_p, user=request.user, metadata=request.metadata or {},
+            text=request.text.model_dump(by_alias=True) if request.text is not None else {"format": {"type": "text"}},
+            tool_choice=_tool_choice(request), tools=[tool.model_dump(exclude_none=True) for tool in request.tools or []],
+        )
+        try:
+            added, tools = await self.chat.start(chat_request, response.id)
+        except APIError as exc:
+            raise _renamed(exc) from exc
+        if request.stream:
+            events = _ResponseEvents(self, response, conversation, tools, added)
+            return self.chat.sse_stream(added, events.stream(), raw_request, error_event=events.error)
+        output = (await self.chat.collect_final(added, raw_request))[0]
+        completion = output.outputs[0]
+        reply = tools.reply(completion.text, completion.finish_reason)
+        items: list[OutputMessage | FunctionCallOutput] = []
+        if reply.content or not reply.tool_calls:
+            items.append(OutputMessage(content=[OutputText(text=reply.content or "")]))
+        items.extend(FunctionCallOutput(call_id=call.id, name=call.function.name, arguments=call.function.arguments)
+                     for call in reply.tool_calls)
+        self.finish(response, items, output, len(completion.token_ids), conversation)
+        return response
+
+    def get(self, response_id: str) -> ResponseObject:
+        stored = self.store.get(response_id)
+        if stored is None:
+            raise APIError(404, f"no stored response has the id {response_id!r}", param="response_id")
+        return stored.response
+
+    def delete(self, response_id: str) -> DeletedResponse:
+        if not self.store.delete(response_id):
+            raise APIError(404, f"no stored response has the id {response_id!r}", param="response_id")
+        return DeletedResponse(id=response_id)
+
+    def finish(self, response: ResponseObject, items: list, output: RequestOutput, output_tokens: int, conversation: list[dict]) -> None:
+        """The response as it ended (output: the request's last output; output_tokens: all it generated), with these
+        output items; kept if the request asked."""
+        cut = output.outputs[0].finish_reason == "length"
+        status = "incomplete" if cut else "completed"
+        for item in items:
+            item.status = status
+        response.output = items
+        response.status = status
+        response.incomplete_details = IncompleteDetails(reason="max_output_tokens") if cut else None
+        input_tokens = len(output.prompt_token_ids)
+        cached = InputTokensDetails(cached_tokens=output.num_cached_tokens)
+        response.usage = ResponseUsage(input_tokens=input_tokens, input_tokens_details=cached, output_tokens=output_tokens,
+                                       total_tokens=input_tokens + output_tokens)
+        if response.store:
+            self.store.put(response, conversation + _as_messages(items))
+
+    def _history(self, previous_response_id: str | None) -> list[dict]:
+        if previous_response_id is None:
+            return []
+        stored = self.store.get(previous_response_id)
+        if stored is None:
+            raise APIError(404, f"previous_response_id {previous_response_id!r} names no stored response (it was not stored, "
+                                "or the server has dropped it)", param="previous_response_id")
+        return [dict(message) for message in stored.conversation]
+
+
+class _ResponseEvents:
+    """One streamed response: its text deltas and tool calls as the API's events, each numbered in order."""
+
+    def __init__(self, serving: OpenAIServingResponses, response: ResponseObject, conversation: list[dict], tools: ToolPlan,
+                 added) -> None:
+        self.serving, self.response, self.conversation, self.added = serving, response, conversation, added
+        self.text_stream = tools.stream()
+        self.sequence_number = 0
+        self.items: list[OutputMessage | FunctionCallOutput] = []
+        self.message: OutputMessage | None = None  # the message whose text is streaming, if any
+        self.calls: dict[int, FunctionCallOutput] = {}  # by the index the chat stream gives each call
+
+    def event(self, kind: str, **fields) -> str:
+        payload = {"type": kind, "sequence_number": self.sequence_number, **fields}
+        self.sequence_number += 1
+        return f"event: {kind}\n" + sse(payload)
+
+    def error(self, status: int, message: str, param: str | None = None) -> str:
+        return self.event("error", code=str(status), message=message, param=param)
+
+    async def stream(self) -> AsyncIterator[str]:
+        response = self.response
+        yield self.event("response.created", response=response.model_dump(mode="json"))
+        yield self.event("response.in_progress", response=response.model_dump(mode="json"))
+        final, output_tokens = None, 0
+        async for output in self.serving.chat.streams(self.added)[0]:
+            completion = output.outputs[0]
+            output_tokens += len(completion.token_ids)
+            for event in self._deltas(self.text_stream.feed(completion.text)):
+                yield event
+            if completion.finish_reason is not None:
+                last_deltas, _ = self.text_stream.finish(completion.finish_reason)
+                for delta in last_deltas:
+                    for event in self._deltas(delta):
+                        yield event
+            if output.finished:
+                final = output
+        if not self.items:  # nothing said: an empty message, as a response that is not streamed has
+            for event in self._text_events(""):
+                yield event
+        status = "incomplete" if final.outputs[0].finish_reason == "length" else "completed"
+        for event in self._close_message(status):
+            yield event
+        for call in self.calls.values():
+            call.status = status
+            yield self.event("response.function_call_arguments.done", item_id=call.id, output_index=self._index(call),
+                             arguments=call.arguments)
+            yield self.event("response.output_item.done", output_index=self._index(call), item=call.model_dump(mode="json"))
+        self.serving.finish(response, self.items, final, output_tokens, self.conversation)
+        yield self.event(f"response.{status}", response=response.model_dump(mode="json"))
+
+    def _deltas(self, delta: DeltaMessage | None) -> list[str]:
+        if delta is None:
+            return []
+        events = self._text_events(delta.content) if delta.content else []
+        for call_delta in delta.tool_calls or []:
+            call = self.calls.get(call_delta.index)
+            if call is None:
+                events.extend(self._close_message("completed"))
+                call = self.calls[call_delta.index] = FunctionCallOutput(call_id=call_delta.id, name=call_delta.function.name,
+                                                                         status="in_progress")
+                self.items.append(call)
+                events.append(self.event("response.output_item.added", output_index=self._index(call), item=call.model_dump(mode="json")))
+            if call_delta.function.arguments:
+                call.arguments += call_delta.function.arguments
+                events.append(self.event("response.function_call_arguments.delta", item_id=call.id, output_index=self._index(call),
+                                         delta=call_delta.function.arguments))
+        return events
+
+    def _text_events(self, text: str) -> list[str]:
+        events = []
+        if self.message is None:
+            self.message = OutputMessage(status="in_progress")
+            self.items.append(self.message)
+            events.append(self.event("response.output_item.added", output_index=self._index(self.message),
+                                     item=self.message.model_dump(mode="json")))
+            self.message.content.append(OutputText(text=""))
+            events.append(self.event("response.content_part.added", item_id=self.message.id, output_index=self._index(self.message),
+                                     content_index=0, part=self.message.content[0].model_dump(mode="json")))
+        if text:
+            self.message.content[0].text += text
+            events.append(self.event("response.output_text.delta", item_id=self.message.id, output_index=self._index(self.message),
+                                     content_index=0, delta=text, logprobs=[]))
+        return events
+
+    def _close_message(self, status: str) -> list[str]:
+        message = self.message
+        if message is None:
+            return []
+        self.message = None
+        message.status = status
+        where = {"item_id": message.id, "output_index": self._index(message), "content_index": 0}
+        part = message.content[0]
+        return [self.event("response.output_text.done", **where, text=part.text, logprobs=[]),
+                self.event("response.content_part.done", **where, part=part.model_dump(mode="json")),
+                self.event("response.output_item.done", output_index=where["output_index"], item=message.model_dump(mode="json"))]
+
+    def _index(self, item) -> int:
+        return next(index for index, candidate in enumerate(self.items) if candidate is item)
+
+
+def _chat_request(request: ResponsesRequest, conversation: list[dict]) -> ChatCompletionRequest:
+    system = [{"role": "system", "content": request.instructions}] if request.instructions is not None else []
+    try:
+        return ChatCompletionRequest.model_validate({**request.chat_fields(), "messages": system + conversation})
+    except ValidationError as exc:  # the request's own fields were checked: what is left is how they combine
+        raise APIError(400, f"the input cannot be run as a conversation: {exc.errors()[0]['msg']}", param="input") from exc
+
+
+def _tool_choice(request: ResponsesRequest) -> str | dict:
+    if request.tool_choice is None:
+        return "auto" if request.tools else "none"
+    return request.tool_choice if isinstance(request.tool_choice, str) else request.tool_choice.model_dump()
+
+
+def _as_messages(items: list) -> list[dict]:
+    """A response's output items as the chat messages a later turn's conversation carries."""
+    text = "".join(item.content[0].text for item in items if isinstance(item, OutputMessage) and item.content)
+    calls = [{"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+             for item in items if isinstance(item, FunctionCallOutput)]
+    if calls:
+        return [{"role": "assistant", "content": text or None, "tool_calls": calls}]
+    return [{"role": "assistant", "content": text}]
+
+
+def _renamed(exc: APIError) -> APIError:
+    """A chat-side error, naming the field as this endpoint's request does."""
+    if exc.param is None:
+        return exc
+    head, dot, rest = exc.param.partition(".")
+    if head in _FIELD_NAMES:
+        exc.param = _FIELD_NAMES[head] + dot + rest
+    return exc

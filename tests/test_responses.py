@@ -1,0 +1,211 @@
+"""The Responses API (/v1/responses) through the official openai client: a response is the chat completion of its
+conversation (instructions, input items, and the stored turns its previous_response_id names), streamed as the API's
+events that add up to it, with function calls that round-trip as output and input items; stored responses are
+retrieved and deleted; bad requests are 4xx naming their field."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+from server_utils import RemoteServer
+
+from pagedserve.entrypoints.openai.responses_protocol import ResponseObject
+from pagedserve.entrypoints.openai.responses_store import ResponseStore
+
+MODEL = "SmolLM2-135M-Instruct"
+WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, "required": ["name", "age"]}
+
+
+@pytest.fixture(scope="module")
+def server():
+    remote = RemoteServer("--max-model-len", "1024", "--kv-cache-memory", str(64 * 1024**2))
+    yield remote
+    remote.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.openai()
+
+
+def chat_text(client, messages, max_tokens, **kwargs):
+    completion = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=max_tokens, temperature=0,
+                                                **kwargs)
+    return completion.choices[0], completion.usage
+
+
+@pytest.mark.slow
+def test_a_response_is_the_chat_completion_of_its_conversation(client):
+    response = client.responses.create(model=MODEL, instructions="Answer in French.", input="Name a colour.",
+                                       max_output_tokens=12, temperature=0)
+    conversation = [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Name a colour."}]
+    choice, usage = chat_text(client, conversation, 12)
+    assert response.output_text == choice.message.content
+    assert (response.usage.input_tokens, response.usage.output_tokens) == (usage.prompt_tokens, usage.completion_tokens)
+    assert response.usage.total_tokens == usage.total_tokens
+    assert response.status == ("incomplete" if choice.finish_reason == "length" else "completed")
+    if response.status == "incomplete":
+        assert response.incomplete_details.reason == "max_output_tokens"
+    [message] = response.output
+    assert message.type == "message" and message.role == "assistant" and message.status == response.status
+    assert response.instructions == "Answer in French." and response.model == MODEL and response.max_output_tokens == 12
+
+
+@pytest.mark.slow
+def test_previous_response_id_continues_the_stored_conversation_without_its_instructions(client):
+    first = client.responses.create(model=MODEL, instructions="Be brief.", input="Name a fruit.", max_output_tokens=10, temperature=0)
+    second = client.responses.create(model=MODEL, previous_response_id=first.id, input=[{"role": "user", "content": "Another one?"}],
+                                     max_output_tokens=10, temperature=0)
+    choice, usage = chat_text(client, [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": first.output_text},
+                                       {"role": "user", "content": "Another one?"}], 10)
+    assert second.output_text == choice.message.content and second.usage.input_tokens == usage.prompt_tokens
+    assert second.previous_response_id == first.id
+    stored = client.responses.retrieve(first.id)
+    assert stored.id == first.id and stored.output_text == first.output_text and stored.usage == first.usage
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError) as gone:
+        client.responses.create(model=MODEL, previous_response_id=first.id, input="And?", max_output_tokens=4)
+    assert gone.value.body["param"] == "previous_response_id"
+    unstored = client.responses.create(model=MODEL, input="Hi", store=False, max_output_tokens=2)
+    assert unstored.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
+@pytest.mark.slow
+def test_streamed_events_add_up_to_the_response(client):
+    whole = client.responses.create(model=MODEL, input="Say hello.", max_output_tokens=64, temperature=0)
+    with client.responses.stream(model=MODEL, input="Say hello.", max_output_tokens=64, temperature=0) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = [event.type for event in events]
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done", "response.completed"]
+    deltas = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    assert deltas == final.output_text == whole.output_text and final.status == whole.status == "completed"
+    assert final.usage.output_tokens == whole.usage.output_tokens
+    assert client.responses.retrieve(final.id).output_text == final.output_text  # a streamed response is stored too
+    # Cut by max_output_tokens: the last event says so.
+    cut = list(client.responses.create(model=MODEL, input="Count to fifty.", max_output_tokens=3, temperature=0, stream=True))
+    assert cut[-1].type == "response.incomplete" and cut[-1].response.incomplete_details.reason == "max_output_tokens"
+    assert cut[-1].response.usage.output_tokens == 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "name": "get_weather"}])
+def test_function_calls_round_trip_as_output_and_input_items(client, tool_choice):
+    ask = "What is the weather in Paris?"
+    response = client.responses.create(model=MODEL, input=ask, tools=[WEATHER], tool_choice=tool_choice, max_output_tokens=40,
+                                       temperature=0)
+    [call] = response.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.call_id and response.status == "completed"
+    jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
+    assert response.tools[0].name == "get_weather"
+    with client.responses.stream(model=MODEL, input=ask, tools=[WEATHER], tool_choice=tool_choice, max_output_tokens=40,
+                                 temperature=0) as stream:
+        events = list(stream)
+        [streamed] = stream.get_final_response().output
+    assert (streamed.name, streamed.arguments) == (call.name, call.arguments)
+    assert "".join(event.delta for event in events if event.type == "response.function_call_arguments.delta") == call.arguments
+    # The call and its output go back as input items: the conversation the chat endpoint runs.
+    answer = client.responses.create(model=MODEL, input=[{"role": "user", "content": ask}, *response.output,
+                                                        {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"}],
+                                     tools=[WEATHER], tool_choice="none", max_output_tokens=12, temperature=0)
+    choice, _ = chat_text(client, [{"role": "user", "content": ask},
+                                   {"role": "assistant", "tool_calls": [{"id": call.call_id, "type": "function",
+                                                                         "function": {"name": call.name, "arguments": call.arguments}}]},
+                                   {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny, 21 C"}], 12,
+                          tools=[{"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}], tool_choice="none")
+    assert answer.output_text == choice.message.content
+    # As an agent loop sends it: only the call's output, after the stored response that made the call.
+    continued = client.responses.create(model=MODEL, previous_response_id=response.id, tools=[WEATHER], tool_choice="none",
+                                        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"}],
+                                        max_output_tokens=12, temperature=0)
+    assert continued.output_text == answer.output_text
+
+
+@pytest.mark.slow
+def test_a_json_schema_text_format_holds_the_output(client):
+    response = client.responses.create(model=MODEL, input="Describe a person.", max_output_tokens=60, temperature=0,
+                                       text={"format": {"type": "json_schema", "name": "person", "schema": PERSON}})
+    jsonschema.validate(json.loads(response.output_text), PERSON)
+    assert response.text.format.type == "json_schema"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fields,status,param", [
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://example.com/a.png"}]}]}, 400, "input"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, 400, "input"),
+    ({"input": []}, 400, "input"),
+    ({"input": "Hi", "tools": [{"type": "web_search"}]}, 400, "tools"),
+    ({"input": "Hi", "tool_choice": "required"}, 400, "tool_choice"),
+    ({"input": "Hi", "tools": [WEATHER]}, 400, "tool_choice"),  # auto: this server reads no calls from text
+    ({"input": "Hi", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "other"}}, 400, "tool_choice"),
+    ({"input": "Hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}}, 400, "text.format"),
+    ({"input": "Hi", "tools": [WEATHER], "tool_choice": "required", "text": {"format": {"type": "json_object"}}}, 400, "text.format"),
+    ({"input": "Hi", "reasoning": {"effort": "low"}}, 400, "reasoning"),
+    ({"input": "Hi", "truncation": "auto"}, 400, "truncation"),
+    ({"input": "Hi", "metadata": {str(index): "v" for index in range(17)}}, 400, "metadata"),
+    ({"input": "Hi", "temperature": -1}, 400, "temperature"),
+    ({"input": "Hi", "previous_response_id": "resp-unknown"}, 404, "previous_response_id"),
+    ({"input": "Hi", "model": "not-served"}, 404, "model"),
+])
+def test_bad_requests_are_4xx_naming_the_field_and_the_server_goes_on(server, client, fields, status, param):
+    answer = server.post("/v1/responses", json={"model": MODEL, **fields})
+    assert answer.status_code == status and answer.json()["error"]["param"] == param, answer.text
+    assert client.responses.create(model=MODEL, input="Hi", max_output_tokens=2).status == "incomplete"
+
+
+def test_the_store_drops_the_oldest_beyond_its_limit():
+    store = ResponseStore(max_responses=2)
+    responses = [ResponseObject(model=MODEL) for _ in range(3)]
+    for response in responses:
+        store.put(response, [{"role": "user", "content": response.id}])
+    assert store.get(responses[0].id) is None
+    kept = responses[1:]
+    assert [store.get(response.id).conversation for response in kept] == [[{"role": "user", "content": r.id}] for r in kept]
+    assert store.delete(responses[1].id) and not store.delete(responses[1].id)
+
+
+def test_a_stream_that_fails_ends_with_the_apis_error_event_and_aborts_its_request():
+    """Past its created event, a response whose engine goes away ends with an error event (no [DONE]: the API's
+    streams end with their last event), and its sub-request is aborted."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from pagedserve.engine.core_client import EngineDeadError
+    from pagedserve.entrypoints.openai.serving_base import ServingBase
+    from pagedserve.entrypoints.openai.serving_responses import _ResponseEvents
+    from pagedserve.entrypoints.openai.tool_calls import ToolPlan
+
+    aborted = []
+
+    async def abort(sub_id):
+        aborted.append(sub_id)
+
+    serving = SimpleNamespace(engine=SimpleNamespace(abort=abort))
+    events = _ResponseEvents(None, ResponseObject(model=MODEL), [], ToolPlan("none"), [("resp-1-0", None)])
+
+    async def failing():
+        yield events.event("response.created", response={})
+        raise EngineDeadError("the engine core died")
+
+    async def read():
+        stream = ServingBase.sse_stream(serving, [("resp-1-0", None)], failing(), SimpleNamespace(state=SimpleNamespace()),
+                                        error_event=events.error)
+        return [chunk async for chunk in stream]
+
+    created, failed = asyncio.run(read())
+    assert created.startswith("event: response.created\n")
+    assert failed.startswith("event: error\n")
+    error = json.loads(failed.split("data: ", 1)[1])
+    assert error == {"type": "error", "sequence_number": 1, "code": "503", "message": "the engine core died", "param": None}
+    assert aborted == ["resp-1-0"]
