@@ -209,3 +209,18 @@ def test_a_stream_that_fails_ends_with_the_apis_error_event_and_aborts_its_reque
     error = json.loads(failed.split("data: ", 1)[1])
     assert error == {"type": "error", "sequence_number": 1, "code": "503", "message": "the engine core died", "param": None}
     assert aborted == ["resp-1-0"]
+
+
+def test_a_server_that_keeps_no_responses_refuses_store_true():
+    """--max-stored-responses 0: a request that asks for its response to be kept (store true, the API's default) is a 400
+    naming store, before anything runs."""
+    import asyncio
+
+    from pagedserve.entrypoints.openai.errors import APIError
+    from pagedserve.entrypoints.openai.responses_protocol import ResponsesRequest
+    from pagedserve.entrypoints.openai.serving_responses import OpenAIServingResponses
+
+    serving = OpenAIServingResponses(chat=None, store=ResponseStore(max_responses=0))
+    with pytest.raises(APIError) as refused:
+        asyncio.run(serving.create_response(ResponsesRequest(input="Hi"), raw_request=None))
+    assert refused.value.status == 400 and refused.value.param == "store"
