@@ -73,7 +73,7 @@ def test_previous_response_id_continues_the_stored_conversation_without_its_inst
     with pytest.raises(openai.NotFoundError) as gone:
         client.responses.create(model=MODEL, previous_response_id=first.id, input="And?", max_output_tokens=4)
     assert gone.value.body["param"] == "previous_response_id"
-    unstored = client.responses.create(model=MODEL, input="Hi", store=False, max_output_tokens=2)
+    unstored = client.responses.create(model=MODEL, input="Hi", store=False, max_output_tokens=2, include=[], background=False)
     assert unstored.store is False
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unstored.id)
@@ -153,6 +153,8 @@ def test_a_json_schema_text_format_holds_the_output(client):
     ({"input": "Hi", "tools": [WEATHER], "tool_choice": "required", "text": {"format": {"type": "json_object"}}}, 400, "text.format"),
     ({"input": "Hi", "reasoning": {"effort": "low"}}, 400, "reasoning"),
     ({"input": "Hi", "truncation": "auto"}, 400, "truncation"),
+    ({"input": "Hi", "include": ["message.output_text.logprobs"]}, 400, "include"),
+    ({"input": "Hi", "background": True}, 400, "background"),
     ({"input": "Hi", "metadata": {str(index): "v" for index in range(17)}}, 400, "metadata"),
     ({"input": "Hi", "temperature": -1}, 400, "temperature"),
     ({"input": "Hi", "previous_response_id": "resp-unknown"}, 404, "previous_response_id"),

@@ -18,6 +18,7 @@ from pagedserve.entrypoints.openai.protocol import (
     StrictModel,
     TextFormat,
     bounded,
+    only_empty,
     output_format,
     random_id,
 )
@@ -161,6 +162,10 @@ class ResponsesRequest(RequestBody):
     metadata: Annotated[dict[MetadataKey, MetadataValue], Field(max_length=16)] | None = None
     user: str | None = None
     truncation: Literal["disabled"] | None = None  # "auto" (drop earlier turns to fit) is not supported
+    # Accepted only as what asks for nothing: no extra output to include, no background run.
+    include: Annotated[list[str], Field(max_length=0)] | None = Field(
+        None, json_schema_extra=only_empty({"type": "array", "maxItems": 0}, "not supported: only empty"))
+    background: Literal[False] | None = Field(None, json_schema_extra=only_empty({"const": False}, "not supported: only false"))
 
     def input_items(self) -> list:
         if isinstance(self.input, str):
