@@ -61,6 +61,10 @@ def test_previous_response_id_continues_the_stored_conversation_without_its_inst
     first = client.responses.create(model=MODEL, instructions="Be brief.", input="Name a fruit.", max_output_tokens=10, temperature=0)
     second = client.responses.create(model=MODEL, previous_response_id=first.id, input=[{"role": "user", "content": "Another one?"}],
                                      max_output_tokens=10, temperature=0)
+    # The same conversation sent whole, the first output's items given back as they came.
+    resent = client.responses.create(model=MODEL, input=[{"role": "user", "content": "Name a fruit."}, *first.output,
+                                                        {"role": "user", "content": "Another one?"}], max_output_tokens=10, temperature=0)
+    assert resent.output_text == second.output_text
     choice, usage = chat_text(client, [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": first.output_text},
                                        {"role": "user", "content": "Another one?"}], 10)
     assert second.output_text == choice.message.content and second.usage.input_tokens == usage.prompt_tokens

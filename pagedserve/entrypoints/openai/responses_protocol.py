@@ -40,7 +40,9 @@ class OutputTextPart(StrictModel):
 
     type: Literal["output_text"]
     text: str
+    # As the output gave them (none, here), given back with it: they say nothing of what to do now.
     annotations: list[Any] = Field(default_factory=list, max_length=0)
+    logprobs: list[Any] | None = None
 
 
 def _part_kind(value) -> str | None:
