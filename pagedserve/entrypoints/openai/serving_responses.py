@@ -43,17 +43,9 @@ class OpenAIServingResponses:
         if request.store and self.store.max_responses == 0:
             raise APIError(400, "this server keeps no responses (--max-stored-responses 0): give store false", param="store")
         conversation = self._history(request.previous_response_id) + conversation_of(request.input_items())
-        chat_request = _chat_request(request, conversation)
-        response = ResponseObject(
-            model=self.chat.models.response_name(request.model), instructions=request.instructions,
-            max_output_tokens=request.max_output_tokens, parallel_tool_calls=request.parallel_tool_calls,
-            previous_response_id=request.previous_response_id, store=request.store, temperature=request.temperature,
-            top_p=request.top_p, user=request.user, metadata=request.metadata or {},
-            text=request.text.model_dump(by_alias=True) if request.text is not None else {"format": {"type": "text"}},
-            tool_choice=_tool_choice(request), tools=[tool.model_dump(exclude_none=True) for tool in request.tools or []],
-        )
+        response = self._new_response(request)
         try:
-            added, tools = await self.chat.start(chat_request, response.id)
+            added, tools = await self.chat.start(_chat_request(request, conversation), response.id)
         except APIError as exc:
             raise _renamed(exc) from exc
         if request.stream:
@@ -69,6 +61,17 @@ class OpenAIServingResponses:
                      for call in reply.tool_calls)
         self.finish(response, items, output, len(completion.token_ids), conversation)
         return response
+
+    def _new_response(self, request: ResponsesRequest) -> ResponseObject:
+        """The response, in progress: what the request asked, as the API echoes it."""
+        return ResponseObject(
+            model=self.chat.models.response_name(request.model), instructions=request.instructions,
+            max_output_tokens=request.max_output_tokens, parallel_tool_calls=request.parallel_tool_calls,
+            previous_response_id=request.previous_response_id, store=request.store, temperature=request.temperature,
+            top_p=request.top_p, user=request.user, metadata=request.metadata or {},
+            text=request.text.model_dump(by_alias=True) if request.text is not None else {"format": {"type": "text"}},
+            tool_choice=_tool_choice(request), tools=[tool.model_dump(exclude_none=True) for tool in request.tools or []],
+        )
 
     def get(self, response_id: str) -> ResponseObject:
         stored = self.store.get(response_id)
