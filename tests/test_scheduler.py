@@ -652,6 +652,23 @@ def test_a_step_names_its_prompt_chunks_and_the_time_it_was_planned_within():
     assert decode_step.prompt_chunks == [] and decode_step.stall_limit_s is None  # no prompt work to bound
 
 
+@pytest.mark.parametrize("budget,threshold,lengths", [(19, 0, [19, 1]), (32, 10, [10, 10, 1])])
+def test_a_prompt_chunked_one_token_short_names_its_last_token_as_a_chunk(budget, threshold, lengths):
+    """A chunk that stops one token before the prompt's end leaves a token that the next step computes as a decode is
+    computed; it is named among that step's prompt chunks all the same, so the chunks cover the prompt, and the step
+    that finishes the prompt is known."""
+    scheduler = make_scheduler(num_blocks=64, block_size=4, budget=budget, threshold=threshold)
+    scheduler.add_request(make_request("p", prompt_len=sum(lengths), max_tokens=4))
+    chunks = []
+    for _ in lengths:
+        output, _ = step(scheduler)
+        chunks += output.prompt_chunks
+    assert chunks == [("p", sum(lengths[:index]), length, sum(lengths)) for index, length in enumerate(lengths)]
+    assert scheduler.requests["p"].prompt_done_step == len(lengths)
+    decode, _ = step(scheduler)
+    assert decode.prompt_chunks == [] and decode.num_scheduled_tokens == {"p": 1}
+
+
 class AsyncLoadingConnector:
     """A KV connector's scheduler side as P2pConnector drives the scheduler, with the transfers made up: a request whose
     id starts with "pull" finds its prompt outside and loads it while others run (each load ends after a random number

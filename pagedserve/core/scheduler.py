@@ -82,6 +82,10 @@ class Scheduler:
         # Requests ended by the engine itself before they ran (a grammar that failed to compile), told with the next
         # step's outputs.
         self._ended_unscheduled: list[EngineCoreOutput] = []
+        # Running requests whose prompt has one token left (a chunk stopped there): that token is a chunk of the
+        # prompt, though it is planned as a decode is, so the step names it among its prompt chunks (the time bound,
+        # a connector's saves, the web console read them).
+        self._prompt_tails: set[str] = set()
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -156,11 +160,23 @@ class Scheduler:
         output = plan.build(self.finished_req_ids, self.preempted_req_ids, propose_for)
         self.finished_req_ids, self.preempted_req_ids = set(), set()
         self.stall_bound.step_planned(output.prompt_chunks, self.requests, len(output.num_scheduled_tokens) == len(self.running))
+        if output.prompt_chunks or self._prompt_tails:
+            self._keep_prompt_tails(output)
         if self.kv_connector is not None:
             output.kv_connector_metadata = self.kv_connector.build_connector_meta(output, self.requests, self.kv_cache_manager.block_ids)
         if self.structured_output is not None and self.structured_output.has_constrained:
             output.grammar_bitmask = self.structured_output.bitmask(output, self.requests)
         return output
+
+    def _keep_prompt_tails(self, output: SchedulerOutput) -> None:
+        """The prompts this step leaves one token short, and those still short that it did not reach."""
+        scheduled, requests = output.num_scheduled_tokens, self.requests
+        tails = {request_id for request_id in self._prompt_tails
+                 if request_id not in scheduled and request_id in requests and requests[request_id].status is _RUNNING}
+        for request_id, start, num_tokens, num_tokens_known in output.prompt_chunks:
+            if start + num_tokens == num_tokens_known - 1:
+                tails.add(request_id)
+        self._prompt_tails = tails
 
     def _take_remote_kv_news(self) -> None:
         ready, failed = self.remote_kv.take_news()
@@ -178,12 +194,13 @@ class Scheduler:
         kv = self.kv_cache_manager
         allocate_slots, req_to_blocks = kv.allocate_slots, kv.req_to_blocks
         drafts_policy = self.drafts
+        prompt_tails = self._prompt_tails
         running = self.running
         preempted_any = False
         index = 0
         # Preemption removes only requests at or after the current one, so the index stays valid.
         while index < len(running) and plan.token_budget > 0:
-            if drafts_policy is None:  # with drafts, every decode may verify some
+            if drafts_policy is None and not prompt_tails:  # with drafts, every decode may verify some
                 index = plan.take_plain_decodes(running, index, kv)
                 if index == len(running) or plan.token_budget == 0:
                     break
@@ -210,7 +227,8 @@ class Scheduler:
                 if new_blocks is None:  # it preempted itself
                     break
             num_blocks = len(req_to_blocks[request.request_id]) if new_blocks else 0
-            if is_prompt:  # a chunk of one token too: the budget can leave room for just one
+            # A chunk of one token too: the budget can leave room for just one, or a chunk one token short of the prompt.
+            if is_prompt or (not drafts and request.request_id in prompt_tails):
                 plan.add_chunk(request, num_new_tokens, new_blocks, num_blocks)
             else:
                 plan.add_decode(request, drafts, new_blocks, num_blocks)
