@@ -82,9 +82,7 @@ class Scheduler:
         # Requests ended by the engine itself before they ran (a grammar that failed to compile), told with the next
         # step's outputs.
         self._ended_unscheduled: list[EngineCoreOutput] = []
-        # Running requests whose prompt has one token left (a chunk stopped there): that token is a chunk of the
-        # prompt, though it is planned as a decode is, so the step names it among its prompt chunks (the time bound,
-        # a connector's saves, the web console read them).
+        # Running requests a chunk left one prompt token short: that token is named a prompt chunk (_keep_prompt_tails).
         self._prompt_tails: set[str] = set()
 
     # ---- requests in and out -------------------------------------------------------------
@@ -169,7 +167,9 @@ class Scheduler:
         return output
 
     def _keep_prompt_tails(self, output: SchedulerOutput) -> None:
-        """The prompts this step leaves one token short, and those still short that it did not reach."""
+        """The prompts this step leaves one token short, and those still short that it did not reach. That last token
+        is planned as a decode is, but named among the prompt chunks of its step (which the time bound, a connector's
+        saves and the web console read)."""
         scheduled, requests = output.num_scheduled_tokens, self.requests
         tails = {request_id for request_id in self._prompt_tails
                  if request_id not in scheduled and request_id in requests and requests[request_id].status is _RUNNING}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
 from pagedserve.entrypoints.openai.protocol import (
     Count,
@@ -167,7 +167,14 @@ class ResponsesRequest(RequestBody):
     # Accepted only as what asks for nothing: no extra output to include, no background run.
     include: Annotated[list[str], Field(max_length=0)] | None = Field(
         None, json_schema_extra=only_empty({"type": "array", "maxItems": 0}, "not supported: only empty"))
-    background: Literal[False] | None = Field(None, json_schema_extra=only_empty({"const": False}, "not supported: only false"))
+    background: bool | None = Field(None, json_schema_extra=only_empty({"const": False}, "not supported: only false"))
+
+    @field_validator("background")
+    @classmethod
+    def _not_in_the_background(cls, background: bool | None) -> bool | None:
+        if background:
+            raise ValueError("only false is supported: a response runs while its request waits")
+        return background
 
     def input_items(self) -> list:
         if isinstance(self.input, str):
