@@ -85,8 +85,8 @@ def test_previous_response_id_continues_the_stored_conversation_without_its_inst
 
 @pytest.mark.slow
 def test_streamed_events_add_up_to_the_response(client):
-    whole = client.responses.create(model=MODEL, input="Say hello.", max_output_tokens=64, temperature=0)
-    with client.responses.stream(model=MODEL, input="Say hello.", max_output_tokens=64, temperature=0) as stream:
+    whole = client.responses.create(model=MODEL, input="Say hello.", max_output_tokens=200, temperature=0)
+    with client.responses.stream(model=MODEL, input="Say hello.", max_output_tokens=200, temperature=0) as stream:
         events = list(stream)
         final = stream.get_final_response()
     kinds = [event.type for event in events]
@@ -107,14 +107,14 @@ def test_streamed_events_add_up_to_the_response(client):
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "name": "get_weather"}])
 def test_function_calls_round_trip_as_output_and_input_items(client, tool_choice):
     ask = "What is the weather in Paris?"
-    response = client.responses.create(model=MODEL, input=ask, tools=[WEATHER], tool_choice=tool_choice, max_output_tokens=40,
-                                       temperature=0)
+    response = client.responses.create(model=MODEL, input=ask, tools=[WEATHER], tool_choice=tool_choice, parallel_tool_calls=False,
+                                       max_output_tokens=60, temperature=0)
     [call] = response.output
     assert call.type == "function_call" and call.name == "get_weather" and call.call_id and response.status == "completed"
     jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
     assert response.tools[0].name == "get_weather"
-    with client.responses.stream(model=MODEL, input=ask, tools=[WEATHER], tool_choice=tool_choice, max_output_tokens=40,
-                                 temperature=0) as stream:
+    with client.responses.stream(model=MODEL, input=ask, tools=[WEATHER], tool_choice=tool_choice, parallel_tool_calls=False,
+                                 max_output_tokens=60, temperature=0) as stream:
         events = list(stream)
         [streamed] = stream.get_final_response().output
     assert (streamed.name, streamed.arguments) == (call.name, call.arguments)
