@@ -138,7 +138,7 @@ def test_function_calls_round_trip_as_output_and_input_items(client, tool_choice
 
 @pytest.mark.slow
 def test_a_json_schema_text_format_holds_the_output(client):
-    response = client.responses.create(model=MODEL, input="Describe a person.", max_output_tokens=60, temperature=0,
+    response = client.responses.create(model=MODEL, input="Describe a person.", max_output_tokens=150, temperature=0,
                                        text={"format": {"type": "json_schema", "name": "person", "schema": PERSON}})
     jsonschema.validate(json.loads(response.output_text), PERSON)
     assert response.text.format.type == "json_schema"
