@@ -54,6 +54,7 @@ def test_a_response_is_the_chat_completion_of_its_conversation(client):
     [message] = response.output
     assert message.type == "message" and message.role == "assistant" and message.status == response.status
     assert response.instructions == "Answer in French." and response.model == MODEL and response.max_output_tokens == 12
+    assert response.tool_choice == "none" and response.text.format.type == "text"
 
 
 @pytest.mark.slow
@@ -113,6 +114,7 @@ def test_function_calls_round_trip_as_output_and_input_items(client, tool_choice
     assert call.type == "function_call" and call.name == "get_weather" and call.call_id and response.status == "completed"
     jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
     assert response.tools[0].name == "get_weather"
+    assert response.tool_choice == "required" if tool_choice == "required" else response.tool_choice.name == "get_weather"
     with client.responses.stream(model=MODEL, input=ask, tools=[WEATHER], tool_choice=tool_choice, parallel_tool_calls=False,
                                  max_output_tokens=60, temperature=0) as stream:
         events = list(stream)
@@ -230,3 +232,24 @@ def test_a_server_that_keeps_no_responses_refuses_store_true():
     with pytest.raises(APIError) as refused:
         asyncio.run(serving.create_response(ResponsesRequest(input="Hi"), raw_request=None))
     assert refused.value.status == 400 and refused.value.param == "store"
+
+
+def test_output_items_carried_to_a_later_turn_are_the_conversation_the_same_items_sent_back_make():
+    """A stored response's output goes into its conversation as the same items sent back as input would: its text and
+    its calls one assistant message, as a chat completion's message holds them."""
+    from pagedserve.entrypoints.openai.responses_protocol import (
+        FunctionCallOutput,
+        OutputMessage,
+        OutputText,
+        ResponsesRequest,
+        conversation_of,
+    )
+
+    output = [OutputMessage(content=[OutputText(text="Let me look.")]),
+              FunctionCallOutput(call_id="call_1", name="get_weather", arguments='{"city": "Paris"}'),
+              FunctionCallOutput(call_id="call_2", name="get_weather", arguments='{"city": "Rome"}')]
+    sent_back = ResponsesRequest.model_validate({"input": [item.model_dump(mode="json") for item in output]}).input_items()
+    calls = [{"id": f"call_{index}", "type": "function", "function": {"name": "get_weather", "arguments": f'{{"city": "{city}"}}'}}
+             for index, city in ((1, "Paris"), (2, "Rome"))]
+    expected = [{"role": "assistant", "content": "Let me look.", "tool_calls": calls}]
+    assert conversation_of([item.as_input() for item in output]) == conversation_of(sent_back) == expected

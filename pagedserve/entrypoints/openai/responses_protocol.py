@@ -203,7 +203,8 @@ class ResponsesRequest(RequestBody):
 
 
 def conversation_of(items: list) -> list[dict]:
-    """Input items as chat messages: consecutive function calls are one assistant message's tool calls."""
+    """Input items as chat messages: function calls join the assistant message before them (its text, or the calls
+    before them), as a chat completion's message holds its content and its tool calls."""
     messages: list[dict] = []
     for item in items:
         if isinstance(item, InputMessage):
@@ -211,8 +212,8 @@ def conversation_of(items: list) -> list[dict]:
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
-                last["tool_calls"].append(call)
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         else:
@@ -237,6 +238,10 @@ class OutputMessage(BaseModel):
     status: Literal["in_progress", "completed", "incomplete"] = "completed"
     content: list[OutputText] = Field(default_factory=list)
 
+    def as_input(self) -> InputMessage:
+        """As a later turn's input carries it."""
+        return InputMessage(role="assistant", content="".join(part.text for part in self.content))
+
 
 class FunctionCallOutput(BaseModel):
     """A call the model makes (an output item; the client answers it with a function_call_output item)."""
@@ -247,6 +252,9 @@ class FunctionCallOutput(BaseModel):
     name: str
     arguments: str = ""
     status: Literal["in_progress", "completed", "incomplete"] = "completed"
+
+    def as_input(self) -> FunctionCallItem:
+        return FunctionCallItem(type="function_call", call_id=self.call_id, name=self.name, arguments=self.arguments)
 
 
 class InputTokensDetails(BaseModel):
@@ -286,7 +294,7 @@ class ResponseObject(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
-    tool_choice: str | dict[str, Any] = "auto"
+    tool_choice: str | dict[str, Any] = "none"
     tools: list[dict[str, Any]] = Field(default_factory=list)
     truncation: Literal["disabled"] = "disabled"
     usage: ResponseUsage | None = None

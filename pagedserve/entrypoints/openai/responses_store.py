@@ -22,8 +22,7 @@ class ResponseStore:
         self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
 
     def put(self, response: ResponseObject, conversation: list[dict]) -> None:
-        self._responses[response.id] = StoredResponse(response, conversation)
-        self._responses.move_to_end(response.id)
+        self._responses[response.id] = StoredResponse(response, conversation)  # ids are new: it goes in last
         while len(self._responses) > self.max_responses:
             self._responses.popitem(last=False)
 

@@ -22,6 +22,7 @@ from pagedserve.entrypoints.openai.responses_protocol import (
     ResponseObject,
     ResponsesRequest,
     ResponseUsage,
+    TextConfig,
     conversation_of,
 )
 from pagedserve.entrypoints.openai.responses_store import ResponseStore
@@ -48,6 +49,7 @@ class OpenAIServingResponses:
             added, tools = await self.chat.start(_chat_request(request, conversation), response.id)
         except APIError as exc:
             raise _renamed(exc) from exc
+        response.tool_choice = _tool_choice(tools)
         if request.stream:
             events = _ResponseEvents(self, response, conversation, tools, added)
             return self.chat.sse_stream(added, events.stream(), raw_request, error_event=events.error)
@@ -69,8 +71,8 @@ class OpenAIServingResponses:
             max_output_tokens=request.max_output_tokens, parallel_tool_calls=request.parallel_tool_calls,
             previous_response_id=request.previous_response_id, store=request.store, temperature=request.temperature,
             top_p=request.top_p, user=request.user, metadata=request.metadata or {},
-            text=request.text.model_dump(by_alias=True) if request.text is not None else {"format": {"type": "text"}},
-            tool_choice=_tool_choice(request), tools=[tool.model_dump(exclude_none=True) for tool in request.tools or []],
+            text=(request.text or TextConfig()).model_dump(by_alias=True),
+            tools=[tool.model_dump(exclude_none=True) for tool in request.tools or []],
         )
 
     def get(self, response_id: str) -> ResponseObject:
@@ -99,7 +101,7 @@ class OpenAIServingResponses:
         response.usage = ResponseUsage(input_tokens=input_tokens, input_tokens_details=cached, output_tokens=output_tokens,
                                        total_tokens=input_tokens + output_tokens)
         if response.store:
-            self.store.put(response, conversation + _as_messages(items))
+            self.store.put(response, conversation + conversation_of([item.as_input() for item in items]))
 
     def _history(self, previous_response_id: str | None) -> list[dict]:
         if previous_response_id is None:
@@ -108,7 +110,7 @@ class OpenAIServingResponses:
         if stored is None:
             raise APIError(404, f"previous_response_id {previous_response_id!r} names no stored response (it was not stored, "
                                 "or the server has dropped it)", param="previous_response_id")
-        return [dict(message) for message in stored.conversation]
+        return stored.conversation
 
 
 class _ResponseEvents:
@@ -220,20 +222,9 @@ def _chat_request(request: ResponsesRequest, conversation: list[dict]) -> ChatCo
         raise APIError(400, f"the input cannot be run as a conversation: {exc.errors()[0]['msg']}", param="input") from exc
 
 
-def _tool_choice(request: ResponsesRequest) -> str | dict:
-    if request.tool_choice is None:
-        return "auto" if request.tools else "none"
-    return request.tool_choice if isinstance(request.tool_choice, str) else request.tool_choice.model_dump()
-
-
-def _as_messages(items: list) -> list[dict]:
-    """A response's output items as the chat messages a later turn's conversation carries."""
-    text = "".join(item.content[0].text for item in items if isinstance(item, OutputMessage) and item.content)
-    calls = [{"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
-             for item in items if isinstance(item, FunctionCallOutput)]
-    if calls:
-        return [{"role": "assistant", "content": text or None, "tool_calls": calls}]
-    return [{"role": "assistant", "content": text}]
+def _tool_choice(tools: ToolPlan) -> str | dict:
+    """The tool choice the response ran with, as the API echoes it."""
+    return {"type": "function", "name": tools.function_name} if tools.mode == "named" else tools.mode
 
 
 def _renamed(exc: APIError) -> APIError:
