@@ -21,7 +21,7 @@ PARAMS = [
 def _batch() -> tuple[RunnerRequests, list[str]]:
     requests = RunnerRequests()
     for index, params in enumerate(PARAMS):
-        requests.add(RunnerRequestState(f"r{index}", [1, 2, 3] + [7] * index, 3, params, [index], 2 + index))
+        requests.add(RunnerRequestState(f"r{index}", [1, 2, 3] + [7] * index, 3, params, [index]), 2 + index)
     return requests, [f"r{index}" for index in range(len(PARAMS))]
 
 
@@ -63,7 +63,7 @@ def test_a_request_replaced_under_the_same_id_is_described_by_its_own_parameters
     inputs = SamplingInputs(torch.device("cpu"), DrawKeys(0))
     inputs.metadata(requests.of(ids), batch_key=(requests.version, tuple(ids)))
     requests.remove("r0")
-    requests.add(RunnerRequestState("r0", [1, 2, 3], 3, SamplingParams(temperature=0.3, top_k=2), [0], 2))
+    requests.add(RunnerRequestState("r0", [1, 2, 3], 3, SamplingParams(temperature=0.3, top_k=2), [0]), 2)
     metadata = inputs.metadata(requests.of(ids), batch_key=(requests.version, tuple(ids)))
     assert metadata.filters.temperature[0].item() == torch.tensor(0.3).item()
     assert metadata.filters.top_k[0].item() == 2

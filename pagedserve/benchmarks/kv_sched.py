@@ -143,7 +143,7 @@ def _runner_requests(scheduler: Scheduler) -> tuple[RunnerRequests, SchedulerOut
     for request_id, num_tokens in output.num_scheduled_tokens.items():
         request = scheduler.requests[request_id]
         requests.add(RunnerRequestState(request_id, list(request.all_token_ids), request.num_prompt_tokens, request.sampling_params,
-                                        kv.block_ids(request_id), request.num_computed_tokens - num_tokens))
+                                        kv.block_ids(request_id)), request.num_computed_tokens - num_tokens)
     return requests, output
 
 
@@ -151,5 +151,6 @@ def _sampled(requests: RunnerRequests, request_ids: list[str]) -> RunnerRequests
     """The same requests, drawing at temperature 1."""
     sampled = RunnerRequests()
     for state in requests.of(request_ids):
-        sampled.add(dataclasses.replace(state, sampling_params=dataclasses.replace(state.sampling_params, temperature=1.0)))
+        sampled.add(dataclasses.replace(state, sampling_params=dataclasses.replace(state.sampling_params, temperature=1.0)),
+                    requests.num_computed_of(state.request_id))
     return sampled

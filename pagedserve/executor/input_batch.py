@@ -15,17 +15,17 @@ from pagedserve.sampling_params import SamplingParams
 
 @dataclass
 class RunnerRequestState:
-    """The runner's own copy of a request: it appends the tokens it samples."""
+    """The runner's own copy of a request: it appends the tokens it samples. How many of its tokens are computed is kept
+    by RunnerRequests, with the other columns the decode pass reads."""
 
     request_id: str
     token_ids: list[int]
     num_prompt_tokens: int
     sampling_params: SamplingParams
     block_ids: list[int]
-    num_computed_tokens: int
     prompt_logprobs_start: int = 0
     num_drafts: int = 0  # draft tokens at the end of token_ids, verified in this step
-    row: int = -1  # its row of RunnerRequests.block_tables, once added
+    row: int = -1  # its row of RunnerRequests' block tables and columns, once added
     lora_request: LoRARequest | None = None  # the adapter it runs with
 
     @property
@@ -75,14 +75,23 @@ class BlockTables:
 
 
 class RunnerRequests:
-    """The runner's requests by id, each one's block ids kept in its state and, the same, in its row of block_tables:
-    every change to a request's blocks goes through here, so the two never differ."""
+    """The runner's requests by id. What a step reads of each of hundreds of requests is kept in columns too, a request's
+    entries in its row (its row of block_tables): its block ids, how many of its tokens are computed (kept only here),
+    how many it knows and the last of them, and whether it wants prompt logprobs. A step of decodes is then a few
+    gathers over the columns, not a pass over Python objects. Every change to a request's blocks, tokens or computed
+    count goes through here, so the columns never differ from the states."""
 
     def __init__(self) -> None:
         self._states: dict[str, RunnerRequestState] = {}
         self.block_tables = BlockTables()
+        self.num_computed = np.zeros(0, dtype=np.int64)
+        self.num_tokens = np.zeros(0, dtype=np.int64)
+        self.last_token = np.zeros(0, dtype=np.int64)
+        self.wants_prompt_logprobs = np.zeros(0, dtype=bool)
         # Changes whenever a request is added or removed: with the ids of a batch, it names the same requests.
         self.version = 0
+        self._rows_key: tuple | None = None
+        self._rows = np.zeros(0, dtype=np.int64)
 
     def __getitem__(self, request_id: str) -> RunnerRequestState:
         return self._states[request_id]
@@ -91,10 +100,24 @@ class RunnerRequests:
         states = self._states
         return [states[request_id] for request_id in request_ids]
 
-    def add(self, state: RunnerRequestState) -> None:
+    def rows_of(self, request_ids: list[str]) -> np.ndarray:
+        """The requests' rows, in order. Kept for the last ids asked for: a step asks for its batch's rows a few times,
+        and a run of decode steps has the same batch step after step."""
+        key = (self.version, tuple(request_ids))
+        if key != self._rows_key:
+            states = self._states
+            self._rows_key, self._rows = key, np.array([states[request_id].row for request_id in request_ids], dtype=np.int64)
+        return self._rows
+
+    def add(self, state: RunnerRequestState, num_computed_tokens: int) -> None:
         self.remove(state.request_id)
-        state.row = self.block_tables.add(state.block_ids)
+        state.row = row = self.block_tables.add(state.block_ids)
+        if row >= len(self.num_computed):
+            self._grow_columns(self.block_tables.ids.shape[0])
         self._states[state.request_id] = state
+        self.num_computed[row] = num_computed_tokens
+        self.wants_prompt_logprobs[row] = state.sampling_params.prompt_logprobs is not None
+        self._note_tokens(state)
         self.version += 1
 
     def remove(self, request_id: str) -> None:
@@ -111,6 +134,50 @@ class RunnerRequests:
             del block_ids[num_kept_blocks:]
         self.block_tables.write(state.row, len(block_ids), new_block_ids)
         block_ids.extend(new_block_ids)
+
+    def num_computed_of(self, request_id: str) -> int:
+        return int(self.num_computed[self._states[request_id].row])
+
+    def set_num_computed(self, request_id: str, num_computed_tokens: int) -> None:
+        self.num_computed[self._states[request_id].row] = num_computed_tokens
+
+    def advance(self, num_scheduled_tokens: dict[str, int]) -> None:
+        """A step computed these requests' scheduled tokens."""
+        rows = self.rows_of(list(num_scheduled_tokens))
+        if sum(num_scheduled_tokens.values()) == len(rows):  # one token each, as in most steps
+            self.num_computed[rows] += 1
+        else:
+            self.num_computed[rows] += np.fromiter(num_scheduled_tokens.values(), dtype=np.int64, count=len(rows))
+
+    def append_sampled(self, states: list[RunnerRequestState], token_ids: list[int], rows: np.ndarray | None = None) -> None:
+        """Each state's new token, in order. rows: the states' rows, where the caller has them."""
+        for state, token_id in zip(states, token_ids):
+            state.token_ids.append(token_id)
+        if rows is None:
+            rows = np.array([state.row for state in states], dtype=np.int64)
+        self.last_token[rows] = token_ids
+        self.num_tokens[rows] += 1
+
+    def extend_tokens(self, state: RunnerRequestState, token_ids: list[int]) -> None:
+        state.token_ids.extend(token_ids)
+        self._note_tokens(state)
+
+    def truncate_tokens(self, state: RunnerRequestState, num_tokens: int) -> None:
+        """Keep the state's first num_tokens tokens."""
+        del state.token_ids[num_tokens:]
+        self._note_tokens(state)
+
+    def _note_tokens(self, state: RunnerRequestState) -> None:
+        token_ids, row = state.token_ids, state.row
+        self.num_tokens[row] = len(token_ids)
+        self.last_token[row] = token_ids[-1] if token_ids else 0
+
+    def _grow_columns(self, num_rows: int) -> None:
+        for name in ("num_computed", "num_tokens", "last_token", "wants_prompt_logprobs"):
+            column = getattr(self, name)
+            grown = np.zeros(num_rows, dtype=column.dtype)
+            grown[: len(column)] = column
+            setattr(self, name, grown)
 
 
 @dataclass
@@ -136,24 +203,22 @@ def prepare_inputs(requests: RunnerRequests, num_scheduled_tokens: dict[str, int
     else:
         decode_ids = [request_id for request_id, num_tokens in num_scheduled_tokens.items() if num_tokens == 1]
         chunks = [(requests[request_id], num_tokens) for request_id, num_tokens in num_scheduled_tokens.items() if num_tokens != 1]
-    decode_states = requests.of(decode_ids)
-    batch.add_decodes(decode_ids, decode_states, requests.block_tables)
+    batch.add_decodes(decode_ids, requests)
     if with_adapters:  # each adapter's chunks side by side: one product over all of them
         chunks.sort(key=lambda chunk: chunk[0].lora_request.lora_int_id if chunk[0].lora_request else 0)
     for state, num_tokens in chunks:
-        batch.add_chunk(state, num_tokens)
+        batch.add_chunk(state, int(requests.num_computed[state.row]), num_tokens)
     inputs = batch.inputs(attn_backend, device)
     if with_adapters:
-        rows = [(state, 1) for state in decode_states] + chunks
+        rows = [(state, 1) for state in requests.of(decode_ids)] + chunks
         inputs.adapter_segments = [(state.lora_request.lora_int_id if state.lora_request else 0, n) for state, n in rows]
         inputs.adapters = {state.lora_request.lora_int_id: state.lora_request for state, _ in rows if state.lora_request}
     return inputs
 
 
 class _FlatBatch:
-    """One step's requests laid end to end. The decodes are gathered in one pass that reads a few integers of each
-    (a step may carry hundreds of them), then laid out with array operations over all of them at once; a prompt
-    chunk's rows are arrays of its own."""
+    """One step's requests laid end to end. The decodes are laid out with array operations over all of them at once,
+    from the requests' columns; a prompt chunk's rows are arrays of its own."""
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
@@ -168,46 +233,45 @@ class _FlatBatch:
         self.chunk_seq_lens: list[int] = []
         self.chunk_tables: list[np.ndarray] = []
         self.sampling_req_ids: list[str] = []
-        self.logits_indices: list[int] = []
+        self.logits_indices: list[np.ndarray | list[int]] = []  # pieces, in order
         self.prompt_slices: list[PromptLogprobsSlice] = []
         self.offset = 0
 
-    def add_decodes(self, request_ids: list[str], states: list[RunnerRequestState], block_tables: BlockTables) -> None:
+    def add_decodes(self, request_ids: list[str], requests: RunnerRequests) -> None:
         """Every decode of the step (one token each), in this order; called first and once."""
-        rows, positions, ids, unusual = [], [], [], False
-        for state in states:
-            position, token_ids = state.num_computed_tokens, state.token_ids
-            rows.append(state.row)
-            positions.append(position)
-            ids.append(token_ids[position])
-            # Unusual: a prompt's token that is not its last (it samples nothing), or prompt logprobs to gather.
-            if position + 1 != len(token_ids) or state.sampling_params.prompt_logprobs is not None:
-                unusual = True
-        if not unusual:
-            self.sampling_req_ids.extend(request_ids)
-            self.logits_indices.extend(range(len(states)))
-        else:
-            for offset, (state, position) in enumerate(zip(states, positions)):
-                if position + 1 == len(state.token_ids):
-                    self.sampling_req_ids.append(state.request_id)
-                    self.logits_indices.append(offset)
-                if state.sampling_params.prompt_logprobs is not None:
-                    self._add_prompt_slice(state, position, position + 1, offset)
-        self.offset = len(states)
-        if not states:
+        self.offset = len(request_ids)
+        if not request_ids:
             return
+        rows = requests.rows_of(request_ids)
+        positions = requests.num_computed[rows]
+        ids = requests.last_token[rows]  # a gather: the batch's own array
+        # A decode whose token is not its last known one (a prompt's, not its last) samples nothing; its token is read
+        # from its state.
+        samples = positions + 1 == requests.num_tokens[rows]
+        if samples.all():
+            self.sampling_req_ids.extend(request_ids)
+            self.logits_indices.append(np.arange(len(request_ids)))
+        else:
+            sampling = np.flatnonzero(samples)
+            self.sampling_req_ids.extend(request_ids[offset] for offset in sampling.tolist())
+            self.logits_indices.append(sampling)
+            for offset in np.flatnonzero(~samples).tolist():
+                ids[offset] = requests[request_ids[offset]].token_ids[positions[offset]]
+        for offset in np.flatnonzero(requests.wants_prompt_logprobs[rows]).tolist():
+            position = int(positions[offset])
+            self._add_prompt_slice(requests[request_ids[offset]], position, position + 1, offset)
         block_size = self.block_size
-        self.decode_ids = np.array(ids, dtype=np.int64)
-        self.decode_positions = np.array(positions, dtype=np.int64)
-        rows = np.array(rows, dtype=np.int64)
-        last_block = self.decode_positions // block_size
-        self.decode_slots = block_tables.ids[rows, last_block] * block_size + self.decode_positions % block_size
-        tables = block_tables.ids[rows, : int(last_block.max()) + 1]  # a copy: the gather's own array
-        tables[np.arange(tables.shape[1]) > last_block[:, None]] = 0  # each cut to the blocks its sequence uses
-        self.decode_tables = tables
+        self.decode_ids, self.decode_positions = ids, positions
+        last_block = positions // block_size
+        table_ids = requests.block_tables.ids
+        self.decode_slots = table_ids[rows, last_block] * block_size + positions % block_size
+        # Each row as far as the longest sequence's blocks; past its own, whatever its row holds (readers go by
+        # decode_seq_lens).
+        self.decode_tables = table_ids[rows, : int(last_block.max()) + 1]
 
-    def add_chunk(self, state: RunnerRequestState, num_tokens: int) -> None:
-        start, end = state.num_computed_tokens, state.num_computed_tokens + num_tokens
+    def add_chunk(self, state: RunnerRequestState, start: int, num_tokens: int) -> None:
+        """num_tokens of the state's tokens from position start on."""
+        end = start + num_tokens
         token_positions = np.arange(start, end)
         block_ids = np.asarray(state.block_ids, dtype=np.int64)
         self.chunk_ids.append(np.asarray(state.token_ids[start:end], dtype=np.int64))
@@ -220,9 +284,9 @@ class _FlatBatch:
         if end == len(state.token_ids):
             self.sampling_req_ids.append(state.request_id)
             if state.num_drafts:  # the target's logits after the last known token and after each draft
-                self.logits_indices.extend(range(offset + num_tokens - 1 - state.num_drafts, offset + num_tokens))
+                self.logits_indices.append(list(range(offset + num_tokens - 1 - state.num_drafts, offset + num_tokens)))
             else:
-                self.logits_indices.append(offset + num_tokens - 1)
+                self.logits_indices.append([offset + num_tokens - 1])
         if state.sampling_params.prompt_logprobs is not None:
             self._add_prompt_slice(state, start, end, offset)
         self.offset = offset + num_tokens
@@ -243,7 +307,8 @@ class _FlatBatch:
             positions=torch.from_numpy(flat(self.decode_positions, self.chunk_positions)).to(device),
             attn_metadata=attn_backend.build_metadata(layout, device),
             sampling_req_ids=self.sampling_req_ids,
-            logits_indices=torch.from_numpy(np.array(self.logits_indices, dtype=np.int64)).to(device),
+            logits_indices=torch.from_numpy(np.concatenate(self.logits_indices, dtype=np.int64) if self.logits_indices
+                                            else np.zeros(0, dtype=np.int64)).to(device),
             prompt_logprobs=self.prompt_slices,
         )
 

@@ -96,12 +96,9 @@ class ModelRunner:
             self._sample(inputs, hidden_states, output, scheduler_output.grammar_bitmask)
         if hidden_states is not None and inputs.prompt_logprobs:
             self._prompt_logprobs(inputs, hidden_states, output)
-        scheduled = scheduler_output.num_scheduled_tokens
-        for state, num_tokens in zip(self.requests.of(scheduled), scheduled.values()):
-            state.num_computed_tokens += num_tokens
+        self.requests.advance(scheduler_output.num_scheduled_tokens)
         for request_id in scheduler_output.drafts_to_verify:  # K/V stands for the verified tokens only
-            state = self.requests[request_id]
-            state.num_computed_tokens = len(state.token_ids) - 1
+            self.requests.set_num_computed(request_id, len(self.requests[request_id].token_ids) - 1)
         if scheduler_output.propose_for and self.proposer is not None:
             self._propose(scheduler_output.propose_for, output)
         return output
@@ -134,22 +131,21 @@ class ModelRunner:
                 num_prompt_tokens=new.num_prompt_tokens,
                 sampling_params=new.sampling_params,
                 block_ids=list(new.block_ids),
-                num_computed_tokens=new.num_computed_tokens,
                 prompt_logprobs_start=new.prompt_logprobs_start,
                 lora_request=new.lora_request,
-            ))
+            ), new.num_computed_tokens)
         for running in scheduler_output.scheduled_running_reqs:
             # Fewer kept blocks than held: the scheduler took back blocks that only rejected drafts used.
             self.requests.add_blocks(running.request_id, running.new_block_ids, running.num_kept_blocks)
         for request_id, drafts in scheduler_output.drafts_to_verify.items():
             state = self.requests[request_id]
-            state.token_ids.extend(drafts)
+            self.requests.extend_tokens(state, drafts)
             state.num_drafts = len(drafts)
         # Tokens sampled on another pipeline stage, which this stage's runner did not sample itself.
         for request_id, (index, token_id) in scheduler_output.last_token_ids.items():
-            token_ids = self.requests[request_id].token_ids
-            if len(token_ids) == index:
-                token_ids.append(token_id)
+            state = self.requests[request_id]
+            if len(state.token_ids) == index:
+                self.requests.extend_tokens(state, [token_id])
 
     @torch.inference_mode()
     def warm_up(self, max_model_len: int, timed: bool = True) -> list[tuple[int, int, int, float]]:
@@ -169,7 +165,7 @@ class ModelRunner:
                                self.attn_backend.build_metadata(dummy_layout(2, 1, 0, self.block_size), self.device))
         if hidden is not None:
             params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=0)]
-            states = [RunnerRequestState(f"warm-up-{i}", [1], 1, p, [0], 0) for i, p in enumerate(params)]
+            states = [RunnerRequestState(f"warm-up-{i}", [1], 1, p, [0]) for i, p in enumerate(params)]
             self.sampler(self.model.compute_logits(hidden), self.sampling_inputs.metadata(states))
         return timings if timed else []
 
@@ -204,7 +200,7 @@ class ModelRunner:
         if grammar_bitmask is not None:
             self._apply_grammar_bitmask(states, logits, grammar_bitmask)
         if not any(state.num_drafts for state in states):
-            self._sample_rows(states, logits, output, batch_key=(self.requests.version, tuple(inputs.sampling_req_ids)))
+            self._sample_rows(states, logits, output, request_ids=inputs.sampling_req_ids)
             return
         plain_states, plain_rows, row = [], [], 0
         for state in states:
@@ -247,12 +243,12 @@ class ModelRunner:
         the last known token and after each draft (rejection_sampler.py)."""
         num_drafts, params = state.num_drafts, state.sampling_params
         drafts = state.token_ids[-num_drafts:]
-        del state.token_ids[-num_drafts:]
+        self.requests.truncate_tokens(state, len(state.token_ids) - num_drafts)
         state.num_drafts = 0
         processed = logits.float()
         if params.edits_logits or state.num_output_tokens < params.min_tokens:
             # Row i is scored as if drafts[:i] had been sampled: penalties and min_tokens see them.
-            rows = [RunnerRequestState(state.request_id, state.token_ids + drafts[:i], state.num_prompt_tokens, params, [], 0)
+            rows = [RunnerRequestState(state.request_id, state.token_ids + drafts[:i], state.num_prompt_tokens, params, [])
                     for i in range(num_drafts + 1)]
             # On a copy: the penalties act in place, and the logprobs below are the raw logits'.
             processed = self.sampler.process_logits(processed.clone(), self.sampling_inputs.metadata(rows, for_draws=False))
@@ -267,7 +263,7 @@ class ModelRunner:
             chosen = torch.tensor(emitted, dtype=torch.long, device=raw_logprobs.device)
             rows = gather_logprobs(raw_logprobs, chosen, [params.logprobs] * len(emitted))
             output.logprobs[state.request_id] = LogprobsLists.concat(rows)
-        state.token_ids.extend(emitted)
+        self.requests.extend_tokens(state, emitted)
         output.sampled_token_ids[state.request_id] = result.token_id
         output.accepted_token_ids[state.request_id] = result.accepted
 
@@ -285,15 +281,16 @@ class ModelRunner:
                     self._draft_probabilities[state.request_id] = proposal.probabilities
 
     def _sample_rows(self, states: list[RunnerRequestState], logits: torch.Tensor, output: ModelRunnerOutput,
-                     batch_key: object = None) -> None:
-        """batch_key: as SamplingInputs.metadata takes it."""
+                     request_ids: list[str] | None = None) -> None:
+        """request_ids: the states' ids, where the caller has them as a list (a run of steps with the same list then
+        reuses the batch's sampling columns and rows)."""
+        requests = self.requests
+        batch_key = (requests.version, tuple(request_ids)) if request_ids is not None else None
         metadata = self.sampling_inputs.metadata(states, batch_key=batch_key)
         sampled, raw_logprobs = self.sampler(logits, metadata)
         sampled_list = sampled.tolist()
-        sampled_token_ids = output.sampled_token_ids
-        for state, token_id in zip(states, sampled_list):
-            state.token_ids.append(token_id)
-            sampled_token_ids[state.request_id] = token_id
+        requests.append_sampled(states, sampled_list, requests.rows_of(request_ids) if request_ids is not None else None)
+        output.sampled_token_ids.update(zip(request_ids if request_ids is not None else [s.request_id for s in states], sampled_list))
         if raw_logprobs is not None:
             rows = [i for i, s in enumerate(states) if s.sampling_params.logprobs is not None]
             row_index = torch.tensor(rows, dtype=torch.long, device=self.device)

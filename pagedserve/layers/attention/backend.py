@@ -27,7 +27,8 @@ class BatchLayout:
 
     slot_mapping: np.ndarray  # [num_tokens]: flat cache slot of each new token
     decode_seq_lens: np.ndarray  # [num_decodes] int64: each decode's context + its token
-    decode_block_tables: np.ndarray  # [num_decodes, max_blocks] int64: the blocks each decode's seq_len uses, zero padded
+    decode_block_tables: np.ndarray  # [num_decodes, max_blocks] int64: the blocks each decode's seq_len uses first; past
+    # them, block ids that are not its own (readers go by decode_seq_lens)
     chunk_query_lens: list[int]  # per chunk, in batch order
     chunk_seq_lens: list[int]  # per chunk: its context + this step's tokens
     chunk_block_tables: list  # per chunk: the block ids its seq_len uses (a list, or an array)
@@ -55,7 +56,7 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [num_tokens]
     num_decode_tokens: int
-    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks], zero padded
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks], as in BatchLayout
     decode_seq_lens: torch.Tensor | None  # [num_decodes]
     prefills: list[PrefillChunk]
 
