@@ -172,6 +172,13 @@ def test_bad_requests_are_4xx_naming_the_field_and_the_server_goes_on(server, cl
     assert client.responses.create(model=MODEL, input="Hi", max_output_tokens=2).status == "incomplete"
 
 
+def test_a_request_past_the_context_length_is_a_400_in_words_that_fit_this_api(server):
+    answer = server.post("/v1/responses", json={"model": MODEL, "input": "Hi", "max_output_tokens": 5000})
+    message = answer.json()["error"]["message"]
+    assert answer.status_code == 400 and "maximum context length is 1024 tokens" in message, answer.text
+    assert "max_tokens" not in message
+
+
 def test_the_store_drops_the_oldest_beyond_its_limit():
     store = ResponseStore(max_responses=2)
     responses = [ResponseObject(model=MODEL) for _ in range(3)]

@@ -137,8 +137,8 @@ class Processor:
         elif prompt_len + max_tokens > self.max_model_len:
             raise ValueError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion); "
-                "reduce the prompt or max_tokens"
+                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the output); "
+                "reduce the prompt or the output's token limit"
             )
         named_ids = (("stop_token_ids", params.stop_token_ids, ""), ("logit_bias", params.logit_bias or (), "keyed by token ids "),
                      ("allowed_token_ids", params.allowed_token_ids or (), "token ids "))
