@@ -284,6 +284,7 @@ def test_kv_and_sched(tmp_path):
     sched, _ = bench(tmp_path, "sched", "--num-running", "64", "--steps", "50")
     assert sched["num_running"] == 64 and sched["median_us_per_step"] > 0 and sched["prepare_inputs_median_us"] > 0
     assert sched["sampling_metadata_greedy_median_us"] > 0 and sched["sampling_metadata_sampled_median_us"] > 0
+    assert sched["sampled_bookkeeping_median_us"] > 0
     assert all(sched[f"output_{stage}_median_us"] > 0 for stage in ("encode", "decode", "metrics", "output_processor"))
 
 

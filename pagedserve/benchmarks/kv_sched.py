@@ -13,7 +13,7 @@ from pagedserve.core.contracts import ModelRunnerOutput, SchedulerOutput
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.core.step_time import uniform_step_shape
-from pagedserve.executor.host_costs import time_input_preparation, time_sampling_metadata
+from pagedserve.executor.host_costs import time_input_preparation, time_sampled_bookkeeping, time_sampling_metadata
 from pagedserve.executor.input_batch import RunnerRequests, RunnerRequestState
 from pagedserve.request import Request
 from pagedserve.sampling_params import SamplingParams
@@ -70,7 +70,8 @@ def run_sched(args) -> dict:
     """Microseconds per schedule() + update_from_output() with many running decodes and a waiting queue, under the
     engine's default time bound on prompt work (its step-time model fit to warm-up-like steps). The runner's output,
     which the bench makes up between the two, is not timed. Then the step's other host work at the same batch, each part
-    on its own: the runner's input preparation and sampling metadata, and the outputs' way to the clients."""
+    on its own: the runner's input preparation, sampling metadata and record of the sampled tokens, and the outputs' way
+    to the clients."""
     rng = random.Random(args.seed)
     kv = KVCacheManager(args.num_blocks, 16, enable_caching=True)
     scheduler = Scheduler(kv, max_model_len=4096, max_num_batched_tokens=8192, max_num_seqs=args.num_running,
@@ -99,7 +100,8 @@ def run_sched(args) -> dict:
     sampling_ids, sampled = list(output.num_scheduled_tokens), _sampled(requests, list(output.num_scheduled_tokens))
     for name, durations in (("prepare_inputs", time_input_preparation(requests, output.num_scheduled_tokens, kv.block_size, args.steps)),
                             ("sampling_metadata_greedy", time_sampling_metadata(requests, sampling_ids, args.steps)),
-                            ("sampling_metadata_sampled", time_sampling_metadata(sampled, sampling_ids, args.steps))):
+                            ("sampling_metadata_sampled", time_sampling_metadata(sampled, sampling_ids, args.steps)),
+                            ("sampled_bookkeeping", time_sampled_bookkeeping(requests, output.num_scheduled_tokens, args.steps))):
         record[f"{name}_median_us"], record[f"{name}_p99_us"] = _median_and_p99_us(durations)
     for stage, durations in time_output_path(args.model, len(sampling_ids), args.steps, args.seed).items():
         record[f"output_{stage}_median_us"], record[f"output_{stage}_p99_us"] = _median_and_p99_us(durations)
@@ -111,6 +113,8 @@ def run_sched(args) -> dict:
          f"{record['sampling_metadata_greedy_median_us']:.0f} / {record['sampling_metadata_greedy_p99_us']:.0f}"),
         ("runner sampling metadata, temperature 1, median / p99 us",
          f"{record['sampling_metadata_sampled_median_us']:.0f} / {record['sampling_metadata_sampled_p99_us']:.0f}"),
+        ("runner's record of the sampled tokens, median / p99 us",
+         f"{record['sampled_bookkeeping_median_us']:.0f} / {record['sampled_bookkeeping_p99_us']:.0f}"),
         *((f"the step's outputs: {label}, median / p99 us",
            f"{record[f'output_{stage}_median_us']:.0f} / {record[f'output_{stage}_p99_us']:.0f}")
           for stage, label in STAGES.items()),

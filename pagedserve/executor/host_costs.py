@@ -36,3 +36,20 @@ def time_sampling_metadata(requests: RunnerRequests, request_ids: list[str], rep
         sampling_inputs.metadata(states, batch_key=batch_key)
         durations.append(time.perf_counter() - start)
     return durations
+
+
+def time_sampled_bookkeeping(requests: RunnerRequests, num_scheduled_tokens: dict[str, int], repeats: int) -> list[float]:
+    """Seconds the model runner takes, each of repeats times, to record a step of decodes that each sampled a token: the
+    tokens appended to its requests, the output's map of them, and the computed counts advanced. The requests keep
+    what each round records."""
+    request_ids = list(num_scheduled_tokens)
+    token_ids = [(7 * index) % 1000 for index in range(len(request_ids))]
+    durations = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        requests.append_sampled(requests.of(request_ids), token_ids, requests.rows_of(request_ids))
+        dict(zip(request_ids, token_ids))
+        requests.advance(num_scheduled_tokens)
+        durations.append(time.perf_counter() - start)
+    return durations
+
