@@ -72,6 +72,30 @@ def test_cpu_decode_kernel_matches_reference(num_heads, num_kv_heads, head_dim, 
     torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-4)
 
 
+def test_decode_attention_reads_a_block_table_row_only_as_far_as_its_sequence():
+    """The runner leaves past each decode's blocks whatever its row of block tables held before (other requests' block
+    ids): the kernel and the reference read each row only as far as its sequence's length, so those ids change nothing."""
+    kernels = built_kernels()
+    torch.manual_seed(0)
+    num_heads, num_kv_heads, head_dim, block_size, seq_lens = 9, 3, 64, 16, [1, 17, 40, 16, 100, 33]
+    kv_cache = torch.randn(2, 64, block_size, num_kv_heads, head_dim) * 3
+    rng = np.random.default_rng(0)
+    tables = [rng.choice(64, -(-n // block_size), replace=False).astype(np.int64) for n in seq_lens]
+    padded = decode_metadata(tables, seq_lens)
+    stale = decode_metadata(tables, seq_lens)
+    past = torch.arange(stale.decode_block_tables.shape[1]) >= torch.tensor([len(t) for t in tables])[:, None]
+    stale.decode_block_tables[past] = torch.from_numpy(rng.integers(1, 64, int(past.sum())))
+    assert past.any() and not torch.equal(stale.decode_block_tables, padded.decode_block_tables)
+    query = torch.randn(len(seq_lens), num_heads, head_dim)
+    for meta in (padded, stale):
+        torch.testing.assert_close(reference_decode_attention(query, kv_cache, meta), reference_decode_attention(query, kv_cache, padded),
+                                   atol=0, rtol=0)
+        torch.testing.assert_close(kernels.paged_decode_attention(query, kv_cache[0], kv_cache[1], meta.decode_block_tables,
+                                                                  meta.decode_seq_lens, head_dim**-0.5),
+                                   kernels.paged_decode_attention(query, kv_cache[0], kv_cache[1], padded.decode_block_tables,
+                                                                  padded.decode_seq_lens, head_dim**-0.5), atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("head_dim", [64, 24])  # the three-pass route and the online-softmax one
 def test_cpu_decode_kernel_reads_query_views_as_their_contiguous_copies(head_dim):
     """The query as the qkv GEMM leaves it (each row's heads contiguous, rows qkv wide apart) is read in place, and one
