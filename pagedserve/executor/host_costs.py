@@ -52,4 +52,3 @@ def time_sampled_bookkeeping(requests: RunnerRequests, num_scheduled_tokens: dic
         requests.advance(num_scheduled_tokens)
         durations.append(time.perf_counter() - start)
     return durations
-
