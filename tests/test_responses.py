@@ -104,6 +104,43 @@ def test_streamed_events_add_up_to_the_response(client):
     assert cut[-1].response.usage.output_tokens == 3
 
 
+def _assert_same_logprobs(actual, expected) -> None:
+    """The same tokens and alternatives; the logprobs close, not equal: a later run of the same prompt reads its prefix
+    from the cache, whose sums may differ from a fresh prefill's in the last bits."""
+    def tokens(entries):
+        return [(e.token, e.bytes, [(t.token, t.bytes) for t in e.top_logprobs]) for e in entries]
+
+    def values(entries):
+        return [value for e in entries for value in (e.logprob, *(t.logprob for t in e.top_logprobs))]
+
+    assert tokens(actual) == tokens(expected)
+    assert values(actual) == pytest.approx(values(expected), abs=1e-4)
+
+
+@pytest.mark.slow
+def test_included_logprobs_are_the_chat_completions_whole_or_streamed(client):
+    asked = {"model": MODEL, "input": "Name a color.", "max_output_tokens": 8, "temperature": 0,
+             "include": ["message.output_text.logprobs"], "top_logprobs": 3}
+    response = client.responses.create(**asked)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Name a color."}], max_completion_tokens=8,
+                                          temperature=0, logprobs=True, top_logprobs=3)
+    [text] = response.output[0].content
+    expected = chat.choices[0].logprobs.content
+    _assert_same_logprobs(text.logprobs, expected)
+    assert len(expected) == response.usage.output_tokens and response.top_logprobs == 3
+    assert all(len(entry.top_logprobs) == 3 for entry in expected)
+    # Streamed: each text delta carries the logprobs of the tokens whose text it brings; the text's done event all of them.
+    with client.responses.stream(**asked) as stream:
+        events = list(stream)
+    in_deltas = [entry for event in events if event.type == "response.output_text.delta" for entry in event.logprobs]
+    [done] = [event for event in events if event.type == "response.output_text.done"]
+    _assert_same_logprobs(done.logprobs, expected)
+    assert in_deltas and [e.token for e in in_deltas] == [e.token for e in done.logprobs][: len(in_deltas)]
+    # Not included: none, whatever top_logprobs says (as the API has it).
+    plain = client.responses.create(model=MODEL, input="Name a color.", max_output_tokens=4, top_logprobs=3)
+    assert plain.output[0].content[0].logprobs == []
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "name": "get_weather"}])
 def test_function_calls_round_trip_as_output_and_input_items(client, tool_choice):
@@ -159,7 +196,9 @@ def test_a_json_schema_text_format_holds_the_output(client):
     ({"input": "Hi", "tools": [WEATHER], "tool_choice": "required", "text": {"format": {"type": "json_object"}}}, 400, "text.format"),
     ({"input": "Hi", "reasoning": {"effort": "low"}}, 400, "reasoning"),
     ({"input": "Hi", "truncation": "auto"}, 400, "truncation"),
-    ({"input": "Hi", "include": ["message.output_text.logprobs"]}, 400, "include"),
+    ({"input": "Hi", "include": ["reasoning.encrypted_content"]}, 400, "include"),
+    ({"input": "Hi", "include": ["message.output_text.logprobs"], "tools": [WEATHER], "tool_choice": "required"}, 400, "include"),
+    ({"input": "Hi", "top_logprobs": 21}, 400, "top_logprobs"),
     ({"input": "Hi", "background": True}, 400, "background"),
     ({"input": "Hi", "metadata": {str(index): "v" for index in range(17)}}, 400, "metadata"),
     ({"input": "Hi", "temperature": -1}, 400, "temperature"),
@@ -207,7 +246,7 @@ def test_a_stream_that_fails_ends_with_the_apis_error_event_and_aborts_its_reque
         aborted.append(sub_id)
 
     serving = SimpleNamespace(engine=SimpleNamespace(abort=abort))
-    events = _ResponseEvents(None, ResponseObject(model=MODEL), [], ToolPlan("none"), [("resp-1-0", None)])
+    events = _ResponseEvents(None, ResponseObject(model=MODEL), [], ToolPlan("none"), [("resp-1-0", None)], chat_request=None)
 
     async def failing():
         yield events.event("response.created", response={})

@@ -133,7 +133,8 @@ class TextConfig(StrictModel):
 
 
 # Rules between fields, as the server applies them: a tool_choice other than none needs tools; one that forces a call
-# gives the output's structure, which text.format then does not.
+# gives the output's structure, which text.format then does not; logprobs are included for a response of text alone
+# (no tools, or tool_choice none).
 _FORCES_A_CALL = {"anyOf": [{"const": "required"}, {"type": "object"}]}
 _RULES = [
     {"if": {"required": ["tool_choice"], "properties": {"tool_choice": {"anyOf": [{"enum": ["auto", "required"]}, {"type": "object"}]}}},
@@ -141,6 +142,10 @@ _RULES = [
     {"if": {"required": ["tool_choice"], "properties": {"tool_choice": _FORCES_A_CALL}},
      "then": {"properties": {"text": {"anyOf": [{"type": "null"},
                                                 {"properties": {"format": {"properties": {"type": {"const": "text"}}}}}]}}}},
+    {"if": {"required": ["include"],
+            "properties": {"include": {"type": "array", "contains": {"const": "message.output_text.logprobs"}}}},
+     "then": {"anyOf": [{"not": {"required": ["tools"]}}, {"properties": {"tools": {"anyOf": [{"type": "null"}, {"maxItems": 0}]}}},
+                        {"required": ["tool_choice"], "properties": {"tool_choice": {"const": "none"}}}]}},
 ]
 
 
@@ -164,9 +169,10 @@ class ResponsesRequest(RequestBody):
     metadata: Annotated[dict[MetadataKey, MetadataValue], Field(max_length=16)] | None = None
     user: str | None = None
     truncation: Literal["disabled"] | None = None  # "auto" (drop earlier turns to fit) is not supported
-    # Accepted only as what asks for nothing: no extra output to include, no background run.
-    include: Annotated[list[str], Field(max_length=0)] | None = Field(
-        None, json_schema_extra=only_empty({"type": "array", "maxItems": 0}, "not supported: only empty"))
+    # Extra output: each output text's token logprobs (with top_logprobs alternatives at each position).
+    include: list[Literal["message.output_text.logprobs"]] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    # Accepted only as what asks for nothing: no background run.
     background: bool | None = Field(None, json_schema_extra=only_empty({"const": False}, "not supported: only false"))
 
     @field_validator("background")
@@ -175,6 +181,10 @@ class ResponsesRequest(RequestBody):
         if background:
             raise ValueError("only false is supported: a response runs while its request waits")
         return background
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return bool(self.include) and "message.output_text.logprobs" in self.include
 
     def input_items(self) -> list:
         if isinstance(self.input, str):
@@ -186,6 +196,8 @@ class ResponsesRequest(RequestBody):
         fields: dict[str, Any] = {"model": self.model, "max_completion_tokens": self.max_output_tokens,
                                   "temperature": self.temperature, "top_p": self.top_p,
                                   "parallel_tool_calls": self.parallel_tool_calls, "stream": self.stream, "user": self.user}
+        if self.wants_logprobs:
+            fields.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
         if self.tools is not None:
             fields["tools"] = [{"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
                                for tool in self.tools]
@@ -293,6 +305,7 @@ class ResponseObject(BaseModel):
     store: bool = True
     temperature: float | None = None
     top_p: float | None = None
+    top_logprobs: int | None = None
     text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
     tool_choice: str | dict[str, Any] = "none"
     tools: list[dict[str, Any]] = Field(default_factory=list)

@@ -57,7 +57,7 @@ class OpenAIServingChat(ServingBase):
         for c in output.outputs:
             reply = tools.reply(c.text, c.finish_reason)
             choices.append(ChatCompletionChoice(index=c.index, message=AssistantMessage(content=reply.content, tool_calls=reply.tool_calls),
-                                                logprobs=self._logprobs(c.token_ids, c.logprobs, request),
+                                                logprobs=self.choice_logprobs(c.token_ids, c.logprobs, request),
                                                 finish_reason=reply.finish_reason, stop_reason=c.stop_reason))
         return ChatCompletionResponse(id=request_id, model=self.models.response_name(request.model), choices=choices,
                                       usage=usage_of([output]), kv_transfer_params=output.kv_transfer_params)
@@ -105,7 +105,7 @@ class OpenAIServingChat(ServingBase):
                 completion_tokens += len(c.token_ids)
                 stream = streams[c.index]
                 delta = stream.feed(c.text)
-                logprobs = self._logprobs(c.token_ids, c.logprobs, request)
+                logprobs = self.choice_logprobs(c.token_ids, c.logprobs, request)
                 if c.finish_reason is None:
                     if delta is not None or logprobs is not None:
                         choices.append(ChatStreamChoice(index=c.index, delta=delta or DeltaMessage(), logprobs=logprobs))
@@ -122,7 +122,8 @@ class OpenAIServingChat(ServingBase):
         if request.stream_options is not None and request.stream_options.include_usage and final is not None:
             yield chunk([], make_usage(len(final.prompt_token_ids), completion_tokens))
 
-    def _logprobs(self, token_ids: list[int], positions: list[PositionLogprobs] | None, request) -> ChatChoiceLogprobs | None:
+    def choice_logprobs(self, token_ids: list[int], positions: list[PositionLogprobs] | None, request) -> ChatChoiceLogprobs | None:
+        """The tokens' logprobs as a chat choice gives them (None where the request asked for none)."""
         if not request.logprobs or positions is None:
             return None
         entries = []

@@ -43,22 +43,27 @@ class OpenAIServingResponses:
     async def create_response(self, request: ResponsesRequest, raw_request: Request):
         if request.store and self.store.max_responses == 0:
             raise APIError(400, "this server keeps no responses (--max-stored-responses 0): give store false", param="store")
+        if request.wants_logprobs and request.tools and request.tool_choice != "none":
+            raise APIError(400, "message.output_text.logprobs are given for a response that is text alone: not with tools "
+                                "the model may call (tool_choice other than none)", param="include")
         conversation = self._history(request.previous_response_id) + conversation_of(request.input_items())
         response = self._new_response(request)
+        chat_request = _chat_request(request, conversation)
         try:
-            added, tools = await self.chat.start(_chat_request(request, conversation), response.id)
+            added, tools = await self.chat.start(chat_request, response.id)
         except APIError as exc:
             raise _renamed(exc) from exc
         response.tool_choice = _tool_choice(tools)
         if request.stream:
-            events = _ResponseEvents(self, response, conversation, tools, added)
+            events = _ResponseEvents(self, response, conversation, tools, added, chat_request)
             return self.chat.sse_stream(added, events.stream(), raw_request, error_event=events.error)
         output = (await self.chat.collect_final(added, raw_request))[0]
         completion = output.outputs[0]
         reply = tools.reply(completion.text, completion.finish_reason)
         items: list[OutputMessage | FunctionCallOutput] = []
         if reply.content or not reply.tool_calls:
-            items.append(OutputMessage(content=[OutputText(text=reply.content or "")]))
+            logprobs = self.text_logprobs(completion.token_ids, completion.logprobs, chat_request)
+            items.append(OutputMessage(content=[OutputText(text=reply.content or "", logprobs=logprobs)]))
         items.extend(FunctionCallOutput(call_id=call.id, name=call.function.name, arguments=call.function.arguments)
                      for call in reply.tool_calls)
         self.finish(response, items, output, len(completion.token_ids), conversation)
@@ -68,12 +73,18 @@ class OpenAIServingResponses:
         """The response, in progress: what the request asked, as the API echoes it."""
         return ResponseObject(
             model=self.chat.models.response_name(request.model), instructions=request.instructions,
-            max_output_tokens=request.max_output_tokens, parallel_tool_calls=request.parallel_tool_calls,
+            max_output_tokens=request.max_output_tokens, parallel_tool_calls=request.parallel_tool_calls, top_logprobs=request.top_logprobs,
             previous_response_id=request.previous_response_id, store=request.store, temperature=request.temperature,
             top_p=request.top_p, user=request.user, metadata=request.metadata or {},
             text=(request.text or TextConfig()).model_dump(by_alias=True),
             tools=[tool.model_dump(exclude_none=True) for tool in request.tools or []],
         )
+
+    def text_logprobs(self, token_ids: list[int], positions, chat_request: ChatCompletionRequest) -> list[dict]:
+        """The tokens' logprobs as an output text carries them (each token, its logprob and bytes, and the top_logprobs
+        alternatives): the chat endpoint's entries, in the same form. Empty where the request did not include them."""
+        logprobs = self.chat.choice_logprobs(token_ids, positions, chat_request)
+        return [entry.model_dump(mode="json") for entry in logprobs.content] if logprobs is not None else []
 
     def get(self, response_id: str) -> ResponseObject:
         stored = self.store.get(response_id)
@@ -117,8 +128,12 @@ class _ResponseEvents:
     """One streamed response: its text deltas and tool calls as the API's events, each numbered in order."""
 
     def __init__(self, serving: OpenAIServingResponses, response: ResponseObject, conversation: list[dict], tools: ToolPlan,
-                 added) -> None:
+                 added, chat_request: ChatCompletionRequest) -> None:
         self.serving, self.response, self.conversation, self.added = serving, response, conversation, added
+        self.chat_request = chat_request
+        # Logprobs of the tokens whose text has not been sent yet: they go with the next text delta (or, at the end, with
+        # the text's done event).
+        self.pending_logprobs: list[dict] = []
         self.text_stream = tools.stream()
         self.sequence_number = 0
         self.items: list[OutputMessage | FunctionCallOutput] = []
@@ -141,6 +156,7 @@ class _ResponseEvents:
         async for output in self.serving.chat.streams(self.added)[0]:
             completion = output.outputs[0]
             output_tokens += len(completion.token_ids)
+            self.pending_logprobs += self.serving.text_logprobs(completion.token_ids, completion.logprobs, self.chat_request)
             for event in self._deltas(self.text_stream.feed(completion.text)):
                 yield event
             if completion.finish_reason is not None:
@@ -193,9 +209,11 @@ class _ResponseEvents:
             events.append(self.event("response.content_part.added", item_id=self.message.id, output_index=self._index(self.message),
                                      content_index=0, part=self.message.content[0].model_dump(mode="json")))
         if text:
-            self.message.content[0].text += text
+            part, logprobs, self.pending_logprobs = self.message.content[0], self.pending_logprobs, []
+            part.text += text
+            part.logprobs += logprobs
             events.append(self.event("response.output_text.delta", item_id=self.message.id, output_index=self._index(self.message),
-                                     content_index=0, delta=text, logprobs=[]))
+                                     content_index=0, delta=text, logprobs=logprobs))
         return events
 
     def _close_message(self, status: str) -> list[str]:
@@ -206,7 +224,9 @@ class _ResponseEvents:
         message.status = status
         where = {"item_id": message.id, "output_index": self._index(message), "content_index": 0}
         part = message.content[0]
-        return [self.event("response.output_text.done", **where, text=part.text, logprobs=[]),
+        part.logprobs += self.pending_logprobs
+        self.pending_logprobs = []
+        return [self.event("response.output_text.done", **where, text=part.text, logprobs=part.logprobs),
                 self.event("response.content_part.done", **where, part=part.model_dump(mode="json")),
                 self.event("response.output_item.done", output_index=where["output_index"], item=message.model_dump(mode="json"))]
 
