@@ -6,11 +6,12 @@ retrieved and deleted; bad requests are 4xx naming their field."""
 from __future__ import annotations
 
 import json
+import time
 
 import jsonschema
 import openai
 import pytest
-from server_utils import RemoteServer
+from server_utils import RemoteServer, metric_value
 
 from pagedserve.entrypoints.openai.responses_protocol import ResponseObject
 from pagedserve.entrypoints.openai.responses_store import ResponseStore
@@ -195,11 +196,12 @@ def test_a_json_schema_text_format_holds_the_output(client):
     ({"input": "Hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}}, 400, "text.format"),
     ({"input": "Hi", "tools": [WEATHER], "tool_choice": "required", "text": {"format": {"type": "json_object"}}}, 400, "text.format"),
     ({"input": "Hi", "reasoning": {"effort": "low"}}, 400, "reasoning"),
-    ({"input": "Hi", "truncation": "auto"}, 400, "truncation"),
+    ({"input": "Hi", "truncation": "middle"}, 400, "truncation"),
     ({"input": "Hi", "include": ["reasoning.encrypted_content"]}, 400, "include"),
     ({"input": "Hi", "include": ["message.output_text.logprobs"], "tools": [WEATHER], "tool_choice": "required"}, 400, "include"),
     ({"input": "Hi", "top_logprobs": 21}, 400, "top_logprobs"),
-    ({"input": "Hi", "background": True}, 400, "background"),
+    ({"input": "Hi", "background": True, "store": False}, 400, "background"),
+    ({"input": "Hi", "background": True, "stream": True}, 400, "background"),
     ({"input": "Hi", "metadata": {str(index): "v" for index in range(17)}}, 400, "metadata"),
     ({"input": "Hi", "temperature": -1}, 400, "temperature"),
     ({"input": "Hi", "previous_response_id": "resp-unknown"}, 404, "previous_response_id"),
@@ -216,6 +218,101 @@ def test_a_request_past_the_context_length_is_a_400_in_words_that_fit_this_api(s
     message = answer.json()["error"]["message"]
     assert answer.status_code == 400 and "maximum context length is 1024 tokens" in message, answer.text
     assert "max_tokens" not in message
+
+
+@pytest.mark.slow
+def test_truncation_auto_drops_the_earliest_turns_as_many_as_the_context_needs(server, client):
+    """A conversation longer than the model's context (1024 tokens here): refused as it is, and with truncation auto run
+    as the chat completion of its longest tail of whole turns that leaves max_output_tokens of room."""
+    turns = []
+    for index in range(6):
+        turns += [{"role": "user", "content": f"Note {index}: " + "the river runs past the old mill " * 25},
+                  {"role": "assistant", "content": f"Noted {index}."}]
+    turns.append({"role": "user", "content": "Which note came last?"})
+    asked = {"model": MODEL, "input": turns, "instructions": "Be brief.", "max_output_tokens": 16, "temperature": 0}
+    with pytest.raises(openai.BadRequestError, match="max_model_len 1024|maximum context length is 1024"):
+        client.responses.create(**asked)
+    response = client.responses.create(**asked, truncation="auto")
+
+    def prompt_length(start: int) -> int:
+        messages = [{"role": "system", "content": "Be brief."}, *turns[start:]]
+        return server.post("/tokenize", json={"model": MODEL, "messages": messages}).json()["count"]
+
+    user_starts = [index for index, turn in enumerate(turns) if turn["role"] == "user"]
+    kept = next(start for start in user_starts if prompt_length(start) + 16 <= 1024)
+    assert kept > 0 and prompt_length(user_starts[user_starts.index(kept) - 1]) + 16 > 1024
+    choice, usage = chat_text(client, [{"role": "system", "content": "Be brief."}, *turns[kept:]], 16)
+    assert response.output_text == choice.message.content and response.usage.input_tokens == usage.prompt_tokens
+    assert response.truncation == "auto" and response.status in ("completed", "incomplete")
+
+
+def test_the_longest_tail_that_fits_begins_at_a_turn():
+    """fitting_turns against every start tried in turn: the first user message (or the start) from which the tail fits,
+    and the last turn where none does; never a tool's answer or an assistant message."""
+    import asyncio
+    import random
+
+    from pagedserve.entrypoints.openai.responses_protocol import fitting_turns
+
+    rng = random.Random(0)
+    for _ in range(300):
+        messages = [{"role": rng.choice(["user", "assistant", "tool"]), "length": rng.randint(1, 50)} for _ in range(rng.randint(1, 12))]
+        limit = rng.randint(0, 300)
+        tried = []
+
+        async def fits(start: int, messages=messages, limit=limit, tried=tried) -> bool:
+            tried.append(start)
+            return sum(message["length"] for message in messages[start:]) <= limit
+
+        starts = [0] + [index for index, message in enumerate(messages) if index and message["role"] == "user"]
+        expected = next((start for start in starts if asyncio.run(fits(start))), starts[-1])
+        tried.clear()
+        assert asyncio.run(fitting_turns(messages, fits)) == expected
+        assert set(tried) <= set(starts) and len(tried) <= len(starts).bit_length()
+
+
+def _when_ended(client, response_id: str, timeout_s: float = 120.0):
+    deadline = time.monotonic() + timeout_s
+    while (response := client.responses.retrieve(response_id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, "the background response did not end"
+        time.sleep(0.05)
+    return response
+
+
+@pytest.mark.slow
+def test_a_background_response_runs_on_and_reads_back_as_the_same_response_would(client):
+    asked = {"model": MODEL, "input": "Name a fruit.", "max_output_tokens": 12, "temperature": 0}
+    started = client.responses.create(**asked, background=True)
+    assert started.background and started.status in ("queued", "in_progress") and started.output == []
+    done = _when_ended(client, started.id)
+    whole = client.responses.create(**asked)
+    assert (done.status, done.output_text, done.usage.output_tokens) == (whole.status, whole.output_text, whole.usage.output_tokens)
+    assert client.responses.cancel(done.id).status == done.status  # ended: cancelling changes nothing
+    after = client.responses.create(model=MODEL, previous_response_id=done.id, input="Another one?", max_output_tokens=4)
+    assert after.status in ("completed", "incomplete")
+
+
+@pytest.mark.slow
+def test_cancelling_a_background_response_stops_it_and_frees_what_it_held(server, client):
+    generated_before = metric_value(server.get("/metrics").text, "pagedserve:generation_tokens_total")
+    started = client.responses.create(model=MODEL, input="Count from 1 to 1000, separated by commas.", max_output_tokens=900,
+                                      temperature=0, background=True)
+    with pytest.raises(openai.ConflictError) as unfinished:  # nothing to continue from yet
+        client.responses.create(model=MODEL, previous_response_id=started.id, input="And then?")
+    assert unfinished.value.body["param"] == "previous_response_id"
+    cancelled = client.responses.cancel(started.id)
+    assert cancelled.status == "cancelled" and client.responses.retrieve(started.id).status == "cancelled"
+    deadline = time.monotonic() + 30
+    while metric_value(metrics := server.get("/metrics").text, "pagedserve:num_requests_running") > 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert metric_value(metrics, "pagedserve:kv_cache_usage_perc") == 0
+    assert metric_value(metrics, "pagedserve:generation_tokens_total") - generated_before < 900  # stopped, not run out
+    with pytest.raises(openai.ConflictError) as plain:  # only a background response can be cancelled
+        client.responses.cancel(client.responses.create(model=MODEL, input="Hi", max_output_tokens=2).id)
+    assert plain.value.body["param"] == "response_id"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.cancel("resp-unknown")
 
 
 def test_the_store_drops_the_oldest_beyond_its_limit():
@@ -237,7 +334,7 @@ def test_a_stream_that_fails_ends_with_the_apis_error_event_and_aborts_its_reque
 
     from pagedserve.engine.core_client import EngineDeadError
     from pagedserve.entrypoints.openai.serving_base import ServingBase
-    from pagedserve.entrypoints.openai.serving_responses import _ResponseEvents
+    from pagedserve.entrypoints.openai.serving_responses import _ResponseEvents, _Run
     from pagedserve.entrypoints.openai.tool_calls import ToolPlan
 
     aborted = []
@@ -246,7 +343,7 @@ def test_a_stream_that_fails_ends_with_the_apis_error_event_and_aborts_its_reque
         aborted.append(sub_id)
 
     serving = SimpleNamespace(engine=SimpleNamespace(abort=abort))
-    events = _ResponseEvents(None, ResponseObject(model=MODEL), [], ToolPlan("none"), [("resp-1-0", None)], chat_request=None)
+    events = _ResponseEvents(None, _Run(ResponseObject(model=MODEL), [("resp-1-0", None)], ToolPlan("none"), [], chat_request=None))
 
     async def failing():
         yield events.event("response.created", response={})

@@ -49,6 +49,9 @@ _ERRORS = {status: {"model": ErrorResponse, "description": description} for stat
     (413, "request body over the limit"), (500, "a server bug: the message names the request id to look up in the log"),
     (503, "at capacity, shutting down, or the engine is gone"),
 )}
+# Where a stored response's state may not allow what is asked.
+_RESPONSE_ERRORS = {**_ERRORS, 409: {"model": ErrorResponse, "description": "a stored response in a state that does not allow "
+                                     "it: cancelling one not run in the background, continuing one still running"}}
 # Generation endpoints answer JSON, or an event stream with "stream": true. Before OpenAPI 3.2 (FastAPI writes 3.1) an
 # event stream's schema describes each event: its data is a JSON chunk, or [DONE] at the end.
 _SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
@@ -126,7 +129,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
         return _respond(await chat.create_chat_completion(request, raw_request))
 
-    @app.post("/v1/responses", response_model=ResponseObject, responses={**_ERRORS, 200: {"content": _STREAMS}})
+    @app.post("/v1/responses", response_model=ResponseObject, responses={**_RESPONSE_ERRORS, 200: {"content": _STREAMS}})
     async def create_response(request: ResponsesRequest, raw_request: Request):
         return _respond(await responses.create_response(request, raw_request))
 
@@ -136,7 +139,11 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
 
     @app.delete("/v1/responses/{response_id}", response_model=DeletedResponse, responses=_ERRORS)
     async def delete_response(response_id: str):
-        return _respond(responses.delete(response_id))
+        return _respond(await responses.delete(response_id))
+
+    @app.post("/v1/responses/{response_id}/cancel", response_model=ResponseObject, responses=_RESPONSE_ERRORS)
+    async def cancel_response(response_id: str):
+        return _respond(await responses.cancel(response_id))
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(request: TokenizeRequest):

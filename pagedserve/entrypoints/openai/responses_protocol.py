@@ -6,9 +6,10 @@ the assistant's tool call and its output as the tool's answer. Checked as strict
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from pagedserve.entrypoints.openai.protocol import (
     Count,
@@ -18,7 +19,6 @@ from pagedserve.entrypoints.openai.protocol import (
     StrictModel,
     TextFormat,
     bounded,
-    only_empty,
     output_format,
     random_id,
 )
@@ -133,8 +133,8 @@ class TextConfig(StrictModel):
 
 
 # Rules between fields, as the server applies them: a tool_choice other than none needs tools; one that forces a call
-# gives the output's structure, which text.format then does not; logprobs are included for a response of text alone
-# (no tools, or tool_choice none).
+# gives the output's structure, which text.format then does not; a background response is stored and not streamed;
+# logprobs are included for a response of text alone (no tools, or tool_choice none).
 _FORCES_A_CALL = {"anyOf": [{"const": "required"}, {"type": "object"}]}
 _RULES = [
     {"if": {"required": ["tool_choice"], "properties": {"tool_choice": {"anyOf": [{"enum": ["auto", "required"]}, {"type": "object"}]}}},
@@ -142,6 +142,8 @@ _RULES = [
     {"if": {"required": ["tool_choice"], "properties": {"tool_choice": _FORCES_A_CALL}},
      "then": {"properties": {"text": {"anyOf": [{"type": "null"},
                                                 {"properties": {"format": {"properties": {"type": {"const": "text"}}}}}]}}}},
+    {"if": {"required": ["background"], "properties": {"background": {"const": True}}},
+     "then": {"properties": {"store": {"const": True}, "stream": {"const": False}}}},
     {"if": {"required": ["include"],
             "properties": {"include": {"type": "array", "contains": {"const": "message.output_text.logprobs"}}}},
      "then": {"anyOf": [{"not": {"required": ["tools"]}}, {"properties": {"tools": {"anyOf": [{"type": "null"}, {"maxItems": 0}]}}},
@@ -168,19 +170,15 @@ class ResponsesRequest(RequestBody):
     previous_response_id: str | None = None
     metadata: Annotated[dict[MetadataKey, MetadataValue], Field(max_length=16)] | None = None
     user: str | None = None
-    truncation: Literal["disabled"] | None = None  # "auto" (drop earlier turns to fit) is not supported
+    # auto: the conversation's earliest turns dropped, as many as the prompt needs to leave max_output_tokens (or one
+    # token) of room in the model's context; disabled: a conversation too long is refused.
+    truncation: Literal["disabled", "auto"] | None = None
     # Extra output: each output text's token logprobs (with top_logprobs alternatives at each position).
     include: list[Literal["message.output_text.logprobs"]] | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    # Accepted only as what asks for nothing: no background run.
-    background: bool | None = Field(None, json_schema_extra=only_empty({"const": False}, "not supported: only false"))
-
-    @field_validator("background")
-    @classmethod
-    def _not_in_the_background(cls, background: bool | None) -> bool | None:
-        if background:
-            raise ValueError("only false is supported: a response runs while its request waits")
-        return background
+    # true: the request is answered at once with the response in progress, which runs on (stored, so it needs store
+    # true; not streamed) until GET finds it done, or POST .../cancel stops it.
+    background: bool | None = None
 
     @property
     def wants_logprobs(self) -> bool:
@@ -231,6 +229,21 @@ def conversation_of(items: list) -> list[dict]:
         else:
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
     return messages
+
+
+async def fitting_turns(messages: list[dict], fits: Callable[[int], Awaitable[bool]]) -> int:
+    """Where the longest tail of the conversation that fits begins: the first index, at the start or at a user message
+    (a turn's beginning, so that no tool answer loses its call), from which fits(index) holds, the tail shrinking as
+    the index grows. Where none does, the last turn's: it is the least there is to run."""
+    starts = [0] + [index for index, message in enumerate(messages) if index and message["role"] == "user"]
+    low, high = 0, len(starts) - 1  # the answer lies in starts[low..high]
+    while low < high:
+        middle = (low + high) // 2
+        if await fits(starts[middle]):
+            high = middle
+        else:
+            low = middle + 1
+    return starts[low]
 
 
 # ---- what the server answers ---------------------------------------------------------------------------------------
@@ -293,12 +306,13 @@ class ResponseObject(BaseModel):
     id: str = Field(default_factory=lambda: random_id("resp"))
     object: Literal["response"] = "response"
     created_at: int = Field(default_factory=lambda: int(time.time()))
-    status: Literal["in_progress", "completed", "incomplete", "failed"] = "in_progress"
+    status: Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"] = "in_progress"
     error: dict[str, Any] | None = None
     incomplete_details: IncompleteDetails | None = None
     instructions: str | None = None
     max_output_tokens: int | None = None
     model: str
+    background: bool = False
     output: list[OutputMessage | FunctionCallOutput] = Field(default_factory=list)
     parallel_tool_calls: bool = True
     previous_response_id: str | None = None
@@ -309,7 +323,7 @@ class ResponseObject(BaseModel):
     text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
     tool_choice: str | dict[str, Any] = "none"
     tools: list[dict[str, Any]] = Field(default_factory=list)
-    truncation: Literal["disabled"] = "disabled"
+    truncation: Literal["disabled", "auto"] = "disabled"
     usage: ResponseUsage | None = None
     user: str | None = None
     metadata: dict[str, str] = Field(default_factory=dict)

@@ -13,7 +13,9 @@ from pagedserve.entrypoints.openai.responses_protocol import ResponseObject
 @dataclass
 class StoredResponse:
     response: ResponseObject
-    conversation: list[dict]  # every turn's messages up to and including this response's own, instructions left out
+    # Every turn's messages up to and including this response's own, instructions left out; None while a background
+    # response runs.
+    conversation: list[dict] | None
 
 
 class ResponseStore:
@@ -21,8 +23,9 @@ class ResponseStore:
         self.max_responses = max_responses
         self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
 
-    def put(self, response: ResponseObject, conversation: list[dict]) -> None:
-        self._responses[response.id] = StoredResponse(response, conversation)  # ids are new: it goes in last
+    def put(self, response: ResponseObject, conversation: list[dict] | None) -> None:
+        """A new response goes in last; a background response, put again once done, keeps its place."""
+        self._responses[response.id] = StoredResponse(response, conversation)
         while len(self._responses) > self.max_responses:
             self._responses.popitem(last=False)
 

@@ -114,8 +114,9 @@ class ServingBase:
     def streams(self, added) -> list[AsyncIterator[RequestOutput]]:
         return [self.engine.iterate(sub_id, queue) for sub_id, queue in added]
 
-    async def collect_final(self, added, raw_request: Request) -> list[RequestOutput]:
-        """Non-streaming: each prompt's final output, aborting everything if the client goes away."""
+    async def collect_final(self, added, raw_request: Request | None) -> list[RequestOutput]:
+        """Non-streaming: each prompt's final output, aborting everything if the client goes away (with no request, as
+        for a response run in the background, it runs on without one)."""
 
         async def collect():
             finals = []
@@ -128,7 +129,7 @@ class ServingBase:
         task = asyncio.ensure_future(collect())
         while not task.done():
             await asyncio.wait([task], timeout=_DISCONNECT_POLL_S)
-            if not task.done() and await raw_request.is_disconnected():
+            if not task.done() and raw_request is not None and await raw_request.is_disconnected():
                 task.cancel()
                 for sub_id, _ in added:
                     await self.engine.abort(sub_id)

@@ -47,6 +47,12 @@ class OpenAIServingChat(ServingBase):
         except ValueError as exc:
             raise APIError.bad_request(exc, param="messages") from exc
 
+    async def prompt_of(self, request: ChatCompletionRequest) -> list[int]:
+        """The request's conversation as the prompt it runs as (rendered with its template and tools, tokenized)."""
+        tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None
+        return await asyncio.to_thread(self.prompt_token_ids, request.messages, request.add_generation_prompt, request.chat_template,
+                                       request.chat_template_kwargs, tools)
+
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request):
         request_id = random_id("chatcmpl")
         added, tools = await self.start(request, request_id)
@@ -72,9 +78,7 @@ class OpenAIServingChat(ServingBase):
         if request.max_tokens is not None and request.max_completion_tokens is not None:
             raise APIError(400, "give max_completion_tokens or its older name max_tokens, not both", param="max_tokens")
         tools = ToolPlan.of(request, self.tool_call_parser)
-        prompt_ids = await asyncio.to_thread(self.prompt_token_ids, request.messages, request.add_generation_prompt,
-                                             request.chat_template, request.chat_template_kwargs,
-                                             [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None)
+        prompt_ids = await self.prompt_of(request)
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         try:
             params = request.sampling_params(max_tokens, (request.top_logprobs or 0) if request.logprobs else None,

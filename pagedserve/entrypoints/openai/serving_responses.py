@@ -5,7 +5,9 @@ come back as output items, whole or as the API's stream of events."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from fastapi import Request
 from pydantic import ValidationError
@@ -24,6 +26,7 @@ from pagedserve.entrypoints.openai.responses_protocol import (
     ResponseUsage,
     TextConfig,
     conversation_of,
+    fitting_turns,
 )
 from pagedserve.entrypoints.openai.responses_store import ResponseStore
 from pagedserve.entrypoints.openai.serving_base import sse
@@ -39,34 +42,50 @@ class OpenAIServingResponses:
     def __init__(self, chat: OpenAIServingChat, store: ResponseStore) -> None:
         self.chat = chat
         self.store = store
+        self._background: dict[str, tuple[asyncio.Task, _Run]] = {}  # background responses still running, by id
 
     async def create_response(self, request: ResponsesRequest, raw_request: Request):
-        if request.store and self.store.max_responses == 0:
-            raise APIError(400, "this server keeps no responses (--max-stored-responses 0): give store false", param="store")
-        if request.wants_logprobs and request.tools and request.tool_choice != "none":
-            raise APIError(400, "message.output_text.logprobs are given for a response that is text alone: not with tools "
-                                "the model may call (tool_choice other than none)", param="include")
+        _check_combination(request, self.store)
         conversation = self._history(request.previous_response_id) + conversation_of(request.input_items())
         response = self._new_response(request)
-        chat_request = _chat_request(request, conversation)
         try:
+            chat_request = await self._as_chat_request(request, conversation)
             added, tools = await self.chat.start(chat_request, response.id)
         except APIError as exc:
             raise _renamed(exc) from exc
         response.tool_choice = _tool_choice(tools)
+        run = _Run(response, added, tools, conversation, chat_request)
         if request.stream:
-            events = _ResponseEvents(self, response, conversation, tools, added, chat_request)
+            events = _ResponseEvents(self, run)
             return self.chat.sse_stream(added, events.stream(), raw_request, error_event=events.error)
-        output = (await self.chat.collect_final(added, raw_request))[0]
+        if request.background:
+            self.store.put(response, None)  # no conversation to continue from until it is done
+            task = asyncio.ensure_future(self._answer(run, raw_request=None))
+            self._background[response.id] = task, run
+            task.add_done_callback(lambda _: self._background.pop(response.id, None))
+            return response
+        return await self._answer(run, raw_request)
+
+    async def _answer(self, run: _Run, raw_request: Request | None) -> ResponseObject:
+        """The response once its request has run (raw_request: the client's, whose going away aborts it; None for a
+        background response, which a failure of the engine leaves failed)."""
+        response = run.response
+        try:
+            output = (await self.chat.collect_final(run.added, raw_request))[0]
+        except Exception as exc:  # the client's request fails with it; a background response records it
+            if raw_request is not None:
+                raise
+            response.status, response.error = "failed", {"code": "server_error", "message": getattr(exc, "message", str(exc))}
+            return response
         completion = output.outputs[0]
-        reply = tools.reply(completion.text, completion.finish_reason)
+        reply = run.tools.reply(completion.text, completion.finish_reason)
         items: list[OutputMessage | FunctionCallOutput] = []
         if reply.content or not reply.tool_calls:
-            logprobs = self.text_logprobs(completion.token_ids, completion.logprobs, chat_request)
+            logprobs = self.text_logprobs(completion.token_ids, completion.logprobs, run.chat_request)
             items.append(OutputMessage(content=[OutputText(text=reply.content or "", logprobs=logprobs)]))
         items.extend(FunctionCallOutput(call_id=call.id, name=call.function.name, arguments=call.function.arguments)
                      for call in reply.tool_calls)
-        self.finish(response, items, output, len(completion.token_ids), conversation)
+        self.finish(response, items, output, len(completion.token_ids), run.conversation)
         return response
 
     def _new_response(self, request: ResponsesRequest) -> ResponseObject:
@@ -75,10 +94,22 @@ class OpenAIServingResponses:
             model=self.chat.models.response_name(request.model), instructions=request.instructions,
             max_output_tokens=request.max_output_tokens, parallel_tool_calls=request.parallel_tool_calls, top_logprobs=request.top_logprobs,
             previous_response_id=request.previous_response_id, store=request.store, temperature=request.temperature,
-            top_p=request.top_p, user=request.user, metadata=request.metadata or {},
-            text=(request.text or TextConfig()).model_dump(by_alias=True),
+            top_p=request.top_p, user=request.user, metadata=request.metadata or {}, truncation=request.truncation or "disabled",
+            background=bool(request.background), text=(request.text or TextConfig()).model_dump(by_alias=True),
             tools=[tool.model_dump(exclude_none=True) for tool in request.tools or []],
         )
+
+    async def _as_chat_request(self, request: ResponsesRequest, conversation: list[dict]) -> ChatCompletionRequest:
+        """The chat request the response runs as: of the whole conversation, or with truncation auto, of its longest tail
+        whose prompt leaves max_output_tokens (or one token) of room in the model's context (the instructions kept)."""
+        if request.truncation != "auto":
+            return _chat_request(request, conversation)
+        limit = self.chat.engine.max_model_len - (request.max_output_tokens or 1)
+
+        async def fits(start: int) -> bool:
+            return len(await self.chat.prompt_of(_chat_request(request, conversation[start:]))) <= limit
+
+        return _chat_request(request, conversation[await fitting_turns(conversation, fits):])
 
     def text_logprobs(self, token_ids: list[int], positions, chat_request: ChatCompletionRequest) -> list[dict]:
         """The tokens' logprobs as an output text carries them (each token, its logprob and bytes, and the top_logprobs
@@ -87,15 +118,38 @@ class OpenAIServingResponses:
         return [entry.model_dump(mode="json") for entry in logprobs.content] if logprobs is not None else []
 
     def get(self, response_id: str) -> ResponseObject:
+        return self._stored(response_id).response
+
+    async def cancel(self, response_id: str) -> ResponseObject:
+        """Stop a background response that is still running (its status then cancelled); one that has ended is returned
+        as it ended."""
+        response = self._stored(response_id).response
+        if not response.background:
+            raise APIError(409, "only a response created with background true can be cancelled", param="response_id")
+        await self._stop(response)
+        return response
+
+    async def delete(self, response_id: str) -> DeletedResponse:
+        await self._stop(self._stored(response_id).response)
+        self.store.delete(response_id)
+        return DeletedResponse(id=response_id)
+
+    def _stored(self, response_id: str):
         stored = self.store.get(response_id)
         if stored is None:
             raise APIError(404, f"no stored response has the id {response_id!r}", param="response_id")
-        return stored.response
+        return stored
 
-    def delete(self, response_id: str) -> DeletedResponse:
-        if not self.store.delete(response_id):
-            raise APIError(404, f"no stored response has the id {response_id!r}", param="response_id")
-        return DeletedResponse(id=response_id)
+    async def _stop(self, response: ResponseObject) -> None:
+        """Cancel the response's background run, if it has one still going, and abort its requests."""
+        running = self._background.pop(response.id, None)
+        if running is None:
+            return
+        task, run = running
+        task.cancel()
+        for sub_id, _ in run.added:
+            await self.chat.engine.abort(sub_id)
+        response.status = "cancelled"
 
     def finish(self, response: ResponseObject, items: list, output: RequestOutput, output_tokens: int, conversation: list[dict]) -> None:
         """The response as it ended (output: the request's last output; output_tokens: all it generated), with these
@@ -121,20 +175,21 @@ class OpenAIServingResponses:
         if stored is None:
             raise APIError(404, f"previous_response_id {previous_response_id!r} names no stored response (it was not stored, "
                                 "or the server has dropped it)", param="previous_response_id")
+        if stored.conversation is None:
+            raise APIError(409, f"previous_response_id {previous_response_id!r} names a background response that has not "
+                                "completed", param="previous_response_id")
         return stored.conversation
 
 
 class _ResponseEvents:
     """One streamed response: its text deltas and tool calls as the API's events, each numbered in order."""
 
-    def __init__(self, serving: OpenAIServingResponses, response: ResponseObject, conversation: list[dict], tools: ToolPlan,
-                 added, chat_request: ChatCompletionRequest) -> None:
-        self.serving, self.response, self.conversation, self.added = serving, response, conversation, added
-        self.chat_request = chat_request
+    def __init__(self, serving: OpenAIServingResponses, run: _Run) -> None:
+        self.serving, self.run, self.response = serving, run, run.response
         # Logprobs of the tokens whose text has not been sent yet: they go with the next text delta (or, at the end, with
         # the text's done event).
         self.pending_logprobs: list[dict] = []
-        self.text_stream = tools.stream()
+        self.text_stream = run.tools.stream()
         self.sequence_number = 0
         self.items: list[OutputMessage | FunctionCallOutput] = []
         self.message: OutputMessage | None = None  # the message whose text is streaming, if any
@@ -153,10 +208,10 @@ class _ResponseEvents:
         yield self.event("response.created", response=response.model_dump(mode="json"))
         yield self.event("response.in_progress", response=response.model_dump(mode="json"))
         final, output_tokens = None, 0
-        async for output in self.serving.chat.streams(self.added)[0]:
+        async for output in self.serving.chat.streams(self.run.added)[0]:
             completion = output.outputs[0]
             output_tokens += len(completion.token_ids)
-            self.pending_logprobs += self.serving.text_logprobs(completion.token_ids, completion.logprobs, self.chat_request)
+            self.pending_logprobs += self.serving.text_logprobs(completion.token_ids, completion.logprobs, self.run.chat_request)
             for event in self._deltas(self.text_stream.feed(completion.text)):
                 yield event
             if completion.finish_reason is not None:
@@ -177,7 +232,7 @@ class _ResponseEvents:
             yield self.event("response.function_call_arguments.done", item_id=call.id, output_index=self._index(call),
                              arguments=call.arguments)
             yield self.event("response.output_item.done", output_index=self._index(call), item=call.model_dump(mode="json"))
-        self.serving.finish(response, self.items, final, output_tokens, self.conversation)
+        self.serving.finish(response, self.items, final, output_tokens, self.run.conversation)
         yield self.event(f"response.{status}", response=response.model_dump(mode="json"))
 
     def _deltas(self, delta: DeltaMessage | None) -> list[str]:
@@ -232,6 +287,29 @@ class _ResponseEvents:
 
     def _index(self, item) -> int:
         return next(index for index, candidate in enumerate(self.items) if candidate is item)
+
+
+@dataclass
+class _Run:
+    """A response being answered: what its chat request added to the engine, and what turns its output into items."""
+
+    response: ResponseObject
+    added: list  # its sub-requests, as add_requests gives them
+    tools: ToolPlan
+    conversation: list[dict]  # what it answers (whole, however truncation cut what ran)
+    chat_request: ChatCompletionRequest
+
+
+def _check_combination(request: ResponsesRequest, store: ResponseStore) -> None:
+    """The rules between fields and the server's settings that the request's own checks cannot see."""
+    if request.store and store.max_responses == 0:
+        raise APIError(400, "this server keeps no responses (--max-stored-responses 0): give store false", param="store")
+    if request.background and (not request.store or request.stream):
+        raise APIError(400, "a background response is stored and read back when done: give store true and stream false",
+                       param="background")
+    if request.wants_logprobs and request.tools and request.tool_choice != "none":
+        raise APIError(400, "message.output_text.logprobs are given for a response that is text alone: not with tools "
+                            "the model may call (tool_choice other than none)", param="include")
 
 
 def _chat_request(request: ResponsesRequest, conversation: list[dict]) -> ChatCompletionRequest:
