@@ -17,13 +17,9 @@ from pagedserve.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
 
+# The statuses whose OpenAI error type is neither of the defaults (see error_type).
 _TYPES = {
-    400: "invalid_request_error",
     401: "authentication_error",
-    404: "invalid_request_error",
-    409: "invalid_request_error",
-    413: "invalid_request_error",
-    500: "server_error",
     503: "service_unavailable_error",
 }
 # Engine validation messages start with the field they are about: "top_p must be in (0, 1], got 2".
@@ -47,8 +43,14 @@ class APIError(Exception):
         return cls(400, message, param=param or (match.group(1) if match else None))
 
 
+def error_type(status: int) -> str:
+    """The OpenAI error type of an HTTP status: the server's for a 5xx, the request's for the rest, but where _TYPES
+    names one of its own."""
+    return _TYPES.get(status) or ("server_error" if status >= 500 else "invalid_request_error")
+
+
 def error_response(status: int, message: str, param: str | None = None, code: str | int | None = None) -> JSONResponse:
-    body = ErrorResponse(error=ErrorInfo(message=message, type=_TYPES.get(status, "invalid_request_error"), param=param,
+    body = ErrorResponse(error=ErrorInfo(message=message, type=error_type(status), param=param,
                                          code=code if code is not None else status))
     return JSONResponse(body.model_dump(), status_code=status)
 

@@ -12,7 +12,7 @@ from fastapi import Request
 
 from pagedserve.engine.async_llm import AsyncLLM, QueueFullError, RequestEndedError
 from pagedserve.engine.core_client import EngineDeadError
-from pagedserve.entrypoints.openai.errors import APIError, request_id_of
+from pagedserve.entrypoints.openai.errors import APIError, error_type, request_id_of
 from pagedserve.entrypoints.openai.protocol import UsageInfo
 from pagedserve.entrypoints.openai.serving_models import ServingModels
 from pagedserve.lora_request import LoRARequest
@@ -102,8 +102,7 @@ class ServingBase:
             if error_event is not None:
                 yield error_event(status, message)
                 return
-            kind = "service_unavailable_error" if status == 503 else "server_error" if status >= 500 else "invalid_request_error"
-            yield sse({"error": {"message": message, "type": kind, "param": None, "code": status}})
+            yield sse({"error": {"message": message, "type": error_type(status), "param": None, "code": status}})
         finally:
             await events.aclose()
             for sub_id, _ in added:

@@ -68,9 +68,10 @@ class OpenAIServingChat(ServingBase):
         return ChatCompletionResponse(id=request_id, model=self.models.response_name(request.model), choices=choices,
                                       usage=usage_of([output]), kv_transfer_params=output.kv_transfer_params)
 
-    async def start(self, request: ChatCompletionRequest, request_id: str) -> tuple[list, ToolPlan]:
+    async def start(self, request: ChatCompletionRequest, request_id: str, prompt_ids: list[int] | None = None) -> tuple[list, ToolPlan]:
         """Check the request, render its conversation and add its samples to the engine: -> (the sub-requests added, as
-        add_requests gives them; how its text becomes tool calls). Raises APIError naming the field at fault."""
+        add_requests gives them; how its text becomes tool calls). prompt_ids: the conversation as prompt_of gave it,
+        where the caller has rendered it already. Raises APIError naming the field at fault."""
         lora_request = self.check_model(request.model)
         self.check_n(request.n)
         if request.top_logprobs is not None and not request.logprobs:
@@ -78,7 +79,8 @@ class OpenAIServingChat(ServingBase):
         if request.max_tokens is not None and request.max_completion_tokens is not None:
             raise APIError(400, "give max_completion_tokens or its older name max_tokens, not both", param="max_tokens")
         tools = ToolPlan.of(request, self.tool_call_parser)
-        prompt_ids = await self.prompt_of(request)
+        if prompt_ids is None:
+            prompt_ids = await self.prompt_of(request)
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         try:
             params = request.sampling_params(max_tokens, (request.top_logprobs or 0) if request.logprobs else None,

@@ -50,8 +50,8 @@ class OpenAIServingResponses:
         conversation = self._history(request.previous_response_id) + conversation_of(request.input_items())
         response = self._new_response(request)
         try:
-            chat_request = await self._as_chat_request(request, conversation)
-            added, tools = await self.chat.start(chat_request, response.id)
+            chat_request, prompt_ids = await self._as_chat_request(request, conversation)
+            added, tools = await self.chat.start(chat_request, response.id, prompt_ids)
         except APIError as exc:
             raise _renamed(exc) from exc
         response.tool_choice = _tool_choice(tools)
@@ -100,17 +100,25 @@ class OpenAIServingResponses:
             tools=[tool.model_dump(exclude_none=True) for tool in request.tools or []],
         )
 
-    async def _as_chat_request(self, request: ResponsesRequest, conversation: list[dict]) -> ChatCompletionRequest:
-        """The chat request the response runs as: of the whole conversation, or with truncation auto, of its longest tail
-        whose prompt leaves max_output_tokens (or one token) of room in the model's context (the instructions kept)."""
+    async def _as_chat_request(self, request: ResponsesRequest, conversation: list[dict]) -> tuple[ChatCompletionRequest, list[int] | None]:
+        """The chat request the response runs as, and its prompt where this had to measure it: of the whole conversation,
+        or with truncation auto, of its longest tail whose prompt leaves max_output_tokens (or one token) of room in
+        the model's context (the instructions kept). Each tail tried is rendered once; most conversations fit whole."""
+        whole = _chat_request(request, conversation)
         if request.truncation != "auto":
-            return _chat_request(request, conversation)
+            return whole, None
         limit = self.chat.engine.max_model_len - (request.max_output_tokens or 1)
+        measured: dict[int, tuple[ChatCompletionRequest, list[int]]] = {}
 
         async def fits(start: int) -> bool:
-            return len(await self.chat.prompt_of(_chat_request(request, conversation[start:]))) <= limit
+            if start not in measured:
+                chat_request = whole if start == 0 else _chat_request(request, conversation[start:])
+                measured[start] = chat_request, await self.chat.prompt_of(chat_request)
+            return len(measured[start][1]) <= limit
 
-        return _chat_request(request, conversation[await fitting_turns(conversation, fits):])
+        start = 0 if await fits(0) else await fitting_turns(conversation, fits)
+        await fits(start)  # measured, where the search did not try it (the last turn, when none fits)
+        return measured[start]
 
     def text_logprobs(self, token_ids: list[int], positions, chat_request: ChatCompletionRequest) -> list[dict]:
         """The tokens' logprobs as an output text carries them (each token, its logprob and bytes, and the top_logprobs
