@@ -174,6 +174,42 @@ def test_function_calls_round_trip_as_output_and_input_items(client, tool_choice
                                         input=[{"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"}],
                                         max_output_tokens=12, temperature=0)
     assert continued.output_text == answer.output_text
+    # What went into it, as items: the stored turn's input and its call (the same item), then the call's output.
+    listed = list(client.responses.input_items.list(continued.id, order="asc"))
+    assert [item.type for item in listed] == ["message", "function_call", "function_call_output"]
+    assert listed[1].id == call.id and (listed[1].call_id, listed[1].arguments) == (call.call_id, call.arguments)
+    assert (listed[2].call_id, listed[2].output) == (call.call_id, "Sunny, 21 C") and listed[2].id
+
+
+@pytest.mark.slow
+def test_input_items_are_what_went_into_a_response_page_by_page(server, client):
+    """GET /v1/responses/{id}/input_items: the stored turns' items and the request's own, each with an id (an earlier
+    output's own), the latest first unless asked otherwise, a page at a time; logprobs only where included."""
+    first = client.responses.create(model=MODEL, input=[{"role": "user", "content": "Name a fruit."}], max_output_tokens=6,
+                                    temperature=0, include=["message.output_text.logprobs"])
+    second = client.responses.create(model=MODEL, previous_response_id=first.id, max_output_tokens=4,
+                                     input=[{"role": "user", "content": [{"type": "input_text", "text": "Another one?"}]}])
+    # One item a page: the client follows each page's last id to the next.
+    listed = list(client.responses.input_items.list(second.id, limit=1, order="asc"))
+    assert [(item.type, item.role) for item in listed] == [("message", "user"), ("message", "assistant"), ("message", "user")]
+    assert [part.text for item in listed for part in item.content] == ["Name a fruit.", first.output_text, "Another one?"]
+    assert [part.type for item in listed for part in item.content] == ["input_text", "output_text", "input_text"]
+    assert listed[1].id == first.output[0].id and listed[1].content[0].logprobs == []
+    assert len({item.id for item in listed}) == 3
+    latest_first = client.responses.input_items.list(second.id)
+    assert [item.id for item in latest_first.data] == [item.id for item in reversed(listed)] and not latest_first.has_more
+    page = client.responses.input_items.list(second.id, limit=2, order="asc")
+    assert (page.first_id, page.last_id, page.has_more) == (listed[0].id, listed[1].id, True)
+    with_logprobs = client.responses.input_items.list(second.id, order="asc", include=["message.output_text.logprobs"]).data
+    assert with_logprobs[1].content[0].logprobs == first.output[0].content[0].logprobs != []
+    assert [item.id for item in client.responses.input_items.list(first.id).data] == [listed[0].id]
+    for query, status, param in [(f"after={first.id}", 404, "after"), ("limit=0", 400, "limit"), ("limit=101", 400, "limit"),
+                                 ("order=up", 400, "order"), ("include=reasoning.encrypted_content", 400, "include"),
+                                 ("include%5B%5D=reasoning.encrypted_content", 400, "include")]:
+        answer = server.get(f"/v1/responses/{second.id}/input_items?{query}")
+        assert (answer.status_code, answer.json()["error"]["param"]) == (status, param), answer.text
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp-unknown")
 
 
 @pytest.mark.slow
@@ -297,6 +333,8 @@ def test_cancelling_a_background_response_stops_it_and_frees_what_it_held(server
     generated_before = metric_value(server.get("/metrics").text, "pagedserve:generation_tokens_total")
     started = client.responses.create(model=MODEL, input="Count from 1 to 1000, separated by commas.", max_output_tokens=900,
                                       temperature=0, background=True)
+    [asked] = client.responses.input_items.list(started.id).data  # known while it runs
+    assert asked.content[0].text == "Count from 1 to 1000, separated by commas."
     with pytest.raises(openai.ConflictError) as unfinished:  # nothing to continue from yet
         client.responses.create(model=MODEL, previous_response_id=started.id, input="And then?")
     assert unfinished.value.body["param"] == "previous_response_id"
@@ -319,7 +357,7 @@ def test_the_store_drops_the_oldest_beyond_its_limit():
     store = ResponseStore(max_responses=2)
     responses = [ResponseObject(model=MODEL) for _ in range(3)]
     for response in responses:
-        store.put(response, [{"role": "user", "content": response.id}])
+        store.put(response, [], [{"role": "user", "content": response.id}])
     assert store.get(responses[0].id) is None
     kept = responses[1:]
     assert [store.get(response.id).conversation for response in kept] == [[{"role": "user", "content": r.id}] for r in kept]
@@ -343,7 +381,7 @@ def test_a_stream_that_fails_ends_with_the_apis_error_event_and_aborts_its_reque
         aborted.append(sub_id)
 
     serving = SimpleNamespace(engine=SimpleNamespace(abort=abort))
-    events = _ResponseEvents(None, _Run(ResponseObject(model=MODEL), [("resp-1-0", None)], ToolPlan("none"), [], chat_request=None))
+    events = _ResponseEvents(None, _Run(ResponseObject(model=MODEL), [("resp-1-0", None)], ToolPlan("none"), [], [], chat_request=None))
 
     async def failing():
         yield events.event("response.created", response={})

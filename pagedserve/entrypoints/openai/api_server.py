@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from typing import Annotated, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -31,7 +32,13 @@ from pagedserve.entrypoints.openai.protocol import (
     UnloadLoRAAdapterRequest,
     VersionResponse,
 )
-from pagedserve.entrypoints.openai.responses_protocol import DeletedResponse, ResponseObject, ResponsesRequest
+from pagedserve.entrypoints.openai.responses_protocol import (
+    DeletedResponse,
+    Includable,
+    InputItemList,
+    ResponseObject,
+    ResponsesRequest,
+)
 from pagedserve.entrypoints.openai.responses_store import ResponseStore
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -140,6 +147,14 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
     @app.delete("/v1/responses/{response_id}", response_model=DeletedResponse, responses=_ERRORS)
     async def delete_response(response_id: str):
         return _respond(await responses.delete(response_id))
+
+    @app.get("/v1/responses/{response_id}/input_items", response_model=InputItemList, responses=_ERRORS)
+    async def list_input_items(response_id: str, after: str | None = None, limit: Annotated[int, Query(ge=1, le=100)] = 20,
+                               order: Literal["asc", "desc"] = "desc", include: Annotated[list[Includable] | None, Query()] = None,
+                               include_listed: Annotated[list[Includable] | None, Query(alias="include[]")] = None):
+        # include[]: the form in which OpenAI's clients send a list in a query.
+        with_logprobs = "message.output_text.logprobs" in (include or []) + (include_listed or [])
+        return _respond(responses.input_items(response_id, after, limit, order, with_logprobs))
 
     @app.post("/v1/responses/{response_id}/cancel", response_model=ResponseObject, responses=_RESPONSE_ERRORS)
     async def cancel_response(response_id: str):

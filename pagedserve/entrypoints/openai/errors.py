@@ -25,7 +25,7 @@ _TYPES = {
 # Engine validation messages start with the field they are about: "top_p must be in (0, 1], got 2".
 _FIELD_MESSAGE = re.compile(r"^([a-z_]+(?:\.[a-z_]+)*) must be")
 # Parts of a pydantic error location that name a branch of a union, not a field.
-_UNION_BRANCH = re.compile(r"^(str|int|float|bool|dict|list|none|constrained-\w+|[\w-]+-branch)$|[\[\]]")
+_UNION_BRANCH = re.compile(r"^(str|int|float|bool|dict|list|none|constrained-\w+|[\w-]+-branch)$|\[.+\]")
 
 
 class APIError(Exception):
@@ -59,6 +59,11 @@ def internal_error_response(request_id: str) -> JSONResponse:
     return error_response(500, f"internal server error (request id {request_id}); the server log has the details")
 
 
+# Where in the request a bad field was (the body, the query, the path): the field's own name says it (a query's list
+# named as OpenAI's clients send it, include[], is include).
+_LOCATIONS = ("body", "query", "path")
+
+
 def request_id_of(request: Request) -> str:
     return getattr(request.state, "request_id", "-")
 
@@ -77,7 +82,8 @@ def install_error_handlers(app: FastAPI) -> None:
         # type and a wrong value (-1 for a token id) says more than one that expected another type.
         first = max(errors, key=lambda error: (len(error.get("loc", ())), not error.get("type", "").endswith("_type")),
                     default={})
-        location = [str(part) for part in first.get("loc", ()) if part != "body" and not _UNION_BRANCH.search(str(part))]
+        location = [str(part).removesuffix("[]") for part in first.get("loc", ())
+                    if part not in _LOCATIONS and not _UNION_BRANCH.search(str(part))]
         message = first.get("msg", "invalid request")
         if first.get("type") == "extra_forbidden":
             message = "not a field this server accepts (misspelled, or not supported)"

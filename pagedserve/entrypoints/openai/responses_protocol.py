@@ -151,6 +151,10 @@ _RULES = [
 ]
 
 
+# What a request (or a listing of input items) may ask to include: each output text's token logprobs.
+Includable = Literal["message.output_text.logprobs"]
+
+
 class ResponsesRequest(RequestBody):
     model_config = ConfigDict(json_schema_extra={"allOf": _RULES})
 
@@ -174,7 +178,7 @@ class ResponsesRequest(RequestBody):
     # token) of room in the model's context; disabled: a conversation too long is refused.
     truncation: Literal["disabled", "auto"] | None = None
     # Extra output: each output text's token logprobs (with top_logprobs alternatives at each position).
-    include: list[Literal["message.output_text.logprobs"]] | None = None
+    include: list[Includable] | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     # true: the request is answered at once with the response in progress, which runs on (stored, so it needs store
     # true; not streamed) until GET finds it done, or POST .../cancel stops it.
@@ -327,6 +331,59 @@ class ResponseObject(BaseModel):
     usage: ResponseUsage | None = None
     user: str | None = None
     metadata: dict[str, str] = Field(default_factory=dict)
+
+
+class InputTextItemPart(BaseModel):
+    type: Literal["input_text"] = "input_text"
+    text: str
+
+
+class InputMessageItem(BaseModel):
+    """A message of the input that was not the model's (user, system or developer), as the input items list it."""
+
+    type: Literal["message"] = "message"
+    id: str = Field(default_factory=lambda: random_id("msg"))
+    role: Literal["user", "system", "developer"]
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+    content: list[InputTextItemPart]
+
+
+class FunctionCallOutputListed(BaseModel):
+    """A tool's answer to a call, as the input items list it."""
+
+    type: Literal["function_call_output"] = "function_call_output"
+    id: str = Field(default_factory=lambda: random_id("fco"))
+    call_id: str
+    output: str
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+
+
+# An item that went into a response: a message (the model's, as an output message), a call, a call's output.
+ListedItem = InputMessageItem | OutputMessage | FunctionCallOutput | FunctionCallOutputListed
+
+
+def listed_item(item) -> ListedItem:
+    """A request's input item as the input items list it: with an id (its own, or a new one) and a status, and a
+    message's text as content parts (a string content is one part)."""
+    fields = {name: value for name, value in (("id", item.id), ("status", item.status)) if value is not None}
+    if isinstance(item, FunctionCallItem):
+        return FunctionCallOutput(call_id=item.call_id, name=item.name, arguments=item.arguments, **fields)
+    if isinstance(item, FunctionCallOutputItem):
+        return FunctionCallOutputListed(call_id=item.call_id, output=item.output, **fields)
+    texts = [item.content] if isinstance(item.content, str) else [part.text for part in item.content]
+    if item.role == "assistant":
+        return OutputMessage(content=[OutputText(text=text) for text in texts], **fields)
+    return InputMessageItem(role=item.role, content=[InputTextItemPart(text=text) for text in texts], **fields)
+
+
+class InputItemList(BaseModel):
+    """A page of a response's input items (GET /v1/responses/{id}/input_items)."""
+
+    object: Literal["list"] = "list"
+    data: list[ListedItem]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
 
 
 class DeletedResponse(BaseModel):

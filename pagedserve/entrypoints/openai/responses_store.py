@@ -1,5 +1,6 @@
-"""Responses kept in the server's memory (a request's store: true, the API's default), for GET /v1/responses/{id} and
-for a later request's previous_response_id: each with the conversation up to it, as chat messages. The oldest go
+"""Responses kept in the server's memory (a request's store: true, the API's default), for GET /v1/responses/{id}, its
+input items, and a later request's previous_response_id: each with the items that went into it and the conversation up
+to it, as chat messages. The oldest go
 first past the server's limit (--max-stored-responses), so memory stays bounded however long the server runs."""
 
 from __future__ import annotations
@@ -7,12 +8,15 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from pagedserve.entrypoints.openai.responses_protocol import ResponseObject
+from pagedserve.entrypoints.openai.responses_protocol import ListedItem, ResponseObject
 
 
 @dataclass
 class StoredResponse:
     response: ResponseObject
+    # What went into it, in order: the earlier turns' input and output items (by previous_response_id), then its own
+    # request's input.
+    input_items: list[ListedItem]
     # Every turn's messages up to and including this response's own, instructions left out; None while a background
     # response runs.
     conversation: list[dict] | None
@@ -23,9 +27,9 @@ class ResponseStore:
         self.max_responses = max_responses
         self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
 
-    def put(self, response: ResponseObject, conversation: list[dict] | None) -> None:
+    def put(self, response: ResponseObject, input_items: list[ListedItem], conversation: list[dict] | None) -> None:
         """A new response goes in last; a background response, put again once done, keeps its place."""
-        self._responses[response.id] = StoredResponse(response, conversation)
+        self._responses[response.id] = StoredResponse(response, input_items, conversation)
         while len(self._responses) > self.max_responses:
             self._responses.popitem(last=False)
 

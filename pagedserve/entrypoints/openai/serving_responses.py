@@ -1,4 +1,5 @@
-"""POST /v1/responses, GET and DELETE /v1/responses/{id}, and POST /v1/responses/{id}/cancel: the Responses API over
+"""POST /v1/responses, GET and DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items and POST
+/v1/responses/{id}/cancel: the Responses API over
 the chat endpoint. A request's input (after the stored conversation its previous_response_id names) becomes a chat
 completion request, which the chat endpoint checks, renders and runs (serving_chat.py: the same template, tools and
 structures); its text and tool calls come back as output items, whole, as the API's stream of events, or, run in the
@@ -19,7 +20,9 @@ from pagedserve.entrypoints.openai.responses_protocol import (
     DeletedResponse,
     FunctionCallOutput,
     IncompleteDetails,
+    InputItemList,
     InputTokensDetails,
+    ListedItem,
     OutputMessage,
     OutputText,
     ResponseObject,
@@ -28,8 +31,9 @@ from pagedserve.entrypoints.openai.responses_protocol import (
     TextConfig,
     conversation_of,
     fitting_turns,
+    listed_item,
 )
-from pagedserve.entrypoints.openai.responses_store import ResponseStore
+from pagedserve.entrypoints.openai.responses_store import ResponseStore, StoredResponse
 from pagedserve.entrypoints.openai.serving_base import sse
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.tool_calls import ToolPlan
@@ -47,7 +51,10 @@ class OpenAIServingResponses:
 
     async def create_response(self, request: ResponsesRequest, raw_request: Request):
         _check_combination(request, self.store)
-        conversation = self._history(request.previous_response_id) + conversation_of(request.input_items())
+        previous = self._previous(request.previous_response_id)
+        own_items = request.input_items()
+        conversation = (previous.conversation if previous else []) + conversation_of(own_items)
+        input_items = (previous.input_items + previous.response.output if previous else []) + [listed_item(item) for item in own_items]
         response = self._new_response(request)
         try:
             chat_request, prompt_ids = await self._as_chat_request(request, conversation)
@@ -55,12 +62,12 @@ class OpenAIServingResponses:
         except APIError as exc:
             raise _renamed(exc) from exc
         response.tool_choice = _tool_choice(tools)
-        run = _Run(response, added, tools, conversation, chat_request)
+        run = _Run(response, added, tools, conversation, input_items, chat_request)
         if request.stream:
             events = _ResponseEvents(self, run)
             return self.chat.sse_stream(added, events.stream(), raw_request, error_event=events.error)
         if request.background:
-            self.store.put(response, None)  # no conversation to continue from until it is done
+            self.store.put(response, input_items, None)  # no conversation to continue from until it is done
             task = asyncio.ensure_future(self._answer(run, raw_request=None))
             self._background[response.id] = task, run
             task.add_done_callback(lambda _: self._background.pop(response.id, None))
@@ -86,7 +93,7 @@ class OpenAIServingResponses:
             items.append(OutputMessage(content=[OutputText(text=reply.content or "", logprobs=logprobs)]))
         items.extend(FunctionCallOutput(call_id=call.id, name=call.function.name, arguments=call.function.arguments)
                      for call in reply.tool_calls)
-        self.finish(response, items, output, len(completion.token_ids), run.conversation)
+        self.finish(run, items, output, len(completion.token_ids))
         return response
 
     def _new_response(self, request: ResponsesRequest) -> ResponseObject:
@@ -129,6 +136,21 @@ class OpenAIServingResponses:
     def get(self, response_id: str) -> ResponseObject:
         return self._stored(response_id).response
 
+    def input_items(self, response_id: str, after: str | None, limit: int, order: str, with_logprobs: bool) -> InputItemList:
+        """A page of the items that went into a stored response, in the order asked (desc: the latest first), the
+        limit's number of them from the one after the item named `after`; output texts' logprobs only if asked."""
+        items = self._stored(response_id).input_items
+        if order == "desc":
+            items = items[::-1]
+        start = 0
+        if after is not None:
+            start = next((index + 1 for index, item in enumerate(items) if item.id == after), None)
+            if start is None:
+                raise APIError(404, f"after {after!r} names no input item of response {response_id!r}", param="after")
+        page = [_as_listed(item, with_logprobs) for item in items[start:start + limit]]
+        return InputItemList(data=page, first_id=page[0].id if page else None, last_id=page[-1].id if page else None,
+                             has_more=start + limit < len(items))
+
     async def cancel(self, response_id: str) -> ResponseObject:
         """Stop a background response that is still running (its status then cancelled); one that has ended is returned
         as it ended."""
@@ -160,9 +182,10 @@ class OpenAIServingResponses:
             await self.chat.engine.abort(sub_id)
         response.status = "cancelled"
 
-    def finish(self, response: ResponseObject, items: list, output: RequestOutput, output_tokens: int, conversation: list[dict]) -> None:
-        """The response as it ended (output: the request's last output; output_tokens: all it generated), with these
-        output items; kept if the request asked."""
+    def finish(self, run: _Run, items: list, output: RequestOutput, output_tokens: int) -> None:
+        """The run's response as it ended (output: the request's last output; output_tokens: all it generated), with
+        these output items; kept if the request asked."""
+        response = run.response
         cut = output.outputs[0].finish_reason == "length"
         status = "incomplete" if cut else "completed"
         for item in items:
@@ -175,11 +198,12 @@ class OpenAIServingResponses:
         response.usage = ResponseUsage(input_tokens=input_tokens, input_tokens_details=cached, output_tokens=output_tokens,
                                        total_tokens=input_tokens + output_tokens)
         if response.store:
-            self.store.put(response, conversation + conversation_of([item.as_input() for item in items]))
+            self.store.put(response, run.input_items, run.conversation + conversation_of([item.as_input() for item in items]))
 
-    def _history(self, previous_response_id: str | None) -> list[dict]:
+    def _previous(self, previous_response_id: str | None) -> StoredResponse | None:
+        """The stored response a request continues, which must have ended."""
         if previous_response_id is None:
-            return []
+            return None
         stored = self.store.get(previous_response_id)
         if stored is None:
             raise APIError(404, f"previous_response_id {previous_response_id!r} names no stored response (it was not stored, "
@@ -187,7 +211,7 @@ class OpenAIServingResponses:
         if stored.conversation is None:
             raise APIError(409, f"previous_response_id {previous_response_id!r} names a background response that has not "
                                 "completed", param="previous_response_id")
-        return stored.conversation
+        return stored
 
 
 class _ResponseEvents:
@@ -241,7 +265,7 @@ class _ResponseEvents:
             yield self.event("response.function_call_arguments.done", item_id=call.id, output_index=self._index(call),
                              arguments=call.arguments)
             yield self.event("response.output_item.done", output_index=self._index(call), item=call.model_dump(mode="json"))
-        self.serving.finish(response, self.items, final, output_tokens, self.run.conversation)
+        self.serving.finish(self.run, self.items, final, output_tokens)
         yield self.event(f"response.{status}", response=response.model_dump(mode="json"))
 
     def _deltas(self, delta: DeltaMessage | None) -> list[str]:
@@ -306,6 +330,7 @@ class _Run:
     added: list  # its sub-requests, as add_requests gives them
     tools: ToolPlan
     conversation: list[dict]  # what it answers (whole, however truncation cut what ran)
+    input_items: list[ListedItem]  # the same, as the API's items
     chat_request: ChatCompletionRequest
 
 
@@ -342,3 +367,10 @@ def _renamed(exc: APIError) -> APIError:
     if head in _FIELD_NAMES:
         exc.param = _FIELD_NAMES[head] + dot + rest
     return exc
+
+
+def _as_listed(item: ListedItem, with_logprobs: bool) -> ListedItem:
+    """The item as a page lists it: an earlier output message's logprobs only where the listing asks for them."""
+    if with_logprobs or not isinstance(item, OutputMessage) or not any(part.logprobs for part in item.content):
+        return item
+    return item.model_copy(update={"content": [part.model_copy(update={"logprobs": []}) for part in item.content]})
