@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import json
+from importlib import metadata
+
 import torch
 from torch import nn
 
+from pagedserve import cached_json
 from pagedserve.layers.cpu_kernels import UsesCPUKernels
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# Bumped when what the cache keeps of a scaling changes shape.
+_CACHE_FORMAT = "1"
 
 
 def rope_parameters(hf_config) -> dict:
@@ -28,6 +34,20 @@ def compute_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
         base = params["rope_theta"]
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
         return inv_freq, 1.0
+    # transformers' rope functions are the authority on the scalings, but importing them takes seconds at every start.
+    # What they compute depends on the config alone, so it is kept in the cache and read back by later starts.
+    config_text = json.dumps(hf_config.to_dict(), sort_keys=True, default=str)
+    path = cached_json.cache_file("rope", config_text, str(head_dim), metadata.version("transformers"), _CACHE_FORMAT)
+    stored = cached_json.read(path)
+    if stored is None:
+        inv_freq, attention_scaling = _transformers_inv_freq(hf_config, rope_type)
+        stored = {"inv_freq": inv_freq.tolist(), "attention_scaling": attention_scaling}
+        cached_json.write(path, stored)
+    # float32 values written as JSON numbers read back exactly.
+    return torch.tensor(stored["inv_freq"], dtype=torch.float), float(stored["attention_scaling"])
+
+
+def _transformers_inv_freq(hf_config, rope_type: str) -> tuple[torch.Tensor, float]:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     # transformers' rope functions take its own config object (models/hf_config.py keeps a plain one).

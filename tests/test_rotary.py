@@ -1,0 +1,41 @@
+"""Rope scalings are transformers' own: computed by its functions at a model's first start, read back from the cache
+by later starts (which then need not import transformers), the same values either way."""
+
+import json
+
+import pytest
+import torch
+import transformers
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from pagedserve.layers import rotary
+from pagedserve.models.hf_config import ResolvedConfig
+
+SCALINGS = [
+    {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 128},
+    {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+    {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 256},
+]
+
+
+@pytest.mark.parametrize("scaling", SCALINGS, ids=[scaling["rope_type"] for scaling in SCALINGS])
+def test_a_rope_scaling_is_transformers_own_computed_or_read_back(scaling, tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
+    config = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                                      rope_parameters=dict(scaling))
+    resolved = ResolvedConfig(json.loads(config.to_json_string(use_diff=False)))
+    expected_inv_freq, expected_scaling = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](config, "cpu")
+    computed = rotary.compute_inv_freq(resolved, 16)
+
+    def not_again(*_):
+        raise AssertionError("a start after the first computed the scaling again")
+
+    monkeypatch.setattr(rotary, "_transformers_inv_freq", not_again)
+    read_back = rotary.compute_inv_freq(resolved, 16)
+    for inv_freq, attention_scaling in (computed, read_back):
+        assert torch.equal(inv_freq, expected_inv_freq.float()) and attention_scaling == float(expected_scaling)
+    # Another scaling is another entry: nothing read back belongs to a different config.
+    other = ResolvedConfig({**resolved.to_dict(), "rope_parameters": {**scaling, "factor": scaling["factor"] * 2}})
+    with pytest.raises(AssertionError, match="computed the scaling again"):
+        rotary.compute_inv_freq(other, 16)
