@@ -3,9 +3,11 @@ generate to the longest output. Run as a script in its own process (throughput -
 that none of pagedserve's process settings (OpenMP wait policy, malloc settings) reach the baseline:
 this file imports nothing of pagedserve, whose package __init__ would set them.
 
-    python hf_static_batching.py MODEL_DIR REQUESTS_JSON  ->  prints the seconds generate() took
+    python hf_static_batching.py MODEL_DIR
 
-REQUESTS_JSON: [{"prompt_token_ids": [...], "output_len": N}, ...]
+loads the model once and says "ready", then reads batches from stdin, one JSON line each,
+[{"prompt_token_ids": [...], "output_len": N}, ...], and answers each with a line: the seconds generate() took.
+It waits on stdin between batches, so a benchmark's own runs in between have the machine to themselves.
 """
 
 import json
@@ -13,13 +15,19 @@ import sys
 import time
 
 
-def main(model_dir: str, requests_path: str) -> None:
+def main(model_dir: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    with open(requests_path) as f:
-        requests = json.load(f)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    print("ready", flush=True)
+    for line in sys.stdin:
+        print(generate_seconds(model, json.loads(line)), flush=True)
+
+
+def generate_seconds(model, requests: list[dict]) -> float:
+    import torch
+
     max_len = max(len(r["prompt_token_ids"]) for r in requests)
     input_ids = torch.zeros(len(requests), max_len, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
@@ -32,8 +40,8 @@ def main(model_dir: str, requests_path: str) -> None:
     with torch.inference_mode():
         model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
                        pad_token_id=0)
-    print(time.perf_counter() - start)
+    return time.perf_counter() - start
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(sys.argv[1])

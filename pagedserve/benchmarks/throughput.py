@@ -34,19 +34,57 @@ def run_pagedserve(llm, requests: list[BenchRequest]) -> float:
     return elapsed
 
 
-def run_hf_static_batching(model_dir: str, requests: list[BenchRequest]) -> float:
-    """Seconds of transformers' generate() on the requests, in a process of its own with the user's
-    environment as it was before pagedserve set its OpenMP defaults (see hf_static_batching.py)."""
-    from pagedserve.openmp import environment_without_openmp_defaults
+class HFStaticBatching:
+    """transformers' generate() on a benchmark's requests, in a process of its own with the user's environment as it was
+    before pagedserve set its OpenMP defaults (see hf_static_batching.py). The model loads once; the process waits
+    for each run's requests in between, so the runs beside it have the machine to themselves."""
 
-    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
-        json.dump([{"prompt_token_ids": r.prompt_token_ids, "output_len": r.output_len} for r in requests], f)
-        f.flush()
-        result = subprocess.run([sys.executable, str(Path(__file__).with_name("hf_static_batching.py")), model_dir, f.name],
-                                env=environment_without_openmp_defaults(), capture_output=True, text=True)
-    if result.returncode != 0:
-        raise RuntimeError(f"the HF baseline failed:\n{result.stderr[-2000:]}")
-    return float(result.stdout.strip().splitlines()[-1])
+    def __init__(self, model_dir: str) -> None:
+        from pagedserve.openmp import environment_without_openmp_defaults
+
+        self._errors = tempfile.TemporaryFile("w+")  # a file, so that a chatty stderr never fills a pipe and blocks it
+        self._process = subprocess.Popen([sys.executable, str(Path(__file__).with_name("hf_static_batching.py")), model_dir],
+                                         env=environment_without_openmp_defaults(), stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=self._errors, text=True)
+        self._answer()  # loaded before any run is timed: loading beside a run would slow it
+
+    def seconds(self, requests: list[BenchRequest]) -> float:
+        """How long generate() took on these requests."""
+        batch = [{"prompt_token_ids": r.prompt_token_ids, "output_len": r.output_len} for r in requests]
+        try:
+            self._process.stdin.write(json.dumps(batch) + "\n")
+            self._process.stdin.flush()
+        except BrokenPipeError:
+            pass  # it has died: what it said is read below
+        return float(self._answer())
+
+    def _answer(self) -> str:
+        answer = self._process.stdout.readline()
+        if not answer:
+            self._process.wait()
+            self._errors.seek(0)
+            raise RuntimeError(f"the HF baseline failed:\n{self._errors.read()[-2000:]}")
+        return answer
+
+    def close(self) -> None:
+        if self._process.stdin is not None:
+            self._process.stdin.close()
+        self._process.wait()
+        self._errors.close()
+
+
+def _one_run(args, llm, vocab_size: int, repeat: int, hf: HFStaticBatching | None) -> dict:
+    # Fresh prompts each repeat, so the prefix cache cannot turn later repeats into hits; the
+    # ceiling and HF run right after ours on the same prompts, so each ratio compares the same
+    # minutes of the machine.
+    requests = make_requests(args, vocab_size, seed=args.seed + repeat)
+    one = {"prompt_tokens": sum(len(r.prompt_token_ids) for r in requests), "output_tokens": sum(r.output_len for r in requests),
+           "elapsed_s": run_pagedserve(llm, requests)}
+    if args.ceiling:
+        one["ceiling"] = workload_ceiling(llm, requests)
+    if hf is not None:
+        one["hf_elapsed_s"] = hf.seconds(requests)
+    return one
 
 
 def run(args) -> dict:
@@ -57,18 +95,13 @@ def run(args) -> dict:
     vocab_size = llm.llm_engine.model_info.vocab_size
     model_dir = llm.llm_engine.model_info.model_dir
     runs = []
-    for repeat in range(args.repeats):
-        # Fresh prompts each repeat, so the prefix cache cannot turn later repeats into hits; the
-        # ceiling and HF run right after ours on the same prompts, so each ratio compares the same
-        # minutes of the machine.
-        requests = make_requests(args, vocab_size, seed=args.seed + repeat)
-        one = {"prompt_tokens": sum(len(r.prompt_token_ids) for r in requests), "output_tokens": sum(r.output_len for r in requests),
-               "elapsed_s": run_pagedserve(llm, requests)}
-        if args.ceiling:
-            one["ceiling"] = workload_ceiling(llm, requests)
-        if args.baseline == "hf":
-            one["hf_elapsed_s"] = run_hf_static_batching(model_dir, requests)
-        runs.append(one)
+    hf = HFStaticBatching(model_dir) if args.baseline == "hf" else None
+    try:
+        for repeat in range(args.repeats):
+            runs.append(_one_run(args, llm, vocab_size, repeat, hf))
+    finally:
+        if hf is not None:
+            hf.close()
     record, rows = summarize(args, runs)
     record["kv_cache_mapping_s"] = mapping_s
     rows.append(("KV cache mapping before the runs, s", mapping_s))
