@@ -237,7 +237,6 @@ def test_a_json_schema_text_format_holds_the_output(client):
     ({"input": "Hi", "include": ["message.output_text.logprobs"], "tools": [WEATHER], "tool_choice": "required"}, 400, "include"),
     ({"input": "Hi", "top_logprobs": 21}, 400, "top_logprobs"),
     ({"input": "Hi", "background": True, "store": False}, 400, "background"),
-    ({"input": "Hi", "background": True, "stream": True}, 400, "background"),
     ({"input": "Hi", "metadata": {str(index): "v" for index in range(17)}}, 400, "metadata"),
     ({"input": "Hi", "temperature": -1}, 400, "temperature"),
     ({"input": "Hi", "previous_response_id": "resp-unknown"}, 404, "previous_response_id"),
@@ -326,6 +325,47 @@ def test_a_background_response_runs_on_and_reads_back_as_the_same_response_would
     assert client.responses.cancel(done.id).status == done.status  # ended: cancelling changes nothing
     after = client.responses.create(model=MODEL, previous_response_id=done.id, input="Another one?", max_output_tokens=4)
     assert after.status in ("completed", "incomplete")
+
+
+@pytest.mark.slow
+def test_a_streamed_background_response_runs_on_without_its_client_and_streams_again_from_any_event(server, client):
+    asked = {"model": MODEL, "input": "Count from 1 to 20.", "max_output_tokens": 40, "temperature": 0}
+    first_part = []
+    with client.responses.create(**asked, background=True, stream=True) as stream:
+        for event in stream:  # the client reads up to its first text, then goes away
+            first_part.append(event)
+            if event.type == "response.output_text.delta":
+                break
+    response_id = first_part[0].response.id
+    assert first_part[0].response.background and [event.sequence_number for event in first_part] == list(range(len(first_part)))
+    resumed = list(client.responses.retrieve(response_id, stream=True, starting_after=first_part[-1].sequence_number))
+    events = first_part + resumed
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    whole = client.responses.create(**asked)
+    assert events[-1].type == f"response.{whole.status}" and events[-1].response.output_text == whole.output_text
+    assert "".join(event.delta for event in events if event.type == "response.output_text.delta") == whole.output_text
+    assert _when_ended(client, response_id).output_text == whole.output_text
+    # Read again from the start, after it ended: the same events.
+    again = list(client.responses.retrieve(response_id, stream=True))
+    assert [(event.type, event.sequence_number) for event in again] == [(event.type, event.sequence_number) for event in events]
+    # Only a streamed background response has events to give again; starting_after belongs to a stream.
+    with pytest.raises(openai.ConflictError) as not_streamed:
+        list(client.responses.retrieve(whole.id, stream=True))
+    assert not_streamed.value.body["param"] == "stream"
+    answer = server.get(f"/v1/responses/{response_id}?starting_after=3")
+    assert (answer.status_code, answer.json()["error"]["param"]) == (400, "starting_after"), answer.text
+    # Cancelled while it streams: its stream ends, with no completed event, and the engine is freed.
+    long = client.responses.create(model=MODEL, input="Count from 1 to 1000, separated by commas.", max_output_tokens=900,
+                                   temperature=0, background=True, stream=True)
+    started = next(iter(long))
+    long.close()
+    assert client.responses.cancel(started.response.id).status == "cancelled"
+    kinds = [event.type for event in client.responses.retrieve(started.response.id, stream=True)]
+    assert kinds[0] == "response.created" and not any(kind in ("response.completed", "response.incomplete") for kind in kinds)
+    deadline = time.monotonic() + 30
+    while metric_value(server.get("/metrics").text, "pagedserve:num_requests_running") > 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
 
 
 @pytest.mark.slow

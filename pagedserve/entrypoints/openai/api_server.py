@@ -57,8 +57,9 @@ _ERRORS = {status: {"model": ErrorResponse, "description": description} for stat
     (503, "at capacity, shutting down, or the engine is gone"),
 )}
 # Where a stored response's state may not allow what is asked.
-_RESPONSE_ERRORS = {**_ERRORS, 409: {"model": ErrorResponse, "description": "a stored response in a state that does not allow "
-                                     "it: cancelling one not run in the background, continuing one still running"}}
+_RESPONSE_ERRORS = {**_ERRORS, 409: {"model": ErrorResponse, "description": (
+    "a stored response in a state that does not allow it: cancelling one not run in the background, continuing one "
+    "still running, streaming again one not streamed in the background")}}
 # Generation endpoints answer JSON, or an event stream with "stream": true. Before OpenAPI 3.2 (FastAPI writes 3.1) an
 # event stream's schema describes each event: its data is a JSON chunk, or [DONE] at the end.
 _SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
@@ -140,8 +141,13 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
     async def create_response(request: ResponsesRequest, raw_request: Request):
         return _respond(await responses.create_response(request, raw_request))
 
-    @app.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=_ERRORS)
-    async def get_response(response_id: str):
+    @app.get("/v1/responses/{response_id}", response_model=ResponseObject, responses={**_RESPONSE_ERRORS, 200: {"content": _STREAMS}})
+    async def get_response(response_id: str, stream: bool = False, starting_after: Annotated[int | None, Query(ge=0)] = None):
+        # stream: a streamed background response's events again, after the one numbered starting_after.
+        if stream:
+            return _respond(responses.stream_again(response_id, starting_after))
+        if starting_after is not None:
+            raise APIError(400, "starting_after picks up a stream: give stream true", param="starting_after")
         return _respond(responses.get(response_id))
 
     @app.delete("/v1/responses/{response_id}", response_model=DeletedResponse, responses=_ERRORS)

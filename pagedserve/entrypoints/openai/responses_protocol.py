@@ -133,7 +133,7 @@ class TextConfig(StrictModel):
 
 
 # Rules between fields, as the server applies them: a tool_choice other than none needs tools; one that forces a call
-# gives the output's structure, which text.format then does not; a background response is stored and not streamed;
+# gives the output's structure, which text.format then does not; a background response is stored;
 # logprobs are included for a response of text alone (no tools, or tool_choice none).
 _FORCES_A_CALL = {"anyOf": [{"const": "required"}, {"type": "object"}]}
 _RULES = [
@@ -143,7 +143,7 @@ _RULES = [
      "then": {"properties": {"text": {"anyOf": [{"type": "null"},
                                                 {"properties": {"format": {"properties": {"type": {"const": "text"}}}}}]}}}},
     {"if": {"required": ["background"], "properties": {"background": {"const": True}}},
-     "then": {"properties": {"store": {"const": True}, "stream": {"const": False}}}},
+     "then": {"properties": {"store": {"const": True}}}},
     {"if": {"required": ["include"],
             "properties": {"include": {"type": "array", "contains": {"const": "message.output_text.logprobs"}}}},
      "then": {"anyOf": [{"not": {"required": ["tools"]}}, {"properties": {"tools": {"anyOf": [{"type": "null"}, {"maxItems": 0}]}}},
@@ -180,8 +180,9 @@ class ResponsesRequest(RequestBody):
     # Extra output: each output text's token logprobs (with top_logprobs alternatives at each position).
     include: list[Includable] | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    # true: the request is answered at once with the response in progress, which runs on (stored, so it needs store
-    # true; not streamed) until GET finds it done, or POST .../cancel stops it.
+    # true: the response runs on in the server (stored, so it needs store true) until GET finds it done, or POST
+    # .../cancel stops it; the request is answered at once with it in progress, or, streamed, with its events, which
+    # GET .../{id}?stream=true reads again (from starting_after on) whether or not the first client stayed.
     background: bool | None = None
 
     @property

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from pagedserve.entrypoints.openai.event_log import EventLog
 from pagedserve.entrypoints.openai.responses_protocol import ListedItem, ResponseObject
 
 
@@ -20,6 +21,8 @@ class StoredResponse:
     # Every turn's messages up to and including this response's own, instructions left out; None while a background
     # response runs.
     conversation: list[dict] | None
+    # A streamed background response's events, for clients that read its stream again; None for other responses.
+    events: EventLog | None = None
 
 
 class ResponseStore:
@@ -27,9 +30,14 @@ class ResponseStore:
         self.max_responses = max_responses
         self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
 
-    def put(self, response: ResponseObject, input_items: list[ListedItem], conversation: list[dict] | None) -> None:
-        """A new response goes in last; a background response, put again once done, keeps its place."""
-        self._responses[response.id] = StoredResponse(response, input_items, conversation)
+    def put(self, response: ResponseObject, input_items: list[ListedItem], conversation: list[dict] | None,
+            events: EventLog | None = None) -> None:
+        """A new response goes in last; a background response, put again once done, keeps its place and its events."""
+        stored = self._responses.get(response.id)
+        if stored is not None:
+            stored.response, stored.conversation = response, conversation
+            return
+        self._responses[response.id] = StoredResponse(response, input_items, conversation, events)
         while len(self._responses) > self.max_responses:
             self._responses.popitem(last=False)
 

@@ -3,7 +3,7 @@
 the chat endpoint. A request's input (after the stored conversation its previous_response_id names) becomes a chat
 completion request, which the chat endpoint checks, renders and runs (serving_chat.py: the same template, tools and
 structures); its text and tool calls come back as output items, whole, as the API's stream of events, or, run in the
-background, in the stored response once done."""
+background, in the stored response once done (streamed too, its events kept for clients that read them again)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from fastapi import Request
 from pydantic import ValidationError
 
 from pagedserve.entrypoints.openai.errors import APIError
+from pagedserve.entrypoints.openai.event_log import EventLog
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, DeltaMessage
 from pagedserve.entrypoints.openai.responses_protocol import (
     DeletedResponse,
@@ -34,7 +35,7 @@ from pagedserve.entrypoints.openai.responses_protocol import (
     listed_item,
 )
 from pagedserve.entrypoints.openai.responses_store import ResponseStore, StoredResponse
-from pagedserve.entrypoints.openai.serving_base import sse
+from pagedserve.entrypoints.openai.serving_base import sse, stream_failure
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.tool_calls import ToolPlan
 from pagedserve.outputs import RequestOutput
@@ -63,16 +64,37 @@ class OpenAIServingResponses:
             raise _renamed(exc) from exc
         response.tool_choice = _tool_choice(tools)
         run = _Run(response, added, tools, conversation, input_items, chat_request)
+        if request.background:
+            return self._run_in_background(run, streamed=request.stream)
         if request.stream:
             events = _ResponseEvents(self, run)
             return self.chat.sse_stream(added, events.stream(), raw_request, error_event=events.error)
-        if request.background:
-            self.store.put(response, input_items, None)  # no conversation to continue from until it is done
-            task = asyncio.ensure_future(self._answer(run, raw_request=None))
-            self._background[response.id] = task, run
-            task.add_done_callback(lambda _: self._background.pop(response.id, None))
-            return response
         return await self._answer(run, raw_request)
+
+    def _run_in_background(self, run: _Run, streamed: bool):
+        """Stored at once, without a conversation to continue from until it is done, and run by a task of the server's:
+        the response in progress, or, streamed, its events as they come (kept, so that a client that went away can
+        read them again)."""
+        response = run.response
+        events = EventLog() if streamed else None
+        self.store.put(response, run.input_items, None, events)
+        task = asyncio.ensure_future(self._record(run, events) if streamed else self._answer(run, raw_request=None))
+        self._background[response.id] = task, run
+        task.add_done_callback(lambda _: self._background.pop(response.id, None))
+        return events.read(0) if streamed else response
+
+    async def _record(self, run: _Run, log: EventLog) -> None:
+        """A streamed background response's events into its log; a failure ends it with the API's error event."""
+        events = _ResponseEvents(self, run)
+        try:
+            async for event in events.stream():
+                log.append(event)
+        except Exception as exc:
+            status, message = stream_failure(exc, run.response.id)
+            _fail(run.response, message)
+            log.append(events.error(status, message))
+        finally:
+            log.close()
 
     async def _answer(self, run: _Run, raw_request: Request | None) -> ResponseObject:
         """The response once its request has run (raw_request: the client's, whose going away aborts it; None for a
@@ -83,7 +105,7 @@ class OpenAIServingResponses:
         except Exception as exc:  # the client's request fails with it; a background response records it
             if raw_request is not None:
                 raise
-            response.status, response.error = "failed", {"code": "server_error", "message": getattr(exc, "message", str(exc))}
+            _fail(response, stream_failure(exc, response.id)[1])
             return response
         completion = output.outputs[0]
         reply = run.tools.reply(completion.text, completion.finish_reason)
@@ -135,6 +157,14 @@ class OpenAIServingResponses:
 
     def get(self, response_id: str) -> ResponseObject:
         return self._stored(response_id).response
+
+    def stream_again(self, response_id: str, starting_after: int | None) -> AsyncIterator[str]:
+        """A streamed background response's events after the one numbered starting_after (from the first without it),
+        those still to come included."""
+        events = self._stored(response_id).events
+        if events is None:
+            raise APIError(409, "only a response created with background and stream true can be streamed again", param="stream")
+        return events.read(0 if starting_after is None else starting_after + 1)
 
     def input_items(self, response_id: str, after: str | None, limit: int, order: str, with_logprobs: bool) -> InputItemList:
         """A page of the items that went into a stored response, in the order asked (desc: the latest first), the
@@ -334,13 +364,17 @@ class _Run:
     chat_request: ChatCompletionRequest
 
 
+def _fail(response: ResponseObject, message: str) -> None:
+    """A background response whose run failed: so it reads back (the message says no more than the client may know)."""
+    response.status, response.error = "failed", {"code": "server_error", "message": message}
+
+
 def _check_combination(request: ResponsesRequest, store: ResponseStore) -> None:
     """The rules between fields and the server's settings that the request's own checks cannot see."""
     if request.store and store.max_responses == 0:
         raise APIError(400, "this server keeps no responses (--max-stored-responses 0): give store false", param="store")
-    if request.background and (not request.store or request.stream):
-        raise APIError(400, "a background response is stored and read back when done: give store true and stream false",
-                       param="background")
+    if request.background and not request.store:
+        raise APIError(400, "a background response is stored and read back when done: give store true", param="background")
     if request.wants_logprobs and request.tools and request.tool_choice != "none":
         raise APIError(400, "message.output_text.logprobs are given for a response that is text alone: not with tools "
                             "the model may call (tool_choice other than none)", param="include")
