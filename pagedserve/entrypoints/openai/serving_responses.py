@@ -1,9 +1,9 @@
 """POST /v1/responses, GET and DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items and POST
-/v1/responses/{id}/cancel: the Responses API over
-the chat endpoint. A request's input (after the stored conversation its previous_response_id names) becomes a chat
-completion request, which the chat endpoint checks, renders and runs (serving_chat.py: the same template, tools and
-structures); its text and tool calls come back as output items, whole, as the API's stream of events, or, run in the
-background, in the stored response once done (streamed too, its events kept for clients that read them again)."""
+/v1/responses/{id}/cancel: the Responses API over the chat endpoint. A request's input (after the stored conversation
+its previous_response_id names) becomes a chat completion request, which the chat endpoint checks, renders and runs
+(serving_chat.py: the same template, tools and structures); its text and tool calls come back as output items, whole,
+as the API's stream of events, or, run in the background, in the stored response once done (streamed too, its events
+kept for clients that read them again)."""
 
 from __future__ import annotations
 
