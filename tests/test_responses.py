@@ -223,7 +223,8 @@ def test_a_json_schema_text_format_holds_the_output(client):
 @pytest.mark.slow
 @pytest.mark.parametrize("fields,status,param", [
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://example.com/a.png"}]}]}, 400, "input"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, 400, "input"),
+    ({"input": [{"type": "web_search_call", "id": "ws_1", "status": "completed"}]}, 400, "input"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, 400, "input"),  # no message to answer: reasoning is left out
     ({"input": []}, 400, "input"),
     ({"input": "Hi", "tools": [{"type": "web_search"}]}, 400, "tools"),
     ({"input": "Hi", "tool_choice": "required"}, 400, "tool_choice"),

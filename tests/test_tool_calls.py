@@ -205,6 +205,8 @@ def test_auto_without_a_call_is_text_and_none_never_calls(client):
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objec"}}}], "tool_choice": "required"}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}, "extra_body": {"guided_regex": "a"}},
+     "guided_regex"),
 ])
 def test_bad_tools_are_400s_naming_the_field(client, fields, param):
     with pytest.raises(openai.BadRequestError) as raised:

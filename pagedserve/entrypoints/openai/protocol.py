@@ -15,7 +15,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, computed_field, field_validator, model_validator
 
 from pagedserve.sampling_params import FIELD_BOUNDS, SamplingParams, StructuredOutputsParams
 
@@ -464,7 +464,14 @@ class ChatChoiceLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    # A reasoning model's reasoning, on a server with --reasoning-parser (reasoning_content: its older name, the same).
+    reasoning: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
+
+    @computed_field
+    @property
+    def reasoning_content(self) -> str | None:
+        return self.reasoning
 
 
 class DeltaFunctionCall(BaseModel):
@@ -502,7 +509,13 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+
+    @computed_field
+    @property
+    def reasoning_content(self) -> str | None:
+        return self.reasoning
 
 
 class ChatStreamChoice(BaseModel):

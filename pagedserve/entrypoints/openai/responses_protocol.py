@@ -90,17 +90,42 @@ class FunctionCallOutputItem(StrictModel):
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
+class ReasoningTextPart(StrictModel):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class SummaryTextPart(StrictModel):
+    type: Literal["summary_text"]
+    text: str
+
+
+class ReasoningInputItem(StrictModel):
+    """An earlier response's reasoning, given back as it came. It is not part of the conversation the model sees next
+    (reasoning models' templates leave earlier turns' reasoning out)."""
+
+    type: Literal["reasoning"]
+    summary: list[SummaryTextPart]
+    content: list[ReasoningTextPart] | None = None
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+    encrypted_content: str | None = None  # another server's: left out with the rest of the item
+
+
+_ITEM_KINDS = ("message", "function_call", "function_call_output", "reasoning")
+
+
 def _item_kind(value) -> str | None:
     kind = value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", None)
-    return f"{kind}-branch" if kind in ("message", "function_call", "function_call_output") else None
+    return f"{kind}-branch" if kind in _ITEM_KINDS else None
 
 
 InputItem = Annotated[
     Annotated[InputMessage, Tag("message-branch")] | Annotated[FunctionCallItem, Tag("function_call-branch")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output-branch")],
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output-branch")] | Annotated[ReasoningInputItem, Tag("reasoning-branch")],
     Discriminator(_item_kind, custom_error_type="input_item_type",
-                  custom_error_message="input items of type message, function_call and function_call_output are supported; "
-                                       "no other"),
+                  custom_error_message="input items of type message, function_call, function_call_output and reasoning are "
+                                       "supported; no other"),
 ]
 
 
@@ -219,9 +244,11 @@ class ResponsesRequest(RequestBody):
 
 def conversation_of(items: list) -> list[dict]:
     """Input items as chat messages: function calls join the assistant message before them (its text, or the calls
-    before them), as a chat completion's message holds its content and its tool calls."""
+    before them), as a chat completion's message holds its content and its tool calls; reasoning is left out."""
     messages: list[dict] = []
     for item in items:
+        if isinstance(item, ReasoningInputItem):
+            continue
         if isinstance(item, InputMessage):
             messages.append({"role": item.role, "content": item.text()})
         elif isinstance(item, FunctionCallItem):
@@ -287,6 +314,25 @@ class FunctionCallOutput(BaseModel):
         return FunctionCallItem(type="function_call", call_id=self.call_id, name=self.name, arguments=self.arguments)
 
 
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningOutput(BaseModel):
+    """A reasoning model's reasoning before its answer (on a server with --reasoning-parser)."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str = Field(default_factory=lambda: random_id("rs"))
+    summary: list[dict[str, Any]] = Field(default_factory=list)
+    content: list[ReasoningText] = Field(default_factory=list)
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+
+    def as_input(self) -> ReasoningInputItem:
+        return ReasoningInputItem(type="reasoning", summary=[], content=[ReasoningTextPart(type="reasoning_text", text=part.text)
+                                                                         for part in self.content])
+
+
 class InputTokensDetails(BaseModel):
     cached_tokens: int = 0
 
@@ -318,7 +364,7 @@ class ResponseObject(BaseModel):
     max_output_tokens: int | None = None
     model: str
     background: bool = False
-    output: list[OutputMessage | FunctionCallOutput] = Field(default_factory=list)
+    output: list[ReasoningOutput | OutputMessage | FunctionCallOutput] = Field(default_factory=list)
     parallel_tool_calls: bool = True
     previous_response_id: str | None = None
     store: bool = True
@@ -359,8 +405,8 @@ class FunctionCallOutputListed(BaseModel):
     status: Literal["in_progress", "completed", "incomplete"] = "completed"
 
 
-# An item that went into a response: a message (the model's, as an output message), a call, a call's output.
-ListedItem = InputMessageItem | OutputMessage | FunctionCallOutput | FunctionCallOutputListed
+# An item that went into a response: a message (the model's, as an output message), a call, a call's output, reasoning.
+ListedItem = InputMessageItem | OutputMessage | FunctionCallOutput | FunctionCallOutputListed | ReasoningOutput
 
 
 def listed_item(item) -> ListedItem:
@@ -371,6 +417,9 @@ def listed_item(item) -> ListedItem:
         return FunctionCallOutput(call_id=item.call_id, name=item.name, arguments=item.arguments, **fields)
     if isinstance(item, FunctionCallOutputItem):
         return FunctionCallOutputListed(call_id=item.call_id, output=item.output, **fields)
+    if isinstance(item, ReasoningInputItem):
+        return ReasoningOutput(summary=[part.model_dump() for part in item.summary],
+                               content=[ReasoningText(text=part.text) for part in item.content or []], **fields)
     texts = [item.content] if isinstance(item.content, str) else [part.text for part in item.content]
     if item.role == "assistant":
         return OutputMessage(content=[OutputText(text=text) for text in texts], **fields)

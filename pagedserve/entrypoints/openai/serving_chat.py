@@ -24,6 +24,7 @@ from pagedserve.entrypoints.openai.protocol import (
     TopLogprob,
     random_id,
 )
+from pagedserve.entrypoints.openai.reasoning import REASONING_PARSERS
 from pagedserve.entrypoints.openai.serving_base import ServingBase, make_usage, merge_streams, sse, usage_of
 from pagedserve.entrypoints.openai.serving_models import ServingModels
 from pagedserve.entrypoints.openai.tool_calls import ToolPlan
@@ -32,11 +33,13 @@ from pagedserve.outputs import PositionLogprobs
 
 class OpenAIServingChat(ServingBase):
     def __init__(self, engine, models: ServingModels, max_n: int, renderer: ChatTemplateRenderer,
-                 tool_call_parser: str | None = None) -> None:
-        """tool_call_parser: the format tool_choice "auto" reads calls in (None: "auto" is refused)."""
+                 tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> None:
+        """tool_call_parser: the format tool_choice "auto" reads calls in (None: "auto" is refused); reasoning_parser:
+        how the output splits into reasoning and answer (None: it is all answer)."""
         super().__init__(engine, models, max_n)
         self.renderer = renderer
         self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = REASONING_PARSERS[reasoning_parser] if reasoning_parser is not None else None
 
     def prompt_token_ids(self, messages, add_generation_prompt: bool, chat_template: str | None, template_kwargs: dict | None,
                          tools: list[dict] | None = None) -> list[int]:
@@ -62,7 +65,8 @@ class OpenAIServingChat(ServingBase):
         choices = []
         for c in output.outputs:
             reply = tools.reply(c.text, c.finish_reason)
-            choices.append(ChatCompletionChoice(index=c.index, message=AssistantMessage(content=reply.content, tool_calls=reply.tool_calls),
+            message = AssistantMessage(content=reply.content, reasoning=reply.reasoning, tool_calls=reply.tool_calls)
+            choices.append(ChatCompletionChoice(index=c.index, message=message,
                                                 logprobs=self.choice_logprobs(c.token_ids, c.logprobs, request),
                                                 finish_reason=reply.finish_reason, stop_reason=c.stop_reason))
         return ChatCompletionResponse(id=request_id, model=self.models.response_name(request.model), choices=choices,
@@ -78,7 +82,7 @@ class OpenAIServingChat(ServingBase):
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
         if request.max_tokens is not None and request.max_completion_tokens is not None:
             raise APIError(400, "give max_completion_tokens or its older name max_tokens, not both", param="max_tokens")
-        tools = ToolPlan.of(request, self.tool_call_parser)
+        tools = ToolPlan.of(request, self.tool_call_parser, self.reasoning_parser)
         if prompt_ids is None:
             prompt_ids = await self.prompt_of(request)
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens

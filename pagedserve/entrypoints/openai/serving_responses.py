@@ -26,6 +26,8 @@ from pagedserve.entrypoints.openai.responses_protocol import (
     ListedItem,
     OutputMessage,
     OutputText,
+    ReasoningOutput,
+    ReasoningText,
     ResponseObject,
     ResponsesRequest,
     ResponseUsage,
@@ -109,8 +111,10 @@ class OpenAIServingResponses:
             return response
         completion = output.outputs[0]
         reply = run.tools.reply(completion.text, completion.finish_reason)
-        items: list[OutputMessage | FunctionCallOutput] = []
-        if reply.content or not reply.tool_calls:
+        items: list[ReasoningOutput | OutputMessage | FunctionCallOutput] = []
+        if reply.reasoning is not None:
+            items.append(ReasoningOutput(content=[ReasoningText(text=reply.reasoning)]))
+        if reply.content or not (reply.tool_calls or items):  # a message, empty if nothing else was said
             logprobs = self.text_logprobs(completion.token_ids, completion.logprobs, run.chat_request)
             items.append(OutputMessage(content=[OutputText(text=reply.content or "", logprobs=logprobs)]))
         items.extend(FunctionCallOutput(call_id=call.id, name=call.function.name, arguments=call.function.arguments)
@@ -254,7 +258,8 @@ class _ResponseEvents:
         self.pending_logprobs: list[dict] = []
         self.text_stream = run.tools.stream()
         self.sequence_number = 0
-        self.items: list[OutputMessage | FunctionCallOutput] = []
+        self.items: list[ReasoningOutput | OutputMessage | FunctionCallOutput] = []
+        self.reasoning: ReasoningOutput | None = None  # the reasoning item streaming, if any
         self.message: OutputMessage | None = None  # the message whose text is streaming, if any
         self.calls: dict[int, FunctionCallOutput] = {}  # by the index the chat stream gives each call
 
@@ -288,7 +293,7 @@ class _ResponseEvents:
             for event in self._text_events(""):
                 yield event
         status = "incomplete" if final.outputs[0].finish_reason == "length" else "completed"
-        for event in self._close_message(status):
+        for event in self._close_reasoning(status) + self._close_message(status):
             yield event
         for call in self.calls.values():
             call.status = status
@@ -301,7 +306,11 @@ class _ResponseEvents:
     def _deltas(self, delta: DeltaMessage | None) -> list[str]:
         if delta is None:
             return []
-        events = self._text_events(delta.content) if delta.content else []
+        events = self._reasoning_events(delta.reasoning) if delta.reasoning else []
+        if delta.content or delta.tool_calls:  # the answer has begun: the reasoning is done
+            events.extend(self._close_reasoning("completed"))
+        if delta.content:
+            events.extend(self._text_events(delta.content))
         for call_delta in delta.tool_calls or []:
             call = self.calls.get(call_delta.index)
             if call is None:
@@ -334,19 +343,45 @@ class _ResponseEvents:
                                      content_index=0, delta=text, logprobs=logprobs))
         return events
 
+    def _reasoning_events(self, text: str) -> list[str]:
+        events = []
+        if self.reasoning is None:
+            self.reasoning = ReasoningOutput(status="in_progress", content=[ReasoningText(text="")])
+            self.items.append(self.reasoning)
+            events.append(self.event("response.output_item.added", output_index=self._index(self.reasoning),
+                                      item=self.reasoning.model_dump(mode="json")))
+        self.reasoning.content[0].text += text
+        events.append(self.event("response.reasoning_text.delta", item_id=self.reasoning.id, output_index=self._index(self.reasoning),
+                                 content_index=0, delta=text))
+        return events
+
+    def _close_reasoning(self, status: str) -> list[str]:
+        item = self.reasoning
+        if item is None:
+            return []
+        self.reasoning = None
+        where = self._ended(item, status)
+        return [self.event("response.reasoning_text.done", **where, text=item.content[0].text), self._item_done(item)]
+
     def _close_message(self, status: str) -> list[str]:
         message = self.message
         if message is None:
             return []
         self.message = None
-        message.status = status
-        where = {"item_id": message.id, "output_index": self._index(message), "content_index": 0}
+        where = self._ended(message, status)
         part = message.content[0]
         part.logprobs += self.pending_logprobs
         self.pending_logprobs = []
         return [self.event("response.output_text.done", **where, text=part.text, logprobs=part.logprobs),
-                self.event("response.content_part.done", **where, part=part.model_dump(mode="json")),
-                self.event("response.output_item.done", output_index=where["output_index"], item=message.model_dump(mode="json"))]
+                self.event("response.content_part.done", **where, part=part.model_dump(mode="json")), self._item_done(message)]
+
+    def _ended(self, item, status: str) -> dict:
+        """The item with its final status; where its closing events point (its first content part)."""
+        item.status = status
+        return {"item_id": item.id, "output_index": self._index(item), "content_index": 0}
+
+    def _item_done(self, item) -> str:
+        return self.event("response.output_item.done", output_index=self._index(item), item=item.model_dump(mode="json"))
 
     def _index(self, item) -> int:
         return next(index for index, candidate in enumerate(self.items) if candidate is item)

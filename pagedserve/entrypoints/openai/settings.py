@@ -57,6 +57,8 @@ class ServerSettings:
     # tool_choice "auto": the model's calls read in the format of tool_call_parser (tool_parsers.py); off: refused.
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # A reasoning model's output split into its reasoning and its answer (reasoning.py); None: the output is the answer.
+    reasoning_parser: str | None = None
     # The web console at / (its page, and its stream of engine stats); the stream names requests by id, and carries
     # their prompts' text only with web_console_show_prompts.
     web_console: bool = True

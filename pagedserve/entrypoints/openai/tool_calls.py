@@ -9,6 +9,10 @@ then its arguments in fragments).
   parallel_tool_calls), held to it by a structure, so it always parses.
 - a named function: the output is that function's arguments, held to its parameters' schema.
 
+On a server with a reasoning parser (reasoning.py), the calls and the text are read from the output's answer, after its
+reasoning; an output held to a structure (a forced call, or the request's own response_format or structured outputs)
+is the structure from its first token, so it is all answer.
+
 Forced calls are compact JSON (no whitespace between tokens): a program reads them, and a small model given room for
 whitespace tends to spend it, or to start one more call.
 """
@@ -28,6 +32,7 @@ from pagedserve.entrypoints.openai.protocol import (
     FunctionCall,
     ToolCall,
 )
+from pagedserve.entrypoints.openai.reasoning import ReasoningParser
 from pagedserve.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS, ParsedCall, ToolCallParser
 from pagedserve.sampling_params import StructuredOutputsParams
 
@@ -44,15 +49,17 @@ def tool_call(call: ParsedCall) -> ToolCall:
 
 @dataclass
 class ToolReply:
-    """What a choice's finished text is: its content, its calls, and its finish reason."""
+    """What a choice's finished text is: its content, its calls, and its finish reason (and its reasoning)."""
 
     content: str | None
     tool_calls: list[ToolCall]
     finish_reason: str | None
+    reasoning: str | None = None
 
 
 class ToolPlan:
-    """A request's tool calling, checked: mode is none, auto, required or named."""
+    """A request's tool calling, checked: mode is none, auto, required or named; and, where the output has reasoning
+    to set apart first, its reasoning parser."""
 
     def __init__(self, mode: str, parser: ToolCallParser | None = None, function_name: str | None = None,
                  structure: StructuredOutputsParams | None = None, parallel: bool = True) -> None:
@@ -61,11 +68,19 @@ class ToolPlan:
         self.function_name = function_name
         self.structure = structure  # what the engine holds the output to, for required and named
         self.parallel = parallel
+        self.reasoning: ReasoningParser | None = None
 
     @classmethod
-    def of(cls, request: ChatCompletionRequest, parser_name: str | None) -> ToolPlan:
-        """parser_name: the server's --tool-call-parser when it runs with --enable-auto-tool-choice, else None.
-        Raises APIError (400) naming the field at fault."""
+    def of(cls, request: ChatCompletionRequest, parser_name: str | None, reasoning: ReasoningParser | None = None) -> ToolPlan:
+        """parser_name: the server's --tool-call-parser when it runs with --enable-auto-tool-choice, else None;
+        reasoning: its --reasoning-parser's. Raises APIError (400) naming the field at fault."""
+        plan = cls._checked(request, parser_name)
+        if plan.structure is None and _structure_field(request) is None:
+            plan.reasoning = reasoning
+        return plan
+
+    @classmethod
+    def _checked(cls, request: ChatCompletionRequest, parser_name: str | None) -> ToolPlan:
         tools = request.tools or []
         choice = request.tool_choice
         if not tools:
@@ -76,8 +91,8 @@ class ToolPlan:
         if len(set(names)) < len(names):
             raise APIError(400, "tools must have distinct function names", param="tools")
         choice = "auto" if choice is None else choice
-        if choice != "none" and choice != "auto" and request.structure_field() is not None:
-            raise APIError(400, f"{request.structure_field()} must be left out: tool_choice {_describe(choice)} gives the output's "
+        if choice != "none" and choice != "auto" and _structure_field(request) is not None:
+            raise APIError(400, f"{_structure_field(request)} must be left out: tool_choice {_describe(choice)} gives the output's "
                                 "structure", param=request.structure_field())
         if choice == "none":
             return cls("none")
@@ -97,11 +112,16 @@ class ToolPlan:
 
     def reply(self, text: str, finish_reason: str | None) -> ToolReply:
         """A choice's finished text as its message."""
+        reasoning = None
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.split(text)
+            if text is None:  # cut off while reasoning: no answer
+                return ToolReply(None, [], finish_reason, reasoning)
         calls = self.calls_in(text)
         if calls is None:
-            return ToolReply(text, [], finish_reason)
+            return ToolReply(text, [], finish_reason, reasoning)
         content, parsed = calls
-        return ToolReply(content, [tool_call(call) for call in parsed], _finish_with_calls(finish_reason))
+        return ToolReply(content, [tool_call(call) for call in parsed], _finish_with_calls(finish_reason), reasoning)
 
     def calls_in(self, text: str) -> tuple[str | None, list[ParsedCall]] | None:
         if self.mode == "named":
@@ -122,16 +142,24 @@ class ToolPlan:
 
 class ToolCallStream:
     """One choice's stream: its text deltas in, the deltas to send out. Text that may turn out to be a call is held
-    back; a named function's arguments stream as they come; other calls go out whole once the text is finished."""
+    back; a named function's arguments stream as they come; other calls go out whole once the text is finished. With a
+    reasoning parser, the reasoning goes out as it comes, and what follows it is the text read for calls."""
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
-        self.text = ""
+        self.text = ""  # the answer's text so far
         self.sent = 0  # characters of text already sent as content
         self.in_call = False
         self.call_id = new_call_id()
+        self.reasoning = plan.reasoning.stream() if plan.reasoning is not None else None
 
     def feed(self, delta: str) -> DeltaMessage | None:
+        if self.reasoning is None:
+            return self._feed_answer(delta)
+        reasoning, answer = self.reasoning.feed(delta)
+        return _with_reasoning(self._feed_answer(answer), reasoning)
+
+    def _feed_answer(self, delta: str) -> DeltaMessage | None:
         if not delta:
             return None
         first = not self.text
@@ -152,6 +180,16 @@ class ToolCallStream:
 
     def finish(self, finish_reason: str | None) -> tuple[list[DeltaMessage], str | None]:
         """The deltas still to send once the choice's text is finished, and its finish reason."""
+        held = []
+        if self.reasoning is not None:  # what it held back, as the text it turned out to be
+            reasoning, answer = self.reasoning.finish()
+            held = [delta for delta in (_with_reasoning(self._feed_answer(answer), reasoning),) if delta is not None]
+            if not self.reasoning.reached_answer:  # cut off while reasoning: no answer to read calls from
+                return held, finish_reason
+        deltas, finish_reason = self._finish_answer(finish_reason)
+        return held + deltas, finish_reason
+
+    def _finish_answer(self, finish_reason: str | None) -> tuple[list[DeltaMessage], str | None]:
         mode = self.plan.mode
         if mode == "none":
             return [], finish_reason
@@ -172,6 +210,24 @@ class ToolCallStream:
             return None
         content, self.sent = self.text[self.sent:end], end
         return DeltaMessage(content=content)
+
+
+def _structure_field(request: ChatCompletionRequest) -> str | None:
+    """The request's field that gives the output's structure; two that give it are a 400 naming the second."""
+    try:
+        return request.structure_field()
+    except ValueError as exc:
+        raise APIError.bad_request(exc) from exc
+
+
+def _with_reasoning(delta: DeltaMessage | None, reasoning: str) -> DeltaMessage | None:
+    """The answer's delta with the reasoning that came beside it, if any."""
+    if not reasoning:
+        return delta
+    if delta is None:
+        return DeltaMessage(reasoning=reasoning)
+    delta.reasoning = reasoning
+    return delta
 
 
 def _call_delta(index: int, call_id: str, name: str, arguments: str) -> DeltaToolCall:

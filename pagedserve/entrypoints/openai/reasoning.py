@@ -1,0 +1,99 @@
+"""A reasoning model's output as its reasoning and its answer (--reasoning-parser): the text between <think> and
+</think> is the reasoning (chat's message.reasoning, the Responses API's reasoning item), the rest the answer, whole
+or streamed; a stream's deltas add up to the whole output's parts however the text is cut into deltas.
+
+- deepseek_r1: the output begins inside the reasoning (these models' templates open <think> in the prompt; one the
+  model writes itself is left out) and the answer follows </think>; an output cut off before </think> is reasoning
+  alone, with no answer.
+- qwen3: reasoning only where the output begins with <think>; otherwise (thinking turned off by chat_template_kwargs
+  enable_thinking false, whose template closes an empty block in the prompt) the whole output is the answer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+START, END = "<think>", "</think>"
+
+
+@dataclass(frozen=True)
+class ReasoningParser:
+    name: str
+    starts_inside: bool  # whether the output begins inside the reasoning without a <think> of its own
+
+    def split(self, text: str) -> tuple[str | None, str | None]:
+        """(reasoning, answer) of a whole output; None for a part it does not have."""
+        stream = self.stream()
+        reasoning, answer = stream.feed(text)
+        last_reasoning, last_answer = stream.finish()
+        return stream.parts(reasoning + last_reasoning, answer + last_answer)
+
+    def stream(self) -> ReasoningStream:
+        return ReasoningStream(self.starts_inside)
+
+
+class ReasoningStream:
+    """One output's text deltas in, each as (reasoning, answer) deltas out. Text that may be the beginning of a <think>
+    or a </think> is held back until the next delta tells."""
+
+    def __init__(self, starts_inside: bool) -> None:
+        self.starts_inside = starts_inside
+        self.phase = "start"  # then "reasoning" or "answer"; "answer" once </think> came
+        self.held = ""
+        self.had_reasoning = False
+
+    def feed(self, delta: str) -> tuple[str, str]:
+        held = self.held + delta
+        reasoning, answer = "", ""
+        if self.phase == "start":
+            if START.startswith(held) and len(held) < len(START):
+                self.held = held
+                return "", ""
+            opened = held.startswith(START)
+            if opened:
+                held = held[len(START):]
+            self._enter("reasoning" if opened or self.starts_inside else "answer")
+        if self.phase == "reasoning":
+            end = held.find(END)
+            if end < 0:
+                kept = _undecided_tail(held)
+                reasoning, held = held[:len(held) - kept], held[len(held) - kept:]
+            else:
+                reasoning, held = held[:end], held[end + len(END):]
+                self.phase = "answer"
+        if self.phase == "answer":
+            answer, held = held, ""
+        self.held = held
+        return reasoning, answer
+
+    def finish(self) -> tuple[str, str]:
+        """What was held back, once the output is whole: where it was undecided, as the text it is."""
+        held, self.held = self.held, ""
+        if self.phase == "start":
+            self._enter("reasoning" if self.starts_inside else "answer")
+        return (held, "") if self.phase == "reasoning" else ("", held)
+
+    def parts(self, reasoning: str, answer: str) -> tuple[str | None, str | None]:
+        """The whole output's (reasoning, answer) from its deltas: None for a part it never reached, and for reasoning
+        with no text."""
+        return (reasoning if self.had_reasoning and reasoning else None), (answer if self.reached_answer else None)
+
+    @property
+    def reached_answer(self) -> bool:
+        return self.phase == "answer"
+
+    def _enter(self, phase: str) -> None:
+        self.phase = phase
+        self.had_reasoning = phase == "reasoning"
+
+
+def _undecided_tail(text: str) -> int:
+    """How many characters at the end of text could begin a </think> still to come."""
+    for length in range(min(len(text), len(END) - 1), 0, -1):
+        if END.startswith(text[-length:]):
+            return length
+    return 0
+
+
+REASONING_PARSERS = {"deepseek_r1": ReasoningParser("deepseek_r1", starts_inside=True),
+                     "qwen3": ReasoningParser("qwen3", starts_inside=False)}

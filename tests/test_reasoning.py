@@ -1,0 +1,150 @@
+"""Reasoning parsers: a reasoning model's output as its reasoning and its answer, and a stream's deltas that add up
+to the same parts however the text is cut."""
+
+import random
+
+import pytest
+
+from pagedserve.entrypoints.openai.reasoning import END, REASONING_PARSERS, START
+
+CASES = [
+    # (parser, output, reasoning, answer)
+    ("deepseek_r1", "Let me see.\n</think>\n\nIt is 4.", "Let me see.\n", "\n\nIt is 4."),
+    ("deepseek_r1", "<think>Hm.</think>Yes.", "Hm.", "Yes."),
+    ("deepseek_r1", "Still thinking when cut off", "Still thinking when cut off", None),
+    ("deepseek_r1", "</think>", None, ""),
+    ("deepseek_r1", "", None, None),
+    ("deepseek_r1", "a </thin b</think>c </think> d", "a </thin b", "c </think> d"),
+    ("qwen3", "<think>\nPlan.\n</think>\n\nDone.", "\nPlan.\n", "\n\nDone."),
+    ("qwen3", "No thinking here.", None, "No thinking here."),
+    ("qwen3", "<think>cut off", "cut off", None),
+    ("qwen3", "<thin", None, "<thin"),
+    ("qwen3", "", None, ""),
+    ("qwen3", " <think>x</think>y", None, " <think>x</think>y"),
+]
+
+
+@pytest.mark.parametrize("parser,output,reasoning,answer", CASES)
+def test_an_output_splits_into_its_reasoning_and_its_answer(parser, output, reasoning, answer):
+    assert REASONING_PARSERS[parser].split(output) == (reasoning, answer)
+
+
+@pytest.mark.parametrize("parser", sorted(REASONING_PARSERS))
+def test_streamed_deltas_add_up_to_the_whole_outputs_parts_however_it_is_cut(parser):
+    rng = random.Random(0)
+    pieces = ["<think>", "</think>", "<", "</", "think", ">", "a", " b", "\n", "<thi", "nk>", "</th", "ink>"]
+    for _ in range(2000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 10)))
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(0, 6))))
+        deltas = [text[start:end] for start, end in zip([0, *cuts], [*cuts, len(text)])]
+        stream = REASONING_PARSERS[parser].stream()
+        reasoning, answer = "", ""
+        for delta in deltas:
+            new_reasoning, new_answer = stream.feed(delta)
+            reasoning, answer = reasoning + new_reasoning, answer + new_answer
+        last_reasoning, last_answer = stream.finish()
+        assert stream.parts(reasoning + last_reasoning, answer + last_answer) == REASONING_PARSERS[parser].split(text), (text, deltas)
+        # Nothing is lost or made up: the parts and the markers that split them are the text.
+        reasoning, answer = REASONING_PARSERS[parser].split(text)
+        body = (reasoning or "") + ("" if answer is None else END + answer)
+        assert text in (answer, body, START + body), (text, reasoning, answer)
+
+
+# ---- a server with --reasoning-parser, over a model that writes one known output ------------------------------------
+
+REASONING, ANSWER = "Let me add these numbers.", " It is four!"
+
+
+def make_scripted_model(out_dir, tokenizer_dir, prompt_last_token: str, script: list[int]):
+    """A Llama whose layers add nothing (their output projections are zero), so each next token follows from the current
+    token alone: after the chat prompt's last token, greedy decoding writes the script, token by token."""
+    import torch
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.add_tokens(["<think>", "</think>"])
+    sources = [tokenizer.convert_tokens_to_ids(prompt_last_token), *script[:-1]]
+    assert len(set(sources)) == len(sources), "each token of the script must come after a different token"
+    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.lm_head.weight.zero_()
+        for index, (source, target) in enumerate(zip(sources, script)):
+            direction = torch.zeros(64)
+            direction[index] = 1.0
+            model.model.embed_tokens.weight[source] = direction
+            model.lm_head.weight[target] = 10.0 * direction
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def reasoning_server(tmp_path_factory, default_model_dir):
+    import transformers
+    from server_utils import RemoteServer
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(default_model_dir)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True, tokenize=False)
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    tokenizer.add_tokens(["<think>", "</think>"])
+    script = [*tokenizer.encode(REASONING), tokenizer.convert_tokens_to_ids("</think>"), *tokenizer.encode(ANSWER),
+              tokenizer.eos_token_id]
+    model_dir = make_scripted_model(tmp_path_factory.mktemp("scripted"), default_model_dir,
+                                    tokenizer.convert_ids_to_tokens(prompt_ids[-1]), script)
+    server = RemoteServer("--model", str(model_dir), "--served-model-name", "thinker", "--reasoning-parser", "deepseek_r1",
+                          "--kv-cache-memory", str(16 * 1024**2), "--max-model-len", "256")
+    yield server
+    assert server.stop() == 0, server.log_text()[-3000:]
+
+
+ASK = [{"role": "user", "content": "What is two and two?"}]
+
+
+@pytest.mark.slow
+def test_chat_gives_the_reasoning_and_the_answer_apart_whole_or_streamed(reasoning_server):
+    client = reasoning_server.openai()
+    message = client.chat.completions.create(model="thinker", messages=ASK, temperature=0).choices[0].message
+    assert (message.reasoning, message.reasoning_content, message.content) == (REASONING, REASONING, ANSWER)
+    chunks = list(client.chat.completions.create(model="thinker", messages=ASK, temperature=0, stream=True))
+    deltas = [chunk.choices[0].delta for chunk in chunks if chunk.choices]
+    assert "".join(getattr(delta, "reasoning", None) or "" for delta in deltas) == REASONING
+    assert "".join(delta.content or "" for delta in deltas) == ANSWER
+    # Cut off while reasoning: reasoning alone, no answer.
+    cut = client.chat.completions.create(model="thinker", messages=ASK, temperature=0, max_tokens=3).choices[0]
+    assert cut.finish_reason == "length" and cut.message.content is None and REASONING.startswith(cut.message.reasoning)
+    # Held to a structure, the output is the structure from its first token: all of it the answer.
+    held = client.chat.completions.create(model="thinker", messages=ASK, temperature=0, max_tokens=40,
+                                          extra_body={"structured_outputs": {"regex": "[A-Za-z. ]+</think>[A-Za-z!. ]+"}})
+    assert held.choices[0].message.reasoning is None and "</think>" in held.choices[0].message.content
+
+
+@pytest.mark.slow
+def test_a_response_has_a_reasoning_item_before_its_message_whole_or_streamed(reasoning_server):
+    client = reasoning_server.openai()
+    response = client.responses.create(model="thinker", input="What is two and two?", temperature=0)
+    reasoning, message = response.output
+    assert reasoning.type == "reasoning" and [part.text for part in reasoning.content] == [REASONING]
+    assert message.type == "message" and response.output_text == ANSWER and reasoning.status == message.status == "completed"
+    with client.responses.stream(model="thinker", input="What is two and two?", temperature=0) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    assert "".join(event.delta for event in events if event.type == "response.reasoning_text.delta") == REASONING
+    [done] = [event for event in events if event.type == "response.reasoning_text.done"]
+    assert done.text == REASONING and [item.type for item in final.output] == ["reasoning", "message"]
+    assert final.output_text == ANSWER
+    # The reasoning item given back as input is accepted and left out of the conversation, as a later turn by
+    # previous_response_id leaves it out.
+    given_back = client.responses.create(model="thinker", input=[{"role": "user", "content": "What is two and two?"}, *response.output,
+                                                                 {"role": "user", "content": "And three?"}], temperature=0)
+    continued = client.responses.create(model="thinker", previous_response_id=response.id, input="And three?", temperature=0)
+    assert given_back.output_text == continued.output_text == ANSWER
+    assert given_back.usage.input_tokens == continued.usage.input_tokens
+    listed = list(client.responses.input_items.list(continued.id, order="asc"))
+    assert [item.type for item in listed] == ["message", "reasoning", "message", "message"] and listed[1].id == reasoning.id
