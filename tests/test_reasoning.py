@@ -3,6 +3,7 @@ to the same parts however the text is cut."""
 
 import random
 
+import openai
 import pytest
 
 from pagedserve.entrypoints.openai.reasoning import END, REASONING_PARSERS, START
@@ -146,5 +147,8 @@ def test_a_response_has_a_reasoning_item_before_its_message_whole_or_streamed(re
     continued = client.responses.create(model="thinker", previous_response_id=response.id, input="And three?", temperature=0)
     assert given_back.output_text == continued.output_text == ANSWER
     assert given_back.usage.input_tokens == continued.usage.input_tokens
+    with pytest.raises(openai.BadRequestError) as refused:  # a token's logprob is the output text's only without reasoning
+        client.responses.create(model="thinker", input="Hi", include=["message.output_text.logprobs"])
+    assert refused.value.body["param"] == "include"
     listed = list(client.responses.input_items.list(continued.id, order="asc"))
     assert [item.type for item in listed] == ["message", "reasoning", "message", "message"] and listed[1].id == reasoning.id

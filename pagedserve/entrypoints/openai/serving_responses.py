@@ -54,6 +54,9 @@ class OpenAIServingResponses:
 
     async def create_response(self, request: ResponsesRequest, raw_request: Request):
         _check_combination(request, self.store)
+        if request.wants_logprobs and self.chat.reasoning_parser is not None:
+            raise APIError(400, "message.output_text.logprobs are given for an output that is all text: not on a server that "
+                                "sets reasoning apart (--reasoning-parser)", param="include")
         previous = self._previous(request.previous_response_id)
         own_items = request.input_items()
         conversation = (previous.conversation if previous else []) + conversation_of(own_items)
