@@ -91,9 +91,10 @@ class ToolPlan:
         if len(set(names)) < len(names):
             raise APIError(400, "tools must have distinct function names", param="tools")
         choice = "auto" if choice is None else choice
-        if choice != "none" and choice != "auto" and _structure_field(request) is not None:
-            raise APIError(400, f"{_structure_field(request)} must be left out: tool_choice {_describe(choice)} gives the output's "
-                                "structure", param=request.structure_field())
+        structure_field = _structure_field(request)
+        if choice != "none" and choice != "auto" and structure_field is not None:
+            raise APIError(400, f"{structure_field} must be left out: tool_choice {_describe(choice)} gives the output's "
+                                "structure", param=structure_field)
         if choice == "none":
             return cls("none")
         if choice == "auto":
