@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from pagedserve.entrypoints.openai.reasoning import REASONING_PARSERS
+
 DEFAULT_MAX_N = 128
 # Tokens a chat request without max_tokens may generate (OpenAI's models cap their output too); a request that wants
 # more says so. None: up to the context, as vLLM does.
@@ -74,6 +76,9 @@ class ServerSettings:
     def __post_init__(self) -> None:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs tool_call_parser: the format the model writes its calls in")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(sorted(REASONING_PARSERS))}, "
+                             f"got {self.reasoning_parser!r}")
 
     @property
     def auto_tool_call_parser(self) -> str | None:
