@@ -51,6 +51,27 @@ def test_streamed_deltas_add_up_to_the_whole_outputs_parts_however_it_is_cut(par
         assert text in (answer, body, START + body), (text, reasoning, answer)
 
 
+@pytest.mark.parametrize("parser", sorted(REASONING_PARSERS))
+def test_the_reasoning_tokens_are_those_up_to_the_end_of_the_reasoning(parser):
+    """Against every prefix of the tokens tried in turn: the fewest whose text holds the </think> after the reasoning's
+    start; all of them where it never comes; none where there is no reasoning."""
+    rng = random.Random(1)
+    pieces = ["<think>", "</think>", "<", "</", "think", ">", "a", " b", "<thi", "nk>", "</th", "ink>"]
+    for _ in range(1000):
+        token_ids = [rng.randrange(len(pieces)) for _ in range(rng.randint(0, 12))]
+
+        def decode(ids):
+            return "".join(pieces[index] for index in ids)
+
+        text = decode(token_ids)
+        skip = len(START) if text.startswith(START) else 0
+        if not (skip or REASONING_PARSERS[parser].starts_inside):
+            expected = 0
+        else:
+            expected = next((k for k in range(len(token_ids) + 1) if END in decode(token_ids[:k])[skip:]), len(token_ids))
+        assert REASONING_PARSERS[parser].reasoning_tokens(token_ids, decode) == expected, text
+
+
 # ---- a server with --reasoning-parser, over a model that writes one known output ------------------------------------
 
 REASONING, ANSWER = "Let me add these numbers.", " It is four!"
@@ -133,12 +154,16 @@ def test_a_response_has_a_reasoning_item_before_its_message_whole_or_streamed(re
     reasoning, message = response.output
     assert reasoning.type == "reasoning" and [part.text for part in reasoning.content] == [REASONING]
     assert message.type == "message" and response.output_text == ANSWER and reasoning.status == message.status == "completed"
+    # Its tokens up to and with </think>: the script's reasoning and the marker.
+    reasoning_count = reasoning_server.post("/tokenize", json={"model": "thinker", "prompt": REASONING}).json()["count"]
+    assert response.usage.output_tokens_details.reasoning_tokens == reasoning_count + 1
     with client.responses.stream(model="thinker", input="What is two and two?", temperature=0) as stream:
         events = list(stream)
         final = stream.get_final_response()
     assert "".join(event.delta for event in events if event.type == "response.reasoning_text.delta") == REASONING
     [done] = [event for event in events if event.type == "response.reasoning_text.done"]
     assert done.text == REASONING and [item.type for item in final.output] == ["reasoning", "message"]
+    assert final.usage.output_tokens_details.reasoning_tokens == reasoning_count + 1
     assert final.output_text == ANSWER
     # The reasoning item given back as input is accepted and left out of the conversation, as a later turn by
     # previous_response_id leaves it out.

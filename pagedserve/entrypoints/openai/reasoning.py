@@ -11,6 +11,7 @@ or streamed; a stream's deltas add up to the whole output's parts however the te
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 START, END = "<think>", "</think>"
@@ -30,6 +31,26 @@ class ReasoningParser:
 
     def stream(self) -> ReasoningStream:
         return ReasoningStream(self.starts_inside)
+
+    def reasoning_tokens(self, token_ids: list[int], decode: Callable[[list[int]], str]) -> int:
+        """How many of an output's tokens are its reasoning, its markers included: none where it has none, all where it
+        never leaves it, else the fewest whose text holds the </think> that ends it (found by bisection: the text of
+        the first tokens is the beginning of the whole text, and </think> is whole characters)."""
+        text = decode(token_ids)
+        opened = text.startswith(START)
+        if not (opened or self.starts_inside):
+            return 0
+        skip = len(START) if opened else 0
+        if END not in text[skip:]:
+            return len(token_ids)
+        low, high = 0, len(token_ids)  # the end is in the text of token_ids[:high], not in that of token_ids[:low]
+        while high - low > 1:
+            middle = (low + high) // 2
+            if END in decode(token_ids[:middle])[skip:]:
+                high = middle
+            else:
+                low = middle
+        return high
 
 
 class ReasoningStream:

@@ -26,6 +26,7 @@ from pagedserve.entrypoints.openai.responses_protocol import (
     ListedItem,
     OutputMessage,
     OutputText,
+    OutputTokensDetails,
     ReasoningOutput,
     ReasoningText,
     ResponseObject,
@@ -122,7 +123,7 @@ class OpenAIServingResponses:
             items.append(OutputMessage(content=[OutputText(text=reply.content or "", logprobs=logprobs)]))
         items.extend(FunctionCallOutput(call_id=call.id, name=call.function.name, arguments=call.function.arguments)
                      for call in reply.tool_calls)
-        self.finish(run, items, output, len(completion.token_ids))
+        self.finish(run, items, output, completion.token_ids)
         return response
 
     def _new_response(self, request: ResponsesRequest) -> ResponseObject:
@@ -219,8 +220,8 @@ class OpenAIServingResponses:
             await self.chat.engine.abort(sub_id)
         response.status = "cancelled"
 
-    def finish(self, run: _Run, items: list, output: RequestOutput, output_tokens: int) -> None:
-        """The run's response as it ended (output: the request's last output; output_tokens: all it generated), with
+    def finish(self, run: _Run, items: list, output: RequestOutput, token_ids: list[int]) -> None:
+        """The run's response as it ended (output: the request's last output; token_ids: all it generated), with
         these output items; kept if the request asked."""
         response = run.response
         cut = output.outputs[0].finish_reason == "length"
@@ -232,7 +233,11 @@ class OpenAIServingResponses:
         response.incomplete_details = IncompleteDetails(reason="max_output_tokens") if cut else None
         input_tokens = len(output.prompt_token_ids)
         cached = InputTokensDetails(cached_tokens=output.num_cached_tokens)
+        output_tokens = len(token_ids)
+        reasoning = run.tools.reasoning
+        reasoning_tokens = reasoning.reasoning_tokens(token_ids, self.chat.engine.tokenizer.decode) if reasoning is not None else 0
         response.usage = ResponseUsage(input_tokens=input_tokens, input_tokens_details=cached, output_tokens=output_tokens,
+                                       output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning_tokens),
                                        total_tokens=input_tokens + output_tokens)
         if response.store:
             self.store.put(response, run.input_items, run.conversation + conversation_of([item.as_input() for item in items]))
@@ -278,10 +283,10 @@ class _ResponseEvents:
         response = self.response
         yield self.event("response.created", response=response.model_dump(mode="json"))
         yield self.event("response.in_progress", response=response.model_dump(mode="json"))
-        final, output_tokens = None, 0
+        final, token_ids = None, []
         async for output in self.serving.chat.streams(self.run.added)[0]:
             completion = output.outputs[0]
-            output_tokens += len(completion.token_ids)
+            token_ids += completion.token_ids
             self.pending_logprobs += self.serving.text_logprobs(completion.token_ids, completion.logprobs, self.run.chat_request)
             for event in self._deltas(self.text_stream.feed(completion.text)):
                 yield event
@@ -303,7 +308,7 @@ class _ResponseEvents:
             yield self.event("response.function_call_arguments.done", item_id=call.id, output_index=self._index(call),
                              arguments=call.arguments)
             yield self.event("response.output_item.done", output_index=self._index(call), item=call.model_dump(mode="json"))
-        self.serving.finish(self.run, self.items, final, output_tokens)
+        self.serving.finish(self.run, self.items, final, token_ids)
         yield self.event(f"response.{status}", response=response.model_dump(mode="json"))
 
     def _deltas(self, delta: DeltaMessage | None) -> list[str]:
