@@ -132,12 +132,18 @@ ASK = [{"role": "user", "content": "What is two and two?"}]
 @pytest.mark.slow
 def test_chat_gives_the_reasoning_and_the_answer_apart_whole_or_streamed(reasoning_server):
     client = reasoning_server.openai()
-    message = client.chat.completions.create(model="thinker", messages=ASK, temperature=0).choices[0].message
+    completion = client.chat.completions.create(model="thinker", messages=ASK, temperature=0)
+    message = completion.choices[0].message
     assert (message.reasoning, message.reasoning_content, message.content) == (REASONING, REASONING, ANSWER)
-    chunks = list(client.chat.completions.create(model="thinker", messages=ASK, temperature=0, stream=True))
+    # Its reasoning tokens: the script's reasoning and the </think>.
+    reasoning_count = reasoning_server.post("/tokenize", json={"model": "thinker", "prompt": REASONING}).json()["count"]
+    assert completion.usage.completion_tokens_details.reasoning_tokens == reasoning_count + 1
+    chunks = list(client.chat.completions.create(model="thinker", messages=ASK, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
     deltas = [chunk.choices[0].delta for chunk in chunks if chunk.choices]
     assert "".join(getattr(delta, "reasoning", None) or "" for delta in deltas) == REASONING
     assert "".join(delta.content or "" for delta in deltas) == ANSWER
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == reasoning_count + 1
     # Cut off while reasoning: reasoning alone, no answer.
     cut = client.chat.completions.create(model="thinker", messages=ASK, temperature=0, max_tokens=3).choices[0]
     assert cut.finish_reason == "length" and cut.message.content is None and REASONING.startswith(cut.message.reasoning)
@@ -145,6 +151,7 @@ def test_chat_gives_the_reasoning_and_the_answer_apart_whole_or_streamed(reasoni
     held = client.chat.completions.create(model="thinker", messages=ASK, temperature=0, max_tokens=40,
                                           extra_body={"structured_outputs": {"regex": "[A-Za-z. ]+</think>[A-Za-z!. ]+"}})
     assert held.choices[0].message.reasoning is None and "</think>" in held.choices[0].message.content
+    assert held.usage.completion_tokens_details is None
 
 
 @pytest.mark.slow

@@ -416,10 +416,16 @@ class ChatCompletionRequest(ExtraSamplingFields, ChatTemplateFields):
     parallel_tool_calls: bool = True
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    # With a reasoning parser: how many of the completion tokens were reasoning.
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class CompletionLogProbs(BaseModel):

@@ -20,6 +20,7 @@ from pagedserve.entrypoints.openai.protocol import (
     ChatCompletionResponse,
     ChatLogprobEntry,
     ChatStreamChoice,
+    CompletionTokensDetails,
     DeltaMessage,
     TopLogprob,
     random_id,
@@ -69,8 +70,10 @@ class OpenAIServingChat(ServingBase):
             choices.append(ChatCompletionChoice(index=c.index, message=message,
                                                 logprobs=self.choice_logprobs(c.token_ids, c.logprobs, request),
                                                 finish_reason=reply.finish_reason, stop_reason=c.stop_reason))
+        usage = usage_of([output])
+        usage.completion_tokens_details = self._reasoning_details(tools, [c.token_ids for c in output.outputs])
         return ChatCompletionResponse(id=request_id, model=self.models.response_name(request.model), choices=choices,
-                                      usage=usage_of([output]), kv_transfer_params=output.kv_transfer_params)
+                                      usage=usage, kv_transfer_params=output.kv_transfer_params)
 
     async def start(self, request: ChatCompletionRequest, request_id: str, prompt_ids: list[int] | None = None) -> tuple[list, ToolPlan]:
         """Check the request, render its conversation and add its samples to the engine: -> (the sub-requests added, as
@@ -104,15 +107,16 @@ class OpenAIServingChat(ServingBase):
             return sse(ChatCompletionChunk(id=request_id, created=created, model=self.models.response_name(request.model), choices=choices,
                                            usage=usage).model_dump_json(exclude_none=True))
 
-        completion_tokens, final = 0, None
+        final = None
         streams = [tools.stream() for _ in range(request.n)]
+        token_ids: list[list[int]] = [[] for _ in range(request.n)]  # each choice's, for the usage
         yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(request.n)])
         async for _, output in merge_streams(self.streams(added)):
             choices = []
             for c in output.outputs:
                 if not (c.text or c.token_ids or c.finish_reason):
                     continue
-                completion_tokens += len(c.token_ids)
+                token_ids[c.index] += c.token_ids
                 stream = streams[c.index]
                 delta = stream.feed(c.text)
                 logprobs = self.choice_logprobs(c.token_ids, c.logprobs, request)
@@ -130,7 +134,16 @@ class OpenAIServingChat(ServingBase):
             if choices:
                 yield chunk(choices)
         if request.stream_options is not None and request.stream_options.include_usage and final is not None:
-            yield chunk([], make_usage(len(final.prompt_token_ids), completion_tokens))
+            usage = make_usage(len(final.prompt_token_ids), sum(len(ids) for ids in token_ids))
+            usage.completion_tokens_details = self._reasoning_details(tools, token_ids)
+            yield chunk([], usage)
+
+    def _reasoning_details(self, tools: ToolPlan, token_ids: list[list[int]]) -> CompletionTokensDetails | None:
+        """How many of the choices' tokens were reasoning, where the output had reasoning set apart."""
+        if tools.reasoning is None:
+            return None
+        decode = self.engine.tokenizer.decode
+        return CompletionTokensDetails(reasoning_tokens=sum(tools.reasoning.reasoning_tokens(ids, decode) for ids in token_ids))
 
     def choice_logprobs(self, token_ids: list[int], positions: list[PositionLogprobs] | None, request) -> ChatChoiceLogprobs | None:
         """The tokens' logprobs as a chat choice gives them (None where the request asked for none)."""
