@@ -71,7 +71,7 @@ class OpenAIServingChat(ServingBase):
                                                 logprobs=self.choice_logprobs(c.token_ids, c.logprobs, request),
                                                 finish_reason=reply.finish_reason, stop_reason=c.stop_reason))
         usage = usage_of([output])
-        usage.completion_tokens_details = self._reasoning_details(tools, [c.token_ids for c in output.outputs])
+        usage.completion_tokens_details = await self._reasoning_details(tools, [c.token_ids for c in output.outputs])
         return ChatCompletionResponse(id=request_id, model=self.models.response_name(request.model), choices=choices,
                                       usage=usage, kv_transfer_params=output.kv_transfer_params)
 
@@ -135,15 +135,21 @@ class OpenAIServingChat(ServingBase):
                 yield chunk(choices)
         if request.stream_options is not None and request.stream_options.include_usage and final is not None:
             usage = make_usage(len(final.prompt_token_ids), sum(len(ids) for ids in token_ids))
-            usage.completion_tokens_details = self._reasoning_details(tools, token_ids)
+            usage.completion_tokens_details = await self._reasoning_details(tools, token_ids)
             yield chunk([], usage)
 
-    def _reasoning_details(self, tools: ToolPlan, token_ids: list[list[int]]) -> CompletionTokensDetails | None:
+    async def _reasoning_details(self, tools: ToolPlan, token_ids: list[list[int]]) -> CompletionTokensDetails | None:
         """How many of the choices' tokens were reasoning, where the output had reasoning set apart."""
         if tools.reasoning is None:
             return None
-        decode = self.engine.tokenizer.decode
-        return CompletionTokensDetails(reasoning_tokens=sum(tools.reasoning.reasoning_tokens(ids, decode) for ids in token_ids))
+        return CompletionTokensDetails(reasoning_tokens=sum([await self.reasoning_tokens(tools, ids) for ids in token_ids]))
+
+    async def reasoning_tokens(self, tools: ToolPlan, token_ids: list[int]) -> int:
+        """How many of an output's tokens were reasoning (0 where none was set apart). Its text is decoded a few times,
+        in a worker thread, so the server's event loop goes on meanwhile."""
+        if tools.reasoning is None:
+            return 0
+        return await asyncio.to_thread(tools.reasoning.reasoning_tokens, token_ids, self.engine.tokenizer.decode)
 
     def choice_logprobs(self, token_ids: list[int], positions: list[PositionLogprobs] | None, request) -> ChatChoiceLogprobs | None:
         """The tokens' logprobs as a chat choice gives them (None where the request asked for none)."""

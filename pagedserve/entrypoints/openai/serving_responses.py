@@ -123,7 +123,7 @@ class OpenAIServingResponses:
             items.append(OutputMessage(content=[OutputText(text=reply.content or "", logprobs=logprobs)]))
         items.extend(FunctionCallOutput(call_id=call.id, name=call.function.name, arguments=call.function.arguments)
                      for call in reply.tool_calls)
-        self.finish(run, items, output, completion.token_ids)
+        await self.finish(run, items, output, completion.token_ids)
         return response
 
     def _new_response(self, request: ResponsesRequest) -> ResponseObject:
@@ -220,7 +220,7 @@ class OpenAIServingResponses:
             await self.chat.engine.abort(sub_id)
         response.status = "cancelled"
 
-    def finish(self, run: _Run, items: list, output: RequestOutput, token_ids: list[int]) -> None:
+    async def finish(self, run: _Run, items: list, output: RequestOutput, token_ids: list[int]) -> None:
         """The run's response as it ended (output: the request's last output; token_ids: all it generated), with
         these output items; kept if the request asked."""
         response = run.response
@@ -234,8 +234,7 @@ class OpenAIServingResponses:
         input_tokens = len(output.prompt_token_ids)
         cached = InputTokensDetails(cached_tokens=output.num_cached_tokens)
         output_tokens = len(token_ids)
-        reasoning = run.tools.reasoning
-        reasoning_tokens = reasoning.reasoning_tokens(token_ids, self.chat.engine.tokenizer.decode) if reasoning is not None else 0
+        reasoning_tokens = await self.chat.reasoning_tokens(run.tools, token_ids)
         response.usage = ResponseUsage(input_tokens=input_tokens, input_tokens_details=cached, output_tokens=output_tokens,
                                        output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning_tokens),
                                        total_tokens=input_tokens + output_tokens)
@@ -308,7 +307,7 @@ class _ResponseEvents:
             yield self.event("response.function_call_arguments.done", item_id=call.id, output_index=self._index(call),
                              arguments=call.arguments)
             yield self.event("response.output_item.done", output_index=self._index(call), item=call.model_dump(mode="json"))
-        self.serving.finish(self.run, self.items, final, token_ids)
+        await self.serving.finish(self.run, self.items, final, token_ids)
         yield self.event(f"response.{status}", response=response.model_dump(mode="json"))
 
     def _deltas(self, delta: DeltaMessage | None) -> list[str]:
