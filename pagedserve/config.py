@@ -7,6 +7,8 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from pagedserve.reasoning_format import REASONING_FORMATS
+
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 # 2 GiB of KV holds ~46k tokens of the default model: plenty of concurrency on a small CPU box.
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
@@ -113,6 +115,14 @@ class EngineConfig:
         metadata={"help": "seconds a request's structure (JSON schema, regex, choice, grammar) may take to compile before the "
                   "request is refused; compiled structures are cached, so a repeat costs nothing"},
     )
+    reasoning_parser: str | None = field(
+        default=None,
+        metadata={"help": "where a reasoning model's output holds its reasoning: deepseek_r1 (the output begins inside <think>, "
+                  "as DeepSeek-R1's template opens it) or qwen3 (reasoning where the output begins with <think>). A "
+                  "structured output's structure then holds the answer after </think>, the reasoning being free; the "
+                  "server gives the reasoning apart (the chat message's reasoning, the Responses API's reasoning item) "
+                  "(default: none)", "choices": sorted(REASONING_FORMATS)},
+    )
     distributed_executor_backend: str | None = field(
         default=None,
         metadata={"help": "how ranks run: mp (a process each, the default with more than one rank), ray (Ray actors, on the cluster "
@@ -167,6 +177,8 @@ class EngineConfig:
                  self.attention_backend)
         _require(self.structured_outputs_compile_timeout > 0, "structured_outputs_compile_timeout", "> 0 seconds",
                  self.structured_outputs_compile_timeout)
+        _require(self.reasoning_parser is None or self.reasoning_parser in REASONING_FORMATS, "reasoning_parser",
+                 ", ".join(REASONING_FORMATS) + " or unset", self.reasoning_parser)
         _require(self.gemm_backend in GEMM_BACKENDS, "gemm_backend", ", ".join(GEMM_BACKENDS), self.gemm_backend)
         _require(self.max_loras >= 1, "max_loras", ">= 1", self.max_loras)
         _require(self.max_lora_rank >= 1, "max_lora_rank", ">= 1", self.max_lora_rank)

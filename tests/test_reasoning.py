@@ -3,6 +3,7 @@ to the same parts however the text is cut."""
 
 import random
 
+import numpy as np
 import openai
 import pytest
 
@@ -108,25 +109,34 @@ def make_scripted_model(out_dir, tokenizer_dir, prompt_last_token: str, script: 
 
 
 @pytest.fixture(scope="module")
-def reasoning_server(tmp_path_factory, default_model_dir):
+def scripted_models(tmp_path_factory, default_model_dir):
+    """Two scripted models over a tokenizer with <think> and </think> added: deepseek_r1's writes REASONING</think>ANSWER
+    (its reasoning opened by the prompt), qwen3's <think>REASONING</think>ANSWER."""
     import transformers
-    from server_utils import RemoteServer
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(default_model_dir)
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True, tokenize=False)
     prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
-    tokenizer.add_tokens(["<think>", "</think>"])
-    script = [*tokenizer.encode(REASONING), tokenizer.convert_tokens_to_ids("</think>"), *tokenizer.encode(ANSWER),
-              tokenizer.eos_token_id]
-    model_dir = make_scripted_model(tmp_path_factory.mktemp("scripted"), default_model_dir,
-                                    tokenizer.convert_ids_to_tokens(prompt_ids[-1]), script)
-    server = RemoteServer("--model", str(model_dir), "--served-model-name", "thinker", "--reasoning-parser", "deepseek_r1",
-                          "--kv-cache-memory", str(16 * 1024**2), "--max-model-len", "256")
+    tokenizer.add_tokens([START, END])
+    script = [*tokenizer.encode(REASONING), tokenizer.convert_tokens_to_ids(END), *tokenizer.encode(ANSWER), tokenizer.eos_token_id]
+    last = tokenizer.convert_ids_to_tokens(prompt_ids[-1])
+    return {"deepseek_r1": make_scripted_model(tmp_path_factory.mktemp("r1"), default_model_dir, last, script),
+            "qwen3": make_scripted_model(tmp_path_factory.mktemp("qwen3"), default_model_dir, last,
+                                         [tokenizer.convert_tokens_to_ids(START), *script])}
+
+
+@pytest.fixture(scope="module")
+def reasoning_server(scripted_models):
+    from server_utils import RemoteServer
+
+    server = RemoteServer("--model", str(scripted_models["deepseek_r1"]), "--served-model-name", "thinker",
+                          "--reasoning-parser", "deepseek_r1", "--kv-cache-memory", str(16 * 1024**2), "--max-model-len", "256")
     yield server
     assert server.stop() == 0, server.log_text()[-3000:]
 
 
 ASK = [{"role": "user", "content": "What is two and two?"}]
+CHOICES = ["yes", "no"]
 
 
 @pytest.mark.slow
@@ -147,11 +157,17 @@ def test_chat_gives_the_reasoning_and_the_answer_apart_whole_or_streamed(reasoni
     # Cut off while reasoning: reasoning alone, no answer.
     cut = client.chat.completions.create(model="thinker", messages=ASK, temperature=0, max_tokens=3).choices[0]
     assert cut.finish_reason == "length" and cut.message.content is None and REASONING.startswith(cut.message.reasoning)
-    # Held to a structure, the output is the structure from its first token: all of it the answer.
-    held = client.chat.completions.create(model="thinker", messages=ASK, temperature=0, max_tokens=40,
-                                          extra_body={"structured_outputs": {"regex": "[A-Za-z. ]+</think>[A-Za-z!. ]+"}})
-    assert held.choices[0].message.reasoning is None and "</think>" in held.choices[0].message.content
-    assert held.usage.completion_tokens_details is None
+    # Held to a structure, the reasoning is free and the structure holds the answer after it (the script's answer is
+    # not among the choices), whole or streamed.
+    structure = {"structured_outputs": {"choice": CHOICES}}
+    held = client.chat.completions.create(model="thinker", messages=ASK, temperature=0, max_tokens=40, extra_body=structure)
+    message = held.choices[0].message
+    assert message.reasoning == REASONING and message.content in CHOICES
+    assert held.usage.completion_tokens_details.reasoning_tokens == reasoning_count + 1
+    deltas = [chunk.choices[0].delta for chunk in client.chat.completions.create(
+        model="thinker", messages=ASK, temperature=0, max_tokens=40, extra_body=structure, stream=True) if chunk.choices]
+    assert "".join(getattr(delta, "reasoning", None) or "" for delta in deltas) == REASONING
+    assert "".join(delta.content or "" for delta in deltas) == message.content
 
 
 @pytest.mark.slow
@@ -184,3 +200,69 @@ def test_a_response_has_a_reasoning_item_before_its_message_whole_or_streamed(re
     assert refused.value.body["param"] == "include"
     listed = list(client.responses.input_items.list(continued.id, order="asc"))
     assert [item.type for item in listed] == ["message", "reasoning", "message", "message"] and listed[1].id == reasoning.id
+
+
+# ---- the engine: a structure holds the answer after the reasoning ----------------------------------------------------
+
+
+def test_the_gate_reads_the_reasoning_off_the_marker_tokens():
+    from pagedserve.reasoning_format import REASONING_FORMATS
+    from pagedserve.structured_output.reasoning_gate import OPENING, REASONING, ReasoningGate
+
+    class Vocabulary:
+        def get_vocab(self):
+            return {START: 31, END: 8}
+
+    assert ReasoningGate(REASONING_FORMATS["deepseek_r1"], Vocabulary).first_phase == REASONING
+    gate = ReasoningGate(REASONING_FORMATS["qwen3"], Vocabulary)
+    assert gate.first_phase == OPENING
+    assert gate.advance(OPENING, [5, 6]) == (None, [5, 6])  # any first token but <think> is the answer's
+    assert gate.advance(OPENING, [31, 1, 2]) == (REASONING, [])
+    assert gate.advance(REASONING, [1, 2]) == (REASONING, [])
+    assert gate.advance(REASONING, [1, 8, 3, 4]) == (None, [3, 4])
+    assert gate.drafts_to_verify(REASONING, [1, 2, 8, 3]) == [1, 2] and gate.drafts_to_verify(REASONING, [1, 2]) == [1, 2]
+    assert gate.drafts_to_verify(OPENING, [31, 1]) == []
+    rows = np.zeros((2, 3), dtype=np.int32)
+    rows[1, 0] = 5
+    gate.allow_opening(rows, 1)  # token 31: the top bit of word 0
+    assert rows[0].tolist() == [0, 0, 0] and rows[1].view(np.uint32).tolist() == [5 | 1 << 31, 0, 0]
+
+
+def test_a_parser_needs_its_markers_as_single_tokens(default_model_dir):
+    from pagedserve import LLM
+
+    with pytest.raises(ValueError, match="reasoning_parser deepseek_r1 needs <think> and </think> as one token"):
+        LLM(str(default_model_dir), reasoning_parser="deepseek_r1", kv_cache_memory=16 * 1024**2, max_model_len=256)
+
+
+def scripted_outputs(model_dir, parser: str, prompts: list, params: list, **engine_args) -> list:
+    from pagedserve import LLM
+
+    llm = LLM(str(model_dir), reasoning_parser=parser, kv_cache_memory=16 * 1024**2, max_model_len=256, **engine_args)
+    try:
+        return [output.outputs[0] for output in llm.chat(prompts, params, use_tqdm=False)]
+    finally:
+        llm.llm_engine.client.shutdown()
+
+
+@pytest.mark.slow
+def test_the_engine_holds_only_the_answer_to_a_structure_after_free_reasoning(scripted_models):
+    from pagedserve import SamplingParams
+    from pagedserve.sampling_params import StructuredOutputsParams
+
+    free = SamplingParams(temperature=0, max_tokens=40)
+    held = SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(choice=CHOICES))
+    answers = {REASONING + END + choice for choice in CHOICES}
+    # deepseek_r1: the output begins inside the reasoning. With n-gram drafts from a prompt that holds the reasoning,
+    # drafts run across </think> too; they are verified only up to it.
+    echo = [{"role": "user", "content": REASONING + END + " Then?"}]
+    plain, plain_held, echoed, echoed_held = scripted_outputs(
+        scripted_models["deepseek_r1"], "deepseek_r1", [ASK, ASK, echo, echo], [free, held, free, held],
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4})
+    assert plain.text == echoed.text == REASONING + END + ANSWER
+    assert plain_held.text in answers and echoed_held.text == plain_held.text
+    # qwen3: reasoning where the output begins with <think>; else the structure holds it from its first token.
+    opened, opened_held = scripted_outputs(scripted_models["qwen3"], "qwen3", [ASK, ASK], [free, held])
+    assert opened.text == START + REASONING + END + ANSWER and opened_held.text in {START + answer for answer in answers}
+    [unopened_held] = scripted_outputs(scripted_models["deepseek_r1"], "qwen3", [ASK], [held])
+    assert unopened_held.text in CHOICES

@@ -52,7 +52,11 @@ class AsyncLLM(FrontEndAccess):
 
         client_class = DPAsyncMPClient if config.data_parallel_size > 1 else AsyncMPClient
         self.client: EngineCoreClient = client_class(config, while_starting=front_end_start_up, on_model_located=on_model_located)
-        self.front_end = FrontEnd(config, self.client.model_info, tokenizer, output_processor)
+        try:
+            self.front_end = FrontEnd(config, self.client.model_info, tokenizer, output_processor)
+        except BaseException:
+            self.client.shutdown()
+            raise
         self.metrics = EngineMetrics(served_model_name or config.model, config.data_parallel_size)
         self.engine_view = EngineView(self.metrics, self.front_end.prompt_of)
         self.max_waiting_requests = max_waiting_requests

@@ -20,6 +20,7 @@ from pagedserve.kv_transfer.factory import scheduler_connector
 from pagedserve.lora_request import LoRARequest
 from pagedserve.model_info import ModelInfo
 from pagedserve.processes import freeze_start_up_objects
+from pagedserve.reasoning_format import REASONING_FORMATS
 from pagedserve.request import Request
 from pagedserve.structured_output.manager import StructuredOutputManager
 
@@ -52,7 +53,8 @@ class EngineCore:
         self._lora_ids: dict[int, LoRARequest] = {}  # every id ever registered, and its adapter
         info = self.model_info
         self.structured_output = StructuredOutputManager(
-            grammar_compiler(config.tokenizer or info.model_dir, info.vocab_size, tuple(info.eos_token_ids)))
+            grammar_compiler(config.tokenizer or info.model_dir, info.vocab_size, tuple(info.eos_token_ids)),
+            REASONING_FORMATS[config.reasoning_parser] if config.reasoning_parser is not None else None)
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             max_model_len=self.model_info.max_model_len,

@@ -14,6 +14,7 @@ from pagedserve.engine.tokenizer import grammar_compiler, load_tokenizer
 from pagedserve.engine.wire import EngineCoreRequest
 from pagedserve.lora_request import LoRARequest
 from pagedserve.model_info import ModelInfo
+from pagedserve.reasoning_format import REASONING_FORMATS
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -40,6 +41,8 @@ class FrontEnd:
         # reaches the engine core (which compiles it again, from its own cache or this one's).
         self.grammars = grammar_compiler(tokenizer_dir, model_info.vocab_size, tuple(model_info.eos_token_ids))
         self.structure_time_limit_s = config.structured_outputs_compile_timeout
+        if config.reasoning_parser is not None:  # the engine core's structures begin after </think>: one token
+            REASONING_FORMATS[config.reasoning_parser].marker_ids(self.tokenizer)
         self.enable_lora = config.enable_lora
         self.kv_transfer = config.kv_transfer
         self.processor = Processor(self.tokenizer, model_info)

@@ -19,7 +19,11 @@ class LLMEngine(FrontEndAccess):
                              "(pagedserve serve); the offline LLM runs one")
         self.config = config
         self.client: EngineCoreClient = InprocClient(config)
-        self.front_end = FrontEnd(config, self.client.model_info)
+        try:
+            self.front_end = FrontEnd(config, self.client.model_info)
+        except BaseException:
+            self.client.shutdown()
+            raise
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0,
                     lora_request: LoRARequest | None = None) -> None:

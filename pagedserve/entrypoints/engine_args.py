@@ -24,7 +24,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         # A help text that explains its default itself gets no second one.
         if "default" not in help_text:
             help_text += " (default: %(default)s)"
-        group.add_argument(*flags, type=kind, default=f.default, help=help_text)
+        group.add_argument(*flags, type=kind, default=f.default, choices=f.metadata.get("choices"), help=help_text)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 
 from pagedserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
-from pagedserve.entrypoints.openai.reasoning import REASONING_PARSERS
 from pagedserve.entrypoints.openai.settings import DEFAULT_MAX_TOKENS, LoRAModule
 from pagedserve.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
 
@@ -53,10 +52,6 @@ def register(sub) -> None:
     group.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_PARSERS),
                        help="the format the model writes tool calls in, for tool_choice auto: hermes (<tool_call> JSON), "
                             "llama3_json, mistral ([TOOL_CALLS] JSON) or pythonic ([f(x=1)])")
-    group.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
-                       help="a reasoning model's output as its reasoning (the chat message's reasoning, the Responses API's "
-                            "reasoning item) and its answer: deepseek_r1 (the output begins inside <think>, as DeepSeek-R1's "
-                            "template opens it) or qwen3 (reasoning where the output begins with <think>) (default: none)")
     group.add_argument("--web-console", action=argparse.BooleanOptionalAction, default=True,
                        help="serve the web console at /: a chat page and a live view of the engine (--no-web-console: off)")
     group.add_argument("--web-console-show-prompts", action=argparse.BooleanOptionalAction, default=False,
@@ -114,7 +109,7 @@ def run_serve(args) -> int:
         shutdown_timeout=args.shutdown_timeout, default_max_tokens=args.default_max_tokens,
         request_read_timeout=args.request_read_timeout, keep_alive_timeout=args.keep_alive_timeout,
         max_connections=args.max_connections, enable_auto_tool_choice=args.enable_auto_tool_choice,
-        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser, web_console=args.web_console,
+        tool_call_parser=args.tool_call_parser, web_console=args.web_console,
         web_console_show_prompts=args.web_console_show_prompts, lora_modules=args.lora_modules,
         allow_runtime_lora_updating=args.allow_runtime_lora_updating, max_stored_responses=args.max_stored_responses,
     )

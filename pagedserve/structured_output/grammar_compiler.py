@@ -44,6 +44,7 @@ class GrammarCompiler:
         vocab_size: the width of the model's logits, which the masks cover. stop_token_ids: the tokens a finished
         structure allows (the model's EOS)."""
         self._load_tokenizer = load_tokenizer
+        self._tokenizer = None
         self.vocab_size = vocab_size
         self._stop_token_ids = list(stop_token_ids)
         self._compiler: xgr.GrammarCompiler | None = None
@@ -87,11 +88,21 @@ class GrammarCompiler:
             if self._compiler is None:
                 import xgrammar as xgr
 
-                info = xgr.TokenizerInfo.from_huggingface(self._load_tokenizer(), vocab_size=self.vocab_size,
+                info = xgr.TokenizerInfo.from_huggingface(self._tokenizer_locked(), vocab_size=self.vocab_size,
                                                           stop_token_ids=self._stop_token_ids)
                 # One thread: compiling shares the machine with the model's steps.
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=_CACHE_LIMIT_BYTES)
             return self._compiler
+
+    def tokenizer(self):
+        """The model's HF tokenizer, loaded once."""
+        with self._lock:
+            return self._tokenizer_locked()
+
+    def _tokenizer_locked(self):
+        if self._tokenizer is None:
+            self._tokenizer = self._load_tokenizer()
+        return self._tokenizer
 
 
 def choice_grammar(choices: list[str]) -> str:

@@ -86,7 +86,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
     renderer = ChatTemplateRenderer(engine.tokenizer, settings.trust_request_chat_template, settings.chat_template_timeout)
     engine.front_end.cap_unrequested_tokens(settings.default_max_tokens)
     completions = OpenAIServingCompletion(engine, models, max_n)
-    chat = OpenAIServingChat(engine, models, max_n, renderer, settings.auto_tool_call_parser, settings.reasoning_parser)
+    chat = OpenAIServingChat(engine, models, max_n, renderer, settings.auto_tool_call_parser,
+                             engine.config.reasoning_parser)
     responses = OpenAIServingResponses(chat, ResponseStore(settings.max_stored_responses))
     app = FastAPI(title="pagedserve", version=__version__)
     install_error_handlers(app)

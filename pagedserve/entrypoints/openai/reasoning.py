@@ -2,25 +2,21 @@
 </think> is the reasoning (chat's message.reasoning, the Responses API's reasoning item), the rest the answer, whole
 or streamed; a stream's deltas add up to the whole output's parts however the text is cut into deltas.
 
-- deepseek_r1: the output begins inside the reasoning (these models' templates open <think> in the prompt; one the
-  model writes itself is left out) and the answer follows </think>; an output cut off before </think> is reasoning
-  alone, with no answer.
-- qwen3: reasoning only where the output begins with <think>; otherwise (thinking turned off by chat_template_kwargs
-  enable_thinking false, whose template closes an empty block in the prompt) the whole output is the answer.
+Where each parser takes the reasoning to be is pagedserve/reasoning_format.py's rule: deepseek_r1's output begins inside
+it (a <think> the model writes itself is left out), and one cut off before </think> is reasoning alone, with no answer;
+qwen3's has reasoning only where it begins with <think> (with chat_template_kwargs enable_thinking false, whose template
+closes an empty block in the prompt, the whole output is the answer).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
-START, END = "<think>", "</think>"
+from pagedserve.reasoning_format import END, REASONING_FORMATS, START, ReasoningFormat
 
 
-@dataclass(frozen=True)
-class ReasoningParser:
-    name: str
-    starts_inside: bool  # whether the output begins inside the reasoning without a <think> of its own
+class ReasoningParser(ReasoningFormat):
+    """A reasoning format's reading of an output's text."""
 
     def split(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning, answer) of a whole output; None for a part it does not have."""
@@ -116,5 +112,4 @@ def _undecided_tail(text: str) -> int:
     return 0
 
 
-REASONING_PARSERS = {"deepseek_r1": ReasoningParser("deepseek_r1", starts_inside=True),
-                     "qwen3": ReasoningParser("qwen3", starts_inside=False)}
+REASONING_PARSERS = {name: ReasoningParser(form.name, form.starts_inside) for name, form in REASONING_FORMATS.items()}

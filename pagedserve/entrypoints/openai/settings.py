@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from pagedserve.entrypoints.openai.reasoning import REASONING_PARSERS
-
 DEFAULT_MAX_N = 128
 # Tokens a chat request without max_tokens may generate (OpenAI's models cap their output too); a request that wants
 # more says so. None: up to the context, as vLLM does.
@@ -59,8 +57,6 @@ class ServerSettings:
     # tool_choice "auto": the model's calls read in the format of tool_call_parser (tool_parsers.py); off: refused.
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
-    # A reasoning model's output split into its reasoning and its answer (reasoning.py); None: the output is the answer.
-    reasoning_parser: str | None = None
     # The web console at / (its page, and its stream of engine stats); the stream names requests by id, and carries
     # their prompts' text only with web_console_show_prompts.
     web_console: bool = True
@@ -76,9 +72,6 @@ class ServerSettings:
     def __post_init__(self) -> None:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs tool_call_parser: the format the model writes its calls in")
-        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
-            raise ValueError(f"reasoning_parser must be one of {', '.join(sorted(REASONING_PARSERS))}, "
-                             f"got {self.reasoning_parser!r}")
 
     @property
     def auto_tool_call_parser(self) -> str | None:

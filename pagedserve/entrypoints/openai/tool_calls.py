@@ -73,10 +73,10 @@ class ToolPlan:
     @classmethod
     def of(cls, request: ChatCompletionRequest, parser_name: str | None, reasoning: ReasoningParser | None = None) -> ToolPlan:
         """parser_name: the server's --tool-call-parser when it runs with --enable-auto-tool-choice, else None;
-        reasoning: its --reasoning-parser's. Raises APIError (400) naming the field at fault."""
+        reasoning: its --reasoning-parser's (the engine holds a structure to the answer after the reasoning, so a
+        structured output has its reasoning too). Raises APIError (400) naming the field at fault."""
         plan = cls._checked(request, parser_name)
-        if plan.structure is None and _structure_field(request) is None:
-            plan.reasoning = reasoning
+        plan.reasoning = reasoning
         return plan
 
     @classmethod
