@@ -11,7 +11,7 @@ from pagedserve.sampling_params import RequestOutputKind, SamplingParams, Struct
 from pagedserve.version import __version__  # noqa: E402
 
 __all__ = ["LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "RequestOutputKind",
-           "__version__"]
+           "EmbeddingRequestOutput", "EmbeddingOutput", "__version__"]
 
 
 def __getattr__(name: str):
@@ -21,7 +21,7 @@ def __getattr__(name: str):
         from pagedserve.engine.llm import LLM
 
         return LLM
-    if name in ("RequestOutput", "CompletionOutput"):
+    if name in ("RequestOutput", "CompletionOutput", "EmbeddingRequestOutput", "EmbeddingOutput"):
         from pagedserve import outputs
 
         return getattr(outputs, name)

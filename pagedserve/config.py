@@ -7,6 +7,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from pagedserve.pooling import PoolerConfig, check_pooler_values
 from pagedserve.reasoning_format import REASONING_FORMATS
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -14,6 +15,7 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
 ATTENTION_BACKENDS = ("auto", "cpu", "torch")
 GEMM_BACKENDS = ("auto", "onednn", "torch")
+RUNNERS = ("generate", "pooling")
 # 32- and 16-bit caches, and the 8-bit formats of layers/attention/kv_quant.py (fp8 is fp8_e4m3).
 # Quantizations applied at load (None: the weights as the checkpoint has them).
 QUANTIZATIONS = (None, "int8")
@@ -115,6 +117,16 @@ class EngineConfig:
         metadata={"help": "seconds a request's structure (JSON schema, regex, choice, grammar) may take to compile before the "
                   "request is refused; compiled structures are cached, so a repeat costs nothing"},
     )
+    runner: str = field(
+        default="generate",
+        metadata={"help": "what the model serves: generate (text: completions, chat, the Responses API) or pooling (an "
+                  "embedding model's vectors of prompts: /v1/embeddings, LLM.embed)", "choices": list(RUNNERS)},
+    )
+    pooler_config: dict | None = field(
+        default=None,
+        metadata={"help": "with runner pooling, as JSON: {\"pooling_type\": \"LAST\" | \"MEAN\" | \"CLS\", \"normalize\": "
+                  "true | false} (default: the model's sentence-transformers pooling, else LAST, normalized)"},
+    )
     reasoning_parser: str | None = field(
         default=None,
         metadata={"help": "where a reasoning model's output holds its reasoning: deepseek_r1 (the output begins inside <think>, "
@@ -192,6 +204,8 @@ class EngineConfig:
         if self.distributed_executor_backend == "uni":
             _require(self.world_size == 1, "distributed_executor_backend", "mp or ray with more than one rank (uni runs one)",
                      self.distributed_executor_backend)
+        _require(self.runner in RUNNERS, "runner", " or ".join(RUNNERS), self.runner)
+        self._check_pooling()
         self.speculative = SpeculativeConfig.from_dict(self.speculative_config)
         self.kv_transfer = KVTransferConfig.from_dict(self.kv_transfer_config)
         if self.kv_transfer is not None and self.kv_transfer.kv_connector == "P2pConnector" and self.data_parallel_size > 1:
@@ -216,6 +230,18 @@ class EngineConfig:
             _require(self.num_gpu_blocks_override >= 1, "num_gpu_blocks_override", ">= 1", self.num_gpu_blocks_override)
         if self.num_threads is not None:
             _require(self.num_threads >= 1, "num_threads", ">= 1", self.num_threads)
+
+    def _check_pooling(self) -> None:
+        if self.runner != "pooling":
+            if self.pooler_config is not None:
+                raise ValueError("pooler_config applies with runner pooling; this engine runs generate")
+            return
+        self.pooler_config = _json_object(self.pooler_config, "pooler_config", PoolerConfig)
+        if self.pooler_config is not None:
+            check_pooler_values(self.pooler_config)
+        for name in ("speculative_config", "kv_transfer_config", "reasoning_parser"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name} applies to generated text; runner pooling generates none (leave it unset)")
 
     @property
     def world_size(self) -> int:

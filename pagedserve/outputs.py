@@ -1,10 +1,12 @@
-"""What users get back: RequestOutput with one CompletionOutput per sample.
+"""What users get back: RequestOutput with one CompletionOutput per sample; from an embedding model (runner pooling),
+EmbeddingRequestOutput.
 
 They are msgspec Structs (attributes, equality and repr as dataclasses have) because the front end makes one of each for
 every request's every step, and a Struct is made in C."""
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 import msgspec
@@ -60,3 +62,23 @@ class RequestOutput(msgspec.Struct):
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     kv_transfer_params: dict | None = None  # with a KV connector: what the request's KV transfer tells the client
+
+
+class EmbeddingOutput(msgspec.Struct):
+    data: bytes  # the vector's float32 values, native byte order
+
+    @property
+    def embedding(self) -> list[float]:
+        return array("f", self.data).tolist()
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.data) // 4
+
+
+class EmbeddingRequestOutput(msgspec.Struct):
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+    num_cached_tokens: int = 0

@@ -147,6 +147,8 @@ class ModelRunnerOutput:
     # Seconds of the step spent waiting for other data-parallel cores' passes (expert parallelism over them): not
     # this core's own cost, which its step-time model learns.
     waited_for_other_cores_s: float = 0.0
+    # Runner pooling: the vector of each request whose prompt ended in this step (float32 values, native byte order).
+    pooled: dict[str, bytes] = field(default_factory=dict)
 
 
 # ---- scheduler -> engine core (and on to the front end) -------------------------------------
@@ -165,6 +167,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     kv_transfer_params: dict | None = None  # with a KV connector, on a finished request's last output
+    pooled: bytes | None = None  # runner pooling: the prompt's vector (float32 values, native byte order), on its one output
 
     @property
     def finished(self) -> bool:

@@ -398,6 +398,8 @@ class Scheduler:
             stopped = self._append_sampled_tokens(runner_output.sampled_token_ids, outputs)
         else:
             stopped = self._append_step_news(scheduler_output, runner_output, structured, outputs)
+        if runner_output.pooled:
+            stopped += self._finish_pooled(runner_output.pooled, outputs)
         for request, index in stopped:
             self.running.remove(request)
             kv_transfer_params = self._free_request(request)
@@ -469,6 +471,19 @@ class Scheduler:
                 token_logprobs = token_logprobs.head(len(new_token_ids))
             outputs.append(EngineCoreOutput(request_id, new_token_ids, token_logprobs, prompt_logprobs, finish_reason, request.stop_reason,
                                             request.num_cached_tokens))
+        return stopped
+
+    def _finish_pooled(self, pooled: dict[str, bytes], outputs: list[EngineCoreOutput]) -> list[tuple[Request, int]]:
+        """Runner pooling: a request whose prompt's vector came is done, its one output carrying the vector."""
+        stopped: list[tuple[Request, int]] = []
+        for request_id, vector in pooled.items():
+            request = self.requests.get(request_id)
+            if request is None or request.status is not _RUNNING:
+                continue  # aborted while the step ran
+            request.status = RequestStatus.FINISHED_STOPPED
+            stopped.append((request, len(outputs)))
+            outputs.append(EngineCoreOutput(request_id, [], finish_reason=request.status.finish_reason,
+                                            num_cached_tokens=request.num_cached_tokens, pooled=vector))
         return stopped
 
     def _append_verified(self, request: Request, drafts: list[int], runner_output: ModelRunnerOutput,

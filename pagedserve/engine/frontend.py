@@ -15,7 +15,7 @@ from pagedserve.engine.wire import EngineCoreRequest
 from pagedserve.lora_request import LoRARequest
 from pagedserve.model_info import ModelInfo
 from pagedserve.reasoning_format import REASONING_FORMATS
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclass
@@ -45,7 +45,8 @@ class FrontEnd:
             REASONING_FORMATS[config.reasoning_parser].marker_ids(self.tokenizer)
         self.enable_lora = config.enable_lora
         self.kv_transfer = config.kv_transfer
-        self.processor = Processor(self.tokenizer, model_info)
+        self.pooling = config.runner == "pooling"
+        self.processor = Processor(self.tokenizer, model_info, self.pooling)
         self.output_processor = output_processor if output_processor is not None else OutputProcessor(self.tokenizer)
 
     @property
@@ -56,6 +57,19 @@ class FrontEnd:
         """A request that gives no max_tokens generates at most the model's max_new_tokens (its generation config), else
         server_default (None: up to the context); never more than the room its prompt leaves."""
         self.processor.default_max_tokens = self.model_info.generation_defaults.get("max_tokens", server_default)
+
+    def check_runner(self, pooling: bool) -> None:
+        """Refuse a request for what the engine does not run: text from an embedding model, vectors from a text one."""
+        if pooling and not self.pooling:
+            raise ValueError("embeddings come from an engine with runner pooling (an embedding model); this one runs generate")
+        if self.pooling and not pooling:
+            raise ValueError("this engine runs pooling (an embedding model): it gives prompts' embeddings, not text")
+
+    @staticmethod
+    def embedding_params(truncate_prompt_tokens: int | None = None) -> SamplingParams:
+        """What an embedding request carries to the engine core: its prompt's handling (nothing is sampled)."""
+        return SamplingParams(max_tokens=1, temperature=0.0, truncate_prompt_tokens=truncate_prompt_tokens,
+                              output_kind=RequestOutputKind.FINAL_ONLY)
 
     def default_sampling_params(self, **base) -> SamplingParams:
         """SamplingParams of the base values, overridden by the model's generation defaults (generation_config)."""

@@ -11,10 +11,11 @@ from tqdm.auto import tqdm
 
 from pagedserve import log
 from pagedserve.config import DEFAULT_MODEL, EngineConfig
+from pagedserve.engine.frontend import FrontEnd
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.processor import PromptType
 from pagedserve.lora_request import LoRARequest
-from pagedserve.outputs import RequestOutput
+from pagedserve.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
 ChatMessages = list[dict]
@@ -58,8 +59,27 @@ class LLM:
     ) -> list[RequestOutput]:
         """Outputs come back in the order of the prompts. lora_request: the LoRA adapter every prompt runs with, or one
         per prompt (None: the base model); the engine must have been made with enable_lora=True."""
+        self.llm_engine.front_end.check_runner(pooling=False)
         prompt_list = _as_prompt_list(prompts)
         params_list = _broadcast(sampling_params or self.get_default_sampling_params(), len(prompt_list), "sampling_params")
+        return self._run_prompts(prompt_list, params_list, priority, lora_request, use_tqdm)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding (outputs.embedding), in the order of the prompts, from an engine made with
+        runner="pooling" (an embedding model). truncate_prompt_tokens: embed only each prompt's last tokens."""
+        self.llm_engine.front_end.check_runner(pooling=True)
+        prompt_list = _as_prompt_list(prompts)
+        params = [FrontEnd.embedding_params(truncate_prompt_tokens)] * len(prompt_list)
+        return self._run_prompts(prompt_list, params, None, lora_request, use_tqdm)
+
+    def _run_prompts(self, prompt_list: list[PromptType], params_list: list[SamplingParams], priority, lora_request,
+                     use_tqdm: bool) -> list:
         priorities = _broadcast(list(priority) if priority is not None else 0, len(prompt_list), "priority")
         loras = _broadcast(list(lora_request) if isinstance(lora_request, Sequence) else lora_request, len(prompt_list), "lora_request")
         request_ids = []
@@ -106,7 +126,8 @@ class LLM:
                 if output.finished:
                     finished[output.request_id] = output
                     prompt_tokens += len(output.prompt_token_ids)
-                    output_tokens += sum(len(c.token_ids) for c in output.outputs)
+                    if isinstance(output, RequestOutput):
+                        output_tokens += sum(len(c.token_ids) for c in output.outputs)
                     elapsed = max(time.perf_counter() - start, 1e-9)
                     progress.set_postfix_str(f"input: {prompt_tokens / elapsed:.1f} tok/s, output: {output_tokens / elapsed:.1f} tok/s")
                     progress.update(1)

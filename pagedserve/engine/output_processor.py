@@ -1,4 +1,5 @@
-"""OutputProcessor: engine-core outputs -> RequestOutputs (text, stop strings, logprobs, n samples)."""
+"""OutputProcessor: engine-core outputs -> RequestOutputs (text, stop strings, logprobs, n samples), or an embedding
+model's EmbeddingRequestOutputs."""
 
 from __future__ import annotations
 
@@ -8,7 +9,15 @@ from dataclasses import dataclass
 from pagedserve.core.contracts import EngineCoreOutput
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.token_texts import TokenTexts
-from pagedserve.outputs import CompletionOutput, Logprob, LogprobsLists, PositionLogprobs, RequestOutput
+from pagedserve.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    LogprobsLists,
+    PositionLogprobs,
+    RequestOutput,
+)
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
 # Read for every output of every step: an enum member's attribute lookup costs more than a module global's.
@@ -38,6 +47,7 @@ class RequestState:
     num_cached_tokens: int = 0
     prompt_logprobs_sent: bool = False
     kv_transfer_params: dict | None = None
+    pooled: bytes | None = None  # runner pooling: the prompt's vector
 
     @property
     def finished(self) -> bool:
@@ -49,7 +59,7 @@ class RequestState:
 
 @dataclass
 class ProcessedOutputs:
-    request_outputs: list[RequestOutput]
+    request_outputs: list[RequestOutput | EmbeddingRequestOutput]
     reqs_to_abort: list[str]  # engine requests that hit a stop string: the core must stop them
 
 
@@ -104,7 +114,7 @@ class OutputProcessor:
         return bool(self.request_states)
 
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
-        request_outputs: list[RequestOutput] = []
+        request_outputs: list[RequestOutput | EmbeddingRequestOutput] = []
         reqs_to_abort = []
         gathered: dict[str, RequestState] = {}  # requests of several samples: one output with all their samples' news
         engine_samples = self.engine_samples
@@ -124,7 +134,7 @@ class OutputProcessor:
         return ProcessedOutputs(request_outputs, reqs_to_abort)
 
     def _report(self, state: RequestState, finished: bool, samples: Iterable[SampleState],
-                request_outputs: list[RequestOutput]) -> None:
+                request_outputs: list[RequestOutput | EmbeddingRequestOutput]) -> None:
         """Add the request's output of these samples if its kind reports one now; forget the request once finished."""
         result = self._make_output(state, finished, samples)
         if result is not None:
@@ -137,6 +147,8 @@ class OutputProcessor:
         state.num_cached_tokens = output.num_cached_tokens
         if output.kv_transfer_params is not None:
             state.kv_transfer_params = output.kv_transfer_params
+        if output.pooled is not None:
+            state.pooled = output.pooled
         if output.new_prompt_logprobs is not None and state.prompt_logprobs is not None:
             state.prompt_logprobs.extend(self._to_position_logprobs(output.new_prompt_logprobs))
         if output.new_logprobs is not None and sample.logprobs is not None:
@@ -168,8 +180,12 @@ class OutputProcessor:
             positions.append(entry)
         return positions
 
-    def _make_output(self, state: RequestState, finished: bool, samples: Iterable[SampleState]) -> RequestOutput | None:
+    def _make_output(self, state: RequestState, finished: bool,
+                     samples: Iterable[SampleState]) -> RequestOutput | EmbeddingRequestOutput | None:
         """samples: all the request's, in index order, or the one whose output came (of a request of one sample)."""
+        if state.pooled is not None:
+            return EmbeddingRequestOutput(state.request_id, state.prompt_token_ids, EmbeddingOutput(state.pooled),
+                                          num_cached_tokens=state.num_cached_tokens)
         kind = state.params.output_kind
         if kind is _FINAL_ONLY and not finished:
             return None

@@ -28,8 +28,11 @@ def sample_request_id(request_id: str, index: int) -> str:
 
 
 class Processor:
-    def __init__(self, tokenizer, model_info: ModelInfo) -> None:
+    def __init__(self, tokenizer, model_info: ModelInfo, pooling: bool = False) -> None:
+        """pooling: the engine serves prompts' vectors (runner pooling): a request generates nothing, so its prompt may
+        fill the context."""
         self.tokenizer = tokenizer
+        self.pooling = pooling
         self.max_model_len = model_info.max_model_len
         self.eos_token_ids = model_info.eos_token_ids
         self.vocab_size = model_info.vocab_size
@@ -124,6 +127,8 @@ class Processor:
 
     def complete_params(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
         self.validate_prompt(prompt_token_ids)
+        if self.pooling:  # the scheduler's one token beyond the prompt is never generated: the request ends with its vector
+            return dataclasses.replace(params, max_tokens=1, eos_token_ids=list(self.eos_token_ids))
         prompt_len = len(prompt_token_ids)
         max_tokens = params.max_tokens
         if max_tokens is None:

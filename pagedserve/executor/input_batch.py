@@ -192,6 +192,10 @@ class ModelInputs:
     # adapters by id.
     adapter_segments: list[tuple[int, int]] = field(default_factory=list)
     adapters: dict[int, LoRARequest] = field(default_factory=dict)
+    # Where each request's tokens lie in the flat batch: the decodes at rows 0, 1, ... in decode_request_ids' order,
+    # then each prompt chunk as (request id, its first row, its rows, its first token's position).
+    decode_request_ids: list[str] = field(default_factory=list)
+    chunk_spans: list[tuple[str, int, int, int]] = field(default_factory=list)
 
 
 def prepare_inputs(requests: RunnerRequests, num_scheduled_tokens: dict[str, int], block_size: int,
@@ -235,11 +239,14 @@ class _FlatBatch:
         self.sampling_req_ids: list[str] = []
         self.logits_indices: list[np.ndarray | list[int]] = []  # pieces, in order
         self.prompt_slices: list[PromptLogprobsSlice] = []
+        self.decode_request_ids: list[str] = []
+        self.chunk_spans: list[tuple[str, int, int, int]] = []
         self.offset = 0
 
     def add_decodes(self, request_ids: list[str], requests: RunnerRequests) -> None:
         """Every decode of the step (one token each), in this order; called first and once."""
         self.offset = len(request_ids)
+        self.decode_request_ids = request_ids
         if not request_ids:
             return
         rows = requests.rows_of(request_ids)
@@ -281,6 +288,7 @@ class _FlatBatch:
         self.chunk_query_lens.append(num_tokens)
         self.chunk_seq_lens.append(end)
         offset = self.offset
+        self.chunk_spans.append((state.request_id, offset, num_tokens, start))
         if end == len(state.token_ids):
             self.sampling_req_ids.append(state.request_id)
             if state.num_drafts:  # the target's logits after the last known token and after each draft
@@ -310,6 +318,8 @@ class _FlatBatch:
             logits_indices=torch.from_numpy(np.concatenate(self.logits_indices, dtype=np.int64) if self.logits_indices
                                             else np.zeros(0, dtype=np.int64)).to(device),
             prompt_logprobs=self.prompt_slices,
+            decode_request_ids=self.decode_request_ids,
+            chunk_spans=self.chunk_spans,
         )
 
 

@@ -11,6 +11,7 @@ from pagedserve.core.contracts import GrammarBitmask, ModelRunnerOutput, Schedul
 from pagedserve.distributed.parallel_state import expert_groups, rank_info, receive_from_previous_stage, send_to_next_stage
 from pagedserve.executor.input_batch import ModelInputs, RunnerRequests, RunnerRequestState, dummy_layout, prepare_inputs
 from pagedserve.executor.lora_manager import LoRAManager
+from pagedserve.executor.pooler import StepPooler
 from pagedserve.executor.sampling_inputs import SamplingInputs
 from pagedserve.host_memory import FRESH_PAGES_ABOVE_BYTES
 from pagedserve.kv_transfer.base import KVConnectorWorker
@@ -20,6 +21,7 @@ from pagedserve.layers.lora import StepAdapters, adapters_for_step
 from pagedserve.layers.sampler import Sampler, apply_token_bitmask_, gather_logprobs
 from pagedserve.layers.sampling_rule import DrawKeys
 from pagedserve.outputs import LogprobsLists
+from pagedserve.pooling import PoolerConfig
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.spec_decode.draft_model import DraftModelProposer
 from pagedserve.spec_decode.proposer import DraftInput, Proposer
@@ -41,7 +43,9 @@ WARM_UP_TIMED_PASSES = 3
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int, device: torch.device, seed: int,
-                 attn_backend: AttentionBackend, cpu_kernels=None, proposer: Proposer | None = None) -> None:
+                 attn_backend: AttentionBackend, cpu_kernels=None, proposer: Proposer | None = None,
+                 pooler: PoolerConfig | None = None) -> None:
+        """pooler: the engine serves embeddings (runner pooling): each prompt's vector instead of sampled tokens."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -55,6 +59,7 @@ class ModelRunner:
         self.lora_manager: LoRAManager | None = None  # set by the worker where LoRA adapters are enabled
         self.kv_connector: KVConnectorWorker | None = None  # set by the worker where a KV connector is configured
         self.proposer = proposer  # speculative decoding: drafts tokens after each step
+        self.pooler = StepPooler(pooler) if pooler is not None else None
         # Expert parallelism over data-parallel cores: the mixture layers, which join the other cores' steps even in a
         # step without tokens here.
         self.steps_with_other_cores: list[FusedMoE] = []
@@ -92,7 +97,9 @@ class ModelRunner:
         output = ModelRunnerOutput(sampled_token_ids={})
         if groups is not None:
             output.waited_for_other_cores_s = groups.waited_s - waited_before
-        if hidden_states is not None and inputs.sampling_req_ids:
+        if hidden_states is not None and self.pooler is not None:
+            output.pooled = self.pooler.pool(inputs, hidden_states, lambda request_id: self.requests[request_id].num_prompt_tokens)
+        elif hidden_states is not None and inputs.sampling_req_ids:
             self._sample(inputs, hidden_states, output, scheduler_output.grammar_bitmask)
         if hidden_states is not None and inputs.prompt_logprobs:
             self._prompt_logprobs(inputs, hidden_states, output)
@@ -124,6 +131,8 @@ class ModelRunner:
         for request_id in (*scheduler_output.finished_req_ids, *scheduler_output.preempted_req_ids):
             self.requests.remove(request_id)
             self._draft_probabilities.pop(request_id, None)
+            if self.pooler is not None:
+                self.pooler.forget(request_id)
         for new in scheduler_output.scheduled_new_reqs:
             self.requests.add(RunnerRequestState(
                 request_id=new.request_id,
@@ -163,7 +172,7 @@ class ModelRunner:
             timings.append((num_seqs, seq_len, context, min(seconds[1:], default=seconds[0])))
         hidden = self._forward(*self._dummy_inputs(2, 1, 0),
                                self.attn_backend.build_metadata(dummy_layout(2, 1, 0, self.block_size), self.device))
-        if hidden is not None:
+        if hidden is not None and self.model.lm_head is not None:
             params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=0)]
             states = [RunnerRequestState(f"warm-up-{i}", [1], 1, p, [0]) for i, p in enumerate(params)]
             self.sampler(self.model.compute_logits(hidden), self.sampling_inputs.metadata(states))
@@ -188,7 +197,7 @@ class ModelRunner:
         for _ in range(passes):
             start = time.perf_counter()
             hidden = self._forward(input_ids, positions, meta)
-            if hidden is not None:
+            if hidden is not None and self.model.lm_head is not None:
                 self.model.compute_logits(hidden[seq_len - 1 :: seq_len])
             seconds.append(time.perf_counter() - start)
         return seconds

@@ -37,6 +37,7 @@ from pagedserve.models.loader import (
 )
 from pagedserve.models.location import resolve_model_dir
 from pagedserve.models.moe import moe_shape, parallel_shape_problems
+from pagedserve.pooling import resolve_pooler
 from pagedserve.processes import is_engine_process
 from pagedserve.spec_decode.draft_model import DraftModelProposer
 from pagedserve.spec_decode.ngram_proposer import NgramProposer
@@ -187,7 +188,8 @@ class Worker:
                                                      self.bfloat16_on_tiles)
         if config.data_parallel_place is not None:
             self._join_expert_groups(config.data_parallel_place)
-        self.model = load_model(self.hf_config, self.model_dir, self.dtype, self.device, self.model_max_len, self.attn_backend)
+        self.model = load_model(self.hf_config, self.model_dir, self.dtype, self.device, self.model_max_len, self.attn_backend,
+                                pooling=config.runner == "pooling")
         settle_static_kv_scales(self.model, self.kv_format, self.model_dir.name)
         cpu_kernels.attach(self.model, self.cpu_kernels)
         if config.gguf_quantized_weights and self.cpu_kernels is not None and self.dtype == torch.float32:
@@ -344,8 +346,9 @@ class Worker:
             draft_shape = (2, num_blocks, config.block_size, self.draft_config.num_key_value_heads, self._row_width(self.draft_config))
             num_draft_layers = self.draft_config.num_hidden_layers
             self.draft_kv_caches = [zeroed(draft_shape, self.kv_cache_dtype, self.device) for _ in range(num_draft_layers)]
+        pooler = resolve_pooler(config.pooler_config, self.model_dir) if config.runner == "pooling" else None
         self.model_runner = ModelRunner(self.model, self.kv_caches, config.block_size, self.device, config.seed, self.attn_backend,
-                                        self.cpu_kernels, self._make_proposer())
+                                        self.cpu_kernels, self._make_proposer(), pooler)
         if expert_groups() is not None:
             self.model_runner.steps_with_other_cores = list(self._mixtures().values())
         if config.enable_lora:

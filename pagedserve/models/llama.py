@@ -213,7 +213,8 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, hf_config, max_position: int, attn_backend: AttentionBackend) -> None:
+    def __init__(self, hf_config, max_position: int, attn_backend: AttentionBackend, pooling: bool = False) -> None:
+        """pooling: the model serves its final hidden states (an embedding model): no lm_head."""
         super().__init__()
         self.config = hf_config
         self.model = LlamaModel(hf_config, max_position, attn_backend)
@@ -223,7 +224,7 @@ class LlamaForCausalLM(nn.Module):
         # in bfloat16 with float32 sums.
         self.bfloat16_lm_head: BFloat16ProductsWeight | None = None
         self.quantized_lm_head: QuantizedWeight | None = None
-        if not rank_info().is_last_stage:
+        if pooling or not rank_info().is_last_stage:
             self.lm_head = None
         elif self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
@@ -352,7 +353,9 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name.startswith("lm_head.")):
                 continue
-            name = checkpoint_alias(name)
+            if name.startswith("lm_head.") and self.lm_head is None and rank_info().is_last_stage:
+                continue  # an embedding model's: its hidden states are what it serves
+            name = checkpoint_alias(_with_model_prefix(name))
             expert = expert_tensor(name)
             if expert is not None:
                 experts, index, part = expert
@@ -417,6 +420,12 @@ class LlamaForCausalLM(nn.Module):
             shards = getattr(module, "shard_sizes", None)
             expected += [f"{name}#{i}" for i in range(len(shards))] if shards else [f"{name}#None"]
         return expected
+
+
+def _with_model_prefix(name: str) -> str:
+    """A checkpoint tensor's name as a ...ForCausalLM names it: a base model's (LlamaModel, Qwen3Model: how embedding
+    models are saved) lack the "model." before the decoder's tensors."""
+    return name if name.startswith(("model.", "lm_head.")) else "model." + name
 
 
 def _kv_scale_target(name: str) -> tuple[str, tuple[str, ...]] | None:

@@ -56,10 +56,11 @@ def _skip_weight_init():
 
 
 def load_model(hf_config, model_dir: Path, dtype: torch.dtype, device: torch.device, max_position: int,
-               attn_backend: AttentionBackend) -> torch.nn.Module:
-    model_class = resolve_model_class(hf_config)
+               attn_backend: AttentionBackend, pooling: bool = False) -> torch.nn.Module:
+    """pooling: the model serves its final hidden states (runner pooling): loaded without an lm_head."""
+    model_class = resolve_model_class(hf_config, pooling)
     with torch.device(device), _skip_weight_init():
-        model = model_class(hf_config, max_position, attn_backend)
+        model = model_class(hf_config, max_position, attn_backend, pooling=pooling)
     model.load_weights(iterate_safetensors(model_dir))
     # Rotary caches stay float32 (they are cast per step); weights take the serving dtype.
     for _name, param in model.named_parameters():

@@ -14,17 +14,26 @@ _MODELS = {
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
     "OlmoeForCausalLM": LlamaForCausalLM,
 }
+# Base models (no lm_head): how embedding models are saved; they serve with runner pooling only.
+_BASE_MODELS = {"LlamaModel": LlamaForCausalLM, "MistralModel": LlamaForCausalLM, "Qwen2Model": LlamaForCausalLM,
+                "Qwen3Model": LlamaForCausalLM}
 
 
 def supported_architectures() -> list[str]:
-    return sorted(_MODELS)
+    return sorted(_MODELS) + sorted(f"{name} (runner pooling)" for name in _BASE_MODELS)
 
 
-def resolve_model_class(hf_config):
+def resolve_model_class(hf_config, pooling: bool = False):
+    """pooling: the engine serves the model's hidden states (runner pooling), which base models allow too."""
     architectures = getattr(hf_config, "architectures", None) or []
     for arch in architectures:
         if arch in _MODELS:
             return _MODELS[arch]
+        if arch in _BASE_MODELS:
+            if not pooling:
+                raise ValueError(f"{arch} is a base model, without the lm_head that generates text: it serves embeddings "
+                                 "with runner pooling")
+            return _BASE_MODELS[arch]
     raise ValueError(
         f"unsupported model architecture {architectures or '(none given in config.json)'}; "
         f"supported: {', '.join(supported_architectures())}"

@@ -23,6 +23,8 @@ from pagedserve.entrypoints.openai.protocol import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingRequest,
+    EmbeddingResponse,
     ErrorResponse,
     LoadLoRAAdapterRequest,
     ModelList,
@@ -42,6 +44,7 @@ from pagedserve.entrypoints.openai.responses_protocol import (
 from pagedserve.entrypoints.openai.responses_store import ResponseStore
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedserve.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedserve.entrypoints.openai.serving_models import ServingModels
 from pagedserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedserve.entrypoints.openai.settings import ServerSettings
@@ -130,42 +133,10 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
         await models.unload_lora_adapter(request.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' removed successfully.")
 
-    @app.post("/v1/completions", response_model=CompletionResponse, responses={**_ERRORS, 200: {"content": _STREAMS}})
-    async def create_completion(request: CompletionRequest, raw_request: Request):
-        return _respond(await completions.create_completion(request, raw_request))
-
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={**_ERRORS, 200: {"content": _STREAMS}})
-    async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
-        return _respond(await chat.create_chat_completion(request, raw_request))
-
-    @app.post("/v1/responses", response_model=ResponseObject, responses={**_RESPONSE_ERRORS, 200: {"content": _STREAMS}})
-    async def create_response(request: ResponsesRequest, raw_request: Request):
-        return _respond(await responses.create_response(request, raw_request))
-
-    @app.get("/v1/responses/{response_id}", response_model=ResponseObject, responses={**_RESPONSE_ERRORS, 200: {"content": _STREAMS}})
-    async def get_response(response_id: str, stream: bool = False, starting_after: Annotated[int | None, Query(ge=0)] = None):
-        # stream: a streamed background response's events again, after the one numbered starting_after.
-        if stream:
-            return _respond(responses.stream_again(response_id, starting_after))
-        if starting_after is not None:
-            raise APIError(400, "starting_after picks up a stream: give stream true", param="starting_after")
-        return _respond(responses.get(response_id))
-
-    @app.delete("/v1/responses/{response_id}", response_model=DeletedResponse, responses=_ERRORS)
-    async def delete_response(response_id: str):
-        return _respond(await responses.delete(response_id))
-
-    @app.get("/v1/responses/{response_id}/input_items", response_model=InputItemList, responses=_ERRORS)
-    async def list_input_items(response_id: str, after: str | None = None, limit: Annotated[int, Query(ge=1, le=100)] = 20,
-                               order: Literal["asc", "desc"] = "desc", include: Annotated[list[Includable] | None, Query()] = None,
-                               include_listed: Annotated[list[Includable] | None, Query(alias="include[]")] = None):
-        # include[]: the form in which OpenAI's clients send a list in a query.
-        with_logprobs = "message.output_text.logprobs" in (include or []) + (include_listed or [])
-        return _respond(responses.input_items(response_id, after, limit, order, with_logprobs))
-
-    @app.post("/v1/responses/{response_id}/cancel", response_model=ResponseObject, responses=_RESPONSE_ERRORS)
-    async def cancel_response(response_id: str):
-        return _respond(await responses.cancel(response_id))
+    if engine.config.runner == "pooling":
+        _add_embedding_routes(app, OpenAIServingEmbedding(engine, models, max_n))
+    else:
+        _add_generation_routes(app, completions, chat, responses)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(request: TokenizeRequest):
@@ -208,6 +179,57 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
 
 def serving_models(engine: AsyncLLM, settings: ServerSettings) -> ServingModels:
     return ServingModels(engine, settings.served_model_name or [engine.config.model], settings.lora_modules)
+
+
+
+def _add_generation_routes(app: FastAPI, completions: OpenAIServingCompletion, chat: OpenAIServingChat,
+                           responses: OpenAIServingResponses) -> None:
+    """The routes of a server that generates text (runner generate)."""
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses={**_ERRORS, 200: {"content": _STREAMS}})
+    async def create_completion(request: CompletionRequest, raw_request: Request):
+        return _respond(await completions.create_completion(request, raw_request))
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={**_ERRORS, 200: {"content": _STREAMS}})
+    async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
+        return _respond(await chat.create_chat_completion(request, raw_request))
+
+    @app.post("/v1/responses", response_model=ResponseObject, responses={**_RESPONSE_ERRORS, 200: {"content": _STREAMS}})
+    async def create_response(request: ResponsesRequest, raw_request: Request):
+        return _respond(await responses.create_response(request, raw_request))
+
+    @app.get("/v1/responses/{response_id}", response_model=ResponseObject, responses={**_RESPONSE_ERRORS, 200: {"content": _STREAMS}})
+    async def get_response(response_id: str, stream: bool = False, starting_after: Annotated[int | None, Query(ge=0)] = None):
+        # stream: a streamed background response's events again, after the one numbered starting_after.
+        if stream:
+            return _respond(responses.stream_again(response_id, starting_after))
+        if starting_after is not None:
+            raise APIError(400, "starting_after picks up a stream: give stream true", param="starting_after")
+        return _respond(responses.get(response_id))
+
+    @app.delete("/v1/responses/{response_id}", response_model=DeletedResponse, responses=_ERRORS)
+    async def delete_response(response_id: str):
+        return _respond(await responses.delete(response_id))
+
+    @app.get("/v1/responses/{response_id}/input_items", response_model=InputItemList, responses=_ERRORS)
+    async def list_input_items(response_id: str, after: str | None = None, limit: Annotated[int, Query(ge=1, le=100)] = 20,
+                               order: Literal["asc", "desc"] = "desc", include: Annotated[list[Includable] | None, Query()] = None,
+                               include_listed: Annotated[list[Includable] | None, Query(alias="include[]")] = None):
+        # include[]: the form in which OpenAI's clients send a list in a query.
+        with_logprobs = "message.output_text.logprobs" in (include or []) + (include_listed or [])
+        return _respond(responses.input_items(response_id, after, limit, order, with_logprobs))
+
+    @app.post("/v1/responses/{response_id}/cancel", response_model=ResponseObject, responses=_RESPONSE_ERRORS)
+    async def cancel_response(response_id: str):
+        return _respond(await responses.cancel(response_id))
+
+
+def _add_embedding_routes(app: FastAPI, embeddings: OpenAIServingEmbedding) -> None:
+    """The routes of a server over an embedding model (runner pooling)."""
+
+    @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=_ERRORS)
+    async def create_embedding(request: EmbeddingRequest, raw_request: Request):
+        return _respond(await embeddings.create_embedding(request, raw_request))
 
 
 def _respond(result):

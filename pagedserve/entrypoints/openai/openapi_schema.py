@@ -62,20 +62,30 @@ def _exact_integer_bounds(node: dict) -> None:
 
 
 def _apply_limits(bodies: dict, limits: ServedLimits) -> None:
+    """The server's limits in its bodies' schemas (the bodies of the routes it serves: generation or embeddings)."""
     _each_schema(bodies, _bound_token_ids(limits.vocab_size - 1))
+
+    def properties(name: str) -> dict:
+        return bodies.get(name, {}).get("properties", {})
+
     for name in ("CompletionRequest", "ChatCompletionRequest"):
-        bodies[name]["properties"]["n"]["maximum"] = limits.max_n
-    bodies["DetokenizeRequest"]["properties"]["tokens"]["maxItems"] = limits.max_model_len
+        if "n" in properties(name):
+            properties(name)["n"]["maximum"] = limits.max_n
+    properties("DetokenizeRequest")["tokens"]["maxItems"] = limits.max_model_len
     # Generated tokens follow at least one prompt token in the context.
     for name, field in (("CompletionRequest", "max_tokens"), ("ChatCompletionRequest", "max_tokens"),
                         ("ChatCompletionRequest", "max_completion_tokens"), ("CompletionRequest", "min_tokens"),
                         ("ChatCompletionRequest", "min_tokens"), ("ResponsesRequest", "max_output_tokens")):
-        _integer_branch(bodies[name]["properties"][field])["maximum"] = limits.max_model_len - 1
-    _integer_branch(bodies["CompletionRequest"]["properties"]["truncate_prompt_tokens"])["maximum"] = limits.max_model_len
+        if field in properties(name):
+            _integer_branch(properties(name)[field])["maximum"] = limits.max_model_len - 1
+    for name in ("CompletionRequest", "EmbeddingRequest"):
+        if "truncate_prompt_tokens" in properties(name):
+            _integer_branch(properties(name)["truncate_prompt_tokens"])["maximum"] = limits.max_model_len
     if not limits.trust_request_chat_template:
         for name in ("ChatCompletionRequest", "TokenizeChatRequest"):
-            bodies[name]["properties"]["chat_template"] = {
-                "type": "null", "description": "a request's own template: this server does not accept them"}
+            if name in bodies:
+                bodies[name]["properties"]["chat_template"] = {
+                    "type": "null", "description": "a request's own template: this server does not accept them"}
 
 
 def _integer_branch(field: dict) -> dict:

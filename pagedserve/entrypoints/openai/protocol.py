@@ -600,6 +600,40 @@ class TokenizeResponse(BaseModel):
     tokens: list[int]
 
 
+class EmbeddingRequest(RequestBody):
+    """POST /v1/embeddings (a server with runner pooling)."""
+
+    model: str | None = None
+    input: Prompt
+    encoding_format: Literal["float", "base64"] = "float"
+    # Accepted by OpenAI but not by this server: rejected with a 400 when set.
+    dimensions: Int64 | None = Field(None, json_schema_extra={"anyOf": [{"type": "null"}], "description": "not supported"})
+    user: str | None = None  # the end user, for the client's own records (OpenAI's abuse monitoring); not used
+    # vLLM's extras: only each prompt's last this many tokens (-1: max_model_len of them); the scheduling priority.
+    truncate_prompt_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | Literal[-1] | None = None
+    priority: Int64 = 0
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # a str: base64 of the float32 values, little-endian
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage
+
+
 class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[TokenId]

@@ -193,6 +193,17 @@ async def merge_streams(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int
             await stream.aclose()
 
 
+def prompt_list(prompt, field: str) -> list:
+    """A request's prompts (a text, texts, token ids or lists of them) as a list of prompts."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, f"{field} must not be empty", param=field)
+    if isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)
+
+
 def usage_of(outputs: list[RequestOutput]) -> UsageInfo:
     return make_usage(sum(len(o.prompt_token_ids) for o in outputs), sum(len(c.token_ids) for o in outputs for c in o.outputs))
 

@@ -16,7 +16,7 @@ from pagedserve.entrypoints.openai.protocol import (
     CompletionResponse,
     random_id,
 )
-from pagedserve.entrypoints.openai.serving_base import ServingBase, make_usage, merge_streams, sse, usage_of
+from pagedserve.entrypoints.openai.serving_base import ServingBase, make_usage, merge_streams, prompt_list, sse, usage_of
 from pagedserve.outputs import PositionLogprobs, RequestOutput
 
 
@@ -25,7 +25,7 @@ class OpenAIServingCompletion(ServingBase):
         lora_request = self.check_model(request.model)
         self.check_n(request.n)
         self._reject_unsupported(request)
-        prompts = _prompt_list(request.prompt)
+        prompts = prompt_list(request.prompt, "prompt")
         try:
             params = request.sampling_params(request.max_tokens, request.logprobs, self.default_params)
             if request.echo and request.logprobs is not None:
@@ -104,13 +104,3 @@ class OpenAIServingCompletion(ServingBase):
                 continue
             target.token_logprobs.append(self.api_logprob(position[token_id].logprob))
             target.top_logprobs.append({self.token_text(tid): self.api_logprob(lp.logprob) for tid, lp in position.items()})
-
-
-def _prompt_list(prompt) -> list:
-    if isinstance(prompt, str):
-        return [prompt]
-    if not prompt:
-        raise APIError(400, "prompt must not be empty", param="prompt")
-    if isinstance(prompt[0], int):
-        return [prompt]
-    return list(prompt)

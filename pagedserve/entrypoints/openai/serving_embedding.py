@@ -1,0 +1,47 @@
+"""POST /v1/embeddings: each input's vector from an embedding model (a server with runner pooling)."""
+
+from __future__ import annotations
+
+import base64
+import sys
+from array import array
+
+from fastapi import Request
+
+from pagedserve.engine.frontend import FrontEnd
+from pagedserve.entrypoints.openai.errors import APIError
+from pagedserve.entrypoints.openai.protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage, random_id
+from pagedserve.entrypoints.openai.serving_base import ServingBase, prompt_list
+from pagedserve.outputs import EmbeddingOutput, EmbeddingRequestOutput
+
+
+class OpenAIServingEmbedding(ServingBase):
+    async def create_embedding(self, request: EmbeddingRequest, raw_request: Request) -> EmbeddingResponse:
+        lora_request = self.check_model(request.model)
+        if request.dimensions is not None:
+            raise APIError(400, "dimensions is not supported: this server gives each embedding whole, as the model makes it",
+                           param="dimensions")
+        prompts = prompt_list(request.input, "input")
+        request_id = random_id("embd")
+        params = FrontEnd.embedding_params(request.truncate_prompt_tokens)
+        added = await self.add_requests(request_id, prompts, params, False, request.priority, lora_request=lora_request)
+        outputs = await self.collect_final(added, raw_request)
+        if not all(isinstance(output, EmbeddingRequestOutput) for output in outputs):
+            raise APIError(503, "the request ended before its embeddings were made")
+        data = [EmbeddingData(index=index, embedding=_encoded(output.outputs, request.encoding_format))
+                for index, output in enumerate(outputs)]
+        num_tokens = sum(len(output.prompt_token_ids) for output in outputs)
+        return EmbeddingResponse(id=request_id, model=self.models.response_name(request.model), data=data,
+                                 usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens))
+
+
+def _encoded(output: EmbeddingOutput, encoding_format: str) -> list[float] | str:
+    """A vector as the API gives it: its values, or base64 of them as little-endian float32 (OpenAI's encoding)."""
+    if encoding_format == "float":
+        return output.embedding
+    data = output.data
+    if sys.byteorder != "little":
+        values = array("f", data)
+        values.byteswap()
+        data = values.tobytes()
+    return base64.b64encode(data).decode("ascii")
