@@ -182,3 +182,8 @@ def test_the_embeddings_endpoint_as_openais_client_uses_it(embedding_server, emb
         client.chat.completions.create(model="embedder", messages=[{"role": "user", "content": "Hi"}])
     paths = embedding_server.get("/openapi.json").json()["paths"]
     assert "/v1/embeddings" in paths and "/v1/completions" not in paths
+    # /metrics counts the embedded prompts' tokens and the requests done.
+    metrics = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in embedding_server.get("/metrics").text.splitlines()
+               if line.startswith(("pagedserve:prompt_tokens_total{", "pagedserve:request_success_total{"))}
+    assert metrics["pagedserve:prompt_tokens_total"] == batch.usage.prompt_tokens + 4 + raw["usage"]["prompt_tokens"]
+    assert metrics["pagedserve:request_success_total"] == len(PROMPTS) + 2

@@ -129,7 +129,12 @@ class EngineMetrics:
         outputs_by_previous_time: dict[float, int] = {}
         for output in outputs:
             timing = timings.get(output.request_id)
-            if timing is None or not output.new_token_ids:
+            if timing is None:
+                continue
+            if not output.new_token_ids:
+                if output.pooled is not None:  # an embedding: its prompt's one output, the request done
+                    self._record_pooled(timing, now, engine)
+                    del timings[output.request_id]
                 continue
             num_generated += len(output.new_token_ids)
             previous = timing.last_token_time
@@ -158,6 +163,14 @@ class EngineMetrics:
         self.recent_ttft.observe(now, now - timing.arrival)
         self.prompt_tokens[engine].inc(timing.num_prompt_tokens)
         self._window_prompt_tokens += timing.num_prompt_tokens
+
+    def _record_pooled(self, timing: _RequestTiming, now: float, engine: int) -> None:
+        """Runner pooling: a request's prompt tokens and latency, counted when its vector comes (there is no first
+        token to time)."""
+        self.prompt_tokens[engine].inc(timing.num_prompt_tokens)
+        self._window_prompt_tokens += timing.num_prompt_tokens
+        self.e2e.observe(now - timing.arrival)
+        self.request_success.labels(self.model_name, "stop").inc()
 
     def _record_scheduler_stats(self, stats: SchedulerStats, engine: int) -> None:
         # Every step brings these; most steps change few of them, and each metric's update takes a lock.
