@@ -28,6 +28,12 @@ TINY_ARCHS = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": False}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"use_sliding_window": False, "head_dim": 16}),
+    # Its q/k/v and gate/up saved fused; a longrope scaling (contexts within the original length: the short factors).
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"sliding_window": None,
+                                               "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
+                                                                   "short_factor": [1.0 + i / 16 for i in range(8)],
+                                                                   "long_factor": [2.0 + i for i in range(8)],
+                                                                   "original_max_position_embeddings": 256}}),
     # Mixtures of experts: top-2 renormalized; a shared expert and a dense first layer; top-4 with per-head q/k norms;
     # q/k norms across the heads, with clipping.
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": None}),

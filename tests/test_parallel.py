@@ -106,6 +106,17 @@ def test_a_mixture_of_experts_split_over_ranks_matches_the_single_process_one(ti
         assert [rank[layer] for rank in held] == [list(range(8))] * 2
 
 
+def test_a_checkpoint_saved_fused_splits_over_ranks_as_the_others_do(tiny_models):
+    """Phi-3 saves each layer's q/k/v and gate/up fused: each rank takes its heads and columns of each part."""
+    reference = run_workload(parallel_llm(tiny_models["phi3"]))
+    llm = parallel_llm(tiny_models["phi3"], tensor_parallel_size=2)
+    try:
+        outputs = run_workload(llm)
+    finally:
+        llm.llm_engine.shutdown()
+    assert_matches(outputs, reference)
+
+
 @pytest.mark.parametrize("settings", [{"tensor_parallel_size": 2, "kv_cache_dtype": "fp8"},
                                       {"pipeline_parallel_size": 2, "kv_cache_dtype": "int8"}], ids=["tp2-fp8", "pp2-int8"])
 def test_parallel_engine_over_an_8_bit_cache_matches_the_single_process_one(tiny_models, settings):

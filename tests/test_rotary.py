@@ -16,6 +16,8 @@ SCALINGS = [
      "original_max_position_embeddings": 128},
     {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
     {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 256},
+    {"rope_type": "longrope", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 256,
+     "short_factor": [1.0 + i / 16 for i in range(8)], "long_factor": [2.0 + i for i in range(8)]},
 ]
 
 
@@ -39,3 +41,14 @@ def test_a_rope_scaling_is_transformers_own_computed_or_read_back(scaling, tmp_p
     other = ResolvedConfig({**resolved.to_dict(), "rope_parameters": {**scaling, "factor": scaling["factor"] * 2}})
     with pytest.raises(AssertionError, match="computed the scaling again"):
         rotary.compute_inv_freq(other, 16)
+
+
+def test_a_longrope_model_keeps_to_its_original_context_and_a_partial_rotary_is_refused():
+    from pagedserve.models.loader import max_position_of
+
+    longrope = ResolvedConfig({"max_position_embeddings": 1024, "rope_parameters": SCALINGS[-1]})
+    assert max_position_of(longrope) == 256  # beyond it transformers turns to the long factors
+    partial = ResolvedConfig({"max_position_embeddings": 1024, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                                                   "partial_rotary_factor": 0.75}})
+    with pytest.raises(ValueError, match="partial_rotary_factor 0.75 is not supported"):
+        rotary.compute_inv_freq(partial, 16)

@@ -11,7 +11,7 @@ from torch import nn
 from pagedserve import cached_json
 from pagedserve.layers.cpu_kernels import UsesCPUKernels
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 # Bumped when what the cache keeps of a scaling changes shape.
 _CACHE_FORMAT = "1"
 
@@ -30,6 +30,9 @@ def compute_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
     rope_type = params["rope_type"]
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    partial = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ValueError(f"partial_rotary_factor {partial} is not supported: the rotary kernels turn each head's every pair")
     if rope_type == "default":
         base = params["rope_theta"]
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))

@@ -365,13 +365,14 @@ class LlamaForCausalLM(nn.Module):
             if _kv_scale_target(name) is not None:
                 self._load_kv_scale(name, tensor)
                 continue
-            target, shard = _fused_target(name)
-            if target not in params:
-                if self._belongs_to_another_stage(target):
-                    continue
-                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            _copy_into(self._module_of(target), params[target], tensor, shard, name)
-            loaded.add(f"{target}#{shard}")
+            for piece_name, piece in _unfused(name, tensor, self.config):
+                target, shard = _fused_target(piece_name)
+                if target not in params:
+                    if self._belongs_to_another_stage(target):
+                        continue
+                    raise ValueError(f"checkpoint tensor {piece_name!r} has no place in {type(self).__name__}")
+                _copy_into(self._module_of(target), params[target], piece, shard, piece_name)
+                loaded.add(f"{target}#{shard}")
         missing = [n for n in self._expected_loads() if n not in loaded]
         if missing:
             raise ValueError(f"checkpoint is missing tensors for: {', '.join(sorted(missing)[:8])}")
@@ -434,6 +435,21 @@ def _kv_scale_target(name: str) -> tuple[str, tuple[str, ...]] | None:
         if name.endswith(f".{suffix}"):
             return name[: -len(suffix)] + "self_attn.attn", fields
     return None
+
+
+def _unfused(name: str, tensor: torch.Tensor, hf_config) -> list[tuple[str, torch.Tensor]]:
+    """A checkpoint tensor as the separate q/k/v and gate/up tensors the layers load by shard: Phi-3 saves each
+    layer's q, k and v as one qkv_proj and its gate and up as one gate_up_proj (gate first), which is split here so
+    that each rank takes its heads and columns of each, as it does from the other checkpoints."""
+    if ".self_attn.qkv_proj." in name:
+        head_dim = head_dim_of(hf_config)
+        q_size, kv_size = hf_config.num_attention_heads * head_dim, hf_config.num_key_value_heads * head_dim
+        parts = tensor.split([q_size, kv_size, kv_size], dim=0)
+        return [(name.replace("qkv_proj", piece), part) for piece, part in zip(("q_proj", "k_proj", "v_proj"), parts)]
+    if ".mlp.gate_up_proj." in name:
+        gate, up = tensor.chunk(2, dim=0)
+        return [(name.replace("gate_up_proj", "gate_proj"), gate), (name.replace("gate_up_proj", "up_proj"), up)]
+    return [(name, tensor)]
 
 
 def _fused_target(name: str) -> tuple[str, int | None]:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from pagedserve.layers.attention import AttentionBackend
+from pagedserve.layers.rotary import rope_parameters
 from pagedserve.models.moe import parallel_shape_problems as moe_parallel_shape_problems
 from pagedserve.models.registry import resolve_model_class
 
@@ -104,6 +105,13 @@ def max_position_of(hf_config) -> int:
     window = getattr(hf_config, "sliding_window", None)
     if window and getattr(hf_config, "use_sliding_window", True):
         max_position = min(max_position, window)
+    # A longrope model's frequencies change once a sequence is longer than its original context (transformers takes
+    # the long factors for a whole pass then): stay within it, where they are the short factors throughout.
+    params = rope_parameters(hf_config)
+    if params["rope_type"] == "longrope":
+        original = params.get("original_max_position_embeddings") or getattr(hf_config, "original_max_position_embeddings", None)
+        if original:
+            max_position = min(max_position, original)
     return max_position
 
 
