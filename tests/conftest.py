@@ -28,11 +28,13 @@ TINY_ARCHS = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": False}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"use_sliding_window": False, "head_dim": 16}),
-    # Its q/k/v and gate/up saved fused; a longrope scaling (contexts within the original length: the short factors).
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"sliding_window": None,
+    # Its q/k/v and gate/up saved fused; a longrope scaling (contexts within the original length: the short factors)
+    # that turns 12 of each head's 16 dims, as Phi-4-mini's turns 3/4 of them.
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"sliding_window": None, "original_max_position_embeddings": 256,
                                                "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
-                                                                   "short_factor": [1.0 + i / 16 for i in range(8)],
-                                                                   "long_factor": [2.0 + i for i in range(8)],
+                                                                   "partial_rotary_factor": 0.75,
+                                                                   "short_factor": [1.0 + i / 16 for i in range(6)],
+                                                                   "long_factor": [2.0 + i for i in range(6)],
                                                                    "original_max_position_embeddings": 256}}),
     # Mixtures of experts: top-2 renormalized; a shared expert and a dense first layer; top-4 with per-head q/k norms;
     # q/k norms across the heads, with clipping.

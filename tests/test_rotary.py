@@ -43,12 +43,28 @@ def test_a_rope_scaling_is_transformers_own_computed_or_read_back(scaling, tmp_p
         rotary.compute_inv_freq(other, 16)
 
 
-def test_a_longrope_model_keeps_to_its_original_context_and_a_partial_rotary_is_refused():
+def test_a_longrope_model_keeps_to_its_original_context():
     from pagedserve.models.loader import max_position_of
 
     longrope = ResolvedConfig({"max_position_embeddings": 1024, "rope_parameters": SCALINGS[-1]})
     assert max_position_of(longrope) == 256  # beyond it transformers turns to the long factors
-    partial = ResolvedConfig({"max_position_embeddings": 1024, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
-                                                                                   "partial_rotary_factor": 0.75}})
-    with pytest.raises(ValueError, match="partial_rotary_factor 0.75 is not supported"):
-        rotary.compute_inv_freq(partial, 16)
+
+
+def test_a_partial_rotary_turns_the_dims_transformers_turns():
+    config = ResolvedConfig({"max_position_embeddings": 64, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                                                "partial_rotary_factor": 0.75}})
+    assert rotary.rotary_dim(config, 16) == 12
+    order = rotary.partial_rotary_order(16, 12)
+    rope = rotary.RotaryEmbedding(config, 16, 64)
+    torch.manual_seed(0)
+    query, key, positions = torch.randn(5, 2, 16), torch.randn(5, 1, 16), torch.arange(5) * 7
+
+    def transformers_turn(x):  # the first 12 dims turned as pairs (i, i + 6), the rest passed
+        angles = positions[:, None].float() * (1.0 / 10000.0 ** (torch.arange(0, 12, 2).float() / 12))
+        cos, sin = torch.cat((angles.cos(), angles.cos()), -1)[:, None], torch.cat((angles.sin(), angles.sin()), -1)[:, None]
+        turned = x[..., :12]
+        return torch.cat((turned * cos + torch.cat((-turned[..., 6:], turned[..., :6]), -1) * sin, x[..., 12:]), -1)
+
+    ours_query, ours_key = rope(positions, query[..., order].clone(), key[..., order].clone())
+    torch.testing.assert_close(ours_query, transformers_turn(query)[..., order])
+    torch.testing.assert_close(ours_key, transformers_turn(key)[..., order])

@@ -25,17 +25,33 @@ def rope_parameters(hf_config) -> dict:
     return params
 
 
+def rotary_dim(hf_config, head_dim: int) -> int:
+    """How many of each head's dims the rotation turns (partial_rotary_factor, as transformers reads it); the rest
+    pass unturned."""
+    factor = rope_parameters(hf_config).get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None))
+    return int(head_dim * factor) if factor else head_dim
+
+
+def partial_rotary_order(head_dim: int, turned: int) -> list[int] | None:
+    """Where a head's dims go when only `turned` of them rotate (None: all do). transformers turns dims i and
+    i + turned/2 together; the kernels turn i and i + head_dim/2. Laid out in this order (q and k alike, so their
+    products are unchanged), the turned pairs sit where the kernels turn them, and the dims that pass sit in the
+    pairs whose angle is zero."""
+    if turned == head_dim:
+        return None
+    half, passing = turned // 2, (head_dim - turned) // 2
+    return [*range(half), *range(turned, turned + passing), *range(half, turned), *range(turned + passing, head_dim)]
+
+
 def compute_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
+    """The frequencies of the turned pairs (rotary_dim / 2 of them) and the scaling of their cos and sin."""
     params = rope_parameters(hf_config)
     rope_type = params["rope_type"]
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-    partial = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
-        raise ValueError(f"partial_rotary_factor {partial} is not supported: the rotary kernels turn each head's every pair")
     if rope_type == "default":
-        base = params["rope_theta"]
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        base, dim = params["rope_theta"], rotary_dim(hf_config, head_dim)
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
         return inv_freq, 1.0
     # transformers' rope functions are the authority on the scalings, but importing them takes seconds at every start.
     # What they compute depends on the config alone, so it is kept in the cache and read back by later starts.
@@ -64,9 +80,14 @@ class RotaryEmbedding(nn.Module, UsesCPUKernels):
         super().__init__()
         inv_freq, scaling = compute_inv_freq(hf_config, head_dim)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos_cache", emb.cos() * scaling, persistent=False)
-        self.register_buffer("sin_cache", emb.sin() * scaling, persistent=False)
+        cos, sin = freqs.cos() * scaling, freqs.sin() * scaling
+        # Pairs beyond the turned ones (a partial rotary, its dims laid out by partial_rotary_order) pass as they are.
+        passing = head_dim // 2 - inv_freq.numel()
+        if passing:
+            cos = torch.cat((cos, torch.ones(max_position, passing)), dim=-1)
+            sin = torch.cat((sin, torch.zeros(max_position, passing)), dim=-1)
+        self.register_buffer("cos_cache", torch.cat((cos, cos), dim=-1), persistent=False)
+        self.register_buffer("sin_cache", torch.cat((sin, sin), dim=-1), persistent=False)
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
         """query [T, H, D], key [T, KV, D] -> rotated, same shapes and dtype (in place with the CPU kernel, which rotates

@@ -34,7 +34,7 @@ from pagedserve.layers.linear import (
     RowParallelLinear,
     pad_rows,
 )
-from pagedserve.layers.rotary import RotaryEmbedding
+from pagedserve.layers.rotary import RotaryEmbedding, partial_rotary_order, rotary_dim
 from pagedserve.layers.vocab_embedding import VocabParallelEmbedding, gather_logits
 from pagedserve.models.mlp import GatedMLP
 from pagedserve.models.moe import checkpoint_alias, expected_expert_loads, expert_load_key, expert_tensor, layer_mlp
@@ -224,6 +224,10 @@ class LlamaForCausalLM(nn.Module):
         # in bfloat16 with float32 sums.
         self.bfloat16_lm_head: BFloat16ProductsWeight | None = None
         self.quantized_lm_head: QuantizedWeight | None = None
+        head_dim = head_dim_of(hf_config)
+        self.rotary_order = partial_rotary_order(head_dim, rotary_dim(hf_config, head_dim))
+        if self.rotary_order is not None and hf_config.model_type in ("qwen3", "qwen3_moe", "olmoe"):
+            raise ValueError("partial_rotary_factor with q/k norms is not supported")
         if pooling or not rank_info().is_last_stage:
             self.lm_head = None
         elif self.tie_word_embeddings:
@@ -366,6 +370,7 @@ class LlamaForCausalLM(nn.Module):
                 self._load_kv_scale(name, tensor)
                 continue
             for piece_name, piece in _unfused(name, tensor, self.config):
+                piece = self._in_rotary_order(piece_name, piece)
                 target, shard = _fused_target(piece_name)
                 if target not in params:
                     if self._belongs_to_another_stage(target):
@@ -376,6 +381,15 @@ class LlamaForCausalLM(nn.Module):
         missing = [n for n in self._expected_loads() if n not in loaded]
         if missing:
             raise ValueError(f"checkpoint is missing tensors for: {', '.join(sorted(missing)[:8])}")
+
+    def _in_rotary_order(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """q's and k's rows (weights and biases) with each head's dims in the order a partial rotary turns them in
+        (layers/rotary.partial_rotary_order); other tensors as they are."""
+        order = self.rotary_order
+        if order is None or not (".q_proj." in name or ".k_proj." in name):
+            return tensor
+        head_dim = len(order)
+        return tensor.reshape(tensor.shape[0] // head_dim, head_dim, *tensor.shape[1:])[:, order].reshape(tensor.shape)
 
     def _load_experts(self, module_name: str, index: int | None, part: str, tensor: torch.Tensor, name: str) -> list[str]:
         """One expert's part, or (index None) every expert's, stacked; returns what it loaded, as _expected_loads names it."""
