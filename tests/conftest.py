@@ -28,6 +28,9 @@ TINY_ARCHS = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": False}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"use_sliding_window": False, "head_dim": 16}),
+    # Multipliers of the embeddings, the attention scores, what each block adds to the residual, and the logits.
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {"embedding_multiplier": 6.0, "attention_multiplier": 0.1,
+                                                        "residual_multiplier": 0.3, "logits_scaling": 4.0}),
     # Its q/k/v and gate/up saved fused; a longrope scaling (contexts within the original length: the short factors)
     # that turns 12 of each head's 16 dims, as Phi-4-mini's turns 3/4 of them.
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"sliding_window": None, "original_max_position_embeddings": 256,

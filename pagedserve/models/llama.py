@@ -99,6 +99,8 @@ class LlamaAttention(nn.Module):
         self.clip_qkv = getattr(hf_config, "clip_qkv", None)
         self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, attn_backend)
+        if getattr(hf_config, "attention_multiplier", None) is not None:  # Granite's scale of the scores
+            self.attn.scale = float(hf_config.attention_multiplier)
 
     def forward(self, positions, hidden_states, kv_cache, meta: AttentionMetadata):
         rows, tokens = hidden_states.shape[0], meta.slot_mapping.shape[0]  # rows past the tokens: LlamaModel.gemm_rows
@@ -124,6 +126,8 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = layer_mlp(hf_config, index)
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        # Granite scales what attention and the MLP add to the residual stream.
+        self.residual_multiplier = float(getattr(hf_config, "residual_multiplier", None) or 1.0)
 
     def keep_gemm_outputs(self, dtype: torch.dtype, single_rank: bool) -> None:
         """Let GEMMs return dtype (a bfloat16 GEMM's output as it comes) where what reads their output takes it so: q, k
@@ -149,9 +153,14 @@ class LlamaDecoderLayer(nn.Module):
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual, out_dtype=qkv_dtype)
         hidden_states = self.self_attn(positions, hidden_states, kv_cache, meta)
+        if self.residual_multiplier != 1.0:
+            hidden_states = hidden_states * self.residual_multiplier
         mlp_dtype = self.mlp.gate_up_proj.input_dtype(rows) if isinstance(self.mlp, GatedMLP) else None
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual, out_dtype=mlp_dtype)
-        return self.mlp(hidden_states), residual
+        hidden_states = self.mlp(hidden_states)
+        if self.residual_multiplier != 1.0:
+            hidden_states = hidden_states * self.residual_multiplier
+        return hidden_states, residual
 
 
 class MissingLayer(nn.Module):
@@ -167,6 +176,7 @@ class LlamaModel(nn.Module):
         if info.is_first_stage or (tied and info.is_last_stage):
             self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
         self.stage_layers = info.stage_layers(hf_config.num_hidden_layers)
+        self.embedding_multiplier = float(getattr(hf_config, "embedding_multiplier", None) or 1.0)  # Granite's
         # One table of rotary angles, shared by every layer (they all rotate by the same position).
         rotary_emb = RotaryEmbedding(hf_config, head_dim_of(hf_config), max_position)
         self.layers = nn.ModuleList([
@@ -194,6 +204,8 @@ class LlamaModel(nn.Module):
         (hidden states, residual) for the next stage, which passes them back in as intermediate."""
         if intermediate is None:
             hidden_states, residual = self.embed_tokens(input_ids), None
+            if self.embedding_multiplier != 1.0:
+                hidden_states = hidden_states * self.embedding_multiplier
         else:
             hidden_states, residual = intermediate
         native = self.native_decode
@@ -219,6 +231,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = hf_config
         self.model = LlamaModel(hf_config, max_position, attn_backend)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.logits_scaling = float(getattr(hf_config, "logits_scaling", None) or 1.0)  # Granite divides its logits by it
         self.packed_lm_head: torch.Tensor | None = None
         # Where GEMMs multiply in bfloat16 and the kernels have bfloat16 dot products: the lm_head's weight, multiplied
         # in bfloat16 with float32 sums.
@@ -246,7 +259,8 @@ class LlamaForCausalLM(nn.Module):
             local = self.quantized_lm_head.linear(hidden_states)
         else:
             local = self.dense_logits(hidden_states, out if tp_size() == 1 else None)
-        return gather_logits(local)
+        logits = gather_logits(local)
+        return logits.div_(self.logits_scaling) if self.logits_scaling != 1.0 else logits
 
     def dense_logits(self, hidden_states: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's logits on the dense lm_head (packed where pack_gemm_weights ran), whatever the blocks would take;

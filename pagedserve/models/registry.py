@@ -9,6 +9,7 @@ _MODELS = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "GraniteForCausalLM": LlamaForCausalLM,  # with its multipliers of embeddings, scores, residual adds and logits
     "Phi3ForCausalLM": LlamaForCausalLM,  # its q/k/v and gate/up saved fused (models/llama._unfused)
     "MixtralForCausalLM": LlamaForCausalLM,
     "Qwen2MoeForCausalLM": LlamaForCausalLM,
