@@ -102,18 +102,22 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
+        """chat_template: a template (its text) to use instead of the model's."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [
-            {"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt, chat_template_kwargs)} for c in conversations
-        ]
+        prompts = [{"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt, chat_template_kwargs, chat_template)}
+                   for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
-    def apply_chat_template(self, conversation: ChatMessages, add_generation_prompt: bool = True, kwargs: dict | None = None) -> list[int]:
+    def apply_chat_template(self, conversation: ChatMessages, add_generation_prompt: bool = True, kwargs: dict | None = None,
+                            chat_template: str | None = None) -> list[int]:
         tokenizer = self.get_tokenizer()
-        if not tokenizer.chat_template:
-            raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
-        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **(kwargs or {}))
+        if not (chat_template or tokenizer.chat_template):
+            raise ValueError("this model's tokenizer has no chat template; give chat_template, or use generate() with a "
+                             "plain prompt")
+        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             chat_template=chat_template, **(kwargs or {}))
         return tokenizer(text, add_special_tokens=False).input_ids
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from pagedserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
 from pagedserve.entrypoints.openai.settings import DEFAULT_MAX_TOKENS, LoRAModule
@@ -28,6 +29,9 @@ def register(sub) -> None:
                             "or --max-waiting-requests)")
     group.add_argument("--max-request-bytes", type=int, default=16 * 1024**2,
                        help="largest request body accepted; 413 beyond it (default: %(default)s)")
+    group.add_argument("--chat-template", default=None, type=_chat_template,
+                       help="the chat template to use instead of the model's: a file's path, or the template itself "
+                            "(text with a brace or a line break) (default: the model's)")
     group.add_argument("--trust-request-chat-template", action=argparse.BooleanOptionalAction, default=False,
                        help="accept a chat template sent with the request (chat_template); it renders in a separate, "
                             "time-limited process")
@@ -80,6 +84,24 @@ def _lora_module(text: str) -> LoRAModule:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
+def _chat_template(value: str) -> str:
+    """--chat-template's template: the text itself where it has a brace or a line break (as vLLM reads the option),
+    else the file it names; checked to parse, so that a bad one stops the start rather than every chat request."""
+    text = value
+    if not any(mark in value for mark in "{}\n"):
+        try:
+            text = Path(value).read_text()
+        except OSError as exc:
+            raise argparse.ArgumentTypeError(f"{value!r} is neither a template nor a file that can be read ({exc.strerror})") from None
+    import jinja2
+
+    try:
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise argparse.ArgumentTypeError(f"the template does not parse: {exc} (line {exc.lineno})") from None
+    return text
+
+
 def _tokens_or_none(text: str) -> int | None:
     if text.lower() == "none":
         return None
@@ -106,6 +128,7 @@ def run_serve(args) -> int:
         max_waiting_requests=args.max_waiting_requests, log_level=args.log_level, max_n=args.max_n,
         max_request_bytes=args.max_request_bytes, metrics_require_api_key=args.metrics_require_api_key,
         trust_request_chat_template=args.trust_request_chat_template, chat_template_timeout=args.chat_template_timeout,
+        chat_template=args.chat_template,
         shutdown_timeout=args.shutdown_timeout, default_max_tokens=args.default_max_tokens,
         request_read_timeout=args.request_read_timeout, keep_alive_timeout=args.keep_alive_timeout,
         max_connections=args.max_connections, enable_auto_tool_choice=args.enable_auto_tool_choice,

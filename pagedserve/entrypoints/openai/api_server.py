@@ -86,7 +86,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
     state = state or ServerState()
     models = models or serving_models(engine, settings)
     max_n = settings.effective_max_n(engine.config.max_num_seqs)
-    renderer = ChatTemplateRenderer(engine.tokenizer, settings.trust_request_chat_template, settings.chat_template_timeout)
+    renderer = ChatTemplateRenderer(engine.tokenizer, settings.trust_request_chat_template, settings.chat_template_timeout,
+                                    settings.chat_template)
     engine.front_end.cap_unrequested_tokens(settings.default_max_tokens)
     completions = OpenAIServingCompletion(engine, models, max_n)
     chat = OpenAIServingChat(engine, models, max_n, renderer, settings.auto_tool_call_parser,

@@ -1,6 +1,6 @@
-"""Conversations to prompt text through a chat template: the model's own, or (only on a server that
-trusts request templates) one sent with the request, rendered in a separate process under a time
-and memory limit. Failures of either are the request's fault: 400s naming the problem."""
+"""Conversations to prompt text through a chat template: the model's own, or the server's (--chat-template, which
+replaces it), or (only on a server that trusts request templates) one sent with the request, rendered in a separate
+process under a time and memory limit. Failures of any are the request's fault: 400s naming the problem."""
 
 from __future__ import annotations
 
@@ -25,8 +25,10 @@ _MAX_RENDERED_CHARS = 64 * 1024**2
 
 
 class ChatTemplateRenderer:
-    def __init__(self, tokenizer, trust_request_templates: bool, timeout_s: float) -> None:
+    def __init__(self, tokenizer, trust_request_templates: bool, timeout_s: float, server_template: str | None = None) -> None:
+        """server_template: the server's own template (--chat-template), used instead of the model's."""
         self.tokenizer = tokenizer
+        self.server_template = server_template
         self.trust_request_templates = trust_request_templates
         self.sandbox = TemplateSandbox(timeout_s) if trust_request_templates else None
 
@@ -49,13 +51,14 @@ class ChatTemplateRenderer:
                                     "--trust-request-chat-template)", param="chat_template")
             return self.sandbox.render(template, conversation, add_generation_prompt,
                                        {**self.tokenizer.special_tokens_map, **kwargs})
-        if not self.tokenizer.chat_template:
-            raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+        if not (self.server_template or self.tokenizer.chat_template):
+            raise APIError(400, "this model has no chat template (start the server with --chat-template, or use "
+                                "/v1/completions)", param="messages")
         from jinja2 import TemplateError
 
         try:
             return self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                      **kwargs)
+                                                      chat_template=self.server_template, **kwargs)
         except TemplateError as exc:  # the model's template refused the conversation (roles out of order, say)
             raise APIError(400, f"the chat template refused the conversation: {exc}", param="messages") from exc
 

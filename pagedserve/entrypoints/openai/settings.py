@@ -44,6 +44,7 @@ class ServerSettings:
     max_request_bytes: int = 16 * 1024**2
     metrics_require_api_key: bool = False
     trust_request_chat_template: bool = False
+    chat_template: str | None = None  # the server's template, used instead of the model's (load_chat_template's text)
     chat_template_timeout: float = 5.0  # seconds a request's own chat template may take to render
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
     # Seconds a client may take to send a request's line and headers, and then its body (else 408, and the connection
