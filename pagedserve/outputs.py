@@ -82,3 +82,16 @@ class EmbeddingRequestOutput(msgspec.Struct):
     outputs: EmbeddingOutput
     finished: bool = True
     num_cached_tokens: int = 0
+
+
+class ScoringOutput(msgspec.Struct):
+    score: float
+
+
+class ScoringRequestOutput(msgspec.Struct):
+    """One scored pair: its score, and the token ids of both texts."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool = True

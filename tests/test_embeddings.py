@@ -101,6 +101,26 @@ def test_a_generation_checkpoint_serves_its_hidden_states_and_each_runner_refuse
         LLM(str(embedding_model), kv_cache_memory=16 * 1024**2)
 
 
+def cosine(a, b) -> float:
+    return float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def test_scores_are_the_cosine_similarity_of_transformers_embeddings(embedding_model):
+    llm = embedding_llm(embedding_model)
+    try:
+        tokenizer = llm.get_tokenizer()
+        one_to_many = llm.score(PROMPTS[0], PROMPTS, use_tqdm=False)
+        pairwise = llm.score(PROMPTS[:2], PROMPTS[1:], use_tqdm=False)
+        with pytest.raises(ValueError, match="text_1 must hold one text, or as many as text_2"):
+            llm.score(PROMPTS[:2], PROMPTS, use_tqdm=False)
+    finally:
+        shut(llm)
+    vectors = [hf_pooled(embedding_model, tokenizer(prompt).input_ids, "LAST", True) for prompt in PROMPTS]
+    assert [output.outputs.score for output in one_to_many] == pytest.approx([cosine(vectors[0], v) for v in vectors], abs=1e-5)
+    assert [output.outputs.score for output in pairwise] == pytest.approx([cosine(vectors[0], vectors[1]),
+                                                                          cosine(vectors[1], vectors[2])], abs=1e-5)
+
+
 def test_embed_on_a_text_engine_is_refused(default_llm):
     with pytest.raises(ValueError, match="runner pooling"):
         default_llm.embed("Hello", use_tqdm=False)
@@ -182,8 +202,27 @@ def test_the_embeddings_endpoint_as_openais_client_uses_it(embedding_server, emb
         client.chat.completions.create(model="embedder", messages=[{"role": "user", "content": "Hi"}])
     paths = embedding_server.get("/openapi.json").json()["paths"]
     assert "/v1/embeddings" in paths and "/v1/completions" not in paths
+    # Scores and reranking: the cosine similarity of the texts' embeddings.
+    vectors = [np.asarray(item.embedding) for item in batch.data]
+    scored = embedding_server.post("/v1/score", json={"model": "embedder", "text_1": PROMPTS[0], "text_2": PROMPTS}).json()
+    assert [item["score"] for item in scored["data"]] == pytest.approx([cosine(vectors[0], v) for v in vectors], abs=1e-5)
+    assert scored["usage"]["prompt_tokens"] == len(tokenizer_ids[0]) + batch.usage.prompt_tokens
+    reranked_tokens = 0
+    for path in ("/v1/rerank", "/v2/rerank"):
+        reranked = embedding_server.post(path, json={"query": PROMPTS[0], "documents": PROMPTS[1:], "top_n": 1}).json()
+        best = max((1, 2), key=lambda index: cosine(vectors[0], vectors[index]))
+        assert [(result["index"], result["document"]["text"]) for result in reranked["results"]] == [(best - 1, PROMPTS[best])]
+        reranked_tokens += reranked["usage"]["total_tokens"]
+    unlisted = embedding_server.post("/rerank", json={"query": "Hi", "documents": ["a", "b"], "return_documents": False}).json()
+    assert sorted(result["index"] for result in unlisted["results"]) == [0, 1]
+    assert all(result["document"] is None for result in unlisted["results"])
+    reranked_tokens += unlisted["usage"]["total_tokens"]
+    mismatched = embedding_server.post("/v1/score", json={"text_1": ["a", "b"], "text_2": ["c", "d", "e"]})
+    assert mismatched.status_code == 400 and mismatched.json()["error"]["param"] == "text_1"
     # /metrics counts the embedded prompts' tokens and the requests done.
     metrics = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in embedding_server.get("/metrics").text.splitlines()
                if line.startswith(("pagedserve:prompt_tokens_total{", "pagedserve:request_success_total{"))}
-    assert metrics["pagedserve:prompt_tokens_total"] == batch.usage.prompt_tokens + 4 + raw["usage"]["prompt_tokens"]
-    assert metrics["pagedserve:request_success_total"] == len(PROMPTS) + 2
+    assert metrics["pagedserve:prompt_tokens_total"] == (batch.usage.prompt_tokens + 4 + raw["usage"]["prompt_tokens"]
+                                                         + scored["usage"]["prompt_tokens"] + reranked_tokens)
+    embedded = len(PROMPTS) + 2 + 1 + len(PROMPTS) + 2 * len(PROMPTS) + 3  # the embeddings, the score, the reranks
+    assert metrics["pagedserve:request_success_total"] == embedded

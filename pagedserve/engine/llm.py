@@ -15,8 +15,9 @@ from pagedserve.engine.frontend import FrontEnd
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.processor import PromptType
 from pagedserve.lora_request import LoRARequest
-from pagedserve.outputs import EmbeddingRequestOutput, RequestOutput
+from pagedserve.outputs import EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
+from pagedserve.scoring import cosine_similarity, score_pairs
 
 ChatMessages = list[dict]
 
@@ -77,6 +78,25 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         params = [FrontEnd.embedding_params(truncate_prompt_tokens)] * len(prompt_list)
         return self._run_prompts(prompt_list, params, None, lora_request, use_tqdm)
+
+    def score(
+        self,
+        text_1: PromptType | Sequence[PromptType],
+        text_2: PromptType | Sequence[PromptType],
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[ScoringRequestOutput]:
+        """The cosine similarity of text pairs' embeddings (an engine made with runner="pooling"): text_1's one text
+        against each of text_2, or the two lists pair by pair; in that order."""
+        first, second = _as_prompt_list(text_1), _as_prompt_list(text_2)
+        pairs = score_pairs(len(first), len(second))
+        embeddings = self.embed(first + second, truncate_prompt_tokens, use_tqdm)
+        outputs = []
+        for index, (i, j) in enumerate(pairs):
+            a, b = embeddings[i], embeddings[len(first) + j]
+            outputs.append(ScoringRequestOutput(str(index), a.prompt_token_ids + b.prompt_token_ids,
+                                                ScoringOutput(cosine_similarity(a.outputs, b.outputs))))
+        return outputs
 
     def _run_prompts(self, prompt_list: list[PromptType], params_list: list[SamplingParams], priority, lora_request,
                      use_tqdm: bool) -> list:

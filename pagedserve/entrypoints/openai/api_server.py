@@ -28,6 +28,10 @@ from pagedserve.entrypoints.openai.protocol import (
     ErrorResponse,
     LoadLoRAAdapterRequest,
     ModelList,
+    RerankRequest,
+    RerankResponse,
+    ScoreRequest,
+    ScoreResponse,
     TokenizeChatRequest,
     TokenizeRequest,
     TokenizeResponse,
@@ -47,6 +51,7 @@ from pagedserve.entrypoints.openai.serving_completion import OpenAIServingComple
 from pagedserve.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedserve.entrypoints.openai.serving_models import ServingModels
 from pagedserve.entrypoints.openai.serving_responses import OpenAIServingResponses
+from pagedserve.entrypoints.openai.serving_score import OpenAIServingScores
 from pagedserve.entrypoints.openai.settings import ServerSettings
 from pagedserve.entrypoints.openai.web_console import install_web_console
 from pagedserve.version import __version__
@@ -226,11 +231,24 @@ def _add_generation_routes(app: FastAPI, completions: OpenAIServingCompletion, c
 
 
 def _add_embedding_routes(app: FastAPI, embeddings: OpenAIServingEmbedding) -> None:
-    """The routes of a server over an embedding model (runner pooling)."""
+    """The routes of a server over an embedding model (runner pooling): its embeddings, and the scores of text pairs
+    (vLLM's paths, the unversioned ones and Cohere's /v2/rerank too)."""
+    scores = OpenAIServingScores(embeddings)
 
     @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=_ERRORS)
     async def create_embedding(request: EmbeddingRequest, raw_request: Request):
         return _respond(await embeddings.create_embedding(request, raw_request))
+
+    async def score(request: ScoreRequest, raw_request: Request):
+        return _respond(await scores.score(request, raw_request))
+
+    async def rerank(request: RerankRequest, raw_request: Request):
+        return _respond(await scores.rerank(request, raw_request))
+
+    for path in ("/v1/score", "/score"):
+        app.post(path, response_model=ScoreResponse, responses=_ERRORS)(score)
+    for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
+        app.post(path, response_model=RerankResponse, responses=_ERRORS)(rerank)
 
 
 def _respond(result):

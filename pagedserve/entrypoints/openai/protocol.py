@@ -625,13 +625,73 @@ class EmbeddingUsage(BaseModel):
     total_tokens: int
 
 
-class EmbeddingResponse(BaseModel):
+class PooledList(BaseModel):
+    """What the embeddings and score endpoints answer: a list of results for the request's inputs."""
+
     id: str
     object: Literal["list"] = "list"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
-    data: list[EmbeddingData]
     usage: EmbeddingUsage
+
+
+class EmbeddingResponse(PooledList):
+    data: list[EmbeddingData]
+
+
+class ScoreRequest(RequestBody):
+    """POST /v1/score (vLLM's; a server with runner pooling): text_1's one text against each of text_2, or the two
+    lists pair by pair."""
+
+    model: str | None = None
+    text_1: NonEmpty[str] | NonEmpty[list[NonEmpty[str]]]
+    text_2: NonEmpty[str] | NonEmpty[list[NonEmpty[str]]]
+    truncate_prompt_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | Literal[-1] | None = None
+    priority: Int64 = 0
+
+
+class ScoreData(BaseModel):
+    index: int
+    object: Literal["score"] = "score"
+    score: float
+
+
+class ScoreResponse(PooledList):
+    data: list[ScoreData]
+
+
+class RerankRequest(RequestBody):
+    """POST /v1/rerank (vLLM's, in Jina's and Cohere's shape; a server with runner pooling): documents ordered by
+    their score against the query."""
+
+    model: str | None = None
+    query: NonEmpty[str]
+    documents: NonEmpty[list[NonEmpty[str]]]
+    top_n: Annotated[int, Field(ge=0, le=INT64_MAX)] = 0  # the best this many (0: all)
+    return_documents: bool = True
+    truncate_prompt_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | Literal[-1] | None = None
+    priority: Int64 = 0
+
+
+class RerankDocument(BaseModel):
+    text: str
+
+
+class RerankResult(BaseModel):
+    index: int
+    document: RerankDocument | None = None
+    relevance_score: float
+
+
+class RerankUsage(BaseModel):
+    total_tokens: int
+
+
+class RerankResponse(BaseModel):
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]
 
 
 class DetokenizeRequest(RequestBody):

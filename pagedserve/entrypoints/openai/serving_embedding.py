@@ -12,6 +12,7 @@ from pagedserve.engine.frontend import FrontEnd
 from pagedserve.entrypoints.openai.errors import APIError
 from pagedserve.entrypoints.openai.protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage, random_id
 from pagedserve.entrypoints.openai.serving_base import ServingBase, prompt_list
+from pagedserve.lora_request import LoRARequest
 from pagedserve.outputs import EmbeddingOutput, EmbeddingRequestOutput
 
 
@@ -21,18 +22,24 @@ class OpenAIServingEmbedding(ServingBase):
         if request.dimensions is not None:
             raise APIError(400, "dimensions is not supported: this server gives each embedding whole, as the model makes it",
                            param="dimensions")
-        prompts = prompt_list(request.input, "input")
         request_id = random_id("embd")
-        params = FrontEnd.embedding_params(request.truncate_prompt_tokens)
-        added = await self.add_requests(request_id, prompts, params, False, request.priority, lora_request=lora_request)
-        outputs = await self.collect_final(added, raw_request)
-        if not all(isinstance(output, EmbeddingRequestOutput) for output in outputs):
-            raise APIError(503, "the request ended before its embeddings were made")
+        outputs = await self.embed(request_id, prompt_list(request.input, "input"), request.truncate_prompt_tokens,
+                                   request.priority, lora_request, raw_request)
         data = [EmbeddingData(index=index, embedding=_encoded(output.outputs, request.encoding_format))
                 for index, output in enumerate(outputs)]
         num_tokens = sum(len(output.prompt_token_ids) for output in outputs)
         return EmbeddingResponse(id=request_id, model=self.models.response_name(request.model), data=data,
                                  usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens))
+
+    async def embed(self, request_id: str, prompts: list, truncate_prompt_tokens: int | None, priority: int,
+                    lora_request: LoRARequest | None, raw_request: Request) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding, in their order (all admitted, or none)."""
+        params = FrontEnd.embedding_params(truncate_prompt_tokens)
+        added = await self.add_requests(request_id, prompts, params, False, priority, lora_request=lora_request)
+        outputs = await self.collect_final(added, raw_request)
+        if not all(isinstance(output, EmbeddingRequestOutput) for output in outputs):
+            raise APIError(503, "the request ended before its embeddings were made")
+        return outputs
 
 
 def _encoded(output: EmbeddingOutput, encoding_format: str) -> list[float] | str:
