@@ -117,6 +117,11 @@ class EngineConfig:
         metadata={"help": "seconds a request's structure (JSON schema, regex, choice, grammar) may take to compile before the "
                   "request is refused; compiled structures are cached, so a repeat costs nothing"},
     )
+    hf_overrides: dict | None = field(
+        default=None,
+        metadata={"help": "values set over the model's config.json as transformers resolved it, as JSON (vLLM's "
+                  "--hf-overrides): {\"max_position_embeddings\": 4096}, {\"is_matryoshka\": true} (default: none)"},
+    )
     runner: str = field(
         default="generate",
         metadata={"help": "what the model serves: generate (text: completions, chat, the Responses API) or pooling (an "
@@ -205,6 +210,7 @@ class EngineConfig:
             _require(self.world_size == 1, "distributed_executor_backend", "mp or ray with more than one rank (uni runs one)",
                      self.distributed_executor_backend)
         _require(self.runner in RUNNERS, "runner", " or ".join(RUNNERS), self.runner)
+        self.hf_overrides = _json_object(self.hf_overrides, "hf_overrides")
         self._check_pooling()
         self.speculative = SpeculativeConfig.from_dict(self.speculative_config)
         self.kv_transfer = KVTransferConfig.from_dict(self.kv_transfer_config)
@@ -266,9 +272,9 @@ class EngineConfig:
         return cls(**kwargs)
 
 
-def _json_object(values: dict | str | None, name: str, fields_of) -> dict | None:
+def _json_object(values: dict | str | None, name: str, fields_of=None) -> dict | None:
     """A setting given as a JSON object (a dict, or its text on the command line), with only the fields of the
-    dataclass fields_of; ValueError naming the setting otherwise."""
+    dataclass fields_of (any, without one); ValueError naming the setting otherwise."""
     if values is None:
         return None
     if isinstance(values, str):
@@ -278,6 +284,8 @@ def _json_object(values: dict | str | None, name: str, fields_of) -> dict | None
             raise ValueError(f"{name} must be a JSON object, got {values!r}: {exc}") from exc
     if not isinstance(values, dict):
         raise ValueError(f"{name} must be a JSON object, got {values!r}")
+    if fields_of is None:
+        return values
     known = {f.name for f in dataclasses.fields(fields_of)}
     unknown = sorted(set(values) - known)
     if unknown:

@@ -17,3 +17,6 @@ class ModelInfo:
     generation_defaults: dict[str, float | int]
     num_experts: int = 0  # experts of each mixture-of-experts layer; 0 for a dense model
     experts_per_token: int = 0  # the experts each token is routed to (top-k); 0 for a dense model
+    hidden_size: int = 0
+    # The sizes an embedding may be shortened to (a matryoshka model's; pooling.matryoshka_dimensions); None: none.
+    matryoshka_dimensions: list[int] | None = None

@@ -101,6 +101,27 @@ def test_a_generation_checkpoint_serves_its_hidden_states_and_each_runner_refuse
         LLM(str(embedding_model), kv_cache_memory=16 * 1024**2)
 
 
+def test_a_matryoshka_models_embeddings_are_shortened_on_request(embedding_model):
+    # hf_overrides says what the model's config.json does not: the sizes it was trained to be cut to.
+    llm = embedding_llm(embedding_model, hf_overrides={"matryoshka_dimensions": [16, 32]})
+    try:
+        whole, short = (llm.embed(PROMPTS[0], dimensions=size, use_tqdm=False)[0] for size in (None, 16))
+        with pytest.raises(ValueError, match=r"dimensions must be one of \[16, 32\], got 8"):
+            llm.embed(PROMPTS[0], dimensions=8, use_tqdm=False)
+        tokens = whole.prompt_token_ids
+    finally:
+        shut(llm)
+    full = hf_pooled(embedding_model, tokens, "LAST", False)
+    assert len(whole.outputs.embedding) == 64 and len(short.outputs.embedding) == 16
+    np.testing.assert_allclose(short.outputs.embedding, full[:16] / np.linalg.norm(full[:16]), atol=2e-5, rtol=1e-4)
+    plain = embedding_llm(embedding_model)
+    try:
+        with pytest.raises(ValueError, match="dimensions needs a matryoshka model"):
+            plain.embed(PROMPTS[0], dimensions=16, use_tqdm=False)
+    finally:
+        shut(plain)
+
+
 def cosine(a, b) -> float:
     return float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)))
 
@@ -149,6 +170,8 @@ def test_pooler_config_is_checked():
         EngineConfig(pooler_config={"pooling_type": "MEAN"})
     with pytest.raises(ValueError, match="speculative_config applies to generated text"):
         EngineConfig(runner="pooling", speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="hf_overrides must be a JSON object"):
+        EngineConfig(hf_overrides="[16, 32]")
 
 
 @pytest.mark.slow

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
+
 from pagedserve.config import EngineConfig, KVTransferConfig
 from pagedserve.core.contracts import EngineCoreOutput
 from pagedserve.engine.output_processor import OutputProcessor, ProcessedOutputs
@@ -13,7 +15,10 @@ from pagedserve.engine.processor import ProcessedPrompt, Processor, PromptType
 from pagedserve.engine.tokenizer import grammar_compiler, load_tokenizer
 from pagedserve.engine.wire import EngineCoreRequest
 from pagedserve.lora_request import LoRARequest
+from pagedserve.matryoshka import check_dimensions, shortened
 from pagedserve.model_info import ModelInfo
+from pagedserve.outputs import EmbeddingRequestOutput
+from pagedserve.pooling import resolve_pooler
 from pagedserve.reasoning_format import REASONING_FORMATS
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -46,6 +51,8 @@ class FrontEnd:
         self.enable_lora = config.enable_lora
         self.kv_transfer = config.kv_transfer
         self.pooling = config.runner == "pooling"
+        # Whether embeddings come normalized: a shortened one is normalized again.
+        self.normalized_embeddings = self.pooling and resolve_pooler(config.pooler_config, model_info.model_dir).normalize
         self.processor = Processor(self.tokenizer, model_info, self.pooling)
         self.output_processor = output_processor if output_processor is not None else OutputProcessor(self.tokenizer)
 
@@ -64,6 +71,17 @@ class FrontEnd:
             raise ValueError("embeddings come from an engine with runner pooling (an embedding model); this one runs generate")
         if self.pooling and not pooling:
             raise ValueError("this engine runs pooling (an embedding model): it gives prompts' embeddings, not text")
+
+    def check_dimensions(self, dimensions: int | None) -> None:
+        """Refuse (ValueError naming dimensions) a size the model's embeddings cannot be shortened to."""
+        if dimensions is not None:
+            check_dimensions(dimensions, self.model_info.matryoshka_dimensions)
+
+    def shortened(self, output: EmbeddingRequestOutput, dimensions: int | None) -> EmbeddingRequestOutput:
+        """An embedding as a request asked for it (check_dimensions first): its first `dimensions` values, or whole."""
+        if dimensions is None:
+            return output
+        return msgspec.structs.replace(output, outputs=shortened(output.outputs, dimensions, self.normalized_embeddings))
 
     @staticmethod
     def embedding_params(truncate_prompt_tokens: int | None = None) -> SamplingParams:

@@ -71,13 +71,18 @@ class LLM:
         truncate_prompt_tokens: int | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        dimensions: int | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """Each prompt's embedding (outputs.embedding), in the order of the prompts, from an engine made with
-        runner="pooling" (an embedding model). truncate_prompt_tokens: embed only each prompt's last tokens."""
-        self.llm_engine.front_end.check_runner(pooling=True)
+        runner="pooling" (an embedding model). truncate_prompt_tokens: embed only each prompt's last tokens;
+        dimensions: a matryoshka model's embeddings shortened to their first this many values."""
+        front_end = self.llm_engine.front_end
+        front_end.check_runner(pooling=True)
+        front_end.check_dimensions(dimensions)
         prompt_list = _as_prompt_list(prompts)
         params = [FrontEnd.embedding_params(truncate_prompt_tokens)] * len(prompt_list)
-        return self._run_prompts(prompt_list, params, None, lora_request, use_tqdm)
+        outputs = self._run_prompts(prompt_list, params, None, lora_request, use_tqdm)
+        return [front_end.shortened(output, dimensions) for output in outputs]
 
     def score(
         self,

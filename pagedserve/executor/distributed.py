@@ -46,7 +46,7 @@ class DistributedExecutor(Executor):
         from pagedserve.models.location import resolve_model_dir
 
         self.infos = rank_infos(config)
-        hf_config = load_hf_config(resolve_model_dir(config.model))
+        hf_config = load_hf_config(resolve_model_dir(config.model), config.hf_overrides)
         validate_parallel_shape(hf_config, config.tensor_parallel_size, config.pipeline_parallel_size, self.infos[0].layer_partition,
                                 config.enable_expert_parallel)
         if config.enable_expert_parallel and config.data_parallel_place is None:  # over data-parallel cores: the workers say

@@ -25,6 +25,7 @@ from pagedserve.layers.fused_moe import FusedMoE
 from pagedserve.layers.gemm import onednn_available
 from pagedserve.layers.linear import TILES_MAX_ROWS, Linear, kv_heads_of_rank, row_limit_text
 from pagedserve.lora_request import LoRARequest
+from pagedserve.matryoshka import matryoshka_dimensions
 from pagedserve.model_info import ModelInfo
 from pagedserve.models.gguf_blocks import load_quantized_blocks
 from pagedserve.models.hf_config import load_hf_config
@@ -166,7 +167,7 @@ class Worker:
         self.kv_cache_dtype = kv_cache_element(config.kv_cache_dtype, self.gemm_dtype)
         self.kv_format = kv_format(config.kv_cache_dtype)
         self.model_dir = resolve_model_dir(config.model)
-        self.hf_config = load_hf_config(self.model_dir)
+        self.hf_config = load_hf_config(self.model_dir, config.hf_overrides)
         self.model_max_len = max_position_of(self.hf_config)
         if config.max_model_len is not None and config.max_model_len > self.model_max_len:
             raise ValueError(f"max_model_len must be <= {self.model_max_len} (the model's context length), got {config.max_model_len}")
@@ -413,7 +414,8 @@ class Worker:
         return ModelInfo(model_dir=str(self.model_dir), max_model_len=self.max_model_len, vocab_size=self.hf_config.vocab_size,
                          eos_token_ids=list(self.eos_token_ids), num_blocks=self.num_blocks,
                          generation_defaults=dict(self.generation_defaults), num_experts=shape.num_experts if shape else 0,
-                         experts_per_token=shape.top_k if shape else 0)
+                         experts_per_token=shape.top_k if shape else 0, hidden_size=self.hf_config.hidden_size,
+                         matryoshka_dimensions=matryoshka_dimensions(self.hf_config))
 
     @property
     def is_output_rank(self) -> bool:

@@ -42,8 +42,9 @@ class ResolvedConfig:
         return AutoConfig.for_model(values.pop("model_type"), **values)
 
 
-def load_hf_config(model_dir: Path) -> ResolvedConfig:
-    """model_dir/config.json resolved by transformers (from the cache when it was resolved before)."""
+def load_hf_config(model_dir: Path, overrides: dict | None = None) -> ResolvedConfig:
+    """model_dir/config.json resolved by transformers (from the cache when it was resolved before), overrides set over
+    it (hf_overrides)."""
     try:
         raw = (model_dir / "config.json").read_bytes()
     except OSError as exc:
@@ -53,7 +54,7 @@ def load_hf_config(model_dir: Path) -> ResolvedConfig:
     if values is None:
         values = _resolve(model_dir)
         cached_json.write(path, values)
-    return ResolvedConfig(values)
+    return ResolvedConfig({**values, **(overrides or {})})
 
 
 def _resolve(model_dir: Path) -> dict:

@@ -606,8 +606,8 @@ class EmbeddingRequest(RequestBody):
     model: str | None = None
     input: Prompt
     encoding_format: Literal["float", "base64"] = "float"
-    # Accepted by OpenAI but not by this server: rejected with a 400 when set.
-    dimensions: Int64 | None = Field(None, json_schema_extra={"anyOf": [{"type": "null"}], "description": "not supported"})
+    # A matryoshka model's embeddings shortened to their first this many values (a 400 for another model).
+    dimensions: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None
     user: str | None = None  # the end user, for the client's own records (OpenAI's abuse monitoring); not used
     # vLLM's extras: only each prompt's last this many tokens (-1: max_model_len of them); the scheduling priority.
     truncate_prompt_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | Literal[-1] | None = None

@@ -19,13 +19,16 @@ from pagedserve.outputs import EmbeddingOutput, EmbeddingRequestOutput
 class OpenAIServingEmbedding(ServingBase):
     async def create_embedding(self, request: EmbeddingRequest, raw_request: Request) -> EmbeddingResponse:
         lora_request = self.check_model(request.model)
-        if request.dimensions is not None:
-            raise APIError(400, "dimensions is not supported: this server gives each embedding whole, as the model makes it",
-                           param="dimensions")
+        front_end = self.engine.front_end
+        try:
+            front_end.check_dimensions(request.dimensions)
+        except ValueError as exc:
+            raise APIError.bad_request(exc, param="dimensions") from exc
         request_id = random_id("embd")
         outputs = await self.embed(request_id, prompt_list(request.input, "input"), request.truncate_prompt_tokens,
                                    request.priority, lora_request, raw_request)
-        data = [EmbeddingData(index=index, embedding=_encoded(output.outputs, request.encoding_format))
+        data = [EmbeddingData(index=index, embedding=_encoded(front_end.shortened(output, request.dimensions).outputs,
+                                                              request.encoding_format))
                 for index, output in enumerate(outputs)]
         num_tokens = sum(len(output.prompt_token_ids) for output in outputs)
         return EmbeddingResponse(id=request_id, model=self.models.response_name(request.model), data=data,
