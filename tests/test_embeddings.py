@@ -218,9 +218,10 @@ def test_the_embeddings_endpoint_as_openais_client_uses_it(embedding_server, emb
     with pytest.raises(openai.BadRequestError) as refused:
         client.embeddings.create(model="embedder", input="Hi", dimensions=8)
     assert refused.value.body["param"] == "dimensions"
-    with pytest.raises(openai.BadRequestError) as refused:
-        client.embeddings.create(model="embedder", input=[])
-    assert refused.value.body["param"] == "input"
+    for bad_input in ([], "Paged attention " * 700, [[49152]]):  # empty, beyond the context, beyond the vocabulary
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.embeddings.create(model="embedder", input=bad_input)
+        assert refused.value.body["param"] == "input"
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="embedder", messages=[{"role": "user", "content": "Hi"}])
     paths = embedding_server.get("/openapi.json").json()["paths"]

@@ -65,9 +65,11 @@ class ServingBase:
             raise APIError(400, f"n must be <= {self.max_n} (this server's limit of samples per request), got {n}", param="n")
 
     async def add_requests(self, request_id: str, prompts: list, params: SamplingParams, stream: bool, priority: int,
-                           structure_field: str | None = None, lora_request: LoRARequest | None = None):
+                           structure_field: str | None = None, lora_request: LoRARequest | None = None,
+                           prompt_field: str | None = None):
         """Admit every prompt or none: -> [(sub-request id, queue)]. structure_field: the request field that gave the
-        output's structure (the one a structure that does not compile is blamed on)."""
+        output's structure (the one a structure that does not compile is blamed on); prompt_field: the field a bad
+        prompt is blamed on, where only the prompts can be at fault."""
         self.check_n(params.n)
         if params.kv_transfer_params and params.kv_transfer_params.get("do_remote_decode"):
             if stream:
@@ -85,7 +87,7 @@ class ServingBase:
         except Exception as exc:
             for sub_id, _ in added:
                 await self.engine.abort(sub_id)
-            raise _as_api_error(exc, structure_field) from exc
+            raise _as_api_error(exc, structure_field, prompt_field) from exc
         return added
 
     async def sse_stream(self, added, events: AsyncIterator[str], raw_request: Request,
@@ -139,7 +141,7 @@ class ServingBase:
             raise APIError(503, str(exc)) from exc
 
 
-def _as_api_error(exc: Exception, structure_field: str | None = None) -> APIError:
+def _as_api_error(exc: Exception, structure_field: str | None = None, prompt_field: str | None = None) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, StructureError):
@@ -149,7 +151,7 @@ def _as_api_error(exc: Exception, structure_field: str | None = None) -> APIErro
     if isinstance(exc, _SERVER_ENDED):
         return APIError(503, "the engine is not running" if isinstance(exc, EngineDeadError) else str(exc))
     if isinstance(exc, (ValueError, TypeError)):
-        return APIError.bad_request(exc)
+        return APIError.bad_request(exc, param=prompt_field)
     raise exc
 
 

@@ -26,7 +26,7 @@ class OpenAIServingEmbedding(ServingBase):
             raise APIError.bad_request(exc, param="dimensions") from exc
         request_id = random_id("embd")
         outputs = await self.embed(request_id, prompt_list(request.input, "input"), request.truncate_prompt_tokens,
-                                   request.priority, lora_request, raw_request)
+                                   request.priority, lora_request, raw_request, prompt_field="input")
         data = [EmbeddingData(index=index, embedding=_encoded(front_end.shortened(output, request.dimensions).outputs,
                                                               request.encoding_format))
                 for index, output in enumerate(outputs)]
@@ -35,10 +35,13 @@ class OpenAIServingEmbedding(ServingBase):
                                  usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens))
 
     async def embed(self, request_id: str, prompts: list, truncate_prompt_tokens: int | None, priority: int,
-                    lora_request: LoRARequest | None, raw_request: Request) -> list[EmbeddingRequestOutput]:
-        """Each prompt's embedding, in their order (all admitted, or none)."""
+                    lora_request: LoRARequest | None, raw_request: Request,
+                    prompt_field: str | None = None) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding, in their order (all admitted, or none); a prompt that cannot be embedded (too long,
+        tokens beyond the vocabulary) is a 400 naming prompt_field."""
         params = FrontEnd.embedding_params(truncate_prompt_tokens)
-        added = await self.add_requests(request_id, prompts, params, False, priority, lora_request=lora_request)
+        added = await self.add_requests(request_id, prompts, params, False, priority, lora_request=lora_request,
+                                        prompt_field=prompt_field)
         outputs = await self.collect_final(added, raw_request)
         if not all(isinstance(output, EmbeddingRequestOutput) for output in outputs):
             raise APIError(503, "the request ended before its embeddings were made")
