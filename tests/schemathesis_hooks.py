@@ -7,7 +7,9 @@
 - A named tool_choice must name one of the request's tools, and "required" and a named function compile the tools'
   parameters: in the tester's copy, tool_choice is "none" or "auto" (the server runs with --enable-auto-tool-choice).
 - A stored response's starting_after picks up a stream, so it needs stream true: the coverage phase takes one query
-  field at a time, so the tester's copy leaves starting_after out (test_responses.py reads streams with it)."""
+  field at a time, so the tester's copy leaves starting_after out (test_responses.py reads streams with it).
+- On an embedding model's server, a score request's text_1 holds one text or as many as text_2: in the tester's copy,
+  one."""
 
 import schemathesis
 
@@ -22,6 +24,9 @@ SCHEMA_TEXT = {"type": "string", "pattern": "^[{][}]$"}
 @schemathesis.hook
 def before_load_schema(ctx, raw_schema: dict) -> None:
     bodies = raw_schema["components"]["schemas"]
+    if "ScoreRequest" in bodies:  # an embedding model's server
+        _pair_scores(bodies)
+        return
     bodies["CompletionRequest"]["properties"]["min_tokens"]["maximum"] = COMPLETIONS_DEFAULT_MAX_TOKENS
     for body in ("CompletionRequest", "ChatCompletionRequest"):
         fields = bodies[body]["properties"]
@@ -33,3 +38,8 @@ def before_load_schema(ctx, raw_schema: dict) -> None:
     structured["json"] = {"anyOf": [{"type": "object"}, SCHEMA_TEXT, {"type": "null"}]}
     retrieve = raw_schema["paths"]["/v1/responses/{response_id}"]["get"]
     retrieve["parameters"] = [parameter for parameter in retrieve["parameters"] if parameter["name"] != "starting_after"]
+
+
+def _pair_scores(bodies: dict) -> None:
+    """The score endpoint pairs text_1 with text_2 (one against each, or as many as it): text_1 one text."""
+    bodies["ScoreRequest"]["properties"]["text_1"] = {"type": "string", "minLength": 1}

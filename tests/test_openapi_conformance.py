@@ -56,18 +56,34 @@ def test_server_answers_every_generated_request_as_its_schema_says(case, fuzz_se
                            checks=[not_a_server_error, response_schema_conformance, status_code_conformance, content_type_conformance])
 
 
+def run_coverage_phase(server) -> None:
+    cli = Path(sys.executable).with_name("st")
+    hooks = {"SCHEMATHESIS_HOOKS": "schemathesis_hooks", "PYTHONPATH": str(Path(__file__).parent)}
+    command = [str(cli), "run", server.url + "/openapi.json", "--phases", "coverage", "--request-timeout", "120", "--no-color",
+               "-H", f"Authorization: {AUTH['Authorization']}"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, env={**os.environ, **hooks})
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+
+
 @pytest.mark.slow
 def test_schemathesis_coverage_phase_finds_the_schema_and_the_server_agree(fuzz_server):
     """schemathesis's coverage phase (every field at its boundaries, each kind of invalid value) with all its checks:
     a request the schema allows is served ("schema-valid request rejected" fails it), one it forbids is refused, and
     every response is as documented. (schemathesis_hooks.py keeps min_tokens within max_tokens' default: a rule between
     two numbers that JSON Schema cannot state.)"""
-    cli = Path(sys.executable).with_name("st")
-    hooks = {"SCHEMATHESIS_HOOKS": "schemathesis_hooks", "PYTHONPATH": str(Path(__file__).parent)}
-    command = [str(cli), "run", fuzz_server.url + "/openapi.json", "--phases", "coverage", "--request-timeout", "120", "--no-color",
-               "-H", f"Authorization: {AUTH['Authorization']}"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900, env={**os.environ, **hooks})
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+    run_coverage_phase(fuzz_server)
+
+
+@pytest.mark.slow
+def test_schemathesis_coverage_phase_on_an_embedding_models_server(tiny_models):
+    """The same of a server with runner pooling: its embeddings, scores and reranks."""
+    server = RemoteServer("--model", str(tiny_models["llama"]), "--served-model-name", "tiny", "--runner", "pooling",
+                          "--kv-cache-memory", str(16 * 1024**2), "--max-model-len", "256", "--max-num-seqs", "8",
+                          "--max-request-bytes", str(256 * 1024), api_key=API_KEY)
+    try:
+        run_coverage_phase(server)
+    finally:
+        assert server.stop() == 0, server.log_text()[-3000:]
 
 
 @pytest.mark.parametrize("largest", [0, 7, 10, 99, 100, 509, 1000, 49151])

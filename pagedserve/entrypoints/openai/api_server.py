@@ -178,7 +178,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
             logger.warning("the experts' token counts were not read for /metrics: %s", exc)
         return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    limits = ServedLimits(engine.model_info.vocab_size, max_n, engine.max_model_len, settings.trust_request_chat_template)
+    limits = ServedLimits(engine.model_info.vocab_size, max_n, engine.max_model_len, settings.trust_request_chat_template,
+                          engine.model_info.matryoshka_dimensions)
     app.openapi = lambda: served_schema(app, limits)
     return app
 

@@ -5,7 +5,8 @@ client (or a schema-driven tester) that sends a schema-valid request is served:
 - integer bounds are exact: FastAPI's OpenAPI model holds them as floats, and 2**63 - 1 as a float is 2**63, which
   the server refuses;
 - the server's own limits: token ids (and logit_bias's keys) below the vocabulary's size, at most max_n samples, generated tokens within
-  the context, a request's own chat template only where the server trusts them (else null)."""
+  the context, a request's own chat template only where the server trusts them (else null), an embedding's dimensions
+  only where the model's embeddings may be shortened, to the sizes they may be (else null)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ class ServedLimits:
     max_n: int
     max_model_len: int
     trust_request_chat_template: bool
+    matryoshka_dimensions: list[int] | None = None  # the sizes an embedding may be shortened to (None: none)
 
 
 def served_schema(app: FastAPI, limits: ServedLimits) -> dict:
@@ -78,14 +80,24 @@ def _apply_limits(bodies: dict, limits: ServedLimits) -> None:
                         ("ChatCompletionRequest", "min_tokens"), ("ResponsesRequest", "max_output_tokens")):
         if field in properties(name):
             _integer_branch(properties(name)[field])["maximum"] = limits.max_model_len - 1
-    for name in ("CompletionRequest", "EmbeddingRequest"):
+    for name in ("CompletionRequest", "EmbeddingRequest", "ScoreRequest", "RerankRequest"):
         if "truncate_prompt_tokens" in properties(name):
             _integer_branch(properties(name)["truncate_prompt_tokens"])["maximum"] = limits.max_model_len
+    if "dimensions" in properties("EmbeddingRequest"):
+        properties("EmbeddingRequest")["dimensions"] = _dimensions_schema(limits.matryoshka_dimensions)
     if not limits.trust_request_chat_template:
         for name in ("ChatCompletionRequest", "TokenizeChatRequest"):
             if name in bodies:
                 bodies[name]["properties"]["chat_template"] = {
                     "type": "null", "description": "a request's own template: this server does not accept them"}
+
+
+def _dimensions_schema(allowed: list[int] | None) -> dict:
+    if allowed is None:
+        return {"type": "null", "description": "this model's embeddings are not shortened (not a matryoshka model)"}
+    contiguous = allowed == list(range(1, allowed[-1] + 1))
+    sizes = {"type": "integer", "minimum": 1, "maximum": allowed[-1]} if contiguous else {"type": "integer", "enum": allowed}
+    return {"anyOf": [sizes, {"type": "null"}], "description": "the embedding's first this many values, normalized again"}
 
 
 def _integer_branch(field: dict) -> dict:
