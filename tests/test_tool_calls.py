@@ -37,6 +37,8 @@ PARSED = [
      [("f", {"a": "x"}), ("g", {"b": [1, 2]})]),
     ("llama3_json", ' {"name": "f", "arguments": {"a": true}}', None, [("f", {"a": True})]),
     ("mistral", 'Sure. [TOOL_CALLS] [{"name": "f", "arguments": {"a": null}}]', "Sure.", [("f", {"a": None})]),
+    ("granite", '<|tool_call|>[{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {}}]', None,
+     [("f", {"a": 1}), ("g", {})]),
     ("pythonic", '[get_weather(city="Paris", unit="C"), get_time(zone="CET")]', None,
      [("get_weather", {"city": "Paris", "unit": "C"}), ("get_time", {"zone": "CET"})]),
 ]
@@ -52,7 +54,8 @@ def test_each_parser_reads_its_formats_calls(parser, text, content, calls):
 @pytest.mark.parametrize("parser,text", [
     ("hermes", "No call here."), ("hermes", "<tool_call>{not json}</tool_call>"), ("hermes", '<tool_call>{"arguments": {}}'),
     ("llama3_json", "Hello {there}"), ("llama3_json", '{"name": "f", "parameters": {}} trailing'),
-    ("mistral", "[TOOL_CALLS] not json"), ("pythonic", "[f(1)]"), ("pythonic", "[f(x=open('a'))]"), ("pythonic", "plain text"),
+    ("mistral", "[TOOL_CALLS] not json"), ("granite", '<|tool_call|>[{"name": "f"}] and more'),
+    ("pythonic", "[f(1)]"), ("pythonic", "[f(x=open('a'))]"), ("pythonic", "plain text"),
 ])
 def test_text_that_is_not_a_call_stays_text(parser, text):
     assert TOOL_CALL_PARSERS[parser]().parse(text) is None

@@ -55,7 +55,7 @@ def register(sub) -> None:
                             "from its text in the --tool-call-parser format (default: off, such requests are refused)")
     group.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_PARSERS),
                        help="the format the model writes tool calls in, for tool_choice auto: hermes (<tool_call> JSON), "
-                            "llama3_json, mistral ([TOOL_CALLS] JSON) or pythonic ([f(x=1)])")
+                            "llama3_json, mistral ([TOOL_CALLS] JSON), granite (<|tool_call|> JSON) or pythonic ([f(x=1)])")
     group.add_argument("--web-console", action=argparse.BooleanOptionalAction, default=True,
                        help="serve the web console at /: a chat page and a live view of the engine (--no-web-console: off)")
     group.add_argument("--web-console-show-prompts", action=argparse.BooleanOptionalAction, default=False,

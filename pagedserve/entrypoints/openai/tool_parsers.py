@@ -7,6 +7,7 @@ finished text; text that does not parse as calls stays text.
 - llama3_json: a JSON object `{"name": ..., "parameters": {...}}` (or "arguments"), several separated by ";",
   optionally after `<|python_tag|>` (Llama 3.1 and 3.2).
 - mistral: `[TOOL_CALLS]` then a JSON array of `{"name": ..., "arguments": {...}}` (Mistral v0.3).
+- granite: `<|tool_call|>` then such an array (IBM Granite 3).
 - pythonic: a Python list of calls, `[get_weather(city="Paris"), f()]` (Llama 3.2 and 4).
 """
 
@@ -104,9 +105,8 @@ class HermesParser(_MarkedParser):
         return ParsedText(self._content(text), calls) if calls else None
 
 
-class MistralParser(_MarkedParser):
-    name = "mistral"
-    marker = "[TOOL_CALLS]"
+class _MarkedListParser(_MarkedParser):
+    """A JSON array of calls after a marker, and nothing after it."""
 
     def parse(self, text: str) -> ParsedText | None:
         start = self.call_start(text)
@@ -120,6 +120,16 @@ class MistralParser(_MarkedParser):
             return None
         calls = _calls_of(items, ("arguments", "parameters"))
         return ParsedText(self._content(text), calls) if calls else None
+
+
+class MistralParser(_MarkedListParser):
+    name = "mistral"
+    marker = "[TOOL_CALLS]"
+
+
+class GraniteParser(_MarkedListParser):
+    name = "granite"
+    marker = "<|tool_call|>"
 
 
 class _WholeTextParser(ToolCallParser):
@@ -197,4 +207,4 @@ def _leading_spaces(text: str) -> int:
 
 
 TOOL_CALL_PARSERS: dict[str, type[ToolCallParser]] = {
-    parser.name: parser for parser in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser)}
+    parser.name: parser for parser in (HermesParser, Llama3JsonParser, MistralParser, GraniteParser, PythonicParser)}
