@@ -169,7 +169,9 @@ def test_a_prompt_far_beyond_the_context_is_refused_while_health_and_streams_kee
     streamer.join()
     response = results["response"]
     assert response.status_code == 400 and "max_model_len" in response.json()["error"]["message"]
-    assert health_times and max(health_times) < 0.1, health_times
+    # Tokenizing the whole prompt on the event loop would hold /health several times longer than this bound; a probe
+    # that finds the server's processes busy on a loaded machine may still wait a scheduling slice or two.
+    assert health_times and max(health_times) < 0.5, health_times
     assert len(stream_gaps) >= 400 and max(stream_gaps[1:]) < 1.0
 
 
