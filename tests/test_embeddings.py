@@ -142,6 +142,31 @@ def test_scores_are_the_cosine_similarity_of_transformers_embeddings(embedding_m
                                                                           cosine(vectors[1], vectors[2])], abs=1e-5)
 
 
+def test_an_adapters_embeddings_equal_peft_over_transformers(embedding_model, tmp_path):
+    """A LoRA adapter of the base model (PEFT names its modules without the model. prefix) beside the base model."""
+    import peft
+    import transformers
+
+    from pagedserve import LoRARequest
+
+    torch.manual_seed(3)
+    adapted = peft.get_peft_model(transformers.AutoModel.from_pretrained(embedding_model).eval(),
+                                  peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                                                  init_lora_weights=False))
+    adapted.save_pretrained(tmp_path / "adapter")
+    ids = [5, 6, 7, 8, 9]
+    with torch.no_grad():
+        expected = torch.nn.functional.normalize(adapted(input_ids=torch.tensor([ids])).last_hidden_state[0, -1], dim=-1).numpy()
+    llm = embedding_llm(embedding_model, enable_lora=True, max_lora_rank=8)
+    try:
+        with_adapter, without = llm.embed([ids, ids], use_tqdm=False,
+                                          lora_request=[LoRARequest("adapter", 1, str(tmp_path / "adapter")), None])
+    finally:
+        shut(llm)
+    np.testing.assert_allclose(with_adapter.outputs.embedding, expected, atol=2e-5, rtol=1e-4)
+    np.testing.assert_allclose(without.outputs.embedding, hf_pooled(embedding_model, ids, "LAST", True), atol=2e-5, rtol=1e-4)
+
+
 def test_embed_on_a_text_engine_is_refused(default_llm):
     with pytest.raises(ValueError, match="runner pooling"):
         default_llm.embed("Hello", use_tqdm=False)

@@ -373,7 +373,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name.startswith("lm_head.") and self.lm_head is None and rank_info().is_last_stage:
                 continue  # an embedding model's: its hidden states are what it serves
-            name = checkpoint_alias(_with_model_prefix(name))
+            name = checkpoint_alias(with_model_prefix(name))
             expert = expert_tensor(name)
             if expert is not None:
                 experts, index, part = expert
@@ -451,7 +451,7 @@ class LlamaForCausalLM(nn.Module):
         return expected
 
 
-def _with_model_prefix(name: str) -> str:
+def with_model_prefix(name: str) -> str:
     """A checkpoint tensor's name as a ...ForCausalLM names it: a base model's (LlamaModel, Qwen3Model: how embedding
     models are saved) lack the "model." before the decoder's tensors."""
     return name if name.startswith(("model.", "lm_head.")) else "model." + name

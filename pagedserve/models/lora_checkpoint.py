@@ -1,7 +1,7 @@
 """A PEFT LoRA adapter directory read into the products it adds: for each adapted module (by its HF path, such as
-model.layers.0.self_attn.q_proj) the down-projection A [r, in] and the up-projection B [out, r], B scaled by the
-adapter's alpha / r (alpha / sqrt(r) under rsLoRA), as PEFT applies them. What PEFT can express and this engine
-cannot run is refused by name, never read halfway."""
+model.layers.0.self_attn.q_proj; a base model's adapter is named as the model's own tensors are) the down-projection
+A [r, in] and the up-projection B [out, r], B scaled by the adapter's alpha / r (alpha / sqrt(r) under rsLoRA), as
+PEFT applies them. What PEFT can express and this engine cannot run is refused by name, never read halfway."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from pagedserve.lora_request import CONFIG_FILE, WEIGHTS_FILE
+from pagedserve.models.llama import with_model_prefix
 
 _PREFIX = "base_model.model."
 _A, _B = ".lora_A.weight", ".lora_B.weight"
@@ -89,7 +90,7 @@ def _module_products(tensors: dict[str, torch.Tensor], directory: Path) -> dict[
     for key, tensor in tensors.items():
         for suffix in (_A, _B):
             if key.startswith(_PREFIX) and key.endswith(suffix):
-                halves.setdefault(key[len(_PREFIX):-len(suffix)], {})[suffix] = tensor
+                halves.setdefault(with_model_prefix(key[len(_PREFIX):-len(suffix)]), {})[suffix] = tensor
                 break
         else:
             raise ValueError(f"LoRA adapter {str(directory)!r} holds {key!r}, which is not a LoRA A or B weight of a linear layer")
