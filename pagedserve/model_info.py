@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedserve.pooling import PoolerConfig
+
 
 @dataclass
 class ModelInfo:
@@ -17,6 +19,7 @@ class ModelInfo:
     generation_defaults: dict[str, float | int]
     num_experts: int = 0  # experts of each mixture-of-experts layer; 0 for a dense model
     experts_per_token: int = 0  # the experts each token is routed to (top-k); 0 for a dense model
-    hidden_size: int = 0
-    # The sizes an embedding may be shortened to (a matryoshka model's; pooling.matryoshka_dimensions); None: none.
+    # Runner pooling: the pooler the runner runs (pooling.resolve_pooler's, resolved once by the worker); None: generate.
+    pooler: PoolerConfig | None = None
+    # The sizes an embedding may be shortened to (a matryoshka model's; matryoshka.matryoshka_dimensions); None: none.
     matryoshka_dimensions: list[int] | None = None

@@ -71,10 +71,6 @@ class EmbeddingOutput(msgspec.Struct):
     def embedding(self) -> list[float]:
         return array("f", self.data).tolist()
 
-    @property
-    def hidden_size(self) -> int:
-        return len(self.data) // 4
-
 
 class EmbeddingRequestOutput(msgspec.Struct):
     request_id: str

@@ -19,7 +19,6 @@ from pagedserve.executor.selector import executor_class as select_executor_class
 from pagedserve.kv_transfer.factory import scheduler_connector
 from pagedserve.lora_request import LoRARequest
 from pagedserve.model_info import ModelInfo
-from pagedserve.pooling import resolve_pooler
 from pagedserve.processes import freeze_start_up_objects
 from pagedserve.reasoning_format import REASONING_FORMATS
 from pagedserve.request import Request
@@ -44,7 +43,7 @@ class EngineCore:
         except BaseException:
             self.executor.shutdown()
             raise
-        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, self._prefix_caching(config))
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, self._prefix_caching(config.enable_prefix_caching))
         # Pipeline parallelism: up to max_concurrent_batches steps in flight; a request's next step waits for its last.
         # Each step in flight, and when it was submitted (perf_counter).
         self.batch_queue: deque[tuple[SchedulerOutput, float]] | None = deque() if self.executor.max_concurrent_batches > 1 else None
@@ -169,15 +168,14 @@ class EngineCore:
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.get_stats()
 
-    def _prefix_caching(self, config: EngineConfig) -> bool:
+    def _prefix_caching(self, configured: bool) -> bool:
         """Whether the engine reuses cached prefixes: as configured, but for a pooler that reads every prompt token's
         hidden state (a cached prefix has none)."""
-        if config.runner != "pooling" or not config.enable_prefix_caching:
-            return config.enable_prefix_caching
-        pooler = resolve_pooler(config.pooler_config, self.model_info.model_dir)
-        if pooler.reads_every_token:
-            logger.info("pooling %s: every prompt is computed whole (no prefix caching)", pooler.pooling_type)
-        return not pooler.reads_every_token
+        pooler = self.model_info.pooler
+        if not configured or pooler is None or not pooler.reads_every_token:
+            return configured
+        logger.info("pooling %s: every prompt is computed whole (no prefix caching)", pooler.pooling_type)
+        return False
 
     def shutdown(self) -> None:
         self.structured_output.shutdown()

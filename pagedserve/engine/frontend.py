@@ -18,7 +18,6 @@ from pagedserve.lora_request import LoRARequest
 from pagedserve.matryoshka import check_dimensions, shortened
 from pagedserve.model_info import ModelInfo
 from pagedserve.outputs import EmbeddingRequestOutput
-from pagedserve.pooling import resolve_pooler
 from pagedserve.reasoning_format import REASONING_FORMATS
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -52,7 +51,7 @@ class FrontEnd:
         self.kv_transfer = config.kv_transfer
         self.pooling = config.runner == "pooling"
         # Whether embeddings come normalized: a shortened one is normalized again.
-        self.normalized_embeddings = self.pooling and resolve_pooler(config.pooler_config, model_info.model_dir).normalize
+        self.normalized_embeddings = model_info.pooler is not None and model_info.pooler.normalize
         self.processor = Processor(self.tokenizer, model_info, self.pooling)
         self.output_processor = output_processor if output_processor is not None else OutputProcessor(self.tokenizer)
 

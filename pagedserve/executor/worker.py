@@ -168,6 +168,7 @@ class Worker:
         self.kv_format = kv_format(config.kv_cache_dtype)
         self.model_dir = resolve_model_dir(config.model)
         self.hf_config = load_hf_config(self.model_dir, config.hf_overrides)
+        self.pooler = resolve_pooler(config.pooler_config, self.model_dir) if config.runner == "pooling" else None
         self.model_max_len = max_position_of(self.hf_config)
         if config.max_model_len is not None and config.max_model_len > self.model_max_len:
             raise ValueError(f"max_model_len must be <= {self.model_max_len} (the model's context length), got {config.max_model_len}")
@@ -352,9 +353,8 @@ class Worker:
             draft_shape = (2, num_blocks, config.block_size, self.draft_config.num_key_value_heads, self._row_width(self.draft_config))
             num_draft_layers = self.draft_config.num_hidden_layers
             self.draft_kv_caches = [zeroed(draft_shape, self.kv_cache_dtype, self.device) for _ in range(num_draft_layers)]
-        pooler = resolve_pooler(config.pooler_config, self.model_dir) if config.runner == "pooling" else None
         self.model_runner = ModelRunner(self.model, self.kv_caches, config.block_size, self.device, config.seed, self.attn_backend,
-                                        self.cpu_kernels, self._make_proposer(), pooler)
+                                        self.cpu_kernels, self._make_proposer(), self.pooler)
         if expert_groups() is not None:
             self.model_runner.steps_with_other_cores = list(self._mixtures().values())
         if config.enable_lora:
@@ -414,7 +414,7 @@ class Worker:
         return ModelInfo(model_dir=str(self.model_dir), max_model_len=self.max_model_len, vocab_size=self.hf_config.vocab_size,
                          eos_token_ids=list(self.eos_token_ids), num_blocks=self.num_blocks,
                          generation_defaults=dict(self.generation_defaults), num_experts=shape.num_experts if shape else 0,
-                         experts_per_token=shape.top_k if shape else 0, hidden_size=self.hf_config.hidden_size,
+                         experts_per_token=shape.top_k if shape else 0, pooler=self.pooler,
                          matryoshka_dimensions=matryoshka_dimensions(self.hf_config))
 
     @property

@@ -18,6 +18,7 @@ from pagedserve.entrypoints.openai.protocol import (
     ScoreResponse,
     random_id,
 )
+from pagedserve.entrypoints.openai.serving_base import prompt_list
 from pagedserve.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedserve.outputs import EmbeddingRequestOutput
 from pagedserve.scoring import cosine_similarity, score_pairs
@@ -28,7 +29,7 @@ class OpenAIServingScores:
         self.embeddings = embeddings
 
     async def score(self, request: ScoreRequest, raw_request: Request) -> ScoreResponse:
-        first, second = _texts(request.text_1), _texts(request.text_2)
+        first, second = prompt_list(request.text_1, "text_1"), prompt_list(request.text_2, "text_2")
         try:
             pairs = score_pairs(len(first), len(second))
         except ValueError as exc:
@@ -58,7 +59,3 @@ class OpenAIServingScores:
         outputs = await self.embeddings.embed(request_id, first + second, request.truncate_prompt_tokens, request.priority,
                                               lora_request, raw_request)
         return [cosine_similarity(outputs[i].outputs, outputs[len(first) + j].outputs) for i, j in pairs], outputs
-
-
-def _texts(value: str | list[str]) -> list[str]:
-    return [value] if isinstance(value, str) else list(value)
