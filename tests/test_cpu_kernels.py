@@ -365,7 +365,7 @@ def q8_scheme(x: torch.Tensor, raw_blocks: np.ndarray, qtype) -> torch.Tensor:
 @pytest.mark.parametrize("rows,out_features,in_features", [(1, 5, 32), (2, 33, 64), (3, 7, 96), (5, 13, 576), (9, 40, 160),
                                                             (70, 24, 96), (150, 17, 64), (24, 72, 160), (70, 136, 96)])
 def test_q8_quantized_linear_computes_its_scheme(type_name, rows, out_features, in_features):
-    """Integer products of x rounded per 32 values, on the blocks' panels: a last group of fewer than 8 weight rows,
+    """Integer products of x rounded per 32 values, on the blocks' panels: a last group of fewer weight rows than a group holds,
     input rows past a chunk of 64, odd and even block counts, groups split among the threads."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
@@ -402,8 +402,9 @@ def test_quantized_linear_names_bad_input():
         kernels.quantized_linear_q8(torch.zeros(2, 32), panels, 12, 4)
     with pytest.raises(RuntimeError, match="panels do not hold 4 rows of 64 values"):
         kernels.quantized_linear_q8(torch.zeros(2, 64), panels, 3, 4)
-    with pytest.raises(RuntimeError, match="panels do not hold 9 rows of 32 values"):
-        kernels.quantized_linear_q8(torch.zeros(2, 32), panels, 3, 9)
+    # More rows than one group holds (8 or 16, by the build), while the panels hold one group.
+    with pytest.raises(RuntimeError, match="panels do not hold 17 rows of 32 values"):
+        kernels.quantized_linear_q8(torch.zeros(2, 32), panels, 3, 17)
     with pytest.raises(RuntimeError, match="not whole blocks of 32"):
         kernels.quantized_linear_q8(torch.zeros(2, 40), panels, 3, 4)
     with pytest.raises(RuntimeError, match="unsupported GGUF quantization type"):

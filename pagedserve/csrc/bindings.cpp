@@ -74,7 +74,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ W.T (+ bias) with W in GGUF Q4_0/Q4_1/Q8_0 blocks, read from their panels (pack_q8_panels), and x rounded to 8 bits "
         "per block of 32 values (integer products)",
         py::arg("x"), py::arg("panels"), py::arg("qtype"), py::arg("out_features"), py::arg("bias") = py::none());
-  m.def("pack_q8_panels", &pack_q8_panels, "GGUF blocks as the panels quantized_linear_q8 reads (8 rows side by side)");
+  m.def("pack_q8_panels", &pack_q8_panels, "GGUF blocks as the panels quantized_linear_q8 reads (a group of rows side by side)");
   m.def("interleave_gguf_rows", &interleave_gguf_rows, "the copy of GGUF blocks (8 rows interleaved) read for steps of 3+ rows");
   m.def("dequantize_gguf", &dequantize_gguf, "float32 values of GGUF Q4_0/Q4_1/Q8_0 blocks");
   m.def("lora_add_", &lora_add_, "add each listed row's LoRA product (its group's adapter) to out, in place");

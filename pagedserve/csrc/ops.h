@@ -30,7 +30,7 @@ int64_t quantized_block_bytes(int64_t qtype);
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& weight, int64_t qtype, const c10::optional<at::Tensor>& bias,
                             const c10::optional<at::Tensor>& interleaved);
 // quantized_linear's product with x rounded to 8 bits per block of 32 values, on the blocks' panels (pack_q8_panels:
-// 8 rows side by side; quantized_linear_q8.cpp).
+// a group of rows side by side; quantized_linear_q8.cpp).
 at::Tensor quantized_linear_q8(const at::Tensor& x, const at::Tensor& panels, int64_t qtype, int64_t out_features,
                                const c10::optional<at::Tensor>& bias = c10::nullopt);
 at::Tensor pack_q8_panels(const at::Tensor& weight, int64_t qtype);

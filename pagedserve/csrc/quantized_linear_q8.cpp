@@ -101,19 +101,25 @@ constexpr bool fetches_ahead(int64_t qtype) {
 #endif
 }
 
-// Panels: the blocks of 8 output rows side by side, so that one maddubs (dpbusd) multiplies 4 values of each of the 8
-// rows by the same 4 bytes of x, broadcast. Each block's unpacking is then shared by every input row of a step, and
-// an output's sums land in a vector lane of their own with no horizontal sum. Per group of 8 rows and per block: the
-// rows' d, then their m (Q4_1's offset; 0 otherwise), as fp16; then the values in 32-byte vectors, lane c (4 bytes)
-// for row c:
+// Panels: the blocks of a group of output rows side by side (8 rows, one 32-byte vector; 16 where VNNI's 64-byte dpbusd
+// multiplies them), so that one maddubs (dpbusd) multiplies 4 values of each row of the group by the same 4 bytes of x,
+// broadcast. Each block's unpacking is then shared by every input row of a step, and an output's sums land in a vector
+// lane of their own with no horizontal sum. Per group and per block: the rows' d, then their m (Q4_1's offset; 0
+// otherwise), as fp16; then the values in vectors of 4 bytes per row, lane c (4 bytes) for row c:
 //   Q4: 4 vectors; vector s holds the block's nibble bytes 4s..4s+3 of each row (values 4s.. in the low nibbles,
 //       16 + 4s.. in the high ones, as the block pairs them);
 //   Q8_0: 8 vectors; vector t holds values 4t..4t+3 of each row.
-// Rows past the weight's last (in a last group of fewer than 8) are zeros.
+// Rows past the weight's last (in a last group of fewer rows) are zeros. The panels are made and read by the same
+// build, so the group's width is the build's.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr int64_t kGroupRows = 16;
+#else
 constexpr int64_t kGroupRows = 8;
+#endif
+constexpr int64_t kPanelVectorBytes = 4 * kGroupRows;
 constexpr int64_t kPanelScaleBytes = 2 * kGroupRows * sizeof(uint16_t);
 
-int64_t panel_value_bytes(int64_t qtype) { return (qtype == kQ8_0 ? 2 : 1) * kGroupRows * 16; }
+int64_t panel_value_bytes(int64_t qtype) { return (qtype == kQ8_0 ? 8 : 4) * kPanelVectorBytes; }
 int64_t panel_record_bytes(int64_t qtype) { return kPanelScaleBytes + panel_value_bytes(qtype); }
 
 void pack_panel_record(const uint8_t* weight, int64_t n, int64_t row_bytes, int64_t first_row, int64_t b, int64_t qtype,
@@ -126,74 +132,129 @@ void pack_panel_record(const uint8_t* weight, int64_t n, int64_t row_bytes, int6
     if (qtype == kQ4_1) std::memcpy(record + 2 * (kGroupRows + c), block + 2, 2);
     const uint8_t* bytes = qtype == kQ8_0 ? block + 2 : nibbles_of(block, qtype);
     const int64_t num_words = qtype == kQ8_0 ? 8 : 4;
-    for (int64_t t = 0; t < num_words; ++t) std::memcpy(values + t * 32 + 4 * c, bytes + 4 * t, 4);
+    for (int64_t t = 0; t < num_words; ++t) std::memcpy(values + t * kPanelVectorBytes + 4 * c, bytes + 4 * t, 4);
   }
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
+// A panel's vectors: one lane of 4 bytes (or one float) per row of the group.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+struct PanelLanes {
+  using Ints = __m512i;
+  using Floats = __m512;
+  static Ints load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  static Ints low_nibbles(Ints a) { return _mm512_and_si512(a, _mm512_set1_epi8(0x0F)); }
+  static Ints high_nibbles(Ints a) { return low_nibbles(_mm512_srli_epi16(a, 4)); }
+  static Ints magnitudes(Ints a) { return _mm512_abs_epi8(a); }
+  static Ints broadcast_word(const int8_t* p) {
+    int32_t word;
+    std::memcpy(&word, p, sizeof(word));
+    return _mm512_set1_epi32(word);
+  }
+  // x's bytes negated where the weight's are negative (AVX-512 has no sign_epi8; x is never -128).
+  static Ints signed_by(Ints x, Ints w) { return _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x); }
+  static Ints zero() { return _mm512_setzero_si512(); }
+  static Ints dot(Ints sums, Ints u, Ints s) { return _mm512_dpbusd_epi32(sums, u, s); }
+  static Ints add(Ints a, Ints b) { return _mm512_add_epi32(a, b); }
+  static Ints less(Ints a, int32_t b) { return _mm512_sub_epi32(a, _mm512_set1_epi32(b)); }
+  static Floats halves(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static Floats floats(Ints a) { return _mm512_cvtepi32_ps(a); }
+  static Floats broadcast(float x) { return _mm512_set1_ps(x); }
+  static Floats zero_floats() { return _mm512_setzero_ps(); }
+  static Floats mul(Floats a, Floats b) { return _mm512_mul_ps(a, b); }
+  static Floats fma(Floats a, Floats b, Floats c) { return _mm512_fmadd_ps(a, b, c); }
+  static Floats load_floats(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, Floats a) { _mm512_storeu_ps(p, a); }
+};
+#else
+struct PanelLanes {
+  using Ints = __m256i;
+  using Floats = __m256;
+  static Ints load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static Ints low_nibbles(Ints a) { return _mm256_and_si256(a, _mm256_set1_epi8(0x0F)); }
+  static Ints high_nibbles(Ints a) { return low_nibbles(_mm256_srli_epi16(a, 4)); }
+  static Ints magnitudes(Ints a) { return _mm256_abs_epi8(a); }
+  static Ints broadcast_word(const int8_t* p) { return _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float*>(p))); }
+  static Ints signed_by(Ints x, Ints w) { return _mm256_sign_epi8(x, w); }
+  static Ints zero() { return _mm256_setzero_si256(); }
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  static Ints dot(Ints sums, Ints u, Ints s) { return _mm256_dpbusd_epi32(sums, u, s); }
+#endif
+  static Ints add(Ints a, Ints b) { return _mm256_add_epi32(a, b); }
+  static Ints less(Ints a, int32_t b) { return _mm256_sub_epi32(a, _mm256_set1_epi32(b)); }
+  static Floats halves(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static Floats floats(Ints a) { return _mm256_cvtepi32_ps(a); }
+  static Floats broadcast(float x) { return _mm256_set1_ps(x); }
+  static Floats zero_floats() { return _mm256_setzero_ps(); }
+  static Floats mul(Floats a, Floats b) { return _mm256_mul_ps(a, b); }
+  static Floats fma(Floats a, Floats b, Floats c) { return _mm256_fmadd_ps(a, b, c); }
+  static Floats load_floats(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, Floats a) { _mm256_storeu_ps(p, a); }
+};
+#endif
+
 // The exact integer sum of a block's products for one input row, one lane per weight row of the group: bytes of the
-// weight (unsigned) times x's bytes (signed) broadcast 4 at a time. With VNNI dpbusd adds each 4 products into int32;
-// AVX2's maddubs gives int16 pairs, which a Q4 block (products below 16 * 127) can add up in int16 over its 32 values
-// before one madd widens them, while a Q8_0 block's pairs are widened at once.
+// weight (unsigned) times x's bytes (signed) broadcast 4 at a time. With VNNI dpbusd adds each 4 products into int32,
+// into two sums taken in turn (each dpbusd waits on the one before it into the same sum); AVX2's maddubs gives int16
+// pairs, which a Q4 block (products below 16 * 127) can add up in int16 over its 32 values before one madd widens
+// them, while a Q8_0 block's pairs are widened at once. Integer sums, so their order does not change the result.
 template <int64_t qtype>
 struct BlockDots {
-  __m256i sums = _mm256_setzero_si256();
+  using Ints = PanelLanes::Ints;
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  void add(__m256i u, __m256i s) { sums = _mm256_dpbusd_epi32(sums, u, s); }
-  __m256i total() const { return sums; }
+  Ints sums[2] = {PanelLanes::zero(), PanelLanes::zero()};
+  void add(int t, Ints u, Ints s) { sums[t & 1] = PanelLanes::dot(sums[t & 1], u, s); }
+  Ints total() const { return PanelLanes::add(sums[0], sums[1]); }
 #else
-  void add(__m256i u, __m256i s) {
-    const __m256i pairs = _mm256_maddubs_epi16(u, s);
+  Ints sums = PanelLanes::zero();
+  void add(int, Ints u, Ints s) {
+    const Ints pairs = _mm256_maddubs_epi16(u, s);
     if constexpr (qtype == kQ8_0) sums = _mm256_add_epi32(sums, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
     else sums = _mm256_add_epi16(sums, pairs);
   }
-  __m256i total() const { return qtype == kQ8_0 ? sums : _mm256_madd_epi16(sums, _mm256_set1_epi16(1)); }
+  Ints total() const { return qtype == kQ8_0 ? sums : _mm256_madd_epi16(sums, _mm256_set1_epi16(1)); }
 #endif
 };
 
-inline __m256i broadcast_word(const int8_t* p) {
-  return _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float*>(p)));
-}
-
-// acc[i * 8 + c] for the `rows` input rows starting at `first` and the 8 weight rows of the group whose records start
-// at `group`: per output, over the blocks in order, sums * (d * d_x), then (Q4_1) offset * x's sum. A block's 8 vectors
-// of weight bytes stay in registers while every row passes; the accumulators are in memory, touched once a block.
+// acc[i * kGroupRows + c] for the `rows` input rows starting at `first` and the weight rows of the group whose records
+// start at `group`: per output, over the blocks in order, sums * (d * d_x), then (Q4_1) offset * x's sum. A block's 8
+// vectors of weight bytes stay in registers while every row passes; the accumulators are in memory, touched once a
+// block.
 template <int64_t qtype>
 void rows_times_group(const RoundedRows& rounded, int64_t first, int64_t rows, int64_t k, const uint8_t* group, float* acc) {
+  using L = PanelLanes;
   const int64_t num_blocks = k / kBlockValues, record_bytes = panel_record_bytes(qtype);
-  for (int64_t i = 0; i < rows; ++i) _mm256_storeu_ps(acc + i * kGroupRows, _mm256_setzero_ps());
+  for (int64_t i = 0; i < rows; ++i) L::store(acc + i * kGroupRows, L::zero_floats());
   for (int64_t b = 0; b < num_blocks; ++b) {
     const uint8_t* record = group + b * record_bytes;
-    const __m256i* values = reinterpret_cast<const __m256i*>(record + kPanelScaleBytes);
+    const uint8_t* values = record + kPanelScaleBytes;
     // w[t]: values 4t..4t+3 of each row (a Q8_0 row's as magnitudes: its signs go onto x's bytes instead).
-    __m256i w[8];
+    L::Ints w[8];
     for (int t = 0; t < 8; ++t) {
       if constexpr (qtype == kQ8_0) {
-        w[t] = _mm256_abs_epi8(_mm256_loadu_si256(values + t));
+        w[t] = L::magnitudes(L::load(values + t * kPanelVectorBytes));
       } else {
-        const __m256i packed = _mm256_loadu_si256(values + t % 4);
-        w[t] = _mm256_and_si256(t < 4 ? packed : _mm256_srli_epi16(packed, 4), _mm256_set1_epi8(0x0F));
+        const L::Ints packed = L::load(values + (t % 4) * kPanelVectorBytes);
+        w[t] = t < 4 ? L::low_nibbles(packed) : L::high_nibbles(packed);
       }
     }
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(record)));
-    __m256 offset = _mm256_setzero_ps();
-    if constexpr (qtype == kQ4_1)
-      offset = _mm256_fmadd_ps(_mm256_set1_ps(8.f), d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(record + 16))));
+    const L::Floats d = L::halves(record);
+    L::Floats offset = L::zero_floats();
+    if constexpr (qtype == kQ4_1) offset = L::fma(L::broadcast(8.f), d, L::halves(record + 2 * kGroupRows));
     const int8_t* xq = rounded.values.get() + first * k + b * kBlockValues;
     for (int64_t i = 0; i < rows; ++i) {
       BlockDots<qtype> dots;
       for (int t = 0; t < 8; ++t) {
-        const __m256i x = broadcast_word(xq + i * k + 4 * t);
-        if constexpr (qtype == kQ8_0) dots.add(w[t], _mm256_sign_epi8(x, _mm256_loadu_si256(values + t)));
-        else dots.add(w[t], x);
+        const L::Ints x = L::broadcast_word(xq + i * k + 4 * t);
+        if constexpr (qtype == kQ8_0) dots.add(t, w[t], L::signed_by(x, L::load(values + t * kPanelVectorBytes)));
+        else dots.add(t, w[t], x);
       }
       const int64_t xb = (first + i) * num_blocks + b;
-      __m256i sums = dots.total();
-      if constexpr (qtype != kQ8_0) sums = _mm256_sub_epi32(sums, _mm256_set1_epi32(8 * rounded.value_sums[xb]));  // c = q - 8
-      __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, _mm256_set1_ps(rounded.scales[xb])),
-                                 _mm256_loadu_ps(acc + i * kGroupRows));
-      if constexpr (qtype == kQ4_1) a = _mm256_fmadd_ps(offset, _mm256_set1_ps(rounded.sums[xb]), a);
-      _mm256_storeu_ps(acc + i * kGroupRows, a);
+      L::Ints sums = dots.total();
+      if constexpr (qtype != kQ8_0) sums = L::less(sums, 8 * rounded.value_sums[xb]);  // c = q - 8
+      L::Floats a = L::fma(L::floats(sums), L::mul(d, L::broadcast(rounded.scales[xb])), L::load_floats(acc + i * kGroupRows));
+      if constexpr (qtype == kQ4_1) a = L::fma(offset, L::broadcast(rounded.sums[xb]), a);
+      L::store(acc + i * kGroupRows, a);
     }
   }
 }
@@ -213,10 +274,10 @@ void rows_times_group(const RoundedRows& rounded, int64_t first, int64_t rows, i
         for (int64_t j = 0; j < kBlockValues; ++j) {
           int32_t w;
           if (qtype == kQ8_0) {
-            w = static_cast<int8_t>(values[(j / 4) * 32 + 4 * c + j % 4]);
+            w = static_cast<int8_t>(values[(j / 4) * kPanelVectorBytes + 4 * c + j % 4]);
           } else {
             const int64_t v = j % 16;
-            const uint8_t byte = values[(v / 4) * 32 + 4 * c + v % 4];
+            const uint8_t byte = values[(v / 4) * kPanelVectorBytes + 4 * c + v % 4];
             w = j < 16 ? byte & 0x0F : byte >> 4;
           }
           sum += w * xq[j];
@@ -224,7 +285,7 @@ void rows_times_group(const RoundedRows& rounded, int64_t first, int64_t rows, i
         if (qtype != kQ8_0) sum -= 8 * rounded.value_sums[xb];
         const float d = half_at(record + 2 * c);
         a = std::fma(static_cast<float>(sum), d * rounded.scales[xb], a);
-        if (qtype == kQ4_1) a = std::fma(std::fma(8.f, d, half_at(record + 16 + 2 * c)), rounded.sums[xb], a);
+        if (qtype == kQ4_1) a = std::fma(std::fma(8.f, d, half_at(record + 2 * (kGroupRows + c))), rounded.sums[xb], a);
       }
       acc[i * kGroupRows + c] = a;
     }
