@@ -29,6 +29,11 @@
 #include <immintrin.h>
 #endif
 
+// The panels' 64-byte layout and byte dot products (dpbusd), where the build has AVX-512 VNNI and byte-wide AVX-512.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define PANELS_VNNI 1
+#endif
+
 namespace {
 
 // x's rows rounded per block of 32 values: q = nearbyint(x * 127 / max|x|) (symmetric, so -q is always an int8),
@@ -94,7 +99,7 @@ RoundedRows round_rows(const float* x, int64_t rows, int64_t k) {
 // Whether the panels are fetched ahead (fetch_row) for steps of one or two rows: where their products take less time
 // than their bytes take to come from memory (a Q8_0 panel; a Q4 one where VNNI's dpbusd multiplies its bytes).
 constexpr bool fetches_ahead(int64_t qtype) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(PANELS_VNNI)
   return true;
 #else
   return qtype == kQ8_0;
@@ -109,12 +114,17 @@ constexpr bool fetches_ahead(int64_t qtype) {
 //   Q4: 4 vectors; vector s holds the block's nibble bytes 4s..4s+3 of each row (values 4s.. in the low nibbles,
 //       16 + 4s.. in the high ones, as the block pairs them);
 //   Q8_0: 8 vectors; vector t holds values 4t..4t+3 of each row.
-// Rows past the weight's last (in a last group of fewer rows) are zeros. The panels are made and read by the same
-// build, so the group's width is the build's.
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// Rows past the weight's last (in a last group of fewer rows) are zeros. With VNNI a Q8_0 value is held plus 128, as
+// an unsigned byte: dpbusd multiplies unsigned by signed bytes into int32 without saturating, so the block's sum then
+// loses 128 times x's sum, as a Q4 block's loses 8 times it; AVX2's maddubs saturates its int16 pairs, so there the
+// values stay signed and their signs move onto x's bytes. The panels are made and read by the same build, so the
+// group's width and the Q8_0 values' offset are the build's.
+#if defined(PANELS_VNNI)
 constexpr int64_t kGroupRows = 16;
+constexpr int32_t kQ8PanelOffset = 128;
 #else
 constexpr int64_t kGroupRows = 8;
+constexpr int32_t kQ8PanelOffset = 0;
 #endif
 constexpr int64_t kPanelVectorBytes = 4 * kGroupRows;
 constexpr int64_t kPanelScaleBytes = 2 * kGroupRows * sizeof(uint16_t);
@@ -134,25 +144,27 @@ void pack_panel_record(const uint8_t* weight, int64_t n, int64_t row_bytes, int6
     const int64_t num_words = qtype == kQ8_0 ? 8 : 4;
     for (int64_t t = 0; t < num_words; ++t) std::memcpy(values + t * kPanelVectorBytes + 4 * c, bytes + 4 * t, 4);
   }
+  if (qtype == kQ8_0 && kQ8PanelOffset == 128)
+    for (int64_t j = 0; j < panel_value_bytes(qtype); ++j) values[j] ^= 0x80;  // int8 v -> uint8 v + 128
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
 // A panel's vectors: one lane of 4 bytes (or one float) per row of the group.
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(PANELS_VNNI)
 struct PanelLanes {
   using Ints = __m512i;
   using Floats = __m512;
   static Ints load(const uint8_t* p) { return _mm512_loadu_si512(p); }
   static Ints low_nibbles(Ints a) { return _mm512_and_si512(a, _mm512_set1_epi8(0x0F)); }
   static Ints high_nibbles(Ints a) { return low_nibbles(_mm512_srli_epi16(a, 4)); }
-  static Ints magnitudes(Ints a) { return _mm512_abs_epi8(a); }
+  // A Q8_0 panel's bytes are already the unsigned operand (values plus 128), and x's bytes the signed one.
+  static Ints q8_weight(Ints stored) { return stored; }
+  static Ints q8_input(Ints x, const uint8_t*) { return x; }
   static Ints broadcast_word(const int8_t* p) {
     int32_t word;
     std::memcpy(&word, p, sizeof(word));
     return _mm512_set1_epi32(word);
   }
-  // x's bytes negated where the weight's are negative (AVX-512 has no sign_epi8; x is never -128).
-  static Ints signed_by(Ints x, Ints w) { return _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x); }
   static Ints zero() { return _mm512_setzero_si512(); }
   static Ints dot(Ints sums, Ints u, Ints s) { return _mm512_dpbusd_epi32(sums, u, s); }
   static Ints add(Ints a, Ints b) { return _mm512_add_epi32(a, b); }
@@ -173,13 +185,11 @@ struct PanelLanes {
   static Ints load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
   static Ints low_nibbles(Ints a) { return _mm256_and_si256(a, _mm256_set1_epi8(0x0F)); }
   static Ints high_nibbles(Ints a) { return low_nibbles(_mm256_srli_epi16(a, 4)); }
-  static Ints magnitudes(Ints a) { return _mm256_abs_epi8(a); }
+  // A Q8_0 value's magnitude is the unsigned operand, and its sign moves onto x's byte at `stored` (the same lane).
+  static Ints q8_weight(Ints stored) { return _mm256_abs_epi8(stored); }
+  static Ints q8_input(Ints x, const uint8_t* stored) { return _mm256_sign_epi8(x, load(stored)); }
   static Ints broadcast_word(const int8_t* p) { return _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float*>(p))); }
-  static Ints signed_by(Ints x, Ints w) { return _mm256_sign_epi8(x, w); }
   static Ints zero() { return _mm256_setzero_si256(); }
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  static Ints dot(Ints sums, Ints u, Ints s) { return _mm256_dpbusd_epi32(sums, u, s); }
-#endif
   static Ints add(Ints a, Ints b) { return _mm256_add_epi32(a, b); }
   static Ints less(Ints a, int32_t b) { return _mm256_sub_epi32(a, _mm256_set1_epi32(b)); }
   static Floats halves(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
@@ -201,7 +211,7 @@ struct PanelLanes {
 template <int64_t qtype>
 struct BlockDots {
   using Ints = PanelLanes::Ints;
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(PANELS_VNNI)
   Ints sums[2] = {PanelLanes::zero(), PanelLanes::zero()};
   void add(int t, Ints u, Ints s) { sums[t & 1] = PanelLanes::dot(sums[t & 1], u, s); }
   Ints total() const { return PanelLanes::add(sums[0], sums[1]); }
@@ -228,11 +238,11 @@ void rows_times_group(const RoundedRows& rounded, int64_t first, int64_t rows, i
   for (int64_t b = 0; b < num_blocks; ++b) {
     const uint8_t* record = group + b * record_bytes;
     const uint8_t* values = record + kPanelScaleBytes;
-    // w[t]: values 4t..4t+3 of each row (a Q8_0 row's as magnitudes: its signs go onto x's bytes instead).
+    // w[t]: values 4t..4t+3 of each row, as the unsigned operand (PanelLanes::q8_weight for a Q8_0 row's).
     L::Ints w[8];
     for (int t = 0; t < 8; ++t) {
       if constexpr (qtype == kQ8_0) {
-        w[t] = L::magnitudes(L::load(values + t * kPanelVectorBytes));
+        w[t] = L::q8_weight(L::load(values + t * kPanelVectorBytes));
       } else {
         const L::Ints packed = L::load(values + (t % 4) * kPanelVectorBytes);
         w[t] = t < 4 ? L::low_nibbles(packed) : L::high_nibbles(packed);
@@ -246,12 +256,14 @@ void rows_times_group(const RoundedRows& rounded, int64_t first, int64_t rows, i
       BlockDots<qtype> dots;
       for (int t = 0; t < 8; ++t) {
         const L::Ints x = L::broadcast_word(xq + i * k + 4 * t);
-        if constexpr (qtype == kQ8_0) dots.add(t, w[t], L::signed_by(x, L::load(values + t * kPanelVectorBytes)));
+        if constexpr (qtype == kQ8_0) dots.add(t, w[t], L::q8_input(x, values + t * kPanelVectorBytes));
         else dots.add(t, w[t], x);
       }
       const int64_t xb = (first + i) * num_blocks + b;
       L::Ints sums = dots.total();
-      if constexpr (qtype != kQ8_0) sums = L::less(sums, 8 * rounded.value_sums[xb]);  // c = q - 8
+      // The offset of the values multiplied: c = q - 8 for Q4, the panel's kQ8PanelOffset for Q8_0.
+      constexpr int32_t value_offset = qtype == kQ8_0 ? kQ8PanelOffset : 8;
+      if constexpr (value_offset != 0) sums = L::less(sums, value_offset * rounded.value_sums[xb]);
       L::Floats a = L::fma(L::floats(sums), L::mul(d, L::broadcast(rounded.scales[xb])), L::load_floats(acc + i * kGroupRows));
       if constexpr (qtype == kQ4_1) a = L::fma(offset, L::broadcast(rounded.sums[xb]), a);
       L::store(acc + i * kGroupRows, a);
@@ -274,7 +286,7 @@ void rows_times_group(const RoundedRows& rounded, int64_t first, int64_t rows, i
         for (int64_t j = 0; j < kBlockValues; ++j) {
           int32_t w;
           if (qtype == kQ8_0) {
-            w = static_cast<int8_t>(values[(j / 4) * kPanelVectorBytes + 4 * c + j % 4]);
+            w = static_cast<int8_t>(values[(j / 4) * kPanelVectorBytes + 4 * c + j % 4] ^ (kQ8PanelOffset ? 0x80 : 0));
           } else {
             const int64_t v = j % 16;
             const uint8_t byte = values[(v / 4) * kPanelVectorBytes + 4 * c + v % 4];
