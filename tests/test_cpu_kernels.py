@@ -355,7 +355,10 @@ def q8_scheme(x: torch.Tensor, raw_blocks: np.ndarray, qtype) -> torch.Tensor:
             offset = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64) + 8 * d
     xb = x.view(x.shape[0], -1, 32)
     amax = xb.abs().amax(-1, keepdim=True)
-    rounded = torch.round(xb * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))).double()  # torch rounds half to even
+    # 127 / max|x| as one float32 division, as the kernel takes it (a Python number over a tensor is its reciprocal times
+    # the number, another float32 that rounds values next to a half the other way), then torch rounds half to even.
+    inverse = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    rounded = torch.round(xb * inverse).double()
     sums = torch.einsum("mbj,nbj->mnb", rounded, torch.from_numpy(c))
     scales = (amax.squeeze(-1) / 127).double()[:, None, :] * torch.from_numpy(d)[None]
     return (sums * scales).sum(-1) + xb.sum(-1).double() @ torch.from_numpy(offset).T
