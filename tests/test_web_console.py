@@ -130,7 +130,9 @@ def test_the_page_is_open_and_forbids_inline_scripts_while_the_stats_need_the_ke
         assert "script-src 'self'" in policy and "unsafe-inline" not in policy and "default-src 'none'" in policy
         assert response.headers["x-content-type-options"] == "nosniff"
     assert requests.get(server.url + "/console/stats", timeout=30).status_code == 401
+    assert requests.get(server.url + "/console/server", timeout=30).status_code == 401
     assert requests.get(server.url + "/v1/models", timeout=30).status_code == 401
+    assert server.get("/console/server").json() == {"runner": "generate"}
     page = requests.get(server.url + "/", timeout=30).text
     assert "<script>" not in page and "http" not in page.replace("http-equiv", "")  # no inline script, nothing fetched elsewhere
 
@@ -351,3 +353,26 @@ def test_the_engine_view_follows_a_burst_of_requests(server, browser):
     prompts = {chunk["request_id"] for chunk in chunks}
     assert len(prompts) >= 8 and all(chunk["tokens"] <= 64 for chunk in chunks)
     _no_page_errors(driver)
+
+
+@pytest.mark.slow
+def test_on_an_embedding_models_server_the_page_keeps_to_the_engine_view(browser):
+    """A server over an embedding model serves no chat: the page says what it serves instead, its Chat tab is disabled,
+    and it shows the engine view."""
+    from selenium.webdriver.common.by import By
+
+    server = RemoteServer("--runner", "pooling", "--max-model-len", "1024", api_key=API_KEY)
+    try:
+        assert server.get("/console/server").json() == {"runner": "pooling"}
+        driver = browser
+        _open_with_the_key(driver, server.url + "/#chat")
+        _wait_for(lambda: not driver.find_element(By.ID, "tab-chat").is_enabled(), what="the Chat tab to be disabled")
+        assert "/v1/embeddings" in driver.find_element(By.ID, "server-status").text
+        assert driver.find_element(By.ID, "engine-view").is_displayed() and not driver.find_element(By.ID, "chat-view").is_displayed()
+        _wait_for(lambda: driver.find_element(By.ID, "stat-running").text == "0", what="the first sample")
+        driver.execute_script("location.hash = '#chat'")  # a link to the chat page still shows the engine view
+        time.sleep(0.2)
+        assert driver.find_element(By.ID, "engine-view").is_displayed() and not driver.find_element(By.ID, "chat-view").is_displayed()
+        _no_page_errors(driver)
+    finally:
+        assert server.stop() == 0, server.log_text()[-2000:]

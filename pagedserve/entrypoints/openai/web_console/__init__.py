@@ -1,5 +1,6 @@
 """The web console at /: a chat page over the server's own API, and a live view of the engine fed by a stream of
-engine stats (server-sent events). The page is static and ships in this package (no build step, nothing fetched):
+engine stats (server-sent events). On a server over an embedding model (runner pooling), which serves no chat, the page
+shows the engine view alone. The page is static and ships in this package (no build step, nothing fetched):
 index.html, console.js, console.css. Its responses carry a content security policy that runs only these scripts,
 so nothing the model writes can run as code in the page (which, in any case, renders the model's text as text)."""
 
@@ -19,6 +20,7 @@ _ASSETS = {"/": ("index.html", "text/html; charset=utf-8"), "/console/console.js
            "/console/console.css": ("console.css", "text/css; charset=utf-8"), "/console/icon.svg": ("icon.svg", "image/svg+xml")}
 PAGE_ROUTES = tuple(_ASSETS)
 STATS_ROUTE = "/console/stats"
+SERVER_ROUTE = "/console/server"
 # Scripts and styles from this server only (no inline script, no eval), calls to this server only, no frames.
 CONTENT_SECURITY_POLICY = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
                            "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
@@ -32,7 +34,12 @@ def install_web_console(app: FastAPI, engine: AsyncLLM, default_interval_s: floa
     for route, (name, media_type) in _ASSETS.items():
         _add_asset(app, route, files.joinpath(name).read_bytes(), media_type)
 
-    # Not in the OpenAPI schema: the page's own feed (docs/web_console.md describes it), and a stream without end.
+    # Not in the OpenAPI schema: the page's own calls (docs/web_console.md describes them), and a stream without end.
+    @app.get(SERVER_ROUTE, include_in_schema=False)
+    async def server_facts():
+        """What the page adapts to: the runner (generate: text, so the chat page; pooling: embeddings, no chat)."""
+        return Response(json.dumps({"runner": engine.config.runner}), media_type="application/json", headers=SECURITY_HEADERS)
+
     @app.get(STATS_ROUTE, include_in_schema=False)
     async def engine_stats(request: Request, interval: float = Query(default_interval_s, ge=MIN_INTERVAL_S, le=MAX_INTERVAL_S)):
         return StreamingResponse(_stats_events(engine, request, interval), media_type="text/event-stream",

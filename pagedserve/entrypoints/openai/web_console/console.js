@@ -310,8 +310,25 @@ async function loadModels() {
     }));
     $("server-status").textContent = models.length ? models[0].id + " · context " + models[0].max_model_len + " tokens" : "";
     $("key-panel").hidden = true;
+    await adaptToRunner();
   } catch (error) {
     $("server-status").textContent = error.message;
+  }
+}
+
+// An embedding model's server (runner pooling) serves no chat: the page keeps to the engine view and says what the
+// server offers instead.
+let servesChat = true;
+
+async function adaptToRunner() {
+  const response = await api("/console/server");
+  if (!response.ok) throw new Error(await errorMessage(response));
+  servesChat = (await response.json()).runner !== "pooling";
+  $("tab-chat").disabled = !servesChat;
+  if (!servesChat) {
+    $("tab-chat").title = "This server runs an embedding model: no chat.";
+    $("server-status").textContent += " · embedding model: POST /v1/embeddings, /v1/score, /v1/rerank (no chat)";
+    showTab("engine");
   }
 }
 
@@ -510,6 +527,7 @@ function fillStepTable() {
 // ---- tabs and start-up ---------------------------------------------------------------------------------
 
 function showTab(name) {
+  if (!servesChat) name = "engine";
   $("chat-view").hidden = name !== "chat";
   $("engine-view").hidden = name !== "engine";
   $("tab-chat").classList.toggle("active", name === "chat");
