@@ -368,8 +368,8 @@ def q8_scheme(x: torch.Tensor, raw_blocks: np.ndarray, qtype) -> torch.Tensor:
 @pytest.mark.parametrize("rows,out_features,in_features", [(1, 5, 32), (2, 33, 64), (3, 7, 96), (5, 13, 576), (9, 40, 160),
                                                             (70, 24, 96), (150, 17, 64), (24, 72, 160), (70, 136, 96)])
 def test_q8_quantized_linear_computes_its_scheme(type_name, rows, out_features, in_features):
-    """Integer products of x rounded per 32 values, on the blocks' panels: a last group of fewer weight rows than a group holds,
-    input rows past a chunk of 64, odd and even block counts, groups split among the threads."""
+    """Integer products of x rounded per 32 values, on the blocks' panels: a last group of fewer weight rows than a group
+    holds, input rows past a chunk of 64, odd and even block counts, groups split among the threads."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
 

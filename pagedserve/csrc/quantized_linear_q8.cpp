@@ -330,7 +330,7 @@ void panels_linear(const RoundedRows& rounded, int64_t m, int64_t k, const uint8
 }  // namespace
 
 // GGUF blocks [N, K / 32 * block_bytes] -> the panels quantized_linear_q8 reads (layout above pack_panel_record):
-// [ceil(N / 8), K / 32 * record bytes].
+// [ceil(N / kGroupRows), K / 32 * record bytes].
 at::Tensor pack_q8_panels(const at::Tensor& weight, int64_t qtype) {
   const int64_t bytes = checked_block_rows(weight, qtype);
   const int64_t n = weight.size(0), row_bytes = weight.size(1), num_blocks = row_bytes / bytes;

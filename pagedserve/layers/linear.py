@@ -80,8 +80,8 @@ class QuantizedWeight:
     def round_activations(self) -> None:
         """From now on, steps round x to 8 bits per block of 32 values and multiply integers, as llama.cpp's and vLLM's
         GGUF kernels do (csrc/quantized_linear_q8.cpp): fewer instructions per block than widening it to float32. They
-        read the blocks' panels (8 or 16 rows side by side, by the build; made here once), which share each block's unpacking among a step's
-        rows; the float32 kernel's interleaved copy is let go."""
+        read the blocks' panels (8 or 16 rows side by side, by the build; made here once), which share each block's
+        unpacking among a step's rows; the float32 kernel's interleaved copy is let go."""
         self.panels = self._kernels.pack_q8_panels(self.blocks, self.qtype)
         self._interleaved = None
 
