@@ -37,12 +37,23 @@
 namespace {
 
 // x's rows rounded per block of 32 values: q = nearbyint(x * 127 / max|x|) (symmetric, so -q is always an int8),
-// with the block's scale max|x| / 127, its exact sum and the sum of its q.
+// with the block's scale max|x| / 127, its exact sum and the sum of its q. Held block-major (every row's block 0, then
+// every row's block 1, ...): a group's products read one block of consecutive rows at a time, so the rows' bytes are
+// one contiguous run however wide a row is, rather than one cache line per row a row's width apart.
 struct RoundedRows {
+  int64_t rows;
   std::unique_ptr<int8_t[]> values;
   std::unique_ptr<float[]> scales, sums;
   std::unique_ptr<int32_t[]> value_sums;
+  int64_t index(int64_t row, int64_t block) const { return block * rows + row; }
+  const int8_t* block_values(int64_t row, int64_t block) const { return values.get() + index(row, block) * kBlockValues; }
 };
+
+// Storage every element of which is written before it is read: no value-initialising pass over it.
+template <typename T>
+std::unique_ptr<T[]> uninitialized(int64_t n) {
+  return std::unique_ptr<T[]>(new T[n]);
+}
 
 #if defined(__AVX2__) && defined(__FMA__)
 inline int32_t sum_of_lanes(__m256i a) {
@@ -52,7 +63,7 @@ inline int32_t sum_of_lanes(__m256i a) {
 }
 #endif
 
-// Block b of x (32 values at in) into `rounded`.
+// A block of x (32 values at in) into `rounded` at index b.
 inline void round_block(const float* in, int64_t b, RoundedRows& rounded) {
   int8_t* out = rounded.values.get() + b * kBlockValues;
 #if defined(__AVX2__) && defined(__FMA__)
@@ -86,12 +97,18 @@ inline void round_block(const float* in, int64_t b, RoundedRows& rounded) {
 #endif
 }
 
+// Rows rounded together, block by block: the stores run on through one block's rows while the loads stay in the tile.
+constexpr int64_t kRoundTileRows = 64;
+
 RoundedRows round_rows(const float* x, int64_t rows, int64_t k) {
-  const int64_t num_blocks = rows * (k / kBlockValues);
-  RoundedRows rounded{std::make_unique<int8_t[]>(rows * k), std::make_unique<float[]>(num_blocks),
-                      std::make_unique<float[]>(num_blocks), std::make_unique<int32_t[]>(num_blocks)};
-  at::parallel_for(0, num_blocks, 2048, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) round_block(x + b * kBlockValues, b, rounded);
+  const int64_t row_blocks = k / kBlockValues, num_blocks = rows * row_blocks;
+  RoundedRows rounded{rows, uninitialized<int8_t>(rows * k), uninitialized<float>(num_blocks), uninitialized<float>(num_blocks),
+                      uninitialized<int32_t>(num_blocks)};
+  at::parallel_for(0, rows, std::max<int64_t>(1, 2048 / row_blocks), [&](int64_t begin, int64_t end) {
+    for (int64_t tile = begin; tile < end; tile += kRoundTileRows)
+      for (int64_t block = 0; block < row_blocks; ++block)
+        for (int64_t row = tile; row < std::min(end, tile + kRoundTileRows); ++row)
+          round_block(x + row * k + block * kBlockValues, rounded.index(row, block), rounded);
   });
   return rounded;
 }
@@ -229,12 +246,11 @@ struct BlockDots {
 // acc[i * kGroupRows + c] for the `rows` input rows starting at `first` and the weight rows of the group whose records
 // start at `group`: per output, over the blocks in order, sums * (d * d_x), then (Q4_1) offset * x's sum. A block's 8
 // vectors of weight bytes stay in registers while every row passes; the accumulators are in memory, touched once a
-// block.
+// block (and first written by block 0, so they need no zeroing pass).
 template <int64_t qtype>
 void rows_times_group(const RoundedRows& rounded, int64_t first, int64_t rows, int64_t k, const uint8_t* group, float* acc) {
   using L = PanelLanes;
   const int64_t num_blocks = k / kBlockValues, record_bytes = panel_record_bytes(qtype);
-  for (int64_t i = 0; i < rows; ++i) L::store(acc + i * kGroupRows, L::zero_floats());
   for (int64_t b = 0; b < num_blocks; ++b) {
     const uint8_t* record = group + b * record_bytes;
     const uint8_t* values = record + kPanelScaleBytes;
@@ -251,20 +267,21 @@ void rows_times_group(const RoundedRows& rounded, int64_t first, int64_t rows, i
     const L::Floats d = L::halves(record);
     L::Floats offset = L::zero_floats();
     if constexpr (qtype == kQ4_1) offset = L::fma(L::broadcast(8.f), d, L::halves(record + 2 * kGroupRows));
-    const int8_t* xq = rounded.values.get() + first * k + b * kBlockValues;
+    const int8_t* xq = rounded.block_values(first, b);
     for (int64_t i = 0; i < rows; ++i) {
       BlockDots<qtype> dots;
       for (int t = 0; t < 8; ++t) {
-        const L::Ints x = L::broadcast_word(xq + i * k + 4 * t);
+        const L::Ints x = L::broadcast_word(xq + i * kBlockValues + 4 * t);
         if constexpr (qtype == kQ8_0) dots.add(t, w[t], L::q8_input(x, values + t * kPanelVectorBytes));
         else dots.add(t, w[t], x);
       }
-      const int64_t xb = (first + i) * num_blocks + b;
+      const int64_t xb = rounded.index(first + i, b);
       L::Ints sums = dots.total();
       // The offset of the values multiplied: c = q - 8 for Q4, the panel's kQ8PanelOffset for Q8_0.
       constexpr int32_t value_offset = qtype == kQ8_0 ? kQ8PanelOffset : 8;
       if constexpr (value_offset != 0) sums = L::less(sums, value_offset * rounded.value_sums[xb]);
-      L::Floats a = L::fma(L::floats(sums), L::mul(d, L::broadcast(rounded.scales[xb])), L::load_floats(acc + i * kGroupRows));
+      const L::Floats prior = b == 0 ? L::zero_floats() : L::load_floats(acc + i * kGroupRows);
+      L::Floats a = L::fma(L::floats(sums), L::mul(d, L::broadcast(rounded.scales[xb])), prior);
       if constexpr (qtype == kQ4_1) a = L::fma(offset, L::broadcast(rounded.sums[xb]), a);
       L::store(acc + i * kGroupRows, a);
     }
@@ -280,8 +297,8 @@ void rows_times_group(const RoundedRows& rounded, int64_t first, int64_t rows, i
       for (int64_t b = 0; b < num_blocks; ++b) {
         const uint8_t* record = group + b * record_bytes;
         const uint8_t* values = record + kPanelScaleBytes;
-        const int8_t* xq = rounded.values.get() + (first + i) * k + b * kBlockValues;
-        const int64_t xb = (first + i) * num_blocks + b;
+        const int8_t* xq = rounded.block_values(first + i, b);
+        const int64_t xb = rounded.index(first + i, b);
         int32_t sum = 0;
         for (int64_t j = 0; j < kBlockValues; ++j) {
           int32_t w;
