@@ -184,6 +184,25 @@ def test_a_step_and_its_output_reach_the_ranks_and_come_back_unchanged():
     assert rank.decode(rank_messages.SHUTDOWN) == ("shutdown", None)
 
 
+def test_sampled_tokens_read_back_as_the_map_sent():
+    """The executor's end hands on the tokens sampled back as their columns: walked, looked up, tested for membership
+    and counted, they read as the runner's map did, in its order."""
+    from pagedserve.core.contracts import ModelRunnerOutput
+    from pagedserve.executor import rank_messages
+
+    executor, rank = rank_messages.ExecutorCodec(), rank_messages.RankCodec()
+    for sampled in ({"b": 7, "a": 5}, {"b": 8, "a": 6}, {"c": 1}):
+        received = executor.decode_step_output(rank.encode_step_output(ModelRunnerOutput(dict(sampled)))).sampled_token_ids
+        assert list(received.items()) == list(sampled.items()) and list(received) == list(sampled)
+        assert len(received) == len(sampled) and list(received.values()) == list(sampled.values())
+        for request_id, token_id in sampled.items():
+            assert request_id in received and received[request_id] == token_id and received.get(request_id) == token_id
+        assert "gone" not in received and received.get("gone") is None and received.get("gone", -1) == -1
+        with pytest.raises(KeyError):
+            received["gone"]
+        assert received == sampled
+
+
 def test_steps_that_repeat_their_requests_decode_as_sent():
     """A step's request ids and token counts travel only when they differ from the previous step's, and the tokens
     sampled back name their requests only when those differ from the previous output's: every step and output in a

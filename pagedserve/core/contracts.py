@@ -8,6 +8,7 @@ end: the scheduler builds one EngineCoreOutput per request per step, and the wir
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import msgspec
@@ -137,7 +138,9 @@ class SchedulerOutput:
 
 @dataclass
 class ModelRunnerOutput:
-    sampled_token_ids: dict[str, int]  # only requests that reached the end of their known tokens
+    # Only requests that reached the end of their known tokens. The runner fills a dict; the multi-process executor
+    # hands on the columns they travelled in (rank_messages.SampledTokens), which the scheduler only reads.
+    sampled_token_ids: Mapping[str, int]
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)  # one position per token the request gained
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     # Speculative decoding: the draft tokens each request's verification accepted, which come before its sampled

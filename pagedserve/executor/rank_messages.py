@@ -9,13 +9,15 @@ The maps a step is keyed by request id (the step's scheduled tokens, the tokens 
 request ids only when they differ from the previous message's, and the tokens scheduled only when those differ too.
 A run of decode steps names the same requests in the same order with one token each, and decoding hundreds of
 strings and building a map of them each step was most of what a message cost; so the ends keep the previous
-message's columns (each side's codec is stateful, and reads every message of its ring, in order).
+message's columns (each side's codec is stateful, and reads every message of its ring, in order). The executor's end
+hands the sampled tokens on as those columns (SampledTokens), since the scheduler only walks them.
 """
 
 from __future__ import annotations
 
 import copy
 import pickle
+from collections.abc import Iterator, Mapping
 
 import msgspec
 
@@ -74,6 +76,49 @@ class _Column:
         return self.previous
 
 
+class SampledTokens(Mapping):
+    """A step's sampled tokens as the executor's end receives them: a read-only map over the two columns they travel
+    in. The scheduler's path for plain steps only iterates items(), which reads the columns side by side, so a run of
+    decode steps builds no map; a lookup builds it once, and `get` is then the map's own."""
+
+    __slots__ = ("_request_ids", "_token_ids", "_by_id")
+
+    def __init__(self, request_ids: list[str], token_ids: list[int]) -> None:
+        self._request_ids, self._token_ids = request_ids, token_ids
+        self._by_id: dict[str, int] | None = None
+
+    def items(self) -> Iterator[tuple[str, int]]:
+        return zip(self._request_ids, self._token_ids)
+
+    def values(self) -> list[int]:
+        return self._token_ids
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._request_ids)
+
+    def __len__(self) -> int:
+        return len(self._request_ids)
+
+    def __getitem__(self, request_id: str) -> int:
+        return self._map()[request_id]
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._map()
+
+    @property
+    def get(self):
+        """The map's own get (a lookup per request in the scheduler's loop, hoisted once)."""
+        return self._map().get
+
+    def _map(self) -> dict[str, int]:
+        if self._by_id is None:
+            self._by_id = dict(zip(self._request_ids, self._token_ids))
+        return self._by_id
+
+    def __repr__(self) -> str:
+        return f"SampledTokens({dict(self.items())!r})"
+
+
 class ExecutorCodec:
     """The executor's end: it encodes steps and decodes their outputs."""
 
@@ -90,7 +135,7 @@ class ExecutorCodec:
     def decode_step_output(self, frame: bytes) -> ModelRunnerOutput:
         wire = _output_decoder.decode(frame)
         output = wire.output
-        output.sampled_token_ids = dict(zip(self._sampled_ids.incoming(wire.sampled.request_ids), wire.sampled.token_ids))
+        output.sampled_token_ids = SampledTokens(self._sampled_ids.incoming(wire.sampled.request_ids), wire.sampled.token_ids)
         return output
 
 
