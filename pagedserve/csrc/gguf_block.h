@@ -25,9 +25,12 @@ inline float half_at(const uint8_t* p) {
 #endif
 }
 
+// The middle of a Q4 nibble's range: a Q4_0 value is d * (q - kQ4Centre).
+constexpr int32_t kQ4Centre = 8;
+
 // The offset added to d * q in a block: Q4_1 stores it, Q4_0's is -8d (exact in float32), Q8_0 has none.
 inline float block_min(const uint8_t* block, int64_t qtype, float d) {
-  return qtype == kQ4_1 ? half_at(block + 2) : (qtype == kQ4_0 ? -8.f * d : 0.f);
+  return qtype == kQ4_1 ? half_at(block + 2) : (qtype == kQ4_0 ? -kQ4Centre * d : 0.f);
 }
 
 // Where a Q4 block's 16 bytes of nibbles start (byte i: value i in the low nibble, value i + 16 in the high one).

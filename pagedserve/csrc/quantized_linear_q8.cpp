@@ -144,6 +144,9 @@ constexpr int64_t kGroupRows = 8;
 constexpr int32_t kQ8PanelOffset = 0;
 #endif
 constexpr int64_t kPanelVectorBytes = 4 * kGroupRows;
+// What a panel's values are held plus, and so what each block's integer sum loses times x's sum of q: a Q4 nibble is
+// centred (c = q - kQ4Centre), a Q8_0 value is held plus kQ8PanelOffset.
+constexpr int32_t panel_value_offset(int64_t qtype) { return qtype == kQ8_0 ? kQ8PanelOffset : kQ4Centre; }
 constexpr int64_t kPanelScaleBytes = 2 * kGroupRows * sizeof(uint16_t);
 
 int64_t panel_value_bytes(int64_t qtype) { return (qtype == kQ8_0 ? 8 : 4) * kPanelVectorBytes; }
@@ -266,7 +269,7 @@ void rows_times_group(const RoundedRows& rounded, int64_t first, int64_t rows, i
     }
     const L::Floats d = L::halves(record);
     L::Floats offset = L::zero_floats();
-    if constexpr (qtype == kQ4_1) offset = L::fma(L::broadcast(8.f), d, L::halves(record + 2 * kGroupRows));
+    if constexpr (qtype == kQ4_1) offset = L::fma(L::broadcast(kQ4Centre), d, L::halves(record + 2 * kGroupRows));
     const int8_t* xq = rounded.block_values(first, b);
     for (int64_t i = 0; i < rows; ++i) {
       BlockDots<qtype> dots;
@@ -277,9 +280,7 @@ void rows_times_group(const RoundedRows& rounded, int64_t first, int64_t rows, i
       }
       const int64_t xb = rounded.index(first + i, b);
       L::Ints sums = dots.total();
-      // The offset of the values multiplied: c = q - 8 for Q4, the panel's kQ8PanelOffset for Q8_0.
-      constexpr int32_t value_offset = qtype == kQ8_0 ? kQ8PanelOffset : 8;
-      if constexpr (value_offset != 0) sums = L::less(sums, value_offset * rounded.value_sums[xb]);
+      if constexpr (panel_value_offset(qtype) != 0) sums = L::less(sums, panel_value_offset(qtype) * rounded.value_sums[xb]);
       const L::Floats prior = b == 0 ? L::zero_floats() : L::load_floats(acc + i * kGroupRows);
       L::Floats a = L::fma(L::floats(sums), L::mul(d, L::broadcast(rounded.scales[xb])), prior);
       if constexpr (qtype == kQ4_1) a = L::fma(offset, L::broadcast(rounded.sums[xb]), a);
@@ -288,6 +289,9 @@ void rows_times_group(const RoundedRows& rounded, int64_t first, int64_t rows, i
   }
 }
 #else
+// Builds without AVX2 have no VNNI, so their Q8_0 panels hold the values as they are, signed.
+static_assert(kQ8PanelOffset == 0, "the scalar path reads a Q8_0 panel's bytes as signed values");
+
 template <int64_t qtype>
 void rows_times_group(const RoundedRows& rounded, int64_t first, int64_t rows, int64_t k, const uint8_t* group, float* acc) {
   const int64_t num_blocks = k / kBlockValues, record_bytes = panel_record_bytes(qtype);
@@ -303,7 +307,7 @@ void rows_times_group(const RoundedRows& rounded, int64_t first, int64_t rows, i
         for (int64_t j = 0; j < kBlockValues; ++j) {
           int32_t w;
           if (qtype == kQ8_0) {
-            w = static_cast<int8_t>(values[(j / 4) * kPanelVectorBytes + 4 * c + j % 4] ^ (kQ8PanelOffset ? 0x80 : 0));
+            w = static_cast<int8_t>(values[(j / 4) * kPanelVectorBytes + 4 * c + j % 4]);
           } else {
             const int64_t v = j % 16;
             const uint8_t byte = values[(v / 4) * kPanelVectorBytes + 4 * c + v % 4];
@@ -311,10 +315,10 @@ void rows_times_group(const RoundedRows& rounded, int64_t first, int64_t rows, i
           }
           sum += w * xq[j];
         }
-        if (qtype != kQ8_0) sum -= 8 * rounded.value_sums[xb];
+        sum -= panel_value_offset(qtype) * rounded.value_sums[xb];
         const float d = half_at(record + 2 * c);
         a = std::fma(static_cast<float>(sum), d * rounded.scales[xb], a);
-        if (qtype == kQ4_1) a = std::fma(std::fma(8.f, d, half_at(record + 2 * (kGroupRows + c))), rounded.sums[xb], a);
+        if (qtype == kQ4_1) a = std::fma(std::fma(static_cast<float>(kQ4Centre), d, half_at(record + 2 * (kGroupRows + c))), rounded.sums[xb], a);
       }
       acc[i * kGroupRows + c] = a;
     }

@@ -90,9 +90,6 @@ class SampledTokens(Mapping):
     def items(self) -> Iterator[tuple[str, int]]:
         return zip(self._request_ids, self._token_ids)
 
-    def values(self) -> list[int]:
-        return self._token_ids
-
     def __iter__(self) -> Iterator[str]:
         return iter(self._request_ids)
 
