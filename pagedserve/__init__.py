@@ -11,7 +11,11 @@ from pagedserve.sampling_params import RequestOutputKind, SamplingParams, Struct
 from pagedserve.version import __version__  # noqa: E402
 
 __all__ = ["LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "RequestOutputKind",
-           "EmbeddingRequestOutput", "EmbeddingOutput", "__version__"]
+           "EmbeddingRequestOutput", "EmbeddingOutput", "ClassificationRequestOutput", "ClassificationOutput", "ScoringRequestOutput",
+           "ScoringOutput", "__version__"]
+
+_OUTPUTS = ("RequestOutput", "CompletionOutput", "EmbeddingRequestOutput", "EmbeddingOutput", "ClassificationRequestOutput",
+            "ClassificationOutput", "ScoringRequestOutput", "ScoringOutput")
 
 
 def __getattr__(name: str):
@@ -21,7 +25,7 @@ def __getattr__(name: str):
         from pagedserve.engine.llm import LLM
 
         return LLM
-    if name in ("RequestOutput", "CompletionOutput", "EmbeddingRequestOutput", "EmbeddingOutput"):
+    if name in _OUTPUTS:
         from pagedserve import outputs
 
         return getattr(outputs, name)

@@ -125,7 +125,9 @@ class EngineConfig:
     runner: str = field(
         default="generate",
         metadata={"help": "what the model serves: generate (text: completions, chat, the Responses API) or pooling (an "
-                  "embedding model's vectors of prompts: /v1/embeddings, LLM.embed)", "choices": list(RUNNERS)},
+                  "embedding model's vectors of prompts: /v1/embeddings, LLM.embed; a classification model's classes: "
+                  "/classify, LLM.classify; pair scores of either: /v1/score, /v1/rerank, LLM.score)",
+                  "choices": list(RUNNERS)},
     )
     pooler_config: dict | None = field(
         default=None,

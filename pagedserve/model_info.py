@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedserve.classification import Classifier
 from pagedserve.pooling import PoolerConfig
 
 
@@ -21,5 +22,7 @@ class ModelInfo:
     experts_per_token: int = 0  # the experts each token is routed to (top-k); 0 for a dense model
     # Runner pooling: the pooler the runner runs (pooling.resolve_pooler's, resolved once by the worker); None: generate.
     pooler: PoolerConfig | None = None
+    # Runner pooling of a classification model: its labels and activations; its pooled outputs are its logits.
+    classifier: Classifier | None = None
     # The sizes an embedding may be shortened to (a matryoshka model's; matryoshka.matryoshka_dimensions); None: none.
     matryoshka_dimensions: list[int] | None = None

@@ -80,6 +80,18 @@ class EmbeddingRequestOutput(msgspec.Struct):
     num_cached_tokens: int = 0
 
 
+class ClassificationOutput(msgspec.Struct):
+    probs: list[float]  # each label's probability (its logit, where the activation was turned off)
+
+
+class ClassificationRequestOutput(msgspec.Struct):
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+
 class ScoringOutput(msgspec.Struct):
     score: float
 

@@ -8,6 +8,9 @@ A model directory saved by sentence-transformers says both (modules.json: its Po
 Normalize module follows); pooler_config overrides them; without either, LAST and normalized, as vLLM defaults
 decoder models. MEAN and CLS read every prompt token's hidden state, so an engine pooling so recomputes cached
 prefixes rather than reading them from the prefix cache.
+
+A classification model (pagedserve/classification.py) pools as transformers' `*ForSequenceClassification` does, LAST,
+and its score head reads the vector as it is: never normalized.
 """
 
 from __future__ import annotations
@@ -40,9 +43,14 @@ def check_pooler_values(values: dict) -> None:
         raise ValueError(f"pooler_config.normalize must be true or false, got {values['normalize']!r}")
 
 
-def resolve_pooler(values: dict | None, model_dir: str | Path) -> PoolerConfig:
-    """The pooler an engine runs: pooler_config's fields over the model directory's sentence-transformers pooling."""
-    return replace(_sentence_transformers_pooler(Path(model_dir)), **(values or {}))
+def resolve_pooler(values: dict | None, model_dir: str | Path, classifier: bool = False) -> PoolerConfig:
+    """The pooler an engine runs: pooler_config's fields over the model directory's sentence-transformers pooling, or
+    over a classification model's (classifier)."""
+    if classifier and (values or {}).get("normalize"):
+        raise ValueError("pooler_config.normalize scales an embedding to unit length; a classification model's score "
+                         "head reads its vector unscaled (leave it unset or false)")
+    base = PoolerConfig(normalize=False) if classifier else _sentence_transformers_pooler(Path(model_dir))
+    return replace(base, **(values or {}))
 
 
 def _sentence_transformers_pooler(model_dir: Path) -> PoolerConfig:

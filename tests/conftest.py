@@ -75,6 +75,25 @@ def make_tiny_model(out_dir, arch: str, tokenizer_dir, tie_word_embeddings: bool
     return out_dir
 
 
+def make_tiny_classifier(out_dir, tokenizer_dir, architecture: str, id2label: dict[int, str]):
+    """A tiny random-weight sequence classification model (LlamaForSequenceClassification or
+    Qwen2ForSequenceClassification) of len(id2label) labels, saved in HF format."""
+    import transformers
+
+    config_class = {"LlamaForSequenceClassification": transformers.LlamaConfig,
+                    "Qwen2ForSequenceClassification": transformers.Qwen2Config}[architecture]
+    config = config_class(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.3, bos_token_id=1,
+                          eos_token_id=2, num_labels=len(id2label), id2label=id2label,
+                          label2id={name: index for index, name in id2label.items()})
+    torch.manual_seed(11)
+    getattr(transformers, architecture)(config).eval().save_pretrained(out_dir)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, out_dir / name)
+    return out_dir
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory, default_model_dir):
     """arch -> directory of a tiny random-weight model saved in HF format."""

@@ -8,7 +8,7 @@
   parameters: in the tester's copy, tool_choice is "none" or "auto" (the server runs with --enable-auto-tool-choice).
 - A stored response's starting_after picks up a stream, so it needs stream true: the coverage phase takes one query
   field at a time, so the tester's copy leaves starting_after out (test_responses.py reads streams with it).
-- On an embedding model's server, a score request's text_1 holds one text or as many as text_2: in the tester's copy,
+- On a pooling model's server, a score request's text_1 holds one text or as many as text_2: in the tester's copy,
   one."""
 
 import schemathesis
@@ -24,7 +24,7 @@ SCHEMA_TEXT = {"type": "string", "pattern": "^[{][}]$"}
 @schemathesis.hook
 def before_load_schema(ctx, raw_schema: dict) -> None:
     bodies = raw_schema["components"]["schemas"]
-    if "ScoreRequest" in bodies:  # an embedding model's server
+    if "ScoreRequest" in bodies:  # a pooling model's server
         _pair_scores(bodies)
         return
     bodies["CompletionRequest"]["properties"]["min_tokens"]["maximum"] = COMPLETIONS_DEFAULT_MAX_TOKENS

@@ -89,7 +89,7 @@ def test_a_generation_checkpoint_serves_its_hidden_states_and_each_runner_refuse
     try:
         # A prompt of one token runs as a decode does.
         output, single = llm.embed([{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [9]}], use_tqdm=False)
-        with pytest.raises(ValueError, match="runs pooling"):
+        with pytest.raises(ValueError, match="does not give text: that takes an engine with runner generate"):
             llm.generate("Hello", SamplingParams(max_tokens=2), use_tqdm=False)
     finally:
         shut(llm)

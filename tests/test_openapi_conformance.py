@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import schemathesis
+from conftest import make_tiny_classifier
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import (
     content_type_conformance,
@@ -75,9 +76,15 @@ def test_schemathesis_coverage_phase_finds_the_schema_and_the_server_agree(fuzz_
 
 
 @pytest.mark.slow
-def test_schemathesis_coverage_phase_on_an_embedding_models_server(tiny_models):
-    """The same of a server with runner pooling: its embeddings, scores and reranks."""
-    server = RemoteServer("--model", str(tiny_models["llama"]), "--served-model-name", "tiny", "--runner", "pooling",
+@pytest.mark.parametrize("model", ["embedding", "cross-encoder"])
+def test_schemathesis_coverage_phase_on_a_pooling_models_server(model, tiny_models, default_model_dir, tmp_path):
+    """The same of a server with runner pooling: an embedding model's embeddings, scores and reranks; a cross-encoder's
+    classes, scores and reranks."""
+    if model == "embedding":
+        model_dir = tiny_models["llama"]
+    else:
+        model_dir = make_tiny_classifier(tmp_path, default_model_dir, "Qwen2ForSequenceClassification", {0: "relevant"})
+    server = RemoteServer("--model", str(model_dir), "--served-model-name", "tiny", "--runner", "pooling",
                           "--kv-cache-memory", str(16 * 1024**2), "--max-model-len", "256", "--max-num-seqs", "8",
                           "--max-request-bytes", str(256 * 1024), api_key=API_KEY)
     try:

@@ -132,7 +132,7 @@ def test_the_page_is_open_and_forbids_inline_scripts_while_the_stats_need_the_ke
     assert requests.get(server.url + "/console/stats", timeout=30).status_code == 401
     assert requests.get(server.url + "/console/server", timeout=30).status_code == 401
     assert requests.get(server.url + "/v1/models", timeout=30).status_code == 401
-    assert server.get("/console/server").json() == {"runner": "generate"}
+    assert server.get("/console/server").json() == {"runner": "generate", "tasks": ["generate"]}
     page = requests.get(server.url + "/", timeout=30).text
     assert "<script>" not in page and "http" not in page.replace("http-equiv", "")  # no inline script, nothing fetched elsewhere
 
@@ -363,7 +363,7 @@ def test_on_an_embedding_models_server_the_page_keeps_to_the_engine_view(browser
 
     server = RemoteServer("--runner", "pooling", "--max-model-len", "1024", api_key=API_KEY)
     try:
-        assert server.get("/console/server").json() == {"runner": "pooling"}
+        assert server.get("/console/server").json() == {"runner": "pooling", "tasks": ["embed", "score"]}
         driver = browser
         _open_with_the_key(driver, server.url + "/#chat")
         _wait_for(lambda: not driver.find_element(By.ID, "tab-chat").is_enabled(), what="the Chat tab to be disabled")

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import msgspec
+import numpy as np
 
 from pagedserve.config import EngineConfig, KVTransferConfig
 from pagedserve.core.contracts import EngineCoreOutput
@@ -17,9 +18,10 @@ from pagedserve.engine.wire import EngineCoreRequest
 from pagedserve.lora_request import LoRARequest
 from pagedserve.matryoshka import check_dimensions, shortened
 from pagedserve.model_info import ModelInfo
-from pagedserve.outputs import EmbeddingRequestOutput
+from pagedserve.outputs import ClassificationOutput, ClassificationRequestOutput, EmbeddingRequestOutput
 from pagedserve.reasoning_format import REASONING_FORMATS
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
+from pagedserve.tasks import check_task, supported_tasks
 
 
 @dataclass
@@ -50,6 +52,7 @@ class FrontEnd:
         self.enable_lora = config.enable_lora
         self.kv_transfer = config.kv_transfer
         self.pooling = config.runner == "pooling"
+        self.tasks = supported_tasks(config.runner, model_info.classifier)
         # Whether embeddings come normalized: a shortened one is normalized again.
         self.normalized_embeddings = model_info.pooler is not None and model_info.pooler.normalize
         self.processor = Processor(self.tokenizer, model_info, self.pooling)
@@ -64,12 +67,25 @@ class FrontEnd:
         server_default (None: up to the context); never more than the room its prompt leaves."""
         self.processor.default_max_tokens = self.model_info.generation_defaults.get("max_tokens", server_default)
 
-    def check_runner(self, pooling: bool) -> None:
-        """Refuse a request for what the engine does not run: text from an embedding model, vectors from a text one."""
-        if pooling and not self.pooling:
-            raise ValueError("embeddings come from an engine with runner pooling (an embedding model); this one runs generate")
-        if self.pooling and not pooling:
-            raise ValueError("this engine runs pooling (an embedding model): it gives prompts' embeddings, not text")
+    def check_task(self, task: str) -> None:
+        """Refuse (ValueError) a request for what the engine's model does not give (pagedserve/tasks.py)."""
+        check_task(task, self.tasks)
+
+    def pair_prompt(self, first: str, second: str, truncating: bool = False) -> PromptType:
+        """A text pair as a cross-encoder reads it: one prompt of both (check_task("score") first)."""
+        return {"prompt_token_ids": self.processor.tokenize_pair(first, second, truncating)}
+
+    def classified(self, output: EmbeddingRequestOutput, use_activation: bool = True) -> ClassificationRequestOutput:
+        """A classification model's pooled output (its logits) as its labels' probabilities, or with use_activation
+        false its logits."""
+        logits = np.frombuffer(output.outputs.data, dtype=np.float32)
+        probs = self.model_info.classifier.probabilities(logits, use_activation).tolist()
+        return ClassificationRequestOutput(output.request_id, output.prompt_token_ids, ClassificationOutput(probs),
+                                           num_cached_tokens=output.num_cached_tokens)
+
+    def pair_score(self, output: EmbeddingRequestOutput) -> float:
+        """A cross-encoder's score of the pair prompt whose pooled output (its logit) this is."""
+        return self.model_info.classifier.pair_score(np.frombuffer(output.outputs.data, dtype=np.float32))
 
     def check_dimensions(self, dimensions: int | None) -> None:
         """Refuse (ValueError naming dimensions) a size the model's embeddings cannot be shortened to."""

@@ -15,7 +15,13 @@ from pagedserve.engine.frontend import FrontEnd
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.processor import PromptType
 from pagedserve.lora_request import LoRARequest
-from pagedserve.outputs import EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput
+from pagedserve.outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 from pagedserve.scoring import cosine_similarity, score_pairs
 
@@ -60,7 +66,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Outputs come back in the order of the prompts. lora_request: the LoRA adapter every prompt runs with, or one
         per prompt (None: the base model); the engine must have been made with enable_lora=True."""
-        self.llm_engine.front_end.check_runner(pooling=False)
+        self.llm_engine.front_end.check_task("generate")
         prompt_list = _as_prompt_list(prompts)
         params_list = _broadcast(sampling_params or self.get_default_sampling_params(), len(prompt_list), "sampling_params")
         return self._run_prompts(prompt_list, params_list, priority, lora_request, use_tqdm)
@@ -77,12 +83,26 @@ class LLM:
         runner="pooling" (an embedding model). truncate_prompt_tokens: embed only each prompt's last tokens;
         dimensions: a matryoshka model's embeddings shortened to their first this many values."""
         front_end = self.llm_engine.front_end
-        front_end.check_runner(pooling=True)
+        front_end.check_task("embed")
         front_end.check_dimensions(dimensions)
-        prompt_list = _as_prompt_list(prompts)
-        params = [FrontEnd.embedding_params(truncate_prompt_tokens)] * len(prompt_list)
-        outputs = self._run_prompts(prompt_list, params, None, lora_request, use_tqdm)
+        outputs = self._pool(_as_prompt_list(prompts), truncate_prompt_tokens, lora_request, use_tqdm)
         return [front_end.shortened(output, dimensions) for output in outputs]
+
+    def classify(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        use_activation: bool = True,
+    ) -> list[ClassificationRequestOutput]:
+        """Each prompt's classes (outputs.probs: each label's probability; with use_activation false, its logit), in
+        the order of the prompts, from an engine made with runner="pooling" over a classification model (a
+        *ForSequenceClassification checkpoint)."""
+        front_end = self.llm_engine.front_end
+        front_end.check_task("classify")
+        outputs = self._pool(_as_prompt_list(prompts), truncate_prompt_tokens, lora_request, use_tqdm)
+        return [front_end.classified(output, use_activation) for output in outputs]
 
     def score(
         self,
@@ -91,10 +111,15 @@ class LLM:
         truncate_prompt_tokens: int | None = None,
         use_tqdm: bool = True,
     ) -> list[ScoringRequestOutput]:
-        """The cosine similarity of text pairs' embeddings (an engine made with runner="pooling"): text_1's one text
-        against each of text_2, or the two lists pair by pair; in that order."""
+        """Scores of text pairs (an engine made with runner="pooling"): text_1's one text against each of text_2, or the
+        two lists pair by pair; in that order. A cross-encoder (a classification model of one label) reads each pair
+        together and scores it; an embedding model's score is the cosine similarity of the two texts' embeddings."""
+        front_end = self.llm_engine.front_end
+        front_end.check_task("score")
         first, second = _as_prompt_list(text_1), _as_prompt_list(text_2)
         pairs = score_pairs(len(first), len(second))
+        if front_end.model_info.classifier is not None:
+            return self._cross_encoder_scores(first, second, pairs, truncate_prompt_tokens, use_tqdm)
         embeddings = self.embed(first + second, truncate_prompt_tokens, use_tqdm)
         outputs = []
         for index, (i, j) in enumerate(pairs):
@@ -102,6 +127,22 @@ class LLM:
             outputs.append(ScoringRequestOutput(str(index), a.prompt_token_ids + b.prompt_token_ids,
                                                 ScoringOutput(cosine_similarity(a.outputs, b.outputs))))
         return outputs
+
+    def _cross_encoder_scores(self, first: list[PromptType], second: list[PromptType], pairs: list[tuple[int, int]],
+                              truncate_prompt_tokens: int | None, use_tqdm: bool) -> list[ScoringRequestOutput]:
+        front_end = self.llm_engine.front_end
+        if not all(isinstance(text, str) for text in first + second):
+            raise TypeError("a cross-encoder scores texts: text_1 and text_2 must be strings")
+        prompts = [front_end.pair_prompt(first[i], second[j], truncate_prompt_tokens is not None) for i, j in pairs]
+        outputs = self._pool(prompts, truncate_prompt_tokens, None, use_tqdm)
+        return [ScoringRequestOutput(str(index), output.prompt_token_ids, ScoringOutput(front_end.pair_score(output)))
+                for index, output in enumerate(outputs)]
+
+    def _pool(self, prompt_list: list[PromptType], truncate_prompt_tokens: int | None, lora_request,
+              use_tqdm: bool) -> list[EmbeddingRequestOutput]:
+        """Each prompt's pooled output (runner pooling), in their order."""
+        params = [FrontEnd.embedding_params(truncate_prompt_tokens)] * len(prompt_list)
+        return self._run_prompts(prompt_list, params, None, lora_request, use_tqdm)
 
     def _run_prompts(self, prompt_list: list[PromptType], params_list: list[SamplingParams], priority, lora_request,
                      use_tqdm: bool) -> list:

@@ -92,6 +92,16 @@ class Processor:
                                  f"alone are {len(prefix_ids)} tokens (of {len(text)} characters)")
         return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
 
+    def tokenize_pair(self, first: str, second: str, truncating: bool = False) -> list[int]:
+        """Token ids of a text pair as the tokenizer joins a pair (its special tokens around and between the two, as
+        a cross-encoder was trained on them). Unless truncating (only the last tokens are kept later), a pair
+        certainly longer than max_model_len is refused untokenized: a token covers at most max_token_chars
+        characters."""
+        if not truncating and len(first) + len(second) > (self.max_model_len + 1) * self.max_token_chars:
+            raise ValueError(f"the text pair is longer than max_model_len {self.max_model_len}: its {len(first) + len(second)} "
+                             f"characters are more than {self.max_model_len} tokens")
+        return self.tokenizer(first, second).input_ids
+
     @cached_property
     def max_token_chars(self) -> int:
         """The most characters one token can stand for: its vocabulary entry's length (a byte-level entry has a

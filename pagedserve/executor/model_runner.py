@@ -45,7 +45,8 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int, device: torch.device, seed: int,
                  attn_backend: AttentionBackend, cpu_kernels=None, proposer: Proposer | None = None,
                  pooler: PoolerConfig | None = None) -> None:
-        """pooler: the engine serves embeddings (runner pooling): each prompt's vector instead of sampled tokens."""
+        """pooler: the engine serves embeddings (runner pooling): each prompt's vector (a classification model's logits
+        of it) instead of sampled tokens."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -59,7 +60,9 @@ class ModelRunner:
         self.lora_manager: LoRAManager | None = None  # set by the worker where LoRA adapters are enabled
         self.kv_connector: KVConnectorWorker | None = None  # set by the worker where a KV connector is configured
         self.proposer = proposer  # speculative decoding: drafts tokens after each step
-        self.pooler = StepPooler(pooler) if pooler is not None else None
+        self.pooler = None
+        if pooler is not None:
+            self.pooler = StepPooler(pooler, model.classify if getattr(model, "score", None) is not None else None)
         # Expert parallelism over data-parallel cores: the mixture layers, which join the other cores' steps even in a
         # step without tokens here.
         self.steps_with_other_cores: list[FusedMoE] = []

@@ -1,5 +1,6 @@
 """The model runner's pooling (runner pooling): each request's vector from its prompt's final hidden states, gathered
-over the steps its prompt's chunks run in (pagedserve/pooling.py says what each pooling type takes)."""
+over the steps its prompt's chunks run in (pagedserve/pooling.py says what each pooling type takes); a classification
+model's logits of that vector (its score head)."""
 
 from __future__ import annotations
 
@@ -13,14 +14,16 @@ from pagedserve.pooling import PoolerConfig
 
 
 class StepPooler:
-    def __init__(self, config: PoolerConfig) -> None:
+    def __init__(self, config: PoolerConfig, head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """head: a classification model's, from pooled vectors [rows, hidden] to their logits."""
         self.config = config
+        self.head = head
         # Requests whose prompt is part way: MEAN's sum of their rows so far, CLS's first row.
         self._partial: dict[str, torch.Tensor] = {}
 
     def pool(self, inputs: ModelInputs, hidden_states: torch.Tensor, num_prompt_tokens: Callable[[str], int]) -> dict[str, bytes]:
-        """The vectors of the requests whose prompt ends in this step (inputs.sampling_req_ids), each as float32
-        values in native byte order."""
+        """The vectors (or a classification model's logits) of the requests whose prompt ends in this step
+        (inputs.sampling_req_ids), each as float32 values in native byte order."""
         if self.config.reads_every_token:
             self._gather(inputs, hidden_states)
         request_ids = inputs.sampling_req_ids
@@ -32,6 +35,8 @@ class StepPooler:
             vectors = torch.stack([self._finish(request_id, num_prompt_tokens(request_id)) for request_id in request_ids])
         if self.config.normalize:
             vectors = F.normalize(vectors, p=2, dim=-1)
+        if self.head is not None:
+            vectors = self.head(vectors)
         rows = vectors.cpu().numpy()
         return {request_id: rows[index].tobytes() for index, request_id in enumerate(request_ids)}
 

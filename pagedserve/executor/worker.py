@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from pagedserve import envs, openmp
+from pagedserve.classification import classifier_of
 from pagedserve.config import DataParallelPlace, EngineConfig
 from pagedserve.core.contracts import ModelRunnerOutput, SchedulerOutput
 from pagedserve.cpu_features import cpu_features
@@ -168,7 +169,10 @@ class Worker:
         self.kv_format = kv_format(config.kv_cache_dtype)
         self.model_dir = resolve_model_dir(config.model)
         self.hf_config = load_hf_config(self.model_dir, config.hf_overrides)
-        self.pooler = resolve_pooler(config.pooler_config, self.model_dir) if config.runner == "pooling" else None
+        self.classifier = classifier_of(self.hf_config) if config.runner == "pooling" else None
+        self.pooler = None
+        if config.runner == "pooling":
+            self.pooler = resolve_pooler(config.pooler_config, self.model_dir, classifier=self.classifier is not None)
         self.model_max_len = max_position_of(self.hf_config)
         if config.max_model_len is not None and config.max_model_len > self.model_max_len:
             raise ValueError(f"max_model_len must be <= {self.model_max_len} (the model's context length), got {config.max_model_len}")
@@ -414,7 +418,7 @@ class Worker:
         return ModelInfo(model_dir=str(self.model_dir), max_model_len=self.max_model_len, vocab_size=self.hf_config.vocab_size,
                          eos_token_ids=list(self.eos_token_ids), num_blocks=self.num_blocks,
                          generation_defaults=dict(self.generation_defaults), num_experts=shape.num_experts if shape else 0,
-                         experts_per_token=shape.top_k if shape else 0, pooler=self.pooler,
+                         experts_per_token=shape.top_k if shape else 0, pooler=self.pooler, classifier=self.classifier,
                          matryoshka_dimensions=matryoshka_dimensions(self.hf_config))
 
     @property

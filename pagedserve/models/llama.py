@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.classification import is_classifier, num_labels_of
 from pagedserve.distributed.parallel_state import rank_info, tp_size
 from pagedserve.layers.attention import Attention, AttentionBackend, AttentionMetadata
 from pagedserve.layers.fused_moe import FusedMoE
@@ -226,7 +227,8 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, hf_config, max_position: int, attn_backend: AttentionBackend, pooling: bool = False) -> None:
-        """pooling: the model serves its final hidden states (an embedding model): no lm_head."""
+        """pooling: the model serves its final hidden states (an embedding model), or a classification model its score
+        head's logits of them: no lm_head."""
         super().__init__()
         self.config = hf_config
         self.model = LlamaModel(hf_config, max_position, attn_backend)
@@ -247,9 +249,17 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = self.model.embed_tokens
         else:
             self.lm_head = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)  # its rows: this rank's vocabulary
+        # A classification model's head (transformers' name for it): a few rows, whole on every rank of the last stage.
+        self.score = None
+        if pooling and is_classifier(hf_config) and rank_info().is_last_stage:
+            self.score = nn.Linear(hf_config.hidden_size, num_labels_of(hf_config), bias=False)
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, intermediate=None):
         return self.model(input_ids, positions, kv_caches, meta, intermediate)
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        """A classification model's float32 logits of pooled final hidden states ([rows, hidden])."""
+        return F.linear(pooled.float(), self.score.weight.float())
 
     def compute_logits(self, hidden_states: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Logits over the whole vocabulary (each tensor-parallel rank computes its share, then they are gathered). out: a
@@ -435,7 +445,7 @@ class LlamaForCausalLM(nn.Module):
         parts = param_name.split(".")
         if parts[:2] == ["model", "layers"]:
             return isinstance(self.model.layers[int(parts[2])], MissingLayer)
-        return parts[1] in ("embed_tokens", "norm") or parts[0] == "lm_head"  # held by the first or last stage only
+        return parts[1] in ("embed_tokens", "norm") or parts[0] in ("lm_head", "score")  # held by the first or last stage only
 
     def _expected_loads(self) -> list[str]:
         expected = []
@@ -454,7 +464,7 @@ class LlamaForCausalLM(nn.Module):
 def with_model_prefix(name: str) -> str:
     """A checkpoint tensor's name as a ...ForCausalLM names it: a base model's (LlamaModel, Qwen3Model: how embedding
     models are saved) lack the "model." before the decoder's tensors."""
-    return name if name.startswith(("model.", "lm_head.")) else "model." + name
+    return name if name.startswith(("model.", "lm_head.", "score.")) else "model." + name
 
 
 def _kv_scale_target(name: str) -> tuple[str, tuple[str, ...]] | None:

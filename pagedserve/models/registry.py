@@ -19,10 +19,14 @@ _MODELS = {
 # Base models (no lm_head): how embedding models are saved; they serve with runner pooling only.
 _BASE_MODELS = {"LlamaModel": LlamaForCausalLM, "MistralModel": LlamaForCausalLM, "Qwen2Model": LlamaForCausalLM,
                 "Qwen3Model": LlamaForCausalLM}
+# Sequence classification models (a score head over the pooled final hidden state: classifiers, cross-encoder
+# rerankers, reward models); they serve with runner pooling only.
+_CLASSIFIERS = {"LlamaForSequenceClassification": LlamaForCausalLM, "MistralForSequenceClassification": LlamaForCausalLM,
+                "Qwen2ForSequenceClassification": LlamaForCausalLM, "Qwen3ForSequenceClassification": LlamaForCausalLM}
 
 
 def supported_architectures() -> list[str]:
-    return sorted(_MODELS) + sorted(f"{name} (runner pooling)" for name in _BASE_MODELS)
+    return sorted(_MODELS) + sorted(f"{name} (runner pooling)" for name in {**_BASE_MODELS, **_CLASSIFIERS})
 
 
 def resolve_model_class(hf_config, pooling: bool = False):
@@ -36,6 +40,11 @@ def resolve_model_class(hf_config, pooling: bool = False):
                 raise ValueError(f"{arch} is a base model, without the lm_head that generates text: it serves embeddings "
                                  "with runner pooling")
             return _BASE_MODELS[arch]
+        if arch in _CLASSIFIERS:
+            if not pooling:
+                raise ValueError(f"{arch} is a classification model, without the lm_head that generates text: it serves "
+                                 "its classes and scores with runner pooling")
+            return _CLASSIFIERS[arch]
     raise ValueError(
         f"unsupported model architecture {architectures or '(none given in config.json)'}; "
         f"supported: {', '.join(supported_architectures())}"

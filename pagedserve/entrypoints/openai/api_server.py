@@ -19,6 +19,8 @@ from pagedserve.entrypoints.openai.openapi_schema import ServedLimits, served_sc
 from pagedserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ClassificationRequest,
+    ClassificationResponse,
     CompletionRequest,
     CompletionResponse,
     DetokenizeRequest,
@@ -47,9 +49,11 @@ from pagedserve.entrypoints.openai.responses_protocol import (
 )
 from pagedserve.entrypoints.openai.responses_store import ResponseStore
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedserve.entrypoints.openai.serving_classification import OpenAIServingClassification
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedserve.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedserve.entrypoints.openai.serving_models import ServingModels
+from pagedserve.entrypoints.openai.serving_pooling import OpenAIServingPooling
 from pagedserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedserve.entrypoints.openai.serving_score import OpenAIServingScores
 from pagedserve.entrypoints.openai.settings import ServerSettings
@@ -140,7 +144,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, state: ServerState | N
         return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' removed successfully.")
 
     if engine.config.runner == "pooling":
-        _add_embedding_routes(app, OpenAIServingEmbedding(engine, models, max_n))
+        _add_pooling_routes(app, engine.front_end.tasks, engine, models, max_n)
     else:
         _add_generation_routes(app, completions, chat, responses)
 
@@ -231,25 +235,39 @@ def _add_generation_routes(app: FastAPI, completions: OpenAIServingCompletion, c
         return _respond(await responses.cancel(response_id))
 
 
-def _add_embedding_routes(app: FastAPI, embeddings: OpenAIServingEmbedding) -> None:
-    """The routes of a server over an embedding model (runner pooling): its embeddings, and the scores of text pairs
+def _add_pooling_routes(app: FastAPI, tasks: tuple[str, ...], engine: AsyncLLM, models: ServingModels, max_n: int) -> None:
+    """The routes of a server with runner pooling, those of its model's tasks (pagedserve/tasks.py): an embedding model's
+    embeddings, a classification model's classes (vLLM's /classify, and /v1/classify), and the scores of text pairs
     (vLLM's paths, the unversioned ones and Cohere's /v2/rerank too)."""
-    scores = OpenAIServingScores(embeddings)
+    if "embed" in tasks:
+        embeddings = OpenAIServingEmbedding(engine, models, max_n)
 
-    @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=_ERRORS)
-    async def create_embedding(request: EmbeddingRequest, raw_request: Request):
-        return _respond(await embeddings.create_embedding(request, raw_request))
+        @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=_ERRORS)
+        async def create_embedding(request: EmbeddingRequest, raw_request: Request):
+            return _respond(await embeddings.create_embedding(request, raw_request))
 
-    async def score(request: ScoreRequest, raw_request: Request):
-        return _respond(await scores.score(request, raw_request))
+    if "classify" in tasks:
+        classification = OpenAIServingClassification(engine, models, max_n)
 
-    async def rerank(request: RerankRequest, raw_request: Request):
-        return _respond(await scores.rerank(request, raw_request))
+        async def create_classify(request: ClassificationRequest, raw_request: Request):
+            return _respond(await classification.create_classify(request, raw_request))
 
-    for path in ("/v1/score", "/score"):
-        app.post(path, response_model=ScoreResponse, responses=_ERRORS)(score)
-    for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
-        app.post(path, response_model=RerankResponse, responses=_ERRORS)(rerank)
+        for path in ("/classify", "/v1/classify"):
+            app.post(path, response_model=ClassificationResponse, responses=_ERRORS)(create_classify)
+
+    if "score" in tasks:
+        scores = OpenAIServingScores(OpenAIServingPooling(engine, models, max_n))
+
+        async def score(request: ScoreRequest, raw_request: Request):
+            return _respond(await scores.score(request, raw_request))
+
+        async def rerank(request: RerankRequest, raw_request: Request):
+            return _respond(await scores.rerank(request, raw_request))
+
+        for path in ("/v1/score", "/score"):
+            app.post(path, response_model=ScoreResponse, responses=_ERRORS)(score)
+        for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
+            app.post(path, response_model=RerankResponse, responses=_ERRORS)(rerank)
 
 
 def _respond(result):

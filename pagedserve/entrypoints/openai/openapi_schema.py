@@ -64,7 +64,7 @@ def _exact_integer_bounds(node: dict) -> None:
 
 
 def _apply_limits(bodies: dict, limits: ServedLimits) -> None:
-    """The server's limits in its bodies' schemas (the bodies of the routes it serves: generation or embeddings)."""
+    """The server's limits in its bodies' schemas (the bodies of the routes it serves: generation, or its pooling model's)."""
     _each_schema(bodies, _bound_token_ids(limits.vocab_size - 1))
 
     def properties(name: str) -> dict:
@@ -80,7 +80,7 @@ def _apply_limits(bodies: dict, limits: ServedLimits) -> None:
                         ("ChatCompletionRequest", "min_tokens"), ("ResponsesRequest", "max_output_tokens")):
         if field in properties(name):
             _integer_branch(properties(name)[field])["maximum"] = limits.max_model_len - 1
-    for name in ("CompletionRequest", "EmbeddingRequest", "ScoreRequest", "RerankRequest"):
+    for name in ("CompletionRequest", "EmbeddingRequest", "ClassificationRequest", "ScoreRequest", "RerankRequest"):
         if "truncate_prompt_tokens" in properties(name):
             _integer_branch(properties(name)["truncate_prompt_tokens"])["maximum"] = limits.max_model_len
     if "dimensions" in properties("EmbeddingRequest"):

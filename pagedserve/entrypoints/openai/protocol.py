@@ -626,7 +626,7 @@ class EmbeddingUsage(BaseModel):
 
 
 class PooledList(BaseModel):
-    """What the embeddings and score endpoints answer: a list of results for the request's inputs."""
+    """What the embeddings, classify and score endpoints answer: a list of results for the request's inputs."""
 
     id: str
     object: Literal["list"] = "list"
@@ -639,9 +639,33 @@ class EmbeddingResponse(PooledList):
     data: list[EmbeddingData]
 
 
+class ClassificationRequest(RequestBody):
+    """POST /classify (vLLM's; a server with runner pooling over a classification model): each input's classes."""
+
+    model: str | None = None
+    input: Prompt
+    user: str | None = None  # the end user, for the client's own records; not used
+    truncate_prompt_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | Literal[-1] | None = None
+    priority: Int64 = 0
+    # False: each label's logit instead of its probability.
+    use_activation: bool = True
+
+
+class ClassificationData(BaseModel):
+    index: int
+    label: str  # the most probable label's name
+    probs: list[float]
+    num_classes: int
+
+
+class ClassificationResponse(PooledList):
+    data: list[ClassificationData]
+    usage: UsageInfo  # vLLM's: with completion_tokens, 0
+
+
 class ScoreRequest(RequestBody):
-    """POST /v1/score (vLLM's; a server with runner pooling): text_1's one text against each of text_2, or the two
-    lists pair by pair."""
+    """POST /v1/score (vLLM's; a server with runner pooling over an embedding model or a cross-encoder): text_1's one
+    text against each of text_2, or the two lists pair by pair."""
 
     model: str | None = None
     text_1: NonEmpty[str] | NonEmpty[list[NonEmpty[str]]]
@@ -661,8 +685,8 @@ class ScoreResponse(PooledList):
 
 
 class RerankRequest(RequestBody):
-    """POST /v1/rerank (vLLM's, in Jina's and Cohere's shape; a server with runner pooling): documents ordered by
-    their score against the query."""
+    """POST /v1/rerank (vLLM's, in Jina's and Cohere's shape; a server with runner pooling over an embedding model or
+    a cross-encoder): documents ordered by their score against the query."""
 
     model: str | None = None
     query: NonEmpty[str]

@@ -8,15 +8,14 @@ from array import array
 
 from fastapi import Request
 
-from pagedserve.engine.frontend import FrontEnd
 from pagedserve.entrypoints.openai.errors import APIError
 from pagedserve.entrypoints.openai.protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage, random_id
-from pagedserve.entrypoints.openai.serving_base import ServingBase, prompt_list
-from pagedserve.lora_request import LoRARequest
-from pagedserve.outputs import EmbeddingOutput, EmbeddingRequestOutput
+from pagedserve.entrypoints.openai.serving_base import prompt_list
+from pagedserve.entrypoints.openai.serving_pooling import OpenAIServingPooling
+from pagedserve.outputs import EmbeddingOutput
 
 
-class OpenAIServingEmbedding(ServingBase):
+class OpenAIServingEmbedding(OpenAIServingPooling):
     async def create_embedding(self, request: EmbeddingRequest, raw_request: Request) -> EmbeddingResponse:
         lora_request = self.check_model(request.model)
         front_end = self.engine.front_end
@@ -25,27 +24,14 @@ class OpenAIServingEmbedding(ServingBase):
         except ValueError as exc:
             raise APIError.bad_request(exc, param="dimensions") from exc
         request_id = random_id("embd")
-        outputs = await self.embed(request_id, prompt_list(request.input, "input"), request.truncate_prompt_tokens,
-                                   request.priority, lora_request, raw_request, prompt_field="input")
+        outputs = await self.pool(request_id, prompt_list(request.input, "input"), request.truncate_prompt_tokens,
+                                  request.priority, lora_request, raw_request, prompt_field="input")
         data = [EmbeddingData(index=index, embedding=_encoded(front_end.shortened(output, request.dimensions).outputs,
                                                               request.encoding_format))
                 for index, output in enumerate(outputs)]
         num_tokens = sum(len(output.prompt_token_ids) for output in outputs)
         return EmbeddingResponse(id=request_id, model=self.models.response_name(request.model), data=data,
                                  usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens))
-
-    async def embed(self, request_id: str, prompts: list, truncate_prompt_tokens: int | None, priority: int,
-                    lora_request: LoRARequest | None, raw_request: Request,
-                    prompt_field: str | None = None) -> list[EmbeddingRequestOutput]:
-        """Each prompt's embedding, in their order (all admitted, or none); a prompt that cannot be embedded (too long,
-        tokens beyond the vocabulary) is a 400 naming prompt_field."""
-        params = FrontEnd.embedding_params(truncate_prompt_tokens)
-        added = await self.add_requests(request_id, prompts, params, False, priority, lora_request=lora_request,
-                                        prompt_field=prompt_field)
-        outputs = await self.collect_final(added, raw_request)
-        if not all(isinstance(output, EmbeddingRequestOutput) for output in outputs):
-            raise APIError(503, "the request ended before its embeddings were made")
-        return outputs
 
 
 def _encoded(output: EmbeddingOutput, encoding_format: str) -> list[float] | str:

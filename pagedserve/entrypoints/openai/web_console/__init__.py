@@ -1,8 +1,9 @@
 """The web console at /: a chat page over the server's own API, and a live view of the engine fed by a stream of
-engine stats (server-sent events). On a server over an embedding model (runner pooling), which serves no chat, the page
-shows the engine view alone. The page is static and ships in this package (no build step, nothing fetched):
-index.html, console.js, console.css. Its responses carry a content security policy that runs only these scripts,
-so nothing the model writes can run as code in the page (which, in any case, renders the model's text as text)."""
+engine stats (server-sent events). On a server with runner pooling (an embedding or a classification model), which
+serves no chat, the page shows the engine view alone and names what the server gives instead. The page is static and
+ships in this package (no build step, nothing fetched): index.html, console.js, console.css. Its responses carry a
+content security policy that runs only these scripts, so nothing the model writes can run as code in the page (which,
+in any case, renders the model's text as text)."""
 
 from __future__ import annotations
 
@@ -37,8 +38,10 @@ def install_web_console(app: FastAPI, engine: AsyncLLM, default_interval_s: floa
     # Not in the OpenAPI schema: the page's own calls (docs/web_console.md describes them), and a stream without end.
     @app.get(SERVER_ROUTE, include_in_schema=False)
     async def server_facts():
-        """What the page adapts to: the runner (generate: text, so the chat page; pooling: embeddings, no chat)."""
-        return Response(json.dumps({"runner": engine.config.runner}), media_type="application/json", headers=SECURITY_HEADERS)
+        """What the page adapts to: the runner (generate: text, so the chat page; pooling: no chat) and what the model
+        gives (pagedserve/tasks.py)."""
+        facts = {"runner": engine.config.runner, "tasks": list(engine.front_end.tasks)}
+        return Response(json.dumps(facts), media_type="application/json", headers=SECURITY_HEADERS)
 
     @app.get(STATS_ROUTE, include_in_schema=False)
     async def engine_stats(request: Request, interval: float = Query(default_interval_s, ge=MIN_INTERVAL_S, le=MAX_INTERVAL_S)):

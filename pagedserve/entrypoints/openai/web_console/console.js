@@ -316,18 +316,22 @@ async function loadModels() {
   }
 }
 
-// An embedding model's server (runner pooling) serves no chat: the page keeps to the engine view and says what the
-// server offers instead.
+// A server with runner pooling (an embedding or a classification model) serves no chat: the page keeps to the engine
+// view and says what the server offers instead, by the tasks its model runs.
 let servesChat = true;
+const TASK_ROUTES = {embed: "/v1/embeddings", classify: "/classify", score: "/v1/score, /v1/rerank"};
 
 async function adaptToRunner() {
   const response = await api("/console/server");
   if (!response.ok) throw new Error(await errorMessage(response));
-  servesChat = (await response.json()).runner !== "pooling";
+  const facts = await response.json();
+  servesChat = facts.runner !== "pooling";
   $("tab-chat").disabled = !servesChat;
   if (!servesChat) {
-    $("tab-chat").title = "This server runs an embedding model: no chat.";
-    $("server-status").textContent += " · embedding model: POST /v1/embeddings, /v1/score, /v1/rerank (no chat)";
+    const kind = facts.tasks.includes("classify") ? "classification model" : "embedding model";
+    const routes = facts.tasks.map((task) => TASK_ROUTES[task]).join(", ");
+    $("tab-chat").title = `This server runs a ${kind}: no chat.`;
+    $("server-status").textContent += ` · ${kind}: POST ${routes} (no chat)`;
     showTab("engine");
   }
 }
