@@ -6,16 +6,18 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from pagedserve.pooling import PoolerConfig, check_pooler_values
 from pagedserve.reasoning_format import REASONING_FORMATS
+from pagedserve.tasks import runner_for
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 # 2 GiB of KV holds ~46k tokens of the default model: plenty of concurrency on a small CPU box.
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
 ATTENTION_BACKENDS = ("auto", "cpu", "torch")
 GEMM_BACKENDS = ("auto", "onednn", "torch")
-RUNNERS = ("generate", "pooling")
+RUNNERS = ("auto", "generate", "pooling")
 # 32- and 16-bit caches, and the 8-bit formats of layers/attention/kv_quant.py (fp8 is fp8_e4m3).
 # Quantizations applied at load (None: the weights as the checkpoint has them).
 QUANTIZATIONS = (None, "int8")
@@ -123,8 +125,9 @@ class EngineConfig:
                   "--hf-overrides): {\"max_position_embeddings\": 4096}, {\"is_matryoshka\": true} (default: none)"},
     )
     runner: str = field(
-        default="generate",
-        metadata={"help": "what the model serves: generate (text: completions, chat, the Responses API) or pooling (an "
+        default="auto",
+        metadata={"help": "what the model serves: auto (pooling for a model that only pools, a base model or a "
+                  "*ForSequenceClassification; else generate), generate (text: completions, chat, the Responses API) or pooling (an "
                   "embedding model's vectors of prompts: /v1/embeddings, LLM.embed; a classification model's classes: "
                   "/classify, LLM.classify; pair scores of either: /v1/score, /v1/rerank, LLM.score)",
                   "choices": list(RUNNERS)},
@@ -212,6 +215,8 @@ class EngineConfig:
             _require(self.world_size == 1, "distributed_executor_backend", "mp or ray with more than one rank (uni runs one)",
                      self.distributed_executor_backend)
         _require(self.runner in RUNNERS, "runner", " or ".join(RUNNERS), self.runner)
+        if self.runner == "auto":
+            self.runner = runner_for(_architectures_of(self.model))
         self.hf_overrides = _json_object(self.hf_overrides, "hf_overrides")
         self._check_pooling()
         self.speculative = SpeculativeConfig.from_dict(self.speculative_config)
@@ -477,3 +482,13 @@ def _known(values: dict, name: str, known: tuple[str, ...]) -> None:
     unknown = sorted(set(values) - set(known))
     if unknown:
         raise ValueError(f"{name.rstrip('.')} has unknown field(s) {', '.join(unknown)}; known: {', '.join(known)}")
+
+
+def _architectures_of(model: str) -> list[str]:
+    """The architectures a model directory's config.json names; none for the default model and GGUF files (text
+    models), or where there is no readable config.json (loading the model says why)."""
+    try:
+        architectures = json.loads((Path(model).expanduser() / "config.json").read_text()).get("architectures")
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [str(name) for name in architectures] if isinstance(architectures, list) else []

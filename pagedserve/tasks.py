@@ -1,7 +1,8 @@
 """What an engine's model gives (vLLM's tasks), from its runner and its model: text (generate); prompts' vectors
 (embed) and the scores of text pairs by their cosine similarity, from an embedding model; classes (classify) from a
 classification model, and the scores of text pairs from one of a single label (a cross-encoder). The front end
-refuses a request for any other, and the server serves the routes of these only."""
+refuses a request for any other, and the server serves the routes of these only. And the runner a model gets when
+none is named (runner auto)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,13 @@ _COMES_FROM = {
     "score": "an engine with runner pooling over an embedding model or a cross-encoder (a classification model of one label)",
 }
 TASKS = tuple(_GIVES)
+
+
+def runner_for(architectures: list[str]) -> str:
+    """runner auto's choice, as vLLM's: pooling for a model that only pools (a base model, `*Model`, which has no
+    lm_head; a classification model, `*ForSequenceClassification`), else generate."""
+    pools = any(name.endswith(("Model", "ForSequenceClassification")) for name in architectures)
+    return "pooling" if pools else "generate"
 
 
 def supported_tasks(runner: str, classifier: Classifier | None) -> tuple[str, ...]:

@@ -159,7 +159,7 @@ def test_each_task_is_refused_where_the_model_does_not_give_it(sentiment_model, 
     finally:
         shut(embedder)
     with pytest.raises(ValueError, match="LlamaForSequenceClassification is a classification model, without the lm_head"):
-        LLM(str(sentiment_model), kv_cache_memory=16 * 1024**2)
+        LLM(str(sentiment_model), runner="generate", kv_cache_memory=16 * 1024**2)
     with pytest.raises(ValueError, match="pooler_config.normalize scales an embedding to unit length"):
         pooling_llm(sentiment_model, pooler_config={"normalize": True})
 
@@ -168,8 +168,8 @@ def test_each_task_is_refused_where_the_model_does_not_give_it(sentiment_model, 
 def cross_encoder_server(cross_encoder):
     from server_utils import RemoteServer
 
-    server = RemoteServer("--model", str(cross_encoder), "--served-model-name", "reranker", "--runner", "pooling",
-                          "--kv-cache-memory", str(16 * 1024**2))
+    # No --runner: a classification model pools (runner auto).
+    server = RemoteServer("--model", str(cross_encoder), "--served-model-name", "reranker", "--kv-cache-memory", str(16 * 1024**2))
     yield server
     assert server.stop() == 0, server.log_text()[-3000:]
 

@@ -98,7 +98,7 @@ def test_a_generation_checkpoint_serves_its_hidden_states_and_each_runner_refuse
     expected = hf_pooled(tiny_models["llama"], [9], "LAST", True, causal_lm=True)
     np.testing.assert_allclose(single.outputs.embedding, expected, atol=2e-5, rtol=1e-4)
     with pytest.raises(ValueError, match="runner pooling"):  # a base model has no lm_head to generate with
-        LLM(str(embedding_model), kv_cache_memory=16 * 1024**2)
+        LLM(str(embedding_model), runner="generate", kv_cache_memory=16 * 1024**2)
 
 
 def test_a_matryoshka_models_embeddings_are_shortened_on_request(embedding_model):
@@ -184,6 +184,18 @@ def test_the_pooler_follows_the_sentence_transformers_config_unless_pooler_confi
     (tmp_path / "modules.json").write_text(json.dumps(modules))
     assert resolve_pooler(None, tmp_path) == PoolerConfig("MEAN", True)
     assert resolve_pooler({"pooling_type": "LAST"}, tmp_path) == PoolerConfig("LAST", True)
+
+
+def test_runner_auto_pools_with_a_model_that_only_pools(embedding_model, tiny_models, default_model_dir, tmp_path):
+    from conftest import make_tiny_classifier
+
+    from pagedserve.config import EngineConfig
+
+    classifier = make_tiny_classifier(tmp_path, default_model_dir, "Qwen2ForSequenceClassification", {0: "relevant"})
+    for model, runner in ((embedding_model, "pooling"), (classifier, "pooling"), (tiny_models["qwen2"], "generate"),
+                          ("SmolLM2-135M-Instruct", "generate")):
+        assert EngineConfig(model=str(model)).runner == runner, model
+    assert EngineConfig(model=str(embedding_model), runner="generate").runner == "generate"  # named: as named
 
 
 def test_pooler_config_is_checked():
