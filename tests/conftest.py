@@ -56,14 +56,16 @@ def default_model_dir():
     return resolve_model_dir(DEFAULT_MODEL)
 
 
-def make_tiny_model(out_dir, arch: str, tokenizer_dir, tie_word_embeddings: bool = False, max_shard_size: str | None = None):
+def make_tiny_model(out_dir, arch: str, tokenizer_dir, tie_word_embeddings: bool = False, max_shard_size: str | None = None,
+                    **config_values):
+    """config_values: set over the architecture's tiny config (TINY_ARCHS)."""
     import transformers
 
     config_name, model_name, extra = TINY_ARCHS[arch]
     config = getattr(transformers, config_name)(
         vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.3, tie_word_embeddings=tie_word_embeddings,
-        bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5, **extra,
+        bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5, **(extra | config_values),
     )
     torch.manual_seed(1234)
     model = getattr(transformers, model_name)(config).eval()

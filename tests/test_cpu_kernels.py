@@ -897,3 +897,80 @@ def test_a_build_that_does_not_load_is_built_again(monkeypatch, tmp_path, caplog
     monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda **kwargs: rebuilt)
     assert cpu_kernels.load() is rebuilt
     assert "did not load" in caplog.text and str(tmp_path) in caplog.text
+
+
+def brute_force_window_attention(query, keys, values, query_positions, window: int, scale: float) -> torch.Tensor:
+    """Each query row [H, D] at its position over the keys/values [L, KV, D] at positions (p - window, p], by the
+    softmax written out: an oracle independent of the reference paths' masks."""
+    group = query.shape[1] // keys.shape[1]
+    out = torch.empty_like(query)
+    for row, position in enumerate(query_positions):
+        lo = max(0, position - window + 1)
+        k = keys[lo:position + 1].float().repeat_interleave(group, dim=1)  # [n, H, D]
+        v = values[lo:position + 1].float().repeat_interleave(group, dim=1)
+        weights = torch.softmax(torch.einsum("hd,nhd->hn", query[row].double(), k.double()) * scale, dim=-1)
+        out[row] = torch.einsum("hn,nhd->hd", weights, v.double()).float()
+    return out
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 24])  # the three-pass route and the online-softmax one
+@pytest.mark.parametrize("window", [1, 10, 16, 37, 520])  # mid-block, a whole block, over a part of 512 keys
+def test_decode_kernel_with_a_sliding_window_attends_to_the_last_keys(head_dim, window, cache_dtype):
+    kernels = built_kernels()
+    torch.manual_seed(0)
+    num_heads, num_kv_heads, block_size = 6, 2, 16
+    seq_lens = [1, 9, 10, 11, 16, 17, 40, 100, 1200]
+    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 4
+    kv_cache = (torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim) * 3).to(cache_dtype)
+    rng = np.random.default_rng(1)
+    tables = [rng.choice(num_blocks, -(-n // block_size), replace=False).astype(np.int64) for n in seq_lens]
+    meta = decode_metadata(tables, seq_lens)
+    query = torch.randn(len(seq_lens), num_heads, head_dim)
+    actual = kernels.paged_decode_attention(query, kv_cache[0], kv_cache[1], meta.decode_block_tables, meta.decode_seq_lens,
+                                            head_dim**-0.5, 0, window)
+    reference = reference_decode_attention(query, kv_cache, meta, head_dim**-0.5, window=window)
+    torch.testing.assert_close(actual, reference, atol=2e-5, rtol=1e-4)
+    for index, (table, length) in enumerate(zip(tables, seq_lens)):
+        positions = torch.arange(length)
+        slots = torch.from_numpy(table)[positions // block_size] * block_size + positions % block_size
+        keys, values = (kv_cache[i].view(-1, num_kv_heads, head_dim)[slots] for i in (0, 1))
+        expected = brute_force_window_attention(query[index:index + 1], keys, values, [length - 1], window, head_dim**-0.5)
+        torch.testing.assert_close(actual[index:index + 1], expected, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [1, 10, 16, 70])
+def test_prefill_kernel_with_a_sliding_window_hides_the_keys_each_row_has_passed(window, cache_dtype):
+    """Chunks fresh and after context, shorter and longer than the window, one of tiles of many rows; the kernel, the
+    torch reference and the softmax written out agree."""
+    kernels = built_kernels()
+    torch.manual_seed(0)
+    num_heads, num_kv_heads, head_dim, block_size = 6, 2, 32, 16
+    chunks = [(0, 5), (0, 50), (30, 7), (100, 40), (3, 200)]  # (context, query_len)
+    num_blocks = sum(-(-(c + q) // block_size) for c, q in chunks) + 4
+    kv_cache = (torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim) * 3).to(cache_dtype)
+    rng = np.random.default_rng(2)
+    total = sum(q for _, q in chunks)
+    query = torch.randn(total, num_heads, head_dim)
+    prefills, start = [], 0
+    for context, query_len in chunks:
+        table = torch.from_numpy(rng.choice(num_blocks, -(-(context + query_len) // block_size), replace=False).astype(np.int64))
+        prefills.append(PrefillChunk(start, query_len, context + query_len, table))
+        start += query_len
+    paged = PagedPrefills.of(prefills, torch.device("cpu"))
+    out = torch.zeros(total, num_heads, head_dim)
+    kernels.paged_prefill_attention(query, kv_cache[0], kv_cache[1], paged.block_tables, paged.query_starts, paged.query_lens,
+                                    paged.seq_lens, head_dim**-0.5, out, 0, window)
+    for chunk in prefills:
+        rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
+        positions = torch.arange(chunk.seq_len)
+        slots = chunk.block_table[positions // block_size] * block_size + positions % block_size
+        keys, values = (kv_cache[i].view(-1, num_kv_heads, head_dim)[slots] for i in (0, 1))
+        own = slice(chunk.context_len, chunk.seq_len)
+        reference = reference_prefill_attention(query[rows], keys[own].float(), values[own].float(), kv_cache, chunk,
+                                                head_dim**-0.5, window=window)
+        torch.testing.assert_close(out[rows], reference, atol=2e-5, rtol=1e-4)
+        expected = brute_force_window_attention(query[rows], keys, values, range(chunk.context_len, chunk.seq_len), window,
+                                                head_dim**-0.5)
+        torch.testing.assert_close(out[rows], expected, atol=2e-5, rtol=1e-4)

@@ -430,10 +430,11 @@ void attend_block(const AttentionShape& s, const float* k_block, const float* v_
 }
 
 // Each head's online softmax over the keys of blocks [first_block, end_block) of a sequence of len
-// tokens (w.maxes, w.sums) and the sum of their values weighted by it (w.acc, not yet divided by w.sums).
+// tokens, from key first_key on (a sliding window's first; 0 for all) (w.maxes, w.sums), and the sum of their
+// values weighted by it (w.acc, not yet divided by w.sums).
 template <typename T>
 void attend_sequence(const AttentionShape& s, const float* q_in, const T* k_cache, const T* v_cache, const int64_t* table,
-                     int64_t len, int64_t first_block, int64_t end_block, SequenceScratch& w) {
+                     int64_t len, int64_t first_key, int64_t first_block, int64_t end_block, SequenceScratch& w) {
   const int64_t qdim = s.num_heads * s.head_dim;
   for (int64_t i = 0; i < qdim; ++i) w.q[i] = q_in[i] * s.scale;
   std::fill(w.acc.begin(), w.acc.end(), 0.f);
@@ -441,12 +442,13 @@ void attend_sequence(const AttentionShape& s, const float* q_in, const T* k_cach
   std::fill(w.sums.begin(), w.sums.end(), 0.f);
   const int64_t block_bytes = s.block_stride * static_cast<int64_t>(sizeof(T));
   for (int64_t b = first_block; b < end_block; ++b) {
-    const int64_t n = std::min(s.block_size, len - b * s.block_size);
+    const int64_t skip = std::max<int64_t>(0, first_key - b * s.block_size);  // the block's keys before the window
+    const int64_t n = std::min(s.block_size, len - b * s.block_size) - skip, offset = table[b] * s.block_stride + skip * s.row_stride;
     SpreadPrefetch next_keys, next_values;
     next_keys.start(b + 1 < end_block ? k_cache + table[b + 1] * s.block_stride : nullptr, block_bytes, n);
     next_values.start(b + 1 < end_block ? v_cache + table[b + 1] * s.block_stride : nullptr, block_bytes, n);
-    attend_block(s, as_float(k_cache + table[b] * s.block_stride, n * s.row_stride, w.k_block.data(), s.head_dim, s.head_stride),
-                 as_float(v_cache + table[b] * s.block_stride, n * s.row_stride, w.v_block.data(), s.head_dim, s.head_stride), n, w, [&] {
+    attend_block(s, as_float(k_cache + offset, n * s.row_stride, w.k_block.data(), s.head_dim, s.head_stride),
+                 as_float(v_cache + offset, n * s.row_stride, w.v_block.data(), s.head_dim, s.head_stride), n, w, [&] {
                    next_keys();
                    next_values();
                  });
@@ -543,18 +545,23 @@ struct DecodeScratch {
         sums(s.num_heads) {}
 };
 
-// Each head's softmax over the keys of blocks [first_block, end_block) of a sequence of len tokens
-// (w.maxes, w.sums) and the sum of their values weighted by it (w.acc, not yet divided by w.sums).
+// Each head's softmax over the keys of blocks [first_block, end_block) of a sequence of len tokens, from key
+// first_key on (a sliding window's first; 0 for all) (w.maxes, w.sums), and the sum of their values weighted by it
+// (w.acc, not yet divided by w.sums).
 template <typename T>
 void attend_sequence_three_pass(const AttentionShape& s, const float* q_in, const T* k_cache, const T* v_cache, const int64_t* table,
-                                int64_t len, int64_t first_block, int64_t end_block, int64_t max_len, DecodeScratch& w,
+                                int64_t len, int64_t first_key, int64_t first_block, int64_t end_block, int64_t max_len, DecodeScratch& w,
                                 const T* next_sequence_keys) {
   const int64_t D = s.head_dim, num_kv_heads = s.num_heads / s.group, num_blocks = end_block;
-  const int64_t part_first_key = first_block * s.block_size, part_len = std::min(len, num_blocks * s.block_size) - part_first_key;
+  const int64_t part_first_key = std::max(first_block * s.block_size, first_key);
+  const int64_t part_len = std::min(len, num_blocks * s.block_size) - part_first_key;
   for (int64_t i = 0; i < s.num_heads * D; ++i) w.q[i] = q_in[i] * s.scale;
   for (int64_t b = first_block; b < num_blocks; ++b) {  // pass 1: scores
-    const T* block = k_cache + table[b] * s.block_stride;
-    const int64_t first_key = b * s.block_size - part_first_key, n = std::min(s.block_size, part_len - first_key);
+    // The block's keys from the part's first on (in its first block, a window may start part way), and where the
+    // first of them is among the part's.
+    const int64_t skip = std::max<int64_t>(0, part_first_key - b * s.block_size);
+    const T* block = k_cache + table[b] * s.block_stride + skip * s.row_stride;
+    const int64_t first_key = b * s.block_size + skip - part_first_key, n = std::min(s.block_size - skip, part_len - first_key);
     SpreadPrefetch pf;
     pf.start(b + 1 < num_blocks ? k_cache + table[b + 1] * s.block_stride : v_cache + table[first_block] * s.block_stride,
              s.block_stride * static_cast<int64_t>(sizeof(T)), num_kv_heads * ((s.block_size + 3) / 4));
@@ -585,8 +592,9 @@ void attend_sequence_three_pass(const AttentionShape& s, const float* q_in, cons
   }
   std::fill(w.acc.begin(), w.acc.end(), 0.f);
   for (int64_t b = first_block; b < num_blocks; ++b) {  // pass 3: values
-    const T* block = v_cache + table[b] * s.block_stride;
-    const int64_t first_key = b * s.block_size - part_first_key, n = std::min(s.block_size, part_len - first_key);
+    const int64_t skip = std::max<int64_t>(0, part_first_key - b * s.block_size);
+    const T* block = v_cache + table[b] * s.block_stride + skip * s.row_stride;
+    const int64_t first_key = b * s.block_size + skip - part_first_key, n = std::min(s.block_size - skip, part_len - first_key);
     // The next block of V, or at the last one the first block of keys of the thread's next sequence.
     SpreadPrefetch pf;
     pf.start(b + 1 < num_blocks ? v_cache + table[b + 1] * s.block_stride : next_sequence_keys, s.block_stride * static_cast<int64_t>(sizeof(T)),
@@ -639,20 +647,23 @@ struct PartialDecode {
 constexpr int64_t kPartTokens = 512;
 
 // The parts of a step's sequences (in order), each part's cost (its tokens), the index of each
-// sequence's first part (and one past the last), and the most tokens of one part.
+// sequence's first part (and one past the last), the most tokens of one part, and each sequence's first key (past
+// the keys before its sliding window, where the layer has one).
 struct DecodePlan {
   std::vector<DecodePart> parts;
-  std::vector<int64_t> costs, first_part;
+  std::vector<int64_t> costs, first_part, first_key;
   int64_t max_len = 0;
 
-  DecodePlan(const int64_t* len_ptr, int64_t num_seqs, int64_t block_size) : first_part(num_seqs + 1) {
+  DecodePlan(const int64_t* len_ptr, int64_t num_seqs, int64_t block_size, int64_t window)
+      : first_part(num_seqs + 1), first_key(num_seqs) {
     const int64_t part_blocks = std::max<int64_t>(1, kPartTokens / block_size);
     for (int64_t seq = 0; seq < num_seqs; ++seq) {
       first_part[seq] = static_cast<int64_t>(parts.size());
+      first_key[seq] = window > 0 ? std::max<int64_t>(0, len_ptr[seq] - window) : 0;
       const int64_t blocks = (len_ptr[seq] + block_size - 1) / block_size;
-      for (int64_t b = 0; b < blocks; b += part_blocks) {
+      for (int64_t b = first_key[seq] / block_size; b < blocks; b += part_blocks) {
         parts.push_back({seq, b, std::min(blocks, b + part_blocks)});
-        costs.push_back(std::min(len_ptr[seq], (b + part_blocks) * block_size) - b * block_size);
+        costs.push_back(std::min(len_ptr[seq], (b + part_blocks) * block_size) - std::max(b * block_size, first_key[seq]));
         max_len = std::max(max_len, costs.back());
       }
     }
@@ -742,6 +753,8 @@ void decode_in_parts(const AttentionShape& s, const DecodePlan& plan, float* out
 // of a span runs across one row per vector lane; values are then read from the cache once per 3 rows.
 constexpr int64_t kQueryTile = 16;
 constexpr int64_t kKeySpan = 64;
+// A sliding window's tile: each row's first key falls in the tile's first span (attend_tile).
+static_assert(kKeySpan > kQueryTile, "a span must hold more keys than a tile has query tokens");
 constexpr int64_t kLanes = at::vec::Vectorized<float>::size();  // rows are padded to whole vectors of the softmax
 
 struct PrefillTask {
@@ -894,10 +907,22 @@ struct ChunkView {
   int64_t context_len;  // tokens before the chunk
 };
 
-// One task: the tile's rows attend causally to keys [0, context_len + first + count) of the sequence.
-template <typename T>
+// A sliding window's mask over a span of n keys from span_start: a row at position p (the tile's rows from
+// first_position on, group rows a position) sees no key at or before p - window.
+void hide_passed_keys(float* scores_t, int64_t padded, int64_t rows, int64_t group, int64_t span_start, int64_t n,
+                                        int64_t first_position, int64_t window) {
+  const int64_t last_position = first_position + (rows - 1) / group;
+  for (int64_t i = 0; i < n && span_start + i <= last_position - window; ++i)  // only keys some row's window has passed
+    for (int64_t r = 0; r < rows; ++r)
+      if (span_start + i <= first_position + r / group - window) scores_t[i * padded + r] = -std::numeric_limits<float>::infinity();
+}
+
+// One task: the tile's rows attend causally to keys [0, context_len + first + count) of the sequence; with a sliding
+// window (Windowed, window > 0), a row at position p to keys (p - window, p] only. Windowed is a template argument so
+// that the tile's loop without a window compiles as it does alone.
+template <typename T, bool Windowed>
 void attend_tile(const AttentionShape& s, const ChunkView& c, const PrefillTask& task, const T* k_cache, const T* v_cache,
-                 int64_t span, TileScratch& w) {
+                 int64_t span, int64_t window, TileScratch& w) {
   const int64_t D = s.head_dim, rows = task.count * s.group, padded = round_up(rows, kLanes);
   std::fill(w.q_t.begin(), w.q_t.begin() + D * padded, 0.f);
   for (int64_t r = 0; r < rows; ++r) {
@@ -908,7 +933,9 @@ void attend_tile(const AttentionShape& s, const ChunkView& c, const PrefillTask&
   std::fill(w.running_max.begin(), w.running_max.begin() + padded, -std::numeric_limits<float>::infinity());
   std::fill(w.running_sum.begin(), w.running_sum.begin() + padded, 0.f);
   const int64_t first_position = c.context_len + task.first, num_keys = first_position + task.count;
-  for (int64_t span_start = 0; span_start < num_keys; span_start += span) {
+  // The first row's first key: the spans start there, as no row sees a key before it.
+  const int64_t lowest_key = Windowed ? std::max<int64_t>(0, first_position - window + 1) : 0;
+  for (int64_t span_start = lowest_key; span_start < num_keys; span_start += span) {
     const int64_t n = std::min(span, num_keys - span_start);
     for (int64_t i = 0; i < n; ++i) {
       const int64_t key = span_start + i;
@@ -921,7 +948,9 @@ void attend_tile(const AttentionShape& s, const ChunkView& c, const PrefillTask&
     for (int64_t i = std::max<int64_t>(0, first_position + 1 - span_start); i < n; ++i)  // causal: hide keys after a row
       for (int64_t r = 0; r < rows; ++r)
         if (span_start + i > first_position + r / s.group) w.scores_t[i * padded + r] = -std::numeric_limits<float>::infinity();
-    // Every row sees key 0 in the first span, so no row's max stays -inf (no inf - inf below).
+    if constexpr (Windowed) hide_passed_keys(w.scores_t.data(), padded, rows, s.group, span_start, n, first_position, window);
+    // Every row sees its first key in the first span (it is at most kQueryTile keys after the span's start, and a span
+    // holds more), so no row's max stays -inf (no inf - inf below).
     span_softmax(w.scores_t.data(), n, padded, w.running_max.data(), w.running_sum.data(), w.rescale.data());
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t d = 0; d < D; ++d) w.acc[r * D + d] *= w.rescale[r];
@@ -950,7 +979,8 @@ int64_t prefill_lanes() {
 // (int64 tables and lengths), contiguous but for the query's rows, read in place where each row's heads are contiguous
 // (a view of the qkv GEMM's output).
 at::Tensor paged_decode_attention(at::Tensor query_in, at::Tensor key_cache, at::Tensor value_cache, at::Tensor block_tables,
-                                  at::Tensor seq_lens, double scale, int64_t kv_format) {
+                                  at::Tensor seq_lens, double scale, int64_t kv_format, int64_t window) {
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
   TORCH_CHECK(query_in.dtype() == at::kFloat && query_in.dim() == 3, "query must be float32 [sequences, heads, head_dim]");
   const int64_t num_seqs = query_in.size(0), num_heads = query_in.size(1), head_dim = query_in.size(2);
   const bool rows_whole = query_in.stride(2) == 1 && query_in.stride(1) == head_dim;
@@ -975,7 +1005,7 @@ at::Tensor paged_decode_attention(at::Tensor query_in, at::Tensor key_cache, at:
   const float fscale = static_cast<float>(scale);
 
   const AttentionShape shape{num_heads, group, head_dim, block_size, row_stride, block_stride, fscale, head_stride};
-  const DecodePlan plan(len_ptr, num_seqs, block_size);
+  const DecodePlan plan(len_ptr, num_seqs, block_size, window);
   dispatch_cache_type(key_cache, kv_format, [&](auto element) {
     using T = decltype(element);
     const T* k_ptr = reinterpret_cast<const T*>(key_cache.data_ptr());
@@ -986,7 +1016,8 @@ at::Tensor paged_decode_attention(at::Tensor query_in, at::Tensor key_cache, at:
                       [&](const DecodePart& part, const DecodePart* next, DecodeScratch& w) {
                         const T* next_keys = next ? k_ptr + table_ptr[next->seq * max_blocks + next->first_block] * block_stride : nullptr;
                         attend_sequence_three_pass(shape, q_ptr + part.seq * q_row_stride, k_ptr, v_ptr, table_ptr + part.seq * max_blocks,
-                                                   len_ptr[part.seq], part.first_block, part.end_block, plan.max_len, w, next_keys);
+                                                   len_ptr[part.seq], plan.first_key[part.seq], part.first_block, part.end_block,
+                                                   plan.max_len, w, next_keys);
                       });
       return;
     }
@@ -994,7 +1025,7 @@ at::Tensor paged_decode_attention(at::Tensor query_in, at::Tensor key_cache, at:
     decode_in_parts(shape, plan, out_ptr, [&] { return SequenceScratch(shape); },
                     [&](const DecodePart& part, const DecodePart*, SequenceScratch& w) {
                       attend_sequence(shape, q_ptr + part.seq * q_row_stride, k_ptr, v_ptr, table_ptr + part.seq * max_blocks, len_ptr[part.seq],
-                                      part.first_block, part.end_block, w);
+                                      plan.first_key[part.seq], part.first_block, part.end_block, w);
                     });
   });
   return out;
@@ -1007,8 +1038,9 @@ at::Tensor paged_decode_attention(at::Tensor query_in, at::Tensor key_cache, at:
 // rows of out [T, H, D] (contiguous).
 void paged_prefill_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                              const at::Tensor& block_tables, const at::Tensor& query_starts, const at::Tensor& query_lens,
-                             const at::Tensor& seq_lens, double scale, at::Tensor out, int64_t kv_format) {
+                             const at::Tensor& seq_lens, double scale, at::Tensor out, int64_t kv_format, int64_t window) {
   TORCH_CHECK(query.dtype() == at::kFloat && out.dtype() == at::kFloat, "query and out must be float32");
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
   TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2), "query rows must be contiguous");
   TORCH_CHECK(out.is_contiguous(), "out must be contiguous");
   check_caches(key_cache, value_cache);
@@ -1037,7 +1069,8 @@ void paged_prefill_attention(const at::Tensor& query, const at::Tensor& key_cach
       for (int64_t g = 0; g < num_kv_heads; ++g) {
         const int64_t count = std::min(kQueryTile, qlen_ptr[c] - first);
         tasks.push_back({c, g, first, count});
-        costs.push_back(count * (len_ptr[c] - qlen_ptr[c] + first + count));
+        const int64_t keys = len_ptr[c] - qlen_ptr[c] + first + count;
+        costs.push_back(count * (window > 0 ? std::min(keys, window + count) : keys));
       }
   }
   const float* q_ptr = query.data_ptr<float>();
@@ -1057,7 +1090,10 @@ void paged_prefill_attention(const at::Tensor& query, const at::Tensor& key_cach
           const int64_t c = tasks[i].chunk;
           const ChunkView view{q_ptr + start_ptr[c] * query.stride(0), query.stride(0), out_ptr + start_ptr[c] * num_heads * head_dim,
                                table_ptr + c * max_blocks, len_ptr[c] - qlen_ptr[c]};
-          attend_tile(shape, view, tasks[i], k_ptr, v_ptr, span, scratch);
+          if (window > 0)
+            attend_tile<T, true>(shape, view, tasks[i], k_ptr, v_ptr, span, window, scratch);
+          else
+            attend_tile<T, false>(shape, view, tasks[i], k_ptr, v_ptr, span, 0, scratch);
         }
     });
   });

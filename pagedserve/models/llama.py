@@ -69,8 +69,21 @@ def head_dim_of(hf_config) -> int:
     return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
 
 
+def attention_window(hf_config, index: int) -> int | None:
+    """Layer index's sliding window, as transformers reads the config: the layers layer_types names
+    "sliding_attention" where the config has layer_types (Qwen2's and Qwen3's, from use_sliding_window and
+    max_window_layers), else every layer where sliding_window is set (Mistral's, Phi-3's); None: full attention."""
+    window = getattr(hf_config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None and layer_types[index] != "sliding_attention":
+        return None
+    return int(window)
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, hf_config, rotary_emb: RotaryEmbedding, attn_backend: AttentionBackend) -> None:
+    def __init__(self, hf_config, rotary_emb: RotaryEmbedding, attn_backend: AttentionBackend, window: int | None = None) -> None:
         super().__init__()
         self.head_dim = head_dim_of(hf_config)
         model_type = hf_config.model_type
@@ -99,7 +112,7 @@ class LlamaAttention(nn.Module):
             self.k_norm = SplitRMSNorm(hf_config.num_key_value_heads * head_dim, kv_range, hf_config.rms_norm_eps)
         self.clip_qkv = getattr(hf_config, "clip_qkv", None)
         self.rotary_emb = rotary_emb
-        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, attn_backend)
+        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, attn_backend, window)
         if getattr(hf_config, "attention_multiplier", None) is not None:  # Granite's scale of the scores
             self.attn.scale = float(hf_config.attention_multiplier)
 
@@ -123,7 +136,7 @@ class LlamaAttention(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, hf_config, rotary_emb: RotaryEmbedding, attn_backend: AttentionBackend, index: int) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(hf_config, rotary_emb, attn_backend)
+        self.self_attn = LlamaAttention(hf_config, rotary_emb, attn_backend, attention_window(hf_config, index))
         self.mlp = layer_mlp(hf_config, index)
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)

@@ -101,10 +101,6 @@ def generation_defaults(config_dir: Path) -> dict[str, float | int]:
 
 def max_position_of(hf_config) -> int:
     max_position = getattr(hf_config, "max_position_embeddings", None) or 2048
-    # Sliding-window attention is not implemented: stay within the window, where it equals full attention.
-    window = getattr(hf_config, "sliding_window", None)
-    if window and getattr(hf_config, "use_sliding_window", True):
-        max_position = min(max_position, window)
     # A longrope model's frequencies change once a sequence is longer than its original context (transformers takes
     # the long factors for a whole pass then): stay within it, where they are the short factors throughout.
     params = rope_parameters(hf_config)

@@ -8,6 +8,10 @@ once, the context and the chunk attended apart and merged by log-sum-exp. Which 
 measured at the default shapes (docs/cpu.md). Where the GEMMs multiply in bfloat16 on AMX tiles, every chunk that
 starts its sequence is attended in bfloat16 on the tiles (the kernels' fresh_causal_attention; torch's flash attention
 in bfloat16 for a head size the kernel does not take).
+
+A sliding-window layer's decodes run in the decode kernel, which starts each sequence's keys at its window. Its prefill
+chunks run as above while no chunk of the step is longer than the window (the window then hides nothing); in a step
+where one is, all of them run in the prefill kernel, which hides the keys each row's window has passed.
 """
 
 from __future__ import annotations
@@ -81,6 +85,13 @@ class CPUAttentionMetadata(AttentionMetadata):
     paged_prefills: PagedPrefills | None = None  # the chunks the kernel takes; None when there are none
     torch_chunks: list[PrefillChunk] = field(default_factory=list)  # the others, but for those in fresh_runs
     fresh_runs: list[FreshRun] = field(default_factory=list)  # chunks attended in the backend's fresh_prefill_dtype
+    longest_prefill: int = 0  # the most tokens a chunk's sequence holds after the step
+    _all_paged: PagedPrefills | None = None  # every chunk for the kernel, made for the first sliding-window layer that needs it
+
+    def all_prefills_paged(self, device: torch.device) -> PagedPrefills:
+        if self._all_paged is None:
+            self._all_paged = PagedPrefills.of(self.prefills, device)
+        return self._all_paged
 
 
 def fresh_runs_of(chunks: list[PrefillChunk]) -> list[FreshRun]:
@@ -133,6 +144,7 @@ class CPUAttentionBackend(AttentionBackend):
         meta.fresh_runs = fresh_runs_of(fresh)
         if in_kernel:
             meta.paged_prefills = PagedPrefills.of(in_kernel, device)
+        meta.longest_prefill = max((chunk.seq_len for chunk in meta.prefills), default=0)
         return meta
 
     @property
@@ -142,28 +154,33 @@ class CPUAttentionBackend(AttentionBackend):
         return self.fresh_prefill_dtype == torch.bfloat16
 
     def forward(self, query, key, value, kv_cache, meta: CPUAttentionMetadata, scale: float,
-                kv_scales: StaticKVScales = NO_STATIC_SCALES, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                kv_scales: StaticKVScales = NO_STATIC_SCALES, out_dtype: torch.dtype | None = None,
+                window: int | None = None) -> torch.Tensor:
         """query, key and value in float32, or in bfloat16 where takes_bfloat16; the output in out_dtype (default: query's;
         a bfloat16 query's step runs its output projection on bfloat16 too)."""
-        kernels, kernel_format = self.kernels, self.kernel_format
+        kernels, kernel_format, kernel_window = self.kernels, self.kernel_format, window or 0
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         kernels.write_kv_cache(key, value, key_cache, value_cache, meta.slot_mapping, kernel_format,
                                kv_scales.key or 0.0, kv_scales.value or 0.0)  # 0: each row's own scale
         num_decodes = meta.num_decode_tokens
         if num_decodes == query.shape[0]:  # a step of decodes alone: the kernel's output is the whole of it
             return kernels.paged_decode_attention(query.float(), key_cache, value_cache, meta.decode_block_tables,
-                                                  meta.decode_seq_lens, scale, kernel_format).to(out_dtype or query.dtype)
+                                                  meta.decode_seq_lens, scale, kernel_format, kernel_window).to(out_dtype or query.dtype)
         out = torch.empty_like(query, dtype=out_dtype)
-        paged = meta.paged_prefills
+        windowed = window is not None and meta.longest_prefill > window
+        paged = meta.all_prefills_paged(query.device) if windowed else meta.paged_prefills
         if paged is not None:  # first: the kernel writes its chunks' rows of a float32 tensor, the others' come after
             wide = out if out.dtype == torch.float32 else torch.empty(query.shape, dtype=torch.float32)
             kernels.paged_prefill_attention(query.float(), key_cache, value_cache, paged.block_tables, paged.query_starts,
-                                            paged.query_lens, paged.seq_lens, scale, wide, kernel_format)
+                                            paged.query_lens, paged.seq_lens, scale, wide, kernel_format, kernel_window)
             if wide is not out:
                 out.copy_(wide)
         if num_decodes:
             out[:num_decodes] = kernels.paged_decode_attention(query[:num_decodes].float(), key_cache, value_cache,
-                                                               meta.decode_block_tables, meta.decode_seq_lens, scale, kernel_format)
+                                                               meta.decode_block_tables, meta.decode_seq_lens, scale, kernel_format,
+                                                               kernel_window)
+        if windowed:
+            return out
         for run in meta.fresh_runs:
             rows = slice(run.query_start, run.query_start + run.query_len * run.count)
             out[rows] = self._attend_fresh_run(query[rows], key[rows], value[rows], run.count, scale)

@@ -19,16 +19,17 @@ class TorchAttentionBackend(AttentionBackend):
         self.kv_format = kv_format
 
     def forward(self, query, key, value, kv_cache, meta: AttentionMetadata, scale: float,
-                kv_scales: StaticKVScales = NO_STATIC_SCALES, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                kv_scales: StaticKVScales = NO_STATIC_SCALES, out_dtype: torch.dtype | None = None,
+                window: int | None = None) -> torch.Tensor:
         fmt = self.kv_format
         reference_write_kv_cache(kv_cache, key, value, meta.slot_mapping, fmt, kv_scales)
         out = torch.empty_like(query, dtype=out_dtype)
         num_decodes = meta.num_decode_tokens
         if num_decodes:
-            out[:num_decodes] = reference_decode_attention(query[:num_decodes], kv_cache, meta, scale, fmt)
+            out[:num_decodes] = reference_decode_attention(query[:num_decodes], kv_cache, meta, scale, fmt, window)
         for chunk in meta.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-            out[rows] = reference_prefill_attention(query[rows], key[rows], value[rows], kv_cache, chunk, scale, fmt)
+            out[rows] = reference_prefill_attention(query[rows], key[rows], value[rows], kv_cache, chunk, scale, fmt, window)
         return out
 
 
@@ -53,34 +54,42 @@ def gather_sequence_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_le
 
 
 def reference_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                               scale: float | None = None, kv_format: KVFormat | None = None) -> torch.Tensor:
-    """Gather each sequence's blocks, then one batched, masked SDPA."""
+                               scale: float | None = None, kv_format: KVFormat | None = None,
+                               window: int | None = None) -> torch.Tensor:
+    """Gather each sequence's blocks, then one batched, masked SDPA (window: a sliding window's keys, the last ones)."""
     num_decodes = query.shape[0]
     blocks = read_kv(kv_cache[:, meta.decode_block_tables], kv_format, query.dtype)  # [2, B, max_blocks, bs, KV, D]
     keys = blocks[0].flatten(1, 2).transpose(1, 2)  # [B, KV, L, D]
     values = blocks[1].flatten(1, 2).transpose(1, 2)
     q = query.unsqueeze(2)  # [B, H, 1, D]
     # Gathered slots past each sequence's length (the rest of its last block, the padding) are masked.
-    key_mask = torch.arange(keys.shape[2], device=query.device) < meta.decode_seq_lens[:, None]
+    key_positions = torch.arange(keys.shape[2], device=query.device)
+    key_mask = key_positions < meta.decode_seq_lens[:, None]
+    if window is not None:
+        key_mask &= key_positions >= meta.decode_seq_lens[:, None] - window
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=key_mask[:, None, None, :], enable_gqa=True, scale=scale)
     return out.view(num_decodes, query.shape[1], query.shape[2])
 
 
 def reference_prefill_attention(query, key, value, kv_cache: torch.Tensor, chunk: PrefillChunk,
-                                scale: float | None = None, kv_format: KVFormat | None = None) -> torch.Tensor:
-    """Causal SDPA over a fresh chunk's own K/V, or over the gathered context and chunk with a mask. Over an 8-bit cache
-    a fresh chunk too reads its K/V back from the cache, so that attention sees what the cache holds however a prompt
-    was chunked, cached or recomputed."""
+                                scale: float | None = None, kv_format: KVFormat | None = None,
+                                window: int | None = None) -> torch.Tensor:
+    """Causal SDPA over a fresh chunk's own K/V, or over the gathered context and chunk with a mask (and with one where
+    a sliding window hides keys: window). Over an 8-bit cache a fresh chunk too reads its K/V back from the cache, so
+    that attention sees what the cache holds however a prompt was chunked, cached or recomputed."""
     context_len = chunk.context_len
     if context_len == 0 and kv_format is None:
         keys, values = key, value
     else:
         keys, values = (read_kv(kv, kv_format, query.dtype) for kv in gather_sequence_kv(kv_cache, chunk.block_table, chunk.seq_len))
     mask = None  # a fresh chunk is plainly causal, which torch's fused kernel computes without a mask
-    if context_len:  # the queries sit after the context: causal from their positions on
+    windowed = window is not None and chunk.seq_len > window
+    if context_len or windowed:  # the queries sit after the context: causal from their positions on
         query_positions = torch.arange(context_len, chunk.seq_len, device=query.device)
         key_positions = torch.arange(chunk.seq_len, device=query.device)
         mask = key_positions[None, :] <= query_positions[:, None]
+        if windowed:
+            mask &= key_positions[None, :] > query_positions[:, None] - window
     # [1, heads, tokens, D]: with a batch dimension torch picks its fused (flash) CPU kernel; 3-D
     # inputs fall back to the unfused math path, several times slower on long prompts.
     out = F.scaled_dot_product_attention(
