@@ -48,6 +48,12 @@ TINY_ARCHS = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"num_experts": 8, "num_experts_per_tok": 4, "moe_intermediate_size": 32,
                                                             "norm_topk_prob": True, "head_dim": 16, "use_sliding_window": False}),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {"num_experts": 8, "num_experts_per_tok": 2, "clip_qkv": 3.0}),
+    # A sliding-window layer and a full one, each rotating by its own parameters (the full one's scaled linearly); scores
+    # scaled by query_pre_attn_scalar, not the head size; its norms' weights drawn (transformers starts them at zero).
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
+        "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                            "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}}}),
 }
 
 
@@ -69,6 +75,11 @@ def make_tiny_model(out_dir, arch: str, tokenizer_dir, tie_word_embeddings: bool
     )
     torch.manual_seed(1234)
     model = getattr(transformers, model_name)(config).eval()
+    if arch == "gemma3":
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.normal_(0.0, 0.3)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, **kwargs)
     for name in TOKENIZER_FILES:

@@ -1,7 +1,8 @@
 """Sliding-window attention: a layer with a window attends to the keys of the last `window` positions, as transformers'
 mask says. Models whose config gives every layer a window (Mistral's sliding_window) or some of them (Qwen2's
-use_sliding_window with max_window_layers) generate as transformers does past the window: through the C++ kernels
-and the torch backend, prompts in chunks after a context longer than the window, and cached prefixes."""
+use_sliding_window with max_window_layers, Gemma 3's layer_types) generate as transformers does past the window:
+through the C++ kernels and the torch backend, prompts in chunks after a context longer than the window, and cached
+prefixes."""
 
 import pytest
 from conftest import greedy, hf_greedy, make_tiny_model, token_ids_of
@@ -18,9 +19,11 @@ PROMPTS = [list(range(200, 214)), list(range(300, 345)), list(range(300, 330)) +
 
 @pytest.fixture(scope="module")
 def windowed_models(tmp_path_factory, default_model_dir):
-    """A Mistral whose every layer has the window, and a Qwen2 whose second layer has it (max_window_layers 1)."""
+    """A Mistral whose every layer has the window, a Qwen2 whose second layer has it (max_window_layers 1), and a
+    Gemma 3 whose first layer has it (layer_types)."""
     root = tmp_path_factory.mktemp("windowed")
     return {
+        "gemma3": make_tiny_model(root / "gemma3", "gemma3", default_model_dir, sliding_window=WINDOW),
         "mistral": make_tiny_model(root / "mistral", "mistral", default_model_dir, sliding_window=WINDOW),
         "qwen2": make_tiny_model(root / "qwen2", "qwen2", default_model_dir, use_sliding_window=True, sliding_window=WINDOW,
                                  max_window_layers=1),
@@ -28,13 +31,14 @@ def windowed_models(tmp_path_factory, default_model_dir):
 
 
 def test_each_layers_window_is_the_configs(windowed_models):
-    mistral, qwen2 = (load_hf_config(windowed_models[name]) for name in ("mistral", "qwen2"))
+    mistral, qwen2, gemma3 = (load_hf_config(windowed_models[name]) for name in ("mistral", "qwen2", "gemma3"))
     assert [attention_window(mistral, index) for index in range(2)] == [WINDOW, WINDOW]
     assert [attention_window(qwen2, index) for index in range(2)] == [None, WINDOW]
+    assert [attention_window(gemma3, index) for index in range(2)] == [WINDOW, None]
     assert max_position_of(mistral) == 1024  # a model with a window serves its whole context
 
 
-@pytest.mark.parametrize("model", ["mistral", "qwen2"])
+@pytest.mark.parametrize("model", ["mistral", "qwen2", "gemma3"])
 @pytest.mark.parametrize("settings", [
     {},  # the C++ kernels
     {"attention_backend": "torch"},

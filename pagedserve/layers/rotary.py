@@ -16,13 +16,25 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 _CACHE_FORMAT = "1"
 
 
-def rope_parameters(hf_config) -> dict:
+def rope_parameters(hf_config, layer_type: str | None = None) -> dict:
+    """The config's rotary parameters. A config whose layers rotate differently by their type (Gemma 3's sliding and
+    full attention layers) holds them per layer type: layer_type's (default: the full attention layers')."""
     params = getattr(hf_config, "rope_parameters", None) or {}
+    if params and all(isinstance(value, dict) for value in params.values()):
+        params = dict(params[layer_type or "full_attention"])
     if not params:  # older configs
         params = dict(getattr(hf_config, "rope_scaling", None) or {})
         params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
     params.setdefault("rope_type", params.get("type", "default"))
     return params
+
+
+def rotary_layer_types(hf_config) -> list[str] | None:
+    """The layer types the config rotates each by its own parameters (Gemma 3's); None where all layers rotate alike."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    if params and all(isinstance(value, dict) for value in params.values()):
+        return sorted(params)
+    return None
 
 
 def rotary_dim(hf_config, head_dim: int) -> int:
@@ -43,9 +55,10 @@ def partial_rotary_order(head_dim: int, turned: int) -> list[int] | None:
     return [*range(half), *range(turned, turned + passing), *range(half, turned), *range(turned + passing, head_dim)]
 
 
-def compute_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
-    """The frequencies of the turned pairs (rotary_dim / 2 of them) and the scaling of their cos and sin."""
-    params = rope_parameters(hf_config)
+def compute_inv_freq(hf_config, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    """The frequencies of the turned pairs (rotary_dim / 2 of them) and the scaling of their cos and sin (of layer_type's
+    layers, where the config rotates layers by their type)."""
+    params = rope_parameters(hf_config, layer_type)
     rope_type = params["rope_type"]
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
@@ -56,29 +69,32 @@ def compute_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
     # transformers' rope functions are the authority on the scalings, but importing them takes seconds at every start.
     # What they compute depends on the config alone, so it is kept in the cache and read back by later starts.
     config_text = json.dumps(hf_config.to_dict(), sort_keys=True, default=str)
-    path = cached_json.cache_file("rope", config_text, str(head_dim), metadata.version("transformers"), _CACHE_FORMAT)
+    path = cached_json.cache_file("rope", config_text, str(head_dim), str(layer_type), metadata.version("transformers"), _CACHE_FORMAT)
     stored = cached_json.read(path)
     if stored is None:
-        inv_freq, attention_scaling = _transformers_inv_freq(hf_config, rope_type)
+        inv_freq, attention_scaling = _transformers_inv_freq(hf_config, rope_type, layer_type)
         stored = {"inv_freq": inv_freq.tolist(), "attention_scaling": attention_scaling}
         cached_json.write(path, stored)
     # float32 values written as JSON numbers read back exactly.
     return torch.tensor(stored["inv_freq"], dtype=torch.float), float(stored["attention_scaling"])
 
 
-def _transformers_inv_freq(hf_config, rope_type: str) -> tuple[torch.Tensor, float]:
+def _transformers_inv_freq(hf_config, rope_type: str, layer_type: str | None) -> tuple[torch.Tensor, float]:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     # transformers' rope functions take its own config object (models/hf_config.py keeps a plain one).
     as_transformers = getattr(hf_config, "to_transformers", None)
-    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](as_transformers() if as_transformers else hf_config, "cpu")
+    config = as_transformers() if as_transformers else hf_config
+    per_type = {"layer_type": layer_type} if layer_type is not None else {}
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", **per_type)
     return inv_freq.float(), float(attention_scaling)
 
 
 class RotaryEmbedding(nn.Module, UsesCPUKernels):
-    def __init__(self, hf_config, head_dim: int, max_position: int) -> None:
+    def __init__(self, hf_config, head_dim: int, max_position: int, layer_type: str | None = None) -> None:
+        """layer_type: the layers whose rotation this is, where the config rotates layers by their type."""
         super().__init__()
-        inv_freq, scaling = compute_inv_freq(hf_config, head_dim)
+        inv_freq, scaling = compute_inv_freq(hf_config, head_dim, layer_type)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq)
         cos, sin = freqs.cos() * scaling, freqs.sin() * scaling
         # Pairs beyond the turned ones (a partial rotary, its dims laid out by partial_rotary_order) pass as they are.

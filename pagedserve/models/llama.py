@@ -1,6 +1,12 @@
-"""The Llama family: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm per head), and their mixtures of experts
-(models/moe.py): Mixtral, Qwen2-MoE (qkv bias, a shared expert), Qwen3-MoE (q/k RMSNorm per head), OLMoE (q/k RMSNorm
-across the heads, qkv clipping).
+"""The Llama family: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm per head), Gemma 3 (below), and their
+mixtures of experts (models/moe.py): Mixtral, Qwen2-MoE (qkv bias, a shared expert), Qwen3-MoE (q/k RMSNorm per head),
+OLMoE (q/k RMSNorm across the heads, qkv clipping).
+
+Gemma 3 (its text model) is the family's layer with: a norm on what attention and the MLP each give before it joins the
+residual stream (GemmaDecoderLayer); RMSNorms that scale by 1 + weight (the checkpoint's weights are loaded plus one);
+q/k RMSNorm per head; embeddings scaled by the square root of the hidden size; scores scaled by query_pre_attn_scalar;
+a GELU (tanh) gated MLP; sliding-window and full attention layers (layer_types), each kind with its own rotary
+parameters.
 
 Models take a flat token batch plus attention metadata; they never see requests. Under tensor
 parallelism (distributed/parallel_state.py) each rank builds its share of every layer (heads, MLP
@@ -35,7 +41,7 @@ from pagedserve.layers.linear import (
     RowParallelLinear,
     pad_rows,
 )
-from pagedserve.layers.rotary import RotaryEmbedding, partial_rotary_order, rotary_dim
+from pagedserve.layers.rotary import RotaryEmbedding, partial_rotary_order, rotary_dim, rotary_layer_types
 from pagedserve.layers.vocab_embedding import VocabParallelEmbedding, gather_logits
 from pagedserve.models.mlp import GatedMLP
 from pagedserve.models.moe import checkpoint_alias, expected_expert_loads, expert_load_key, expert_tensor, layer_mlp
@@ -63,6 +69,10 @@ KV_SCALE_NAMES = {
     "self_attn.k_proj.output_scale": ("key",),
     "self_attn.v_proj.output_scale": ("value",),
 }
+
+
+# Model types of the Gemma layer (GemmaDecoderLayer, the norms' 1 + weight, the scaled embeddings).
+GEMMA_TYPES = ("gemma3_text",)
 
 
 def head_dim_of(hf_config) -> int:
@@ -97,7 +107,7 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(hf_config.num_attention_heads * self.head_dim, hf_config.hidden_size, bias=o_bias,
                                         name="o_proj")
-        self.qk_norm = model_type in ("qwen3", "qwen3_moe")  # per head
+        self.qk_norm = model_type in ("qwen3", "qwen3_moe", *GEMMA_TYPES)  # per head
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
@@ -115,6 +125,8 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, attn_backend, window)
         if getattr(hf_config, "attention_multiplier", None) is not None:  # Granite's scale of the scores
             self.attn.scale = float(hf_config.attention_multiplier)
+        if getattr(hf_config, "query_pre_attn_scalar", None) is not None:  # Gemma's
+            self.attn.scale = float(hf_config.query_pre_attn_scalar) ** -0.5
 
     def forward(self, positions, hidden_states, kv_cache, meta: AttentionMetadata):
         rows, tokens = hidden_states.shape[0], meta.slot_mapping.shape[0]  # rows past the tokens: LlamaModel.gemm_rows
@@ -157,15 +169,18 @@ class LlamaDecoderLayer(nn.Module):
             if isinstance(self.mlp, GatedMLP):
                 self.mlp.down_proj.output_dtype = dtype
 
-    def forward(self, positions, hidden_states, residual, kv_cache, meta):
-        # Each norm hands the GEMM after it its input in the dtype that GEMM multiplies (Linear.input_dtype).
-        rows = hidden_states.shape[0]
-        qkv_dtype = self.self_attn.qkv_proj.input_dtype(rows)
+    def attention_input(self, hidden_states, residual):
+        """The layer's input joined to the residual stream (the first layer's starts it) and normalized for attention:
+        (normalized, residual). Each norm hands the GEMM after it its input in the dtype that GEMM multiplies
+        (Linear.input_dtype)."""
+        qkv_dtype = self.self_attn.qkv_proj.input_dtype(hidden_states.shape[0])
         if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states, out_dtype=qkv_dtype)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual, out_dtype=qkv_dtype)
+            return self.input_layernorm(hidden_states, out_dtype=qkv_dtype), hidden_states
+        return self.input_layernorm(hidden_states, residual, out_dtype=qkv_dtype)
+
+    def forward(self, positions, hidden_states, residual, kv_cache, meta):
+        rows = hidden_states.shape[0]
+        hidden_states, residual = self.attention_input(hidden_states, residual)
         hidden_states = self.self_attn(positions, hidden_states, kv_cache, meta)
         if self.residual_multiplier != 1.0:
             hidden_states = hidden_states * self.residual_multiplier
@@ -175,6 +190,29 @@ class LlamaDecoderLayer(nn.Module):
         if self.residual_multiplier != 1.0:
             hidden_states = hidden_states * self.residual_multiplier
         return hidden_states, residual
+
+
+class GemmaDecoderLayer(LlamaDecoderLayer):
+    """Gemma's layer: what attention and the MLP give is normalized (post_attention_layernorm,
+    post_feedforward_layernorm) before it joins the residual stream, and the MLP's input is normalized by
+    pre_feedforward_layernorm."""
+
+    def __init__(self, hf_config, rotary_emb: RotaryEmbedding, attn_backend: AttentionBackend, index: int) -> None:
+        super().__init__(hf_config, rotary_emb, attn_backend, index)
+        self.pre_feedforward_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self.post_feedforward_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+
+    def keep_gemm_outputs(self, dtype: torch.dtype, single_rank: bool) -> None:
+        """Every GEMM keeps float32 outputs: a norm of its own reads each of attention's and the MLP's, before the
+        float32 residual."""
+
+    def forward(self, positions, hidden_states, residual, kv_cache, meta):
+        rows = hidden_states.shape[0]
+        hidden_states, residual = self.attention_input(hidden_states, residual)
+        hidden_states = self.post_attention_layernorm(self.self_attn(positions, hidden_states, kv_cache, meta))
+        hidden_states, residual = self.pre_feedforward_layernorm(hidden_states, residual,
+                                                                 out_dtype=self.mlp.gate_up_proj.input_dtype(rows))
+        return self.post_feedforward_layernorm(self.mlp(hidden_states)), residual
 
 
 class MissingLayer(nn.Module):
@@ -191,10 +229,13 @@ class LlamaModel(nn.Module):
             self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
         self.stage_layers = info.stage_layers(hf_config.num_hidden_layers)
         self.embedding_multiplier = float(getattr(hf_config, "embedding_multiplier", None) or 1.0)  # Granite's
-        # One table of rotary angles, shared by every layer (they all rotate by the same position).
-        rotary_emb = RotaryEmbedding(hf_config, head_dim_of(hf_config), max_position)
+        gemma = hf_config.model_type in GEMMA_TYPES
+        if gemma:  # the square root of the hidden size, rounded to float32 as transformers' buffer holds it
+            self.embedding_multiplier = float(torch.tensor(hf_config.hidden_size**0.5, dtype=torch.float32))
+        layer_class = GemmaDecoderLayer if gemma else LlamaDecoderLayer
+        rotary = _rotary_tables(hf_config, max_position)
         self.layers = nn.ModuleList([
-            LlamaDecoderLayer(hf_config, rotary_emb, attn_backend, index) if index in self.stage_layers else MissingLayer()
+            layer_class(hf_config, rotary(index), attn_backend, index) if index in self.stage_layers else MissingLayer()
             for index in range(hf_config.num_hidden_layers)
         ])
         if info.is_last_stage:
@@ -254,8 +295,11 @@ class LlamaForCausalLM(nn.Module):
         self.quantized_lm_head: QuantizedWeight | None = None
         head_dim = head_dim_of(hf_config)
         self.rotary_order = partial_rotary_order(head_dim, rotary_dim(hf_config, head_dim))
-        if self.rotary_order is not None and hf_config.model_type in ("qwen3", "qwen3_moe", "olmoe"):
+        if self.rotary_order is not None and hf_config.model_type in ("qwen3", "qwen3_moe", "olmoe", *GEMMA_TYPES):
             raise ValueError("partial_rotary_factor with q/k norms is not supported")
+        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if getattr(hf_config, name, None) is not None:
+                raise ValueError(f"{name} is not supported (Gemma 2's); Gemma 3's configs leave it unset")
         if pooling or not rank_info().is_last_stage:
             self.lm_head = None
         elif self.tie_word_embeddings:
@@ -406,6 +450,8 @@ class LlamaForCausalLM(nn.Module):
             if _kv_scale_target(name) is not None:
                 self._load_kv_scale(name, tensor)
                 continue
+            if self.config.model_type in GEMMA_TYPES and name.endswith("norm.weight"):
+                tensor = tensor.float() + 1.0  # Gemma's RMSNorm scales by 1 + weight, in float32
             for piece_name, piece in _unfused(name, tensor, self.config):
                 piece = self._in_rotary_order(piece_name, piece)
                 target, shard = _fused_target(piece_name)
@@ -472,6 +518,18 @@ class LlamaForCausalLM(nn.Module):
             shards = getattr(module, "shard_sizes", None)
             expected += [f"{name}#{i}" for i in range(len(shards))] if shards else [f"{name}#None"]
         return expected
+
+
+def _rotary_tables(hf_config, max_position: int):
+    """layer index -> its table of rotary angles: one shared by every layer (they all rotate by the same position), or
+    one per layer type where the config rotates each type by its own parameters (Gemma 3's)."""
+    head_dim = head_dim_of(hf_config)
+    layer_types = rotary_layer_types(hf_config)
+    if layer_types is None:
+        shared = RotaryEmbedding(hf_config, head_dim, max_position)
+        return lambda index: shared
+    tables = {layer_type: RotaryEmbedding(hf_config, head_dim, max_position, layer_type) for layer_type in layer_types}
+    return lambda index: tables[hf_config.layer_types[index]]
 
 
 def with_model_prefix(name: str) -> str:

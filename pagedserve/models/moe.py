@@ -12,7 +12,7 @@ from torch import nn
 
 from pagedserve.layers.fused_moe import EXPERT_PARTS, FusedMoE
 from pagedserve.layers.linear import Linear
-from pagedserve.models.mlp import GatedMLP
+from pagedserve.models.mlp import GatedMLP, hidden_activation
 
 # Checkpoint tensors of one expert: (the experts' module, the expert's index, the part); and of every expert at once,
 # stacked (transformers' own layout, which its GGUF reader produces).
@@ -80,7 +80,7 @@ def layer_mlp(hf_config, layer: int) -> nn.Module:
     shape = moe_shape(hf_config)
     if shape is not None and shape.is_sparse(layer):
         return MoEBlock(hf_config, shape)
-    return GatedMLP(hf_config.hidden_size, hf_config.intermediate_size, hf_config.hidden_act, getattr(hf_config, "mlp_bias", False))
+    return GatedMLP(hf_config.hidden_size, hf_config.intermediate_size, hidden_activation(hf_config), getattr(hf_config, "mlp_bias", False))
 
 
 def checkpoint_alias(name: str) -> str:

@@ -15,6 +15,7 @@ _MODELS = {
     "Qwen2MoeForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
     "OlmoeForCausalLM": LlamaForCausalLM,
+    "Gemma3ForCausalLM": LlamaForCausalLM,  # Gemma 3's text models (models/llama.py: its layer, norms and rotaries)
 }
 # Base models (no lm_head): how embedding models are saved; they serve with runner pooling only.
 _BASE_MODELS = {"LlamaModel": LlamaForCausalLM, "MistralModel": LlamaForCausalLM, "Qwen2Model": LlamaForCausalLM,
