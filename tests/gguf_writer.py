@@ -46,7 +46,7 @@ def write_gguf(path, state_dict: dict[str, torch.Tensor], config, type_name: str
     _finish(writer, _gguf_tensors(state_dict, config), type_name)
 
 
-def _model_writer(path, architecture: str, name: str, config):
+def _model_writer(path, architecture: str, name: str, config, rope_freq_base: float = 10000.0):
     """A GGUFWriter with the shape every test model states, and the writer's tokenizer."""
     writer = gguf.GGUFWriter(str(path), architecture)
     writer.add_name(name)
@@ -56,7 +56,7 @@ def _model_writer(path, architecture: str, name: str, config):
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_freq_base(rope_freq_base)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     _add_tokenizer(writer)
     return writer
@@ -247,3 +247,48 @@ def _olmoe_tensors(state_dict, config):
         yield from _stacked_experts(sd, p, i, config.intermediate_size)
 
     return _model_tensors(state_dict, config, layer)
+
+
+def tiny_gemma3_config():
+    """A Gemma 3 text model as a GGUF file tells it: llama.cpp's layer pattern (every sixth layer full attention, the
+    others sliding), the file's rope base and linear scaling for the full layers and 10000 for the sliding ones, scores
+    scaled by the head size; tied embeddings."""
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(
+        vocab_size=len(VOCAB), hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, initializer_range=0.3, rms_norm_eps=1e-6,
+        sliding_window=16, bos_token_id=0, eos_token_id=2, pad_token_id=1, tie_word_embeddings=True, query_pre_attn_scalar=16,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}},
+    )
+
+
+def write_gemma3_gguf(path, state_dict: dict[str, torch.Tensor], config, type_name: str) -> None:
+    """As llama.cpp's converter writes a Gemma 3: architecture gemma3, q and k as they are, every norm's weight stored
+    plus one (llama.cpp's RMSNorm multiplies by the stored weight), no output tensor (tied)."""
+    writer = _model_writer(path, "gemma3", "tiny-gemma3", config, rope_freq_base=1000000.0)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_sliding_window(config.sliding_window)
+    writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+    writer.add_rope_scaling_factor(config.rope_parameters["full_attention"]["factor"])
+    _finish(writer, _gemma3_tensors(state_dict, config), type_name)
+
+
+def _gemma3_tensors(state_dict, config):
+    sd = {k: v.float().numpy() for k, v in state_dict.items()}
+    norms = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+             "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+             "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+    yield "token_embd.weight", sd["model.embed_tokens.weight"]
+    yield "output_norm.weight", sd["model.norm.weight"] + 1
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for ours, theirs in norms.items():
+            yield f"blk.{i}.{ours}.weight", sd[p + theirs + ".weight"] + 1
+        yield f"blk.{i}.attn_q.weight", sd[p + "self_attn.q_proj.weight"]
+        yield f"blk.{i}.attn_k.weight", sd[p + "self_attn.k_proj.weight"]
+        yield f"blk.{i}.attn_v.weight", sd[p + "self_attn.v_proj.weight"]
+        yield f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"]
+        yield from _dense_mlp(sd, p, i)

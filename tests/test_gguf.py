@@ -1,5 +1,7 @@
 """GGUF files: every supported tensor type dequantizes to what gguf's reference gives, and F32 is token-exact."""
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -164,16 +166,41 @@ def test_blocks_are_matched_to_float32_tensors_only_exactly():
     assert _match_rows(mixed, owners, tensors) is None
 
 
+def file_values(hf_model, type_name: str, stored_as_is=lambda name: False):
+    """A copy of hf_model holding the values a GGUF file of type_name holds: its matrices quantized and back (but for
+    those stored_as_is names)."""
+    reference = copy.deepcopy(hf_model)
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            if param.dim() >= 2 and not stored_as_is(name):
+                param.copy_(torch.from_numpy(quantized_round_trip(param.numpy(), type_name)))
+    return reference
+
+
+def assert_generates_like(llm, reference) -> None:
+    """Greedy tokens, and their logprobs, equal transformers' on the reference model: for a short prompt and a long
+    one. The logprobs too, because greedy picks alone barely depend on attention in so small a model."""
+    for prompt in ([5, 6, 7, 8, 9, 10], list(range(40, 90))):
+        ours = llm.generate({"prompt_token_ids": prompt}, greedy(10, logprobs=1), use_tqdm=False)[0].outputs[0]
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            expected = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
+                                          eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+            logits = reference(torch.tensor([prompt + expected])).logits[0, len(prompt) - 1:-1]
+        assert list(ours.token_ids) == expected
+        reference_logprobs = torch.log_softmax(logits.double(), dim=-1)[range(len(expected)), expected].tolist()
+        ours_logprobs = [position[token].logprob for token, position in zip(ours.token_ids, ours.logprobs)]
+        assert ours_logprobs == pytest.approx(reference_logprobs, abs=1e-3)
+
+
 @pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral", "olmoe"])
 @pytest.mark.parametrize("type_name", ["F32", "Q8_0", "Q4_0"])
 def test_a_mixture_of_experts_gguf_generates_like_its_weights_in_transformers(arch, type_name, tmp_path):
     """llama.cpp's layouts: a Qwen2-MoE (each layer's experts stacked, the expert widths in the metadata, the shared
     expert's gate a vector), a Mixtral (architecture llama with experts, q and k permuted) and an OLMoE (an
-    architecture transformers' GGUF reading does not know, read by ours; q and k norms over all heads): greedy tokens equal
-    transformers' on the values the file holds (quantized and back), the quantized experts multiplying on their GGUF
-    blocks."""
-    import copy
-
+    architecture transformers' GGUF reading does not know, read by ours; q and k norms over all heads): greedy tokens and
+    their logprobs equal transformers' on the values the file holds (quantized and back), the quantized experts
+    multiplying on their GGUF blocks."""
     import gguf_writer
     from transformers import MixtralForCausalLM, OlmoeForCausalLM, Qwen2MoeForCausalLM
 
@@ -190,22 +217,39 @@ def test_a_mixture_of_experts_gguf_generates_like_its_weights_in_transformers(ar
     hf_model = model_class(config).eval()
     path = tmp_path / f"tiny-{arch}-{type_name}.gguf"
     write(path, hf_model.state_dict(), config, type_name)
-    reference = copy.deepcopy(hf_model)
-    with torch.no_grad():
-        for name, param in reference.named_parameters():
-            if param.dim() >= 2 and "shared_expert_gate" not in name:  # what the file quantizes
-                param.copy_(torch.from_numpy(quantized_round_trip(param.numpy(), type_name)))
+    reference = file_values(hf_model, type_name, stored_as_is=lambda name: "shared_expert_gate" in name)
     llm = LLM(str(path), kv_cache_memory=4 * 1024**2)
     mixtures = [module for module in worker_of(llm).model.modules() if isinstance(module, FusedMoE)]
     on_blocks = [isinstance(weight, QuantizedWeight) for module in mixtures for part in module.packed for weight in part]
     assert len(mixtures) == 2 and all(on_blocks) == (type_name != "F32") and len(on_blocks) == 2 * 2 * 8
-    for prompt in ([5, 6, 7, 8, 9, 10], list(range(40, 90))):
-        ours = llm.generate({"prompt_token_ids": prompt}, greedy(10), use_tqdm=False)[0].outputs[0].token_ids
-        ids = torch.tensor([prompt])
-        with torch.inference_mode():
-            expected = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
-                                          eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-        assert list(ours) == expected
+    assert_generates_like(llm, reference)
+
+
+@pytest.mark.parametrize("type_name", ["F32", "Q8_0", "Q4_0"])
+def test_a_gemma3_gguf_generates_like_its_weights_in_transformers(type_name, tmp_path):
+    """llama.cpp's Gemma 3 layout (norms stored plus one, a full attention layer every sixth, the full layers' rope
+    scaling, tied embeddings), read through transformers' GGUF support: greedy tokens and their logprobs equal
+    transformers' on the values the file holds, past the sliding window, the quantized layers multiplying on their
+    GGUF blocks."""
+    import gguf_writer
+    from transformers import Gemma3ForCausalLM
+
+    from pagedserve.layers.linear import Linear
+
+    config = gguf_writer.tiny_gemma3_config()
+    torch.manual_seed(0)
+    hf_model = Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in hf_model.named_parameters():
+            if name.endswith("norm.weight"):  # transformers starts them at zero
+                param.normal_(0.0, 0.3)
+    path = tmp_path / f"tiny-gemma3-{type_name}.gguf"
+    gguf_writer.write_gemma3_gguf(path, hf_model.state_dict(), config, type_name)
+    reference = file_values(hf_model, type_name)
+    llm = LLM(str(path), kv_cache_memory=4 * 1024**2)
+    linears = [module for module in worker_of(llm).model.modules() if isinstance(module, Linear)]
+    assert len(linears) == 4 * 6 and all((m.quantized is not None) == (type_name != "F32") for m in linears)
+    assert_generates_like(llm, reference)
 
 
 def test_a_gguf_mixture_of_an_architecture_whose_experts_are_not_read_is_refused(tiny_hf_llama, tmp_path, monkeypatch):

@@ -120,6 +120,8 @@ def _read_through_transformers(reader, gguf_path: Path):
         skeleton = AutoModelForCausalLM.from_config(config)
     tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)["tensors"]
     config.architectures = [type(skeleton).__name__]
+    if _architecture(reader) == "gemma3":
+        _set_gemma3_attention(reader, config)
     if _is_llama_mixture(reader):
         config = _mixtral_config(reader, config)
         tensors.update(_stacked_experts(reader))
@@ -188,6 +190,20 @@ def _set_expert_widths(reader, config) -> None:
         value = _metadata(reader, key)
         if value is not None:
             setattr(config, name, int(value))
+
+
+def _set_gemma3_attention(reader, config) -> None:
+    """What a Gemma 3 file says, or llama.cpp assumes, of its attention, which transformers' GGUF reading leaves at its
+    defaults: the full attention layers' rope scaling (the file's), and the scores' scale, as llama.cpp takes it (the
+    27B's, its only model of 62 layers, by the hidden size per head; the others' by the head size)."""
+    scaling, factor = _metadata(reader, "rope.scaling.type"), _metadata(reader, "rope.scaling.factor")
+    if scaling not in (None, "none", "linear"):
+        raise ValueError(f"this Gemma 3 GGUF file's rope scaling {scaling!r} is not read; supported: linear")
+    if scaling == "linear" and factor:
+        full = dict(config.rope_parameters["full_attention"])
+        config.rope_parameters["full_attention"] = {**full, "rope_type": "linear", "factor": float(factor)}
+    per_head = config.hidden_size // config.num_attention_heads
+    config.query_pre_attn_scalar = per_head if config.num_hidden_layers == 62 else config.head_dim
 
 
 def _mixtral_config(reader, llama_config):
