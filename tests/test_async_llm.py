@@ -35,6 +35,22 @@ def test_generate_streams_deltas_that_add_up(async_llm):
     assert deltas[-1].finished and deltas[-1].outputs[0].finish_reason == "length"
 
 
+def test_generate_on_an_engine_whose_model_gives_no_text_is_refused(tiny_models):
+    from pagedserve.engine.async_llm import AsyncLLM
+
+    engine = AsyncLLM(EngineConfig(model=str(tiny_models["llama"]), runner="pooling", kv_cache_memory=8 * 1024**2))
+
+    async def main():
+        return [out async for out in engine.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=2), "text-1")]
+
+    try:
+        with pytest.raises(ValueError, match="this engine does not give text: that takes an engine with runner generate"):
+            asyncio.run(main())
+        assert engine.num_in_flight() == 0
+    finally:
+        engine.shutdown()
+
+
 def test_cancelled_consumer_aborts_and_frees_blocks(async_llm):
     params = SamplingParams(temperature=0, max_tokens=900, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
 

@@ -81,7 +81,9 @@ class AsyncLLM(FrontEndAccess):
     async def generate(
         self, prompt: PromptType, params: SamplingParams, request_id: str, priority: int = 0
     ) -> AsyncIterator[RequestOutput]:
-        """Yields the request's outputs as they come; leaving the loop early aborts the request."""
+        """Yields the request's outputs as they come; leaving the loop early aborts the request. ValueError on an engine
+        whose model gives no text (pagedserve/tasks.py)."""
+        self.front_end.check_task("generate")
         queue = await self.add_request(prompt, params, request_id, priority)
         async for output in self.iterate(request_id, queue):
             yield output
