@@ -39,7 +39,11 @@ class Classifier:
 
 
 def is_classifier(hf_config) -> bool:
-    return any(arch.endswith("ForSequenceClassification") for arch in getattr(hf_config, "architectures", None) or [])
+    return any(map(is_classifier_architecture, getattr(hf_config, "architectures", None) or []))
+
+
+def is_classifier_architecture(name: str) -> bool:
+    return name.endswith("ForSequenceClassification")
 
 
 def classifier_of(hf_config) -> Classifier | None:

@@ -6,7 +6,7 @@ none is named (runner auto)."""
 
 from __future__ import annotations
 
-from pagedserve.classification import Classifier
+from pagedserve.classification import Classifier, is_classifier_architecture
 
 # What each task gives, and where it comes from: the two halves of a refusal.
 _GIVES = {"generate": "text", "embed": "embeddings", "classify": "classes",
@@ -23,7 +23,7 @@ TASKS = tuple(_GIVES)
 def runner_for(architectures: list[str]) -> str:
     """runner auto's choice, as vLLM's: pooling for a model that only pools (a base model, `*Model`, which has no
     lm_head; a classification model, `*ForSequenceClassification`), else generate."""
-    pools = any(name.endswith(("Model", "ForSequenceClassification")) for name in architectures)
+    pools = any(name.endswith("Model") or is_classifier_architecture(name) for name in architectures)
     return "pooling" if pools else "generate"
 
 

@@ -20,7 +20,7 @@ def rope_parameters(hf_config, layer_type: str | None = None) -> dict:
     """The config's rotary parameters. A config whose layers rotate differently by their type (Gemma 3's sliding and
     full attention layers) holds them per layer type: layer_type's (default: the full attention layers')."""
     params = getattr(hf_config, "rope_parameters", None) or {}
-    if params and all(isinstance(value, dict) for value in params.values()):
+    if rotary_layer_types(hf_config) is not None:
         params = dict(params[layer_type or "full_attention"])
     if not params:  # older configs
         params = dict(getattr(hf_config, "rope_scaling", None) or {})

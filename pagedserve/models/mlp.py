@@ -18,10 +18,11 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(hidden_size, (size, size), bias=bias, name="intermediate_size")
         self.down_proj = RowParallelLinear(size, hidden_size, bias=bias, name="intermediate_size")
         self.act_fn = GATED_ACTIVATIONS[hidden_act]()
+        # The GEMMs' epilogues, and the native decode layers, compute SiLU alone.
+        self.silu = isinstance(self.act_fn, SiluAndMul)
 
     def forward(self, x):
-        # The GEMMs' epilogues compute SiLU alone.
-        activated = self.gate_up_proj.fused_silu_and_mul(x) if isinstance(self.act_fn, SiluAndMul) else None
+        activated = self.gate_up_proj.fused_silu_and_mul(x) if self.silu else None
         if activated is None:
             activated = self.act_fn(self.gate_up_proj(x), out_dtype=self.down_proj.input_dtype(x.shape[0]))
         return self.down_proj(activated)

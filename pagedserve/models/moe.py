@@ -64,7 +64,7 @@ class MoEBlock(nn.Module):
         self.experts = FusedMoE(shape.num_experts, shape.top_k, hidden, shape.intermediate_size, shape.renormalize)
         self.shared_expert = None
         if shape.shared_intermediate_size:
-            self.shared_expert = GatedMLP(hidden, shape.shared_intermediate_size, hf_config.hidden_act)
+            self.shared_expert = GatedMLP(hidden, shape.shared_intermediate_size, hidden_activation(hf_config))
             self.shared_expert_gate = Linear(hidden, 1, bias=False)
             self.shared_expert_gate.routes = True
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 
 from pagedserve.distributed.parallel_state import rank_info
-from pagedserve.layers.activation import SiluAndMul
 from pagedserve.layers.attention import AttentionMetadata
 from pagedserve.layers.attention.cpu_backend import CPUAttentionBackend
 from pagedserve.layers.linear import TILES_MAX_ROWS, Linear
@@ -72,7 +71,7 @@ def _plain(layer) -> bool:
     clipping, scales or a sliding window of its own, a dense SiLU-gated MLP without biases, every linear layer on its blocks
     and without adapters."""
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    if attn is None or not isinstance(mlp, GatedMLP) or not isinstance(mlp.act_fn, SiluAndMul):
+    if attn is None or not isinstance(mlp, GatedMLP) or not mlp.silu:
         return False
     if attn.qk_norm or attn.qk_norm_across_heads or attn.clip_qkv is not None:
         return False
