@@ -48,6 +48,12 @@ TINY_ARCHS = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"num_experts": 8, "num_experts_per_tok": 4, "moe_intermediate_size": 32,
                                                             "norm_topk_prob": True, "head_dim": 16, "use_sliding_window": False}),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {"num_experts": 8, "num_experts_per_tok": 2, "clip_qkv": 3.0}),
+    # Gemma: its norms' 1 + weight (drawn: transformers starts them at zero), scaled embeddings and GELU (tanh) MLP.
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 16}),
+    # A sliding-window layer and a full one; scores and logits soft-capped at caps the tiny model's values reach.
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {
+        "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"],
+        "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0}),
     # A sliding-window layer and a full one, each rotating by its own parameters (the full one's scaled linearly); scores
     # scaled by query_pre_attn_scalar, not the head size; its norms' weights drawn (transformers starts them at zero).
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
@@ -75,7 +81,7 @@ def make_tiny_model(out_dir, arch: str, tokenizer_dir, tie_word_embeddings: bool
     )
     torch.manual_seed(1234)
     model = getattr(transformers, model_name)(config).eval()
-    if arch == "gemma3":
+    if arch.startswith("gemma"):
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):

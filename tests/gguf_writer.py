@@ -264,6 +264,31 @@ def tiny_gemma3_config():
     )
 
 
+def tiny_gemma2_config():
+    """A Gemma 2 as a GGUF file tells it: llama.cpp's layer pattern (sliding, then full), scores scaled by the head size,
+    soft caps of the scores and logits unlike transformers' defaults (the file states them); tied embeddings."""
+    from transformers import Gemma2Config
+
+    return Gemma2Config(
+        vocab_size=len(VOCAB), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, initializer_range=0.3, rms_norm_eps=1e-6,
+        sliding_window=16, bos_token_id=0, eos_token_id=2, pad_token_id=1, tie_word_embeddings=True, query_pre_attn_scalar=16,
+        attn_logit_softcapping=4.0, final_logit_softcapping=6.0, rope_theta=10000.0,
+    )
+
+
+def write_gemma2_gguf(path, state_dict: dict[str, torch.Tensor], config, type_name: str) -> None:
+    """As llama.cpp's converter writes a Gemma 2: architecture gemma2, its soft caps, q and k as they are, every norm's
+    weight stored plus one, no output tensor (tied)."""
+    writer = _model_writer(path, "gemma2", "tiny-gemma2", config)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_sliding_window(config.sliding_window)
+    writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+    writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    _finish(writer, _gemma_tensors(state_dict, config, qk_norms=False), type_name)
+
+
 def write_gemma3_gguf(path, state_dict: dict[str, torch.Tensor], config, type_name: str) -> None:
     """As llama.cpp's converter writes a Gemma 3: architecture gemma3, q and k as they are, every norm's weight stored
     plus one (llama.cpp's RMSNorm multiplies by the stored weight), no output tensor (tied)."""
@@ -273,14 +298,16 @@ def write_gemma3_gguf(path, state_dict: dict[str, torch.Tensor], config, type_na
     writer.add_sliding_window(config.sliding_window)
     writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
     writer.add_rope_scaling_factor(config.rope_parameters["full_attention"]["factor"])
-    _finish(writer, _gemma3_tensors(state_dict, config), type_name)
+    _finish(writer, _gemma_tensors(state_dict, config, qk_norms=True), type_name)
 
 
-def _gemma3_tensors(state_dict, config):
+def _gemma_tensors(state_dict, config, qk_norms: bool):
+    """Gemma 2's and Gemma 3's tensors (qk_norms: Gemma 3's q and k norms)."""
     sd = {k: v.float().numpy() for k, v in state_dict.items()}
     norms = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
-             "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
-             "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+             "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+    if qk_norms:
+        norms |= {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
     yield "token_embd.weight", sd["model.embed_tokens.weight"]
     yield "output_norm.weight", sd["model.norm.weight"] + 1
     for i in range(config.num_hidden_layers):

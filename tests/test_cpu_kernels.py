@@ -899,24 +899,27 @@ def test_a_build_that_does_not_load_is_built_again(monkeypatch, tmp_path, caplog
     assert "did not load" in caplog.text and str(tmp_path) in caplog.text
 
 
-def brute_force_window_attention(query, keys, values, query_positions, window: int, scale: float) -> torch.Tensor:
-    """Each query row [H, D] at its position over the keys/values [L, KV, D] at positions (p - window, p], by the
-    softmax written out: an oracle independent of the reference paths' masks."""
+def brute_force_attention(query, keys, values, query_positions, window: int | None, scale: float,
+                          softcap: float | None = None) -> torch.Tensor:
+    """Each query row [H, D] at its position over the keys/values [L, KV, D] at positions (p - window, p] (window None:
+    [0, p]), each scaled score s taken as softcap * tanh(s / softcap) where softcap is set, by the softmax written out:
+    an oracle independent of the reference paths' masks."""
     group = query.shape[1] // keys.shape[1]
     out = torch.empty_like(query)
     for row, position in enumerate(query_positions):
-        lo = max(0, position - window + 1)
+        lo = max(0, position - window + 1) if window is not None else 0
         k = keys[lo:position + 1].float().repeat_interleave(group, dim=1)  # [n, H, D]
         v = values[lo:position + 1].float().repeat_interleave(group, dim=1)
-        weights = torch.softmax(torch.einsum("hd,nhd->hn", query[row].double(), k.double()) * scale, dim=-1)
-        out[row] = torch.einsum("hn,nhd->hd", weights, v.double()).float()
+        scores = torch.einsum("hd,nhd->hn", query[row].double(), k.double()) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        out[row] = torch.einsum("hn,nhd->hd", torch.softmax(scores, dim=-1), v.double()).float()
     return out
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [64, 24])  # the three-pass route and the online-softmax one
-@pytest.mark.parametrize("window", [1, 10, 16, 37, 520])  # mid-block, a whole block, over a part of 512 keys
-def test_decode_kernel_with_a_sliding_window_attends_to_the_last_keys(head_dim, window, cache_dtype):
+def check_decode_kernel(head_dim: int, cache_dtype, window: int | None, softcap: float | None) -> None:
+    """The decode kernel against the torch reference and the softmax written out, over sequences within a block, across
+    blocks and over several parts of 512 keys."""
     kernels = built_kernels()
     torch.manual_seed(0)
     num_heads, num_kv_heads, block_size = 6, 2, 16
@@ -928,20 +931,18 @@ def test_decode_kernel_with_a_sliding_window_attends_to_the_last_keys(head_dim, 
     meta = decode_metadata(tables, seq_lens)
     query = torch.randn(len(seq_lens), num_heads, head_dim)
     actual = kernels.paged_decode_attention(query, kv_cache[0], kv_cache[1], meta.decode_block_tables, meta.decode_seq_lens,
-                                            head_dim**-0.5, 0, window)
-    reference = reference_decode_attention(query, kv_cache, meta, head_dim**-0.5, window=window)
+                                            head_dim**-0.5, 0, window or 0, softcap or 0.0)
+    reference = reference_decode_attention(query, kv_cache, meta, head_dim**-0.5, window=window, softcap=softcap)
     torch.testing.assert_close(actual, reference, atol=2e-5, rtol=1e-4)
     for index, (table, length) in enumerate(zip(tables, seq_lens)):
         positions = torch.arange(length)
         slots = torch.from_numpy(table)[positions // block_size] * block_size + positions % block_size
         keys, values = (kv_cache[i].view(-1, num_kv_heads, head_dim)[slots] for i in (0, 1))
-        expected = brute_force_window_attention(query[index:index + 1], keys, values, [length - 1], window, head_dim**-0.5)
+        expected = brute_force_attention(query[index:index + 1], keys, values, [length - 1], window, head_dim**-0.5, softcap)
         torch.testing.assert_close(actual[index:index + 1], expected, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("window", [1, 10, 16, 70])
-def test_prefill_kernel_with_a_sliding_window_hides_the_keys_each_row_has_passed(window, cache_dtype):
+def check_prefill_kernel(cache_dtype, window: int | None, softcap: float | None) -> None:
     """Chunks fresh and after context, shorter and longer than the window, one of tiles of many rows; the kernel, the
     torch reference and the softmax written out agree."""
     kernels = built_kernels()
@@ -961,7 +962,7 @@ def test_prefill_kernel_with_a_sliding_window_hides_the_keys_each_row_has_passed
     paged = PagedPrefills.of(prefills, torch.device("cpu"))
     out = torch.zeros(total, num_heads, head_dim)
     kernels.paged_prefill_attention(query, kv_cache[0], kv_cache[1], paged.block_tables, paged.query_starts, paged.query_lens,
-                                    paged.seq_lens, head_dim**-0.5, out, 0, window)
+                                    paged.seq_lens, head_dim**-0.5, out, 0, window or 0, softcap or 0.0)
     for chunk in prefills:
         rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
         positions = torch.arange(chunk.seq_len)
@@ -969,8 +970,35 @@ def test_prefill_kernel_with_a_sliding_window_hides_the_keys_each_row_has_passed
         keys, values = (kv_cache[i].view(-1, num_kv_heads, head_dim)[slots] for i in (0, 1))
         own = slice(chunk.context_len, chunk.seq_len)
         reference = reference_prefill_attention(query[rows], keys[own].float(), values[own].float(), kv_cache, chunk,
-                                                head_dim**-0.5, window=window)
+                                                head_dim**-0.5, window=window, softcap=softcap)
         torch.testing.assert_close(out[rows], reference, atol=2e-5, rtol=1e-4)
-        expected = brute_force_window_attention(query[rows], keys, values, range(chunk.context_len, chunk.seq_len), window,
-                                                head_dim**-0.5)
+        expected = brute_force_attention(query[rows], keys, values, range(chunk.context_len, chunk.seq_len), window,
+                                         head_dim**-0.5, softcap)
         torch.testing.assert_close(out[rows], expected, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 24])  # the three-pass route and the online-softmax one
+@pytest.mark.parametrize("window", [1, 10, 16, 37, 520])  # mid-block, a whole block, over a part of 512 keys
+def test_decode_kernel_with_a_sliding_window_attends_to_the_last_keys(head_dim, window, cache_dtype):
+    check_decode_kernel(head_dim, cache_dtype, window, None)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [1, 10, 16, 70])
+def test_prefill_kernel_with_a_sliding_window_hides_the_keys_each_row_has_passed(window, cache_dtype):
+    check_prefill_kernel(cache_dtype, window, None)
+
+
+# The scores here are a few units across: a cap of 4 bends most of them.
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 24])
+@pytest.mark.parametrize("window", [None, 37])
+def test_decode_kernel_soft_caps_the_scaled_scores(head_dim, window, cache_dtype):
+    check_decode_kernel(head_dim, cache_dtype, window, 4.0)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 16])
+def test_prefill_kernel_soft_caps_the_scaled_scores(window, cache_dtype):
+    check_prefill_kernel(cache_dtype, window, 4.0)

@@ -225,30 +225,34 @@ def test_a_mixture_of_experts_gguf_generates_like_its_weights_in_transformers(ar
     assert_generates_like(llm, reference)
 
 
-@pytest.mark.parametrize("type_name", ["F32", "Q8_0", "Q4_0"])
-def test_a_gemma3_gguf_generates_like_its_weights_in_transformers(type_name, tmp_path):
-    """llama.cpp's Gemma 3 layout (norms stored plus one, a full attention layer every sixth, the full layers' rope
-    scaling, tied embeddings), read through transformers' GGUF support: greedy tokens and their logprobs equal
-    transformers' on the values the file holds, past the sliding window, the quantized layers multiplying on their
-    GGUF blocks."""
+@pytest.mark.parametrize("arch,type_name", [("gemma3", "F32"), ("gemma3", "Q8_0"), ("gemma3", "Q4_0"),
+                                            ("gemma2", "F32"), ("gemma2", "Q8_0")])
+def test_a_gemma_gguf_generates_like_its_weights_in_transformers(arch, type_name, tmp_path):
+    """llama.cpp's Gemma 2 and Gemma 3 layouts (norms stored plus one; sliding and full attention layers in llama.cpp's
+    pattern; Gemma 3's full layers' rope scaling, Gemma 2's soft caps; tied embeddings), read through transformers' GGUF
+    support: greedy tokens and their logprobs equal transformers' on the values the file holds, past the sliding
+    window, the quantized layers multiplying on their GGUF blocks."""
     import gguf_writer
-    from transformers import Gemma3ForCausalLM
+    from transformers import Gemma2ForCausalLM, Gemma3ForCausalLM
 
     from pagedserve.layers.linear import Linear
 
-    config = gguf_writer.tiny_gemma3_config()
+    if arch == "gemma2":
+        config, model_class, write = gguf_writer.tiny_gemma2_config(), Gemma2ForCausalLM, gguf_writer.write_gemma2_gguf
+    else:
+        config, model_class, write = gguf_writer.tiny_gemma3_config(), Gemma3ForCausalLM, gguf_writer.write_gemma3_gguf
     torch.manual_seed(0)
-    hf_model = Gemma3ForCausalLM(config).eval()
+    hf_model = model_class(config).eval()
     with torch.no_grad():
         for name, param in hf_model.named_parameters():
             if name.endswith("norm.weight"):  # transformers starts them at zero
                 param.normal_(0.0, 0.3)
-    path = tmp_path / f"tiny-gemma3-{type_name}.gguf"
-    gguf_writer.write_gemma3_gguf(path, hf_model.state_dict(), config, type_name)
+    path = tmp_path / f"tiny-{arch}-{type_name}.gguf"
+    write(path, hf_model.state_dict(), config, type_name)
     reference = file_values(hf_model, type_name)
     llm = LLM(str(path), kv_cache_memory=4 * 1024**2)
     linears = [module for module in worker_of(llm).model.modules() if isinstance(module, Linear)]
-    assert len(linears) == 4 * 6 and all((m.quantized is not None) == (type_name != "F32") for m in linears)
+    assert len(linears) == 4 * config.num_hidden_layers and all((m.quantized is not None) == (type_name != "F32") for m in linears)
     assert_generates_like(llm, reference)
 
 

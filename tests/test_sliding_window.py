@@ -1,8 +1,8 @@
 """Sliding-window attention: a layer with a window attends to the keys of the last `window` positions, as transformers'
 mask says. Models whose config gives every layer a window (Mistral's sliding_window) or some of them (Qwen2's
-use_sliding_window with max_window_layers, Gemma 3's layer_types) generate as transformers does past the window:
-through the C++ kernels and the torch backend, prompts in chunks after a context longer than the window, and cached
-prefixes."""
+use_sliding_window with max_window_layers, Gemma 2's and Gemma 3's layer_types; Gemma 2's scores soft-capped too)
+generate as transformers does past the window: through the C++ kernels and the torch backend, prompts in chunks after a
+context longer than the window, and cached prefixes."""
 
 import pytest
 from conftest import greedy, hf_greedy, make_tiny_model, token_ids_of
@@ -20,9 +20,10 @@ PROMPTS = [list(range(200, 214)), list(range(300, 345)), list(range(300, 330)) +
 @pytest.fixture(scope="module")
 def windowed_models(tmp_path_factory, default_model_dir):
     """A Mistral whose every layer has the window, a Qwen2 whose second layer has it (max_window_layers 1), and a
-    Gemma 3 whose first layer has it (layer_types)."""
+    Gemma 2 and a Gemma 3 whose first layer has it (layer_types)."""
     root = tmp_path_factory.mktemp("windowed")
     return {
+        "gemma2": make_tiny_model(root / "gemma2", "gemma2", default_model_dir, sliding_window=WINDOW),
         "gemma3": make_tiny_model(root / "gemma3", "gemma3", default_model_dir, sliding_window=WINDOW),
         "mistral": make_tiny_model(root / "mistral", "mistral", default_model_dir, sliding_window=WINDOW),
         "qwen2": make_tiny_model(root / "qwen2", "qwen2", default_model_dir, use_sliding_window=True, sliding_window=WINDOW,
@@ -38,7 +39,7 @@ def test_each_layers_window_is_the_configs(windowed_models):
     assert max_position_of(mistral) == 1024  # a model with a window serves its whole context
 
 
-@pytest.mark.parametrize("model", ["mistral", "qwen2", "gemma3"])
+@pytest.mark.parametrize("model", ["mistral", "qwen2", "gemma2", "gemma3"])
 @pytest.mark.parametrize("settings", [
     {},  # the C++ kernels
     {"attention_backend": "torch"},

@@ -7,12 +7,14 @@
 
 // kv_format: 0 for a float32, bfloat16 or float16 cache; 1 int8, 2 fp8 e4m3, 3 fp8 e5m2 for a byte cache of 8-bit rows
 // (layers/attention/kv_quant.py). window: a sliding-window layer's, the most keys a query attends to (itself and those
-// just before it); 0 for full causal attention.
+// just before it); 0 for full causal attention. softcap: a soft cap of the scaled scores, cap * tanh(score / cap) (Gemma
+// 2's); 0 for none.
 at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache, at::Tensor block_tables,
-                                  at::Tensor seq_lens, double scale, int64_t kv_format, int64_t window = 0);
+                                  at::Tensor seq_lens, double scale, int64_t kv_format, int64_t window = 0, double softcap = 0);
 void paged_prefill_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                              const at::Tensor& block_tables, const at::Tensor& query_starts, const at::Tensor& query_lens,
-                             const at::Tensor& seq_lens, double scale, at::Tensor out, int64_t kv_format, int64_t window = 0);
+                             const at::Tensor& seq_lens, double scale, at::Tensor out, int64_t kv_format, int64_t window = 0,
+                             double softcap = 0);
 // RMSNorm's output in out_dtype: float32, or bfloat16 for a GEMM that multiplies it (layer_ops.cpp).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::ScalarType out_dtype);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,

@@ -346,6 +346,16 @@ inline float max_of(const float* s, int64_t n) {
   return result;
 }
 
+// s[i] = cap * tanh(s[i] / cap) for n scaled scores: a soft cap (Gemma 2's attention logit soft-capping), applied
+// before the causal or window mask and the softmax, as transformers applies it.
+inline void cap_scores(float* s, int64_t n, float cap) {
+  using Vec = at::vec::Vectorized<float>;
+  const Vec vcap(cap);
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) ((Vec::loadu(s + i) / vcap).tanh() * vcap).store(s + i);
+  for (; i < n; ++i) s[i] = std::tanh(s[i] / cap) * cap;
+}
+
 // s[i] = exp(s[i] - max) for the n scores of a block; returns their sum. Vectorized: a scalar exp
 // per score was a fifth of the kernel's time.
 inline float exp_and_sum(float* s, int64_t n, float max) {
@@ -392,6 +402,7 @@ struct AttentionShape {
   int64_t num_heads, group, head_dim, block_size, row_stride, block_stride;
   float scale;
   int64_t head_stride;  // cache elements from one KV head's row to the next: head_dim, or row_width(head_dim, kv_format)
+  float softcap = 0.f;  // a soft cap of the scaled scores (cap_scores); 0: none
 };
 
 struct SequenceScratch {
@@ -424,9 +435,11 @@ void attend_block(const AttentionShape& s, const float* k_block, const float* v_
     for (int64_t h = 0; h < s.num_heads; ++h)
       w.scores[h * s.block_size + i] = dot(w.q.data() + h * s.head_dim, k_row + (h / s.group) * s.head_stride, s.head_dim);
   }
-  for (int64_t h = 0; h < s.num_heads; ++h)
+  for (int64_t h = 0; h < s.num_heads; ++h) {
+    if (s.softcap > 0.f) cap_scores(w.scores.data() + h * s.block_size, n, s.softcap);
     fold_scores(w.scores.data() + h * s.block_size, n, v_block + (h / s.group) * s.head_stride, s.row_stride, s.head_dim,
                 w.maxes[h], w.sums[h], w.acc.data() + h * s.head_dim);
+  }
 }
 
 // Each head's online softmax over the keys of blocks [first_block, end_block) of a sequence of len
@@ -587,6 +600,7 @@ void attend_sequence_three_pass(const AttentionShape& s, const float* q_in, cons
   }
   for (int64_t h = 0; h < s.num_heads; ++h) {  // pass 2: softmax over the part's keys
     float* scores = w.scores.data() + h * max_len;
+    if (s.softcap > 0.f) cap_scores(scores, part_len, s.softcap);
     w.maxes[h] = max_of(scores, part_len);
     w.sums[h] = exp_and_sum(scores, part_len, w.maxes[h]);
   }
@@ -945,6 +959,7 @@ void attend_tile(const AttentionShape& s, const ChunkView& c, const PrefillTask&
       w.values[i] = as_float(v_cache + offset, s.head_stride, w.value_rows.data() + i * D, D, s.head_stride);
     }
     span_scores(w.q_t.data(), padded, w.keys.data(), n, D, w.scores_t.data());
+    if (s.softcap > 0.f) cap_scores(w.scores_t.data(), n * padded, s.softcap);
     for (int64_t i = std::max<int64_t>(0, first_position + 1 - span_start); i < n; ++i)  // causal: hide keys after a row
       for (int64_t r = 0; r < rows; ++r)
         if (span_start + i > first_position + r / s.group) w.scores_t[i * padded + r] = -std::numeric_limits<float>::infinity();
@@ -979,8 +994,9 @@ int64_t prefill_lanes() {
 // (int64 tables and lengths), contiguous but for the query's rows, read in place where each row's heads are contiguous
 // (a view of the qkv GEMM's output).
 at::Tensor paged_decode_attention(at::Tensor query_in, at::Tensor key_cache, at::Tensor value_cache, at::Tensor block_tables,
-                                  at::Tensor seq_lens, double scale, int64_t kv_format, int64_t window) {
+                                  at::Tensor seq_lens, double scale, int64_t kv_format, int64_t window, double softcap) {
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
+  TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: none)");
   TORCH_CHECK(query_in.dtype() == at::kFloat && query_in.dim() == 3, "query must be float32 [sequences, heads, head_dim]");
   const int64_t num_seqs = query_in.size(0), num_heads = query_in.size(1), head_dim = query_in.size(2);
   const bool rows_whole = query_in.stride(2) == 1 && query_in.stride(1) == head_dim;
@@ -1004,7 +1020,8 @@ at::Tensor paged_decode_attention(at::Tensor query_in, at::Tensor key_cache, at:
   const int64_t block_stride = block_size * row_stride;
   const float fscale = static_cast<float>(scale);
 
-  const AttentionShape shape{num_heads, group, head_dim, block_size, row_stride, block_stride, fscale, head_stride};
+  const AttentionShape shape{num_heads, group, head_dim, block_size, row_stride, block_stride, fscale, head_stride,
+                             static_cast<float>(softcap)};
   const DecodePlan plan(len_ptr, num_seqs, block_size, window);
   dispatch_cache_type(key_cache, kv_format, [&](auto element) {
     using T = decltype(element);
@@ -1038,9 +1055,11 @@ at::Tensor paged_decode_attention(at::Tensor query_in, at::Tensor key_cache, at:
 // rows of out [T, H, D] (contiguous).
 void paged_prefill_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                              const at::Tensor& block_tables, const at::Tensor& query_starts, const at::Tensor& query_lens,
-                             const at::Tensor& seq_lens, double scale, at::Tensor out, int64_t kv_format, int64_t window) {
+                             const at::Tensor& seq_lens, double scale, at::Tensor out, int64_t kv_format, int64_t window,
+                             double softcap) {
   TORCH_CHECK(query.dtype() == at::kFloat && out.dtype() == at::kFloat, "query and out must be float32");
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
+  TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: none)");
   TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2), "query rows must be contiguous");
   TORCH_CHECK(out.is_contiguous(), "out must be contiguous");
   check_caches(key_cache, value_cache);
@@ -1058,7 +1077,7 @@ void paged_prefill_attention(const at::Tensor& query, const at::Tensor& key_cach
   TORCH_CHECK(head_stride == row_width(head_dim, kv_format), "cache rows must be head_dim values (and an 8-bit row's scale)");
   const int64_t group = num_heads / num_kv_heads, row_stride = num_kv_heads * head_stride;
   const AttentionShape shape{num_heads, group, head_dim, block_size, row_stride, block_size * row_stride, static_cast<float>(scale),
-                             head_stride};
+                             head_stride, static_cast<float>(softcap)};
 
   std::vector<PrefillTask> tasks;
   std::vector<int64_t> costs;

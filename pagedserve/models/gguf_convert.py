@@ -120,6 +120,8 @@ def _read_through_transformers(reader, gguf_path: Path):
         skeleton = AutoModelForCausalLM.from_config(config)
     tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)["tensors"]
     config.architectures = [type(skeleton).__name__]
+    if _architecture(reader) == "gemma2":
+        _set_gemma2_attention(reader, config)
     if _architecture(reader) == "gemma3":
         _set_gemma3_attention(reader, config)
     if _is_llama_mixture(reader):
@@ -190,6 +192,16 @@ def _set_expert_widths(reader, config) -> None:
         value = _metadata(reader, key)
         if value is not None:
             setattr(config, name, int(value))
+
+
+def _set_gemma2_attention(reader, config) -> None:
+    """What a Gemma 2 file says, or llama.cpp assumes, which transformers' GGUF reading leaves at its defaults: the soft
+    caps of the scores and of the logits (the file's, else llama.cpp's 50 and 30), and the scores' scale as llama.cpp
+    takes it (the 27B's, its only model of 46 layers, by the hidden size per head; the others' by the head size)."""
+    config.attn_logit_softcapping = float(_metadata(reader, "attn_logit_softcapping", 50.0))
+    config.final_logit_softcapping = float(_metadata(reader, "final_logit_softcapping", 30.0))
+    per_head = config.hidden_size // config.num_attention_heads
+    config.query_pre_attn_scalar = per_head if config.num_hidden_layers == 46 else config.head_dim
 
 
 def _set_gemma3_attention(reader, config) -> None:

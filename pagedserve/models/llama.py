@@ -1,12 +1,13 @@
-"""The Llama family: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm per head), Gemma 3 (below), and their
-mixtures of experts (models/moe.py): Mixtral, Qwen2-MoE (qkv bias, a shared expert), Qwen3-MoE (q/k RMSNorm per head),
-OLMoE (q/k RMSNorm across the heads, qkv clipping).
+"""The Llama family: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm per head), Gemma, Gemma 2 and Gemma 3 (below),
+and their mixtures of experts (models/moe.py): Mixtral, Qwen2-MoE (qkv bias, a shared expert), Qwen3-MoE (q/k RMSNorm
+per head), OLMoE (q/k RMSNorm across the heads, qkv clipping).
 
-Gemma 3 (its text model) is the family's layer with: a norm on what attention and the MLP each give before it joins the
-residual stream (GemmaDecoderLayer); RMSNorms that scale by 1 + weight (the checkpoint's weights are loaded plus one);
-q/k RMSNorm per head; embeddings scaled by the square root of the hidden size; scores scaled by query_pre_attn_scalar;
-a GELU (tanh) gated MLP; sliding-window and full attention layers (layer_types), each kind with its own rotary
-parameters.
+Gemma is the family's layer with RMSNorms that scale by 1 + weight (the checkpoint's weights are loaded plus one),
+embeddings scaled by the square root of the hidden size and a GELU (tanh) gated MLP. Gemma 2 adds: a norm on what
+attention and the MLP each give before it joins the residual stream (GemmaDecoderLayer); scores scaled by
+query_pre_attn_scalar and soft-capped (attn_logit_softcapping), logits soft-capped (final_logit_softcapping); sliding-window
+and full attention layers (layer_types). Gemma 3 (its text model) has Gemma 2's layer without the soft caps, with q/k
+RMSNorm per head, and each kind of layer rotates by its own rotary parameters.
 
 Models take a flat token batch plus attention metadata; they never see requests. Under tensor
 parallelism (distributed/parallel_state.py) each rank builds its share of every layer (heads, MLP
@@ -71,8 +72,10 @@ KV_SCALE_NAMES = {
 }
 
 
-# Model types of the Gemma layer (GemmaDecoderLayer, the norms' 1 + weight, the scaled embeddings).
-GEMMA_TYPES = ("gemma3_text",)
+# Model types of the Gemma family: the norms' 1 + weight, the scaled embeddings.
+GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
+# Those whose layer normalizes what attention and the MLP give (GemmaDecoderLayer).
+POST_NORM_TYPES = ("gemma2", "gemma3_text")
 
 
 def head_dim_of(hf_config) -> int:
@@ -107,7 +110,7 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(hf_config.num_attention_heads * self.head_dim, hf_config.hidden_size, bias=o_bias,
                                         name="o_proj")
-        self.qk_norm = model_type in ("qwen3", "qwen3_moe", *GEMMA_TYPES)  # per head
+        self.qk_norm = model_type in ("qwen3", "qwen3_moe", "gemma3_text")  # per head
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
@@ -122,7 +125,8 @@ class LlamaAttention(nn.Module):
             self.k_norm = SplitRMSNorm(hf_config.num_key_value_heads * head_dim, kv_range, hf_config.rms_norm_eps)
         self.clip_qkv = getattr(hf_config, "clip_qkv", None)
         self.rotary_emb = rotary_emb
-        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, attn_backend, window)
+        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, attn_backend, window,
+                              getattr(hf_config, "attn_logit_softcapping", None))  # Gemma 2's
         if getattr(hf_config, "attention_multiplier", None) is not None:  # Granite's scale of the scores
             self.attn.scale = float(hf_config.attention_multiplier)
         if getattr(hf_config, "query_pre_attn_scalar", None) is not None:  # Gemma's
@@ -232,7 +236,7 @@ class LlamaModel(nn.Module):
         gemma = hf_config.model_type in GEMMA_TYPES
         if gemma:  # the square root of the hidden size, rounded to float32 as transformers' buffer holds it
             self.embedding_multiplier = float(torch.tensor(hf_config.hidden_size**0.5, dtype=torch.float32))
-        layer_class = GemmaDecoderLayer if gemma else LlamaDecoderLayer
+        layer_class = GemmaDecoderLayer if hf_config.model_type in POST_NORM_TYPES else LlamaDecoderLayer
         rotary = _rotary_tables(hf_config, max_position)
         self.layers = nn.ModuleList([
             layer_class(hf_config, rotary(index), attn_backend, index) if index in self.stage_layers else MissingLayer()
@@ -288,6 +292,8 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(hf_config, max_position, attn_backend)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.logits_scaling = float(getattr(hf_config, "logits_scaling", None) or 1.0)  # Granite divides its logits by it
+        # Gemma 2 caps its logits: cap * tanh(logit / cap).
+        self.final_logit_softcapping = getattr(hf_config, "final_logit_softcapping", None)
         self.packed_lm_head: torch.Tensor | None = None
         # Where GEMMs multiply in bfloat16 and the kernels have bfloat16 dot products: the lm_head's weight, multiplied
         # in bfloat16 with float32 sums.
@@ -295,11 +301,8 @@ class LlamaForCausalLM(nn.Module):
         self.quantized_lm_head: QuantizedWeight | None = None
         head_dim = head_dim_of(hf_config)
         self.rotary_order = partial_rotary_order(head_dim, rotary_dim(hf_config, head_dim))
-        if self.rotary_order is not None and hf_config.model_type in ("qwen3", "qwen3_moe", "olmoe", *GEMMA_TYPES):
+        if self.rotary_order is not None and hf_config.model_type in ("qwen3", "qwen3_moe", "olmoe", "gemma3_text"):
             raise ValueError("partial_rotary_factor with q/k norms is not supported")
-        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-            if getattr(hf_config, name, None) is not None:
-                raise ValueError(f"{name} is not supported (Gemma 2's); Gemma 3's configs leave it unset")
         if pooling or not rank_info().is_last_stage:
             self.lm_head = None
         elif self.tie_word_embeddings:
@@ -327,7 +330,12 @@ class LlamaForCausalLM(nn.Module):
         else:
             local = self.dense_logits(hidden_states, out if tp_size() == 1 else None)
         logits = gather_logits(local)
-        return logits.div_(self.logits_scaling) if self.logits_scaling != 1.0 else logits
+        if self.logits_scaling != 1.0:
+            logits.div_(self.logits_scaling)
+        if self.final_logit_softcapping is not None:
+            cap = self.final_logit_softcapping
+            logits.div_(cap).tanh_().mul_(cap)
+        return logits
 
     def dense_logits(self, hidden_states: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's logits on the dense lm_head (packed where pack_gemm_weights ran), whatever the blocks would take;

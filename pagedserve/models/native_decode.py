@@ -68,7 +68,7 @@ class NativeDecodeLayers:
 
 def _plain(layer) -> bool:
     """Whether a decoder layer is what the native layers compute: float32 norms, attention without biases, q/k norms,
-    clipping, scales or a sliding window of its own, a dense SiLU-gated MLP without biases, every linear layer on its blocks
+    clipping, scales, a sliding window or a soft cap of its own, a dense SiLU-gated MLP without biases, every linear layer on its blocks
     and without adapters."""
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     if attn is None or not isinstance(mlp, GatedMLP) or not mlp.silu:
@@ -77,7 +77,7 @@ def _plain(layer) -> bool:
         return False
     if layer.residual_multiplier != 1.0 or attn.attn.scale != attn.head_dim**-0.5:  # Granite's multipliers
         return False
-    if attn.attn.window is not None:  # a sliding window
+    if attn.attn.window is not None or attn.attn.softcap is not None:
         return False
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     if any(m.bias is not None or m.lora is not None or m.quantized is None for m in linears):

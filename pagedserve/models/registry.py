@@ -15,7 +15,9 @@ _MODELS = {
     "Qwen2MoeForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
     "OlmoeForCausalLM": LlamaForCausalLM,
-    "Gemma3ForCausalLM": LlamaForCausalLM,  # Gemma 3's text models (models/llama.py: its layer, norms and rotaries)
+    "GemmaForCausalLM": LlamaForCausalLM,  # Gemma (models/llama.py: its norms, embeddings and MLP)
+    "Gemma2ForCausalLM": LlamaForCausalLM,  # Gemma 2 (its layer and soft caps)
+    "Gemma3ForCausalLM": LlamaForCausalLM,  # Gemma 3's text models (its layer, norms and rotaries)
 }
 # Base models (no lm_head): how embedding models are saved; they serve with runner pooling only.
 _BASE_MODELS = {"LlamaModel": LlamaForCausalLM, "MistralModel": LlamaForCausalLM, "Qwen2Model": LlamaForCausalLM,

@@ -99,8 +99,10 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, kv_scales: StaticKVScales = NO_STATIC_SCALES,
-                out_dtype: torch.dtype | None = None, window: int | None = None) -> torch.Tensor:
+                out_dtype: torch.dtype | None = None, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
         """Write key/value [T, KV, D] into kv_cache [2, num_blocks, block_size, KV, D] at the slot mapping (an 8-bit
         cache's rows with the layer's static scales where it has them), then attend: query [T, H, D] -> [T, H, D], in
         out_dtype (default: query's). window: a sliding-window layer's; a query at position p attends to the keys at
-        (p - window, p] (transformers' sliding-window mask); None: to all of [0, p]."""
+        (p - window, p] (transformers' sliding-window mask); None: to all of [0, p]. softcap: where set, each scaled
+        score s is attended as softcap * tanh(s / softcap) (layers/attention/layer.Attention)."""

@@ -11,7 +11,9 @@ in bfloat16 for a head size the kernel does not take).
 
 A sliding-window layer's decodes run in the decode kernel, which starts each sequence's keys at its window. Its prefill
 chunks run as above while no chunk of the step is longer than the window (the window then hides nothing); in a step
-where one is, all of them run in the prefill kernel, which hides the keys each row's window has passed.
+where one is, all of them run in the prefill kernel, which hides the keys each row's window has passed. A layer whose
+scores are soft-capped (Attention.softcap) runs all its chunks and decodes in the kernels, which cap each span's
+scores before the mask; torch's fused attention takes no cap.
 """
 
 from __future__ import annotations
@@ -155,31 +157,32 @@ class CPUAttentionBackend(AttentionBackend):
 
     def forward(self, query, key, value, kv_cache, meta: CPUAttentionMetadata, scale: float,
                 kv_scales: StaticKVScales = NO_STATIC_SCALES, out_dtype: torch.dtype | None = None,
-                window: int | None = None) -> torch.Tensor:
+                window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         """query, key and value in float32, or in bfloat16 where takes_bfloat16; the output in out_dtype (default: query's;
         a bfloat16 query's step runs its output projection on bfloat16 too)."""
-        kernels, kernel_format, kernel_window = self.kernels, self.kernel_format, window or 0
+        kernels, kernel_format = self.kernels, self.kernel_format
+        rule = (window or 0, softcap or 0.0)  # the kernels' last arguments: 0 for none
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         kernels.write_kv_cache(key, value, key_cache, value_cache, meta.slot_mapping, kernel_format,
                                kv_scales.key or 0.0, kv_scales.value or 0.0)  # 0: each row's own scale
         num_decodes = meta.num_decode_tokens
         if num_decodes == query.shape[0]:  # a step of decodes alone: the kernel's output is the whole of it
             return kernels.paged_decode_attention(query.float(), key_cache, value_cache, meta.decode_block_tables,
-                                                  meta.decode_seq_lens, scale, kernel_format, kernel_window).to(out_dtype or query.dtype)
+                                                  meta.decode_seq_lens, scale, kernel_format, *rule).to(out_dtype or query.dtype)
         out = torch.empty_like(query, dtype=out_dtype)
-        windowed = window is not None and meta.longest_prefill > window
-        paged = meta.all_prefills_paged(query.device) if windowed else meta.paged_prefills
+        kernels_only = softcap is not None or (window is not None and meta.longest_prefill > window)
+        paged = meta.all_prefills_paged(query.device) if kernels_only else meta.paged_prefills
         if paged is not None:  # first: the kernel writes its chunks' rows of a float32 tensor, the others' come after
             wide = out if out.dtype == torch.float32 else torch.empty(query.shape, dtype=torch.float32)
             kernels.paged_prefill_attention(query.float(), key_cache, value_cache, paged.block_tables, paged.query_starts,
-                                            paged.query_lens, paged.seq_lens, scale, wide, kernel_format, kernel_window)
+                                            paged.query_lens, paged.seq_lens, scale, wide, kernel_format, *rule)
             if wide is not out:
                 out.copy_(wide)
         if num_decodes:
             out[:num_decodes] = kernels.paged_decode_attention(query[:num_decodes].float(), key_cache, value_cache,
                                                                meta.decode_block_tables, meta.decode_seq_lens, scale, kernel_format,
-                                                               kernel_window)
-        if windowed:
+                                                               *rule)
+        if kernels_only:
             return out
         for run in meta.fresh_runs:
             rows = slice(run.query_start, run.query_start + run.query_len * run.count)

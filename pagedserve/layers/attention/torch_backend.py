@@ -20,16 +20,17 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, query, key, value, kv_cache, meta: AttentionMetadata, scale: float,
                 kv_scales: StaticKVScales = NO_STATIC_SCALES, out_dtype: torch.dtype | None = None,
-                window: int | None = None) -> torch.Tensor:
+                window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         fmt = self.kv_format
         reference_write_kv_cache(kv_cache, key, value, meta.slot_mapping, fmt, kv_scales)
         out = torch.empty_like(query, dtype=out_dtype)
         num_decodes = meta.num_decode_tokens
         if num_decodes:
-            out[:num_decodes] = reference_decode_attention(query[:num_decodes], kv_cache, meta, scale, fmt, window)
+            out[:num_decodes] = reference_decode_attention(query[:num_decodes], kv_cache, meta, scale, fmt, window, softcap)
         for chunk in meta.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-            out[rows] = reference_prefill_attention(query[rows], key[rows], value[rows], kv_cache, chunk, scale, fmt, window)
+            out[rows] = reference_prefill_attention(query[rows], key[rows], value[rows], kv_cache, chunk, scale, fmt, window,
+                                                    softcap)
         return out
 
 
@@ -55,8 +56,9 @@ def gather_sequence_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_le
 
 def reference_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                                scale: float | None = None, kv_format: KVFormat | None = None,
-                               window: int | None = None) -> torch.Tensor:
-    """Gather each sequence's blocks, then one batched, masked SDPA (window: a sliding window's keys, the last ones)."""
+                               window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """Gather each sequence's blocks, then one batched, masked SDPA (window: a sliding window's keys, the last ones;
+    softcap: the scores' soft cap)."""
     num_decodes = query.shape[0]
     blocks = read_kv(kv_cache[:, meta.decode_block_tables], kv_format, query.dtype)  # [2, B, max_blocks, bs, KV, D]
     keys = blocks[0].flatten(1, 2).transpose(1, 2)  # [B, KV, L, D]
@@ -67,16 +69,17 @@ def reference_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta
     key_mask = key_positions < meta.decode_seq_lens[:, None]
     if window is not None:
         key_mask &= key_positions >= meta.decode_seq_lens[:, None] - window
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=key_mask[:, None, None, :], enable_gqa=True, scale=scale)
+    out = scaled_dot_product(q, keys, values, attn_mask=key_mask[:, None, None, :], scale=scale, softcap=softcap)
     return out.view(num_decodes, query.shape[1], query.shape[2])
 
 
 def reference_prefill_attention(query, key, value, kv_cache: torch.Tensor, chunk: PrefillChunk,
                                 scale: float | None = None, kv_format: KVFormat | None = None,
-                                window: int | None = None) -> torch.Tensor:
+                                window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Causal SDPA over a fresh chunk's own K/V, or over the gathered context and chunk with a mask (and with one where
-    a sliding window hides keys: window). Over an 8-bit cache a fresh chunk too reads its K/V back from the cache, so
-    that attention sees what the cache holds however a prompt was chunked, cached or recomputed."""
+    a sliding window hides keys: window; softcap: the scores' soft cap). Over an 8-bit cache a fresh chunk too reads its
+    K/V back from the cache, so that attention sees what the cache holds however a prompt was chunked, cached or
+    recomputed."""
     context_len = chunk.context_len
     if context_len == 0 and kv_format is None:
         keys, values = key, value
@@ -92,8 +95,26 @@ def reference_prefill_attention(query, key, value, kv_cache: torch.Tensor, chunk
             mask &= key_positions[None, :] > query_positions[:, None] - window
     # [1, heads, tokens, D]: with a batch dimension torch picks its fused (flash) CPU kernel; 3-D
     # inputs fall back to the unfused math path, several times slower on long prompts.
-    out = F.scaled_dot_product_attention(
-        query.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None], attn_mask=mask, is_causal=mask is None,
-        enable_gqa=True, scale=scale,
-    )
+    out = scaled_dot_product(query.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+                             attn_mask=mask, is_causal=mask is None, scale=scale, softcap=softcap)
     return out[0].transpose(0, 1)
+
+
+def scaled_dot_product(query, keys, values, attn_mask=None, is_causal: bool = False, scale: float | None = None,
+                       softcap: float | None = None) -> torch.Tensor:
+    """torch's scaled_dot_product_attention of query [..., H, L, D] over keys and values [..., KV, S, D] (each KV head
+    shared by H / KV query heads). Where softcap is set, the same written out (torch's takes no cap): each scaled
+    score s becomes softcap * tanh(s / softcap) before the mask, and the softmax runs in float32, as transformers'
+    eager attention computes it."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=True,
+                                              scale=scale)
+    group = query.shape[-3] // keys.shape[-3]
+    keys, values = keys.repeat_interleave(group, dim=-3), values.repeat_interleave(group, dim=-3)
+    scores = query @ keys.transpose(-1, -2) * (scale if scale is not None else query.shape[-1] ** -0.5)
+    scores = torch.tanh(scores / softcap) * softcap
+    if is_causal:
+        attn_mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=query.device).tril()
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype) @ values
