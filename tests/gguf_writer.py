@@ -129,6 +129,36 @@ def _stacked_experts(sd, p, i, width: int):
     yield f"blk.{i}.ffn_down_exps.weight", sd[p + "mlp.experts.down_proj"]
 
 
+def tiny_qwen3_config():
+    """A Qwen3 with the writer's vocabulary: per-head q/k norms, a head size unlike the hidden size per head (the file
+    states it), tied embeddings."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=len(VOCAB), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=24, max_position_embeddings=512, initializer_range=0.3, tie_word_embeddings=True,
+        bos_token_id=0, eos_token_id=2, rms_norm_eps=1e-6, rope_theta=1000000.0, use_sliding_window=False,
+    )
+
+
+def write_qwen3_gguf(path, state_dict: dict[str, torch.Tensor], config, type_name: str) -> None:
+    """As llama.cpp's converter writes a Qwen3: its head size as the key and value lengths, q and k not permuted, their
+    norms per head, no output tensor (tied)."""
+    writer = _model_writer(path, "qwen3", "tiny-qwen3", config, rope_freq_base=config.rope_parameters["rope_theta"])
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+
+    def layer(sd, p, i):
+        for part, piece in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("output", "o_proj")):  # not permuted
+            yield f"blk.{i}.attn_{part}.weight", sd[p + f"self_attn.{piece}.weight"]
+        yield f"blk.{i}.attn_q_norm.weight", sd[p + "self_attn.q_norm.weight"]
+        yield f"blk.{i}.attn_k_norm.weight", sd[p + "self_attn.k_norm.weight"]
+        yield from _dense_mlp(sd, p, i)
+
+    tensors = ((name, tensor) for name, tensor in _model_tensors(state_dict, config, layer) if name != "output.weight")
+    _finish(writer, tensors, type_name)
+
+
 def tiny_qwen2_moe_config():
     """A Qwen2-MoE with the writer's vocabulary: 8 experts, top 2, a shared expert (every layer a mixture, as llama.cpp has them)."""
     from transformers import Qwen2MoeConfig

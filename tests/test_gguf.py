@@ -226,21 +226,23 @@ def test_a_mixture_of_experts_gguf_generates_like_its_weights_in_transformers(ar
 
 
 @pytest.mark.parametrize("arch,type_name", [("gemma3", "F32"), ("gemma3", "Q8_0"), ("gemma3", "Q4_0"),
-                                            ("gemma2", "F32"), ("gemma2", "Q8_0")])
-def test_a_gemma_gguf_generates_like_its_weights_in_transformers(arch, type_name, tmp_path):
-    """llama.cpp's Gemma 2 and Gemma 3 layouts (norms stored plus one; sliding and full attention layers in llama.cpp's
-    pattern; Gemma 3's full layers' rope scaling, Gemma 2's soft caps; tied embeddings), read through transformers' GGUF
-    support: greedy tokens and their logprobs equal transformers' on the values the file holds, past the sliding
-    window, the quantized layers multiplying on their GGUF blocks."""
+                                            ("gemma2", "F32"), ("gemma2", "Q8_0"), ("qwen3", "F32"), ("qwen3", "Q4_0")])
+def test_a_gguf_with_norms_of_its_own_generates_like_its_weights_in_transformers(arch, type_name, tmp_path):
+    """llama.cpp's Gemma 2, Gemma 3 and Qwen3 layouts (the Gemmas' norms stored plus one, their sliding and full
+    attention layers in llama.cpp's pattern, Gemma 3's full layers' rope scaling, Gemma 2's soft caps; Qwen3's per-head
+    q/k norms and its head size, which the file states; tied embeddings), read through transformers' GGUF support:
+    greedy tokens and their logprobs equal transformers' on the values the file holds, past the sliding window, the
+    quantized layers multiplying on their GGUF blocks."""
     import gguf_writer
-    from transformers import Gemma2ForCausalLM, Gemma3ForCausalLM
+    from transformers import Gemma2ForCausalLM, Gemma3ForCausalLM, Qwen3ForCausalLM
 
     from pagedserve.layers.linear import Linear
 
-    if arch == "gemma2":
-        config, model_class, write = gguf_writer.tiny_gemma2_config(), Gemma2ForCausalLM, gguf_writer.write_gemma2_gguf
-    else:
-        config, model_class, write = gguf_writer.tiny_gemma3_config(), Gemma3ForCausalLM, gguf_writer.write_gemma3_gguf
+    config, model_class, write = {
+        "gemma2": (gguf_writer.tiny_gemma2_config(), Gemma2ForCausalLM, gguf_writer.write_gemma2_gguf),
+        "gemma3": (gguf_writer.tiny_gemma3_config(), Gemma3ForCausalLM, gguf_writer.write_gemma3_gguf),
+        "qwen3": (gguf_writer.tiny_qwen3_config(), Qwen3ForCausalLM, gguf_writer.write_qwen3_gguf),
+    }[arch]
     torch.manual_seed(0)
     hf_model = model_class(config).eval()
     with torch.no_grad():

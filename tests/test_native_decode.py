@@ -1,5 +1,5 @@
 """Decode steps through the decoder layers in one C++ call (models/native_decode.py) give the same bits as the layers'
-modules, and only models of the plain form take that path."""
+modules, for Llama's layers and the Gemmas', and only models of the plain form take that path."""
 
 import pytest
 import torch
@@ -55,6 +55,12 @@ def test_native_decode_steps_give_the_modules_bits(settings, block_rows, tiny_gg
     on_tiles = worker_of(native).cpu_kernels.bf16_matrix_tiles() and worker_of(native).gemm_dtype == torch.bfloat16
     assert layers is not None and layers.max_rows >= (6 if block_rows is None or on_tiles else block_rows)
     modules = modules_only(LLM(str(tiny_gguf), kv_cache_memory=KV_CACHE, **settings))
+    assert_same_bits(native, modules)
+
+
+def assert_same_bits(native, modules) -> None:
+    """Greedy tokens and their top logprobs equal, bit for bit, between an engine on the native layers and one on the
+    modules, over prompts past the tiny Gemmas' sliding window."""
     prompts = [[1, 40, 50, 60], [7] * 19, list(range(100, 133))]
     params = greedy(12, logprobs=3)
     # Decode steps of one row, of three, and of six (past the rows the integer products take where the blocks round).
@@ -64,6 +70,43 @@ def test_native_decode_steps_give_the_modules_bits(settings, block_rows, tiny_gg
             assert got.outputs[0].token_ids == want.outputs[0].token_ids
             assert [{t: lp.logprob for t, lp in step.items()} for step in got.outputs[0].logprobs] == \
                    [{t: lp.logprob for t, lp in step.items()} for step in want.outputs[0].logprobs]
+
+
+@pytest.fixture(scope="module")
+def tiny_ggufs_beyond_llama(tmp_path_factory):
+    """A Gemma 2 (soft caps, norms around attention and the MLP, GELU, a sliding-window layer), a Gemma 3 (per-head
+    q/k norms too, a rotary table per layer type) and a Qwen3 (per-head q/k norms) in Q4_1, their norms' weights drawn."""
+    import gguf_writer
+    from transformers import Gemma2ForCausalLM, Gemma3ForCausalLM, Qwen3ForCausalLM
+
+    paths = {}
+    for arch, config, model_class, write in (
+        ("gemma2", gguf_writer.tiny_gemma2_config(), Gemma2ForCausalLM, gguf_writer.write_gemma2_gguf),
+        ("gemma3", gguf_writer.tiny_gemma3_config(), Gemma3ForCausalLM, gguf_writer.write_gemma3_gguf),
+        ("qwen3", gguf_writer.tiny_qwen3_config(), Qwen3ForCausalLM, gguf_writer.write_qwen3_gguf),
+    ):
+        torch.manual_seed(0)
+        model = model_class(config).eval()
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.normal_(0.0, 0.3)
+        paths[arch] = tmp_path_factory.mktemp("native") / f"tiny-{arch}-Q4_1.gguf"
+        write(paths[arch], model.state_dict(), config, "Q4_1")
+    return paths
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "qwen3"])
+@pytest.mark.parametrize("dtype", ["float32", "auto"])
+def test_native_decode_steps_of_layers_beyond_llamas_give_the_modules_bits(arch, dtype, tiny_ggufs_beyond_llama, monkeypatch):
+    if dtype == "auto":
+        monkeypatch.delenv("PAGEDSERVE_CPU_AUTO_DTYPE")
+    blocks_for_steps_of(monkeypatch)
+    path = str(tiny_ggufs_beyond_llama[arch])
+    native = LLM(path, kv_cache_memory=KV_CACHE, dtype=dtype)
+    layers = worker_of(native).model.model.native_decode
+    assert layers is not None and layers.max_rows >= 6
+    assert_same_bits(native, modules_only(LLM(path, kv_cache_memory=KV_CACHE, dtype=dtype)))
 
 
 def test_native_decode_steps_run_the_kernels(tiny_gguf, monkeypatch):

@@ -102,20 +102,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantized_block_bytes", &quantized_block_bytes, "bytes per 32-value block of a GGUF type (0: unsupported)");
   py::class_<LlamaDecodeLayers>(m, "LlamaDecodeLayers",
                                 "a Llama-family model's decoder layers on GGUF blocks (and AMX tiles) for a step of decodes alone, in one call")
-      .def(py::init<int64_t, int64_t, int64_t, double, double, int64_t, at::Tensor, at::Tensor>(), py::arg("num_heads"),
-           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"), py::arg("kv_format"), py::arg("cos_cache"),
-           py::arg("sin_cache"))
+      .def(py::init<int64_t, int64_t, int64_t, double, double, int64_t>(), py::arg("num_heads"), py::arg("num_kv_heads"),
+           py::arg("head_dim"), py::arg("eps"), py::arg("scale"), py::arg("kv_format"))
       .def(
           "add_layer",
           [](LlamaDecodeLayers& self, at::Tensor input_norm, at::Tensor post_norm, const BlockLinearArgs& qkv, const BlockLinearArgs& o,
-             const BlockLinearArgs& gate_up, const BlockLinearArgs& down, double k_scale, double v_scale) {
+             const BlockLinearArgs& gate_up, const BlockLinearArgs& down, double k_scale, double v_scale, at::Tensor cos_cache,
+             at::Tensor sin_cache, int64_t window, double softcap, bool gelu_tanh, c10::optional<at::Tensor> q_norm,
+             c10::optional<at::Tensor> k_norm, c10::optional<at::Tensor> attention_out_norm, c10::optional<at::Tensor> mlp_out_norm) {
             self.add_layer({std::move(input_norm), std::move(post_norm), block_linear(qkv), block_linear(o), block_linear(gate_up),
-                            block_linear(down), k_scale, v_scale});
+                            block_linear(down), k_scale, v_scale, std::move(cos_cache), std::move(sin_cache), window, softcap, gelu_tanh,
+                            q_norm.value_or(at::Tensor()), k_norm.value_or(at::Tensor()), attention_out_norm.value_or(at::Tensor()),
+                            mlp_out_norm.value_or(at::Tensor())});
           },
           "the next layer: its norms' weights, its linear layers as (blocks, qtype, interleaved or None, panels or None, "
-          "blocks_max_rows, AMX tiles' bfloat16 pairs or None, out_features), its KV cache's static scales (0: each row's own)",
+          "blocks_max_rows, AMX tiles' bfloat16 pairs or None, out_features), its KV cache's static scales (0: each row's own), "
+          "its rotary table, its sliding window and soft cap (0: none), its MLP's activation, and the norms it has beyond "
+          "Llama's (None: none)",
           py::arg("input_norm"), py::arg("post_norm"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"),
-          py::arg("k_scale"), py::arg("v_scale"))
+          py::arg("k_scale"), py::arg("v_scale"), py::arg("cos_cache"), py::arg("sin_cache"), py::arg("window") = 0,
+          py::arg("softcap") = 0.0, py::arg("gelu_tanh") = false, py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(),
+          py::arg("attention_out_norm") = py::none(), py::arg("mlp_out_norm") = py::none())
       // Tensors only, converted before the call: the engine's other threads may run Python meanwhile.
       .def("forward", &LlamaDecodeLayers::forward, "(hidden, residual) after every layer", py::arg("hidden"), py::arg("residual"),
            py::arg("positions"), py::arg("kv_caches"), py::arg("slot_mapping"), py::arg("block_tables"), py::arg("seq_lens"),

@@ -18,9 +18,24 @@ at::Tensor BlockLinear::operator()(const at::Tensor& x) const {
 at::ScalarType BlockLinear::input_dtype(int64_t rows) const { return on_tiles(rows) ? at::kBFloat16 : at::kFloat; }
 
 LlamaDecodeLayers::LlamaDecodeLayers(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-                                     int64_t kv_format, at::Tensor cos_cache, at::Tensor sin_cache)
-    : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale), kv_format_(kv_format),
-      cos_cache_(std::move(cos_cache)), sin_cache_(std::move(sin_cache)) {}
+                                     int64_t kv_format)
+    : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale), kv_format_(kv_format) {}
+
+namespace {
+
+// The gated MLP's activation of the gate-up GEMM's output, as layers/activation.py computes it.
+at::Tensor activation_and_mul(const DecoderLayerWeights& layer, const at::Tensor& gate_up, at::ScalarType out_dtype) {
+  if (!layer.gelu_tanh) return silu_and_mul(gate_up, out_dtype);
+  const std::vector<at::Tensor> halves = gate_up.chunk(2, -1);
+  return (at::gelu(halves[0], "tanh") * halves[1]).to(out_dtype);
+}
+
+// x through norm where the layer has it, as RMSNorm gives it to the residual's add (float32).
+at::Tensor maybe_norm(const at::Tensor& x, const at::Tensor& norm, double eps) {
+  return norm.defined() ? rms_norm(x, norm, eps, at::kFloat) : x;
+}
+
+}  // namespace
 
 void LlamaDecodeLayers::add_layer(DecoderLayerWeights layer) { layers_.push_back(std::move(layer)); }
 
@@ -40,16 +55,18 @@ std::tuple<at::Tensor, at::Tensor> LlamaDecodeLayers::forward(at::Tensor hidden,
       hidden = rms_norm(hidden, layer.input_norm, eps_, layer.qkv.input_dtype(rows));
     }
     const at::Tensor qkv = layer.qkv(hidden);
-    const at::Tensor query = qkv.narrow(1, 0, q_size).reshape({rows, num_heads_, head_dim_});
-    const at::Tensor key = qkv.narrow(1, q_size, kv_size).reshape({rows, num_kv_heads_, head_dim_});
+    const at::Tensor query = maybe_norm(qkv.narrow(1, 0, q_size).reshape({rows, num_heads_, head_dim_}), layer.q_norm, eps_);
+    const at::Tensor key = maybe_norm(qkv.narrow(1, q_size, kv_size).reshape({rows, num_kv_heads_, head_dim_}), layer.k_norm, eps_);
     const at::Tensor value = qkv.narrow(1, q_size + kv_size, kv_size).reshape({rows, num_kv_heads_, head_dim_});
-    rotary_embedding(positions, query, key, cos_cache_, sin_cache_);
+    rotary_embedding(positions, query, key, layer.cos_cache, layer.sin_cache);
     const at::Tensor key_cache = kv_caches[i].select(0, 0), value_cache = kv_caches[i].select(0, 1);
     write_kv_cache(key, value, key_cache, value_cache, slot_mapping, kv_format_, layer.k_scale, layer.v_scale);
-    const at::Tensor attended =
-        paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale_, kv_format_);
-    std::tie(hidden, sum) = add_rms_norm(layer.o(attended.view({rows, -1})), sum, layer.post_norm, eps_, layer.gate_up.input_dtype(rows));
-    hidden = layer.down(silu_and_mul(layer.gate_up(hidden), layer.down.input_dtype(rows)));
+    const at::Tensor attended = paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale_, kv_format_,
+                                                       layer.window, layer.softcap);
+    const at::Tensor attention_out = maybe_norm(layer.o(attended.view({rows, -1})), layer.attention_out_norm, eps_);
+    std::tie(hidden, sum) = add_rms_norm(attention_out, sum, layer.post_norm, eps_, layer.gate_up.input_dtype(rows));
+    hidden = layer.down(activation_and_mul(layer, layer.gate_up(hidden), layer.down.input_dtype(rows)));
+    hidden = maybe_norm(hidden, layer.mlp_out_norm, eps_);
   }
   return {hidden, sum};
 }

@@ -1,4 +1,5 @@
-// The decoder layers of a Llama-family model for a step of decodes alone, in one call (decode_layers.cpp).
+// The decoder layers of a Llama-family model (the Gemmas' included) for a step of decodes alone, in one call
+// (decode_layers.cpp).
 #pragma once
 #include <ATen/ATen.h>
 
@@ -27,15 +28,21 @@ struct BlockLinear {
 };
 
 struct DecoderLayerWeights {
-  at::Tensor input_norm, post_norm;
+  at::Tensor input_norm, post_norm;  // the norms of attention's input and of the MLP's (each after the residual's add)
   BlockLinear qkv, o, gate_up, down;
   double k_scale, v_scale;  // the KV cache's static scales; 0: each row's own
+  at::Tensor cos_cache, sin_cache;  // the layer's rotary table
+  int64_t window;  // a sliding window's keys; 0: full attention
+  double softcap;  // the scores' soft cap; 0: none
+  bool gelu_tanh;  // the MLP's activation: GELU (tanh) and mul, else SiLU and mul
+  // Where defined (else none): the norms of each head's q and k (Gemma 3's), and of what attention and the MLP give
+  // before it joins the residual stream (Gemma 2's and 3's).
+  at::Tensor q_norm, k_norm, attention_out_norm, mlp_out_norm;
 };
 
 class LlamaDecodeLayers {
  public:
-  LlamaDecodeLayers(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale, int64_t kv_format,
-                    at::Tensor cos_cache, at::Tensor sin_cache);
+  LlamaDecodeLayers(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale, int64_t kv_format);
   void add_layer(DecoderLayerWeights layer);
   // hidden [rows, hidden size] and the residual stream (none before the first layer) through every layer, each with
   // its cache [2, blocks, block size, KV heads, head dim]; returns (hidden, residual) as the last layer leaves them.
@@ -47,6 +54,5 @@ class LlamaDecodeLayers {
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_, scale_;
   int64_t kv_format_;
-  at::Tensor cos_cache_, sin_cache_;
   std::vector<DecoderLayerWeights> layers_;
 };

@@ -120,6 +120,8 @@ def _read_through_transformers(reader, gguf_path: Path):
         skeleton = AutoModelForCausalLM.from_config(config)
     tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)["tensors"]
     config.architectures = [type(skeleton).__name__]
+    if _architecture(reader) == "qwen3":
+        _set_head_dim(reader, config)
     if _architecture(reader) == "gemma2":
         _set_gemma2_attention(reader, config)
     if _architecture(reader) == "gemma3":
@@ -192,6 +194,14 @@ def _set_expert_widths(reader, config) -> None:
         value = _metadata(reader, key)
         if value is not None:
             setattr(config, name, int(value))
+
+
+def _set_head_dim(reader, config) -> None:
+    """The head size the file states (its key length), which transformers' GGUF reading of a Qwen3 leaves at its
+    config's default."""
+    key_length = _metadata(reader, "attention.key_length")
+    if key_length is not None:
+        config.head_dim = int(key_length)
 
 
 def _set_gemma2_attention(reader, config) -> None:

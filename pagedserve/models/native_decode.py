@@ -2,8 +2,9 @@
 
 A decode step of a few rows through a small model spends longer in Python, between its kernels, than in them: the
 modules' calls, splits, views and checks come to a few hundred a step. Where a model's layers are all of the plain
-form (no biases, no q/k norms or clipping, a dense MLP, every linear layer on its GGUF blocks, one rank), the C++
-object runs the same kernels on the same arguments in the same order, so a step gives the same bits either way
+form (no biases, clipping or norms across the heads, a dense gated MLP, every linear layer on its GGUF blocks, one rank;
+per-head q/k norms, Gemma's norms around attention and the MLP and its GELU, sliding windows and soft caps included),
+the C++ object runs the same kernels on the same arguments in the same order, so a step gives the same bits either way
 (tests/test_native_decode.py). Where every linear layer also has AMX tiles (Linear.bf16_products), the C++ layers take
 the steps beyond the blocks' rows on them too, up to TILES_MAX_ROWS. Everything else (prefills, larger decode batches
 oneDNN's dense weights take, LoRA adapters, tensor or pipeline parallelism, other attention backends) keeps the modules.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from pagedserve.distributed.parallel_state import rank_info
+from pagedserve.layers.activation import GeluTanhAndMul, SiluAndMul
 from pagedserve.layers.attention import AttentionMetadata
 from pagedserve.layers.attention.cpu_backend import CPUAttentionBackend
 from pagedserve.layers.linear import TILES_MAX_ROWS, Linear
@@ -45,16 +47,19 @@ class NativeDecodeLayers:
         max_rows = TILES_MAX_ROWS if on_tiles else min(m.quantized.max_rows for m in linears)
         if not isinstance(backend, CPUAttentionBackend) or backend.kernels is None or max_rows < 1:
             return None
-        rotary = attention.rotary_emb
-        native = kernels.LlamaDecodeLayers(attention.num_heads, attention.num_kv_heads, attention.head_dim,
-                                           layers[0].input_layernorm.variance_epsilon, attention.attn.scale, backend.kernel_format,
-                                           rotary.cos_cache, rotary.sin_cache)
+        # One scale of the scores and one epsilon serve every layer.
+        if len({layer.self_attn.attn.scale for layer in layers}) != 1 or len(_epsilons(layers)) != 1:
+            return None
+        native = kernels.LlamaDecodeLayers(attention.num_heads, attention.num_kv_heads, attention.head_dim, _epsilons(layers).pop(),
+                                           attention.attn.scale, backend.kernel_format)
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
-            scales = attn.attn.kv_scales
-            native.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, _linear_args(attn.qkv_proj),
-                             _linear_args(attn.o_proj), _linear_args(mlp.gate_up_proj), _linear_args(mlp.down_proj),
-                             scales.key or 0.0, scales.value or 0.0)
+            scales, rotary = attn.attn.kv_scales, attn.rotary_emb
+            norms = {place: None if norm is None else norm.weight for place, norm in _norms(layer).items()}
+            native.add_layer(qkv=_linear_args(attn.qkv_proj), o=_linear_args(attn.o_proj), gate_up=_linear_args(mlp.gate_up_proj),
+                             down=_linear_args(mlp.down_proj), k_scale=scales.key or 0.0, v_scale=scales.value or 0.0,
+                             cos_cache=rotary.cos_cache, sin_cache=rotary.sin_cache, window=attn.attn.window or 0,
+                             softcap=attn.attn.softcap or 0.0, gelu_tanh=not mlp.silu, **norms)
         return cls(native, max_rows)
 
     def takes(self, meta: AttentionMetadata, rows: int) -> bool:
@@ -67,24 +72,38 @@ class NativeDecodeLayers:
 
 
 def _plain(layer) -> bool:
-    """Whether a decoder layer is what the native layers compute: float32 norms, attention without biases, q/k norms,
-    clipping, scales, a sliding window or a soft cap of its own, a dense SiLU-gated MLP without biases, every linear layer on its blocks
-    and without adapters."""
+    """Whether a decoder layer is what the native layers compute: float32 norms on the kernels (Gemma's around
+    attention and the MLP, and per-head q/k norms, included), attention without biases, clipping or norms across the
+    heads, a dense gated MLP (SiLU, or Gemma's GELU) without biases, every linear layer on its blocks and without
+    adapters, and no residual multiplier."""
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    if attn is None or not isinstance(mlp, GatedMLP) or not mlp.silu:
+    if attn is None or not isinstance(mlp, GatedMLP) or not isinstance(mlp.act_fn, (SiluAndMul, GeluTanhAndMul)):
         return False
-    if attn.qk_norm or attn.qk_norm_across_heads or attn.clip_qkv is not None:
-        return False
-    if layer.residual_multiplier != 1.0 or attn.attn.scale != attn.head_dim**-0.5:  # Granite's multipliers
-        return False
-    if attn.attn.window is not None or attn.attn.softcap is not None:
+    if attn.qk_norm_across_heads or attn.clip_qkv is not None or layer.residual_multiplier != 1.0:
         return False
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     if any(m.bias is not None or m.lora is not None or m.quantized is None for m in linears):
         return False
-    norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    on_kernels = all(module.kernels is not None for module in (*norms, attn.rotary_emb, mlp.act_fn))
-    return on_kernels and all(norm.weight.dtype == torch.float32 for norm in norms)
+    norms = [norm for norm in _norms(layer).values() if norm is not None]
+    on_kernels = all(module.kernels is not None for module in (*norms, attn.rotary_emb))
+    return on_kernels and (not mlp.silu or mlp.act_fn.kernels is not None) and all(norm.weight.dtype == torch.float32 for norm in norms)
+
+
+def _norms(layer) -> dict:
+    """The layer's norms by where the native layers apply them (None: it has none there). A Gemma layer
+    (models/llama.GemmaDecoderLayer) normalizes what attention and the MLP give, and the MLP's input by its
+    pre_feedforward_layernorm."""
+    attn = layer.self_attn
+    qk = {"q_norm": attn.q_norm, "k_norm": attn.k_norm} if attn.qk_norm else {"q_norm": None, "k_norm": None}
+    if hasattr(layer, "post_feedforward_layernorm"):
+        return {"input_norm": layer.input_layernorm, "post_norm": layer.pre_feedforward_layernorm, **qk,
+                "attention_out_norm": layer.post_attention_layernorm, "mlp_out_norm": layer.post_feedforward_layernorm}
+    return {"input_norm": layer.input_layernorm, "post_norm": layer.post_attention_layernorm, **qk,
+            "attention_out_norm": None, "mlp_out_norm": None}
+
+
+def _epsilons(layers) -> set[float]:
+    return {norm.variance_epsilon for layer in layers for norm in _norms(layer).values() if norm is not None}
 
 
 def _linear_args(linear: Linear) -> tuple:
