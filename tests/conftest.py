@@ -82,16 +82,22 @@ def make_tiny_model(out_dir, arch: str, tokenizer_dir, tie_word_embeddings: bool
     torch.manual_seed(1234)
     model = getattr(transformers, model_name)(config).eval()
     if arch.startswith("gemma"):
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    param.normal_(0.0, 0.3)
+        draw_norm_weights(model)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, **kwargs)
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).exists():
             shutil.copy(tokenizer_dir / name, out_dir / name)
     return out_dir
+
+
+def draw_norm_weights(model) -> None:
+    """Every norm's weight drawn at random: the Gemmas' start at zero (they scale by 1 + weight), which would leave a
+    norm that went to the wrong place, or lost its + 1, unseen."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(0.0, 0.3)
 
 
 def make_tiny_classifier(out_dir, tokenizer_dir, architecture: str, id2label: dict[int, str]):

@@ -5,7 +5,7 @@ import copy
 import numpy as np
 import pytest
 import torch
-from conftest import greedy, worker_of
+from conftest import draw_norm_weights, greedy, worker_of
 from gguf_writer import QUANT_TYPES, quantized_round_trip, tiny_llama_config, write_gguf
 
 from pagedserve import LLM
@@ -245,10 +245,7 @@ def test_a_gguf_with_norms_of_its_own_generates_like_its_weights_in_transformers
     }[arch]
     torch.manual_seed(0)
     hf_model = model_class(config).eval()
-    with torch.no_grad():
-        for name, param in hf_model.named_parameters():
-            if name.endswith("norm.weight"):  # transformers starts them at zero
-                param.normal_(0.0, 0.3)
+    draw_norm_weights(hf_model)
     path = tmp_path / f"tiny-{arch}-{type_name}.gguf"
     write(path, hf_model.state_dict(), config, type_name)
     reference = file_values(hf_model, type_name)

@@ -3,7 +3,7 @@ modules, for Llama's layers and the Gemmas', and only models of the plain form t
 
 import pytest
 import torch
-from conftest import greedy, worker_of
+from conftest import draw_norm_weights, greedy, worker_of
 from gguf_writer import tiny_llama_config, write_gguf
 
 from pagedserve import LLM
@@ -87,10 +87,7 @@ def tiny_ggufs_beyond_llama(tmp_path_factory):
     ):
         torch.manual_seed(0)
         model = model_class(config).eval()
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    param.normal_(0.0, 0.3)
+        draw_norm_weights(model)
         paths[arch] = tmp_path_factory.mktemp("native") / f"tiny-{arch}-Q4_1.gguf"
         write(paths[arch], model.state_dict(), config, "Q4_1")
     return paths

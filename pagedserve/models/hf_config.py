@@ -14,6 +14,7 @@ from importlib import metadata
 from pathlib import Path
 
 from pagedserve import cached_json
+from pagedserve.models.language_model import text_config_values
 
 # Bumped when what is stored changes shape.
 _FORMAT = "1"
@@ -43,8 +44,9 @@ class ResolvedConfig:
 
 
 def load_hf_config(model_dir: Path, overrides: dict | None = None) -> ResolvedConfig:
-    """model_dir/config.json resolved by transformers (from the cache when it was resolved before), overrides set over
-    it (hf_overrides)."""
+    """model_dir/config.json resolved by transformers (from the cache when it was resolved before), as the engine serves
+    the model (a multimodal checkpoint's language model: models/language_model.py), overrides set over it
+    (hf_overrides)."""
     try:
         raw = (model_dir / "config.json").read_bytes()
     except OSError as exc:
@@ -54,7 +56,7 @@ def load_hf_config(model_dir: Path, overrides: dict | None = None) -> ResolvedCo
     if values is None:
         values = _resolve(model_dir)
         cached_json.write(path, values)
-    return ResolvedConfig({**values, **(overrides or {})})
+    return ResolvedConfig({**text_config_values(values), **(overrides or {})})
 
 
 def _resolve(model_dir: Path) -> dict:

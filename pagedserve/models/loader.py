@@ -13,6 +13,7 @@ from torch import nn
 
 from pagedserve.layers.attention import AttentionBackend
 from pagedserve.layers.rotary import rope_parameters
+from pagedserve.models.language_model import text_tensor_name
 from pagedserve.models.moe import parallel_shape_problems as moe_parallel_shape_problems
 from pagedserve.models.registry import resolve_model_class
 
@@ -20,13 +21,17 @@ logger = logging.getLogger(__name__)
 
 
 def iterate_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors the served model reads, by the names its architecture reads them under (a multimodal
+    checkpoint's language model's: models/language_model.py; its other parts are not read)."""
     from safetensors import safe_open
 
     files = _safetensors_files(model_dir)
     for file in files:
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():
-                yield name, handle.get_tensor(name)
+                ours = text_tensor_name(name)
+                if ours is not None:
+                    yield ours, handle.get_tensor(name)
 
 
 def _safetensors_files(model_dir: Path) -> list[Path]:

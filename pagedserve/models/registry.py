@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pagedserve.models.language_model import LANGUAGE_MODELS
 from pagedserve.models.llama import LlamaForCausalLM
 
 _MODELS = {
@@ -29,7 +30,8 @@ _CLASSIFIERS = {"LlamaForSequenceClassification": LlamaForCausalLM, "MistralForS
 
 
 def supported_architectures() -> list[str]:
-    return sorted(_MODELS) + sorted(f"{name} (runner pooling)" for name in {**_BASE_MODELS, **_CLASSIFIERS})
+    return (sorted(_MODELS) + sorted(f"{name} (runner pooling)" for name in {**_BASE_MODELS, **_CLASSIFIERS})
+            + sorted(f"{name} (its language model)" for name in LANGUAGE_MODELS))
 
 
 def resolve_model_class(hf_config, pooling: bool = False):

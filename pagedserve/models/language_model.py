@@ -1,0 +1,36 @@
+"""Multimodal checkpoints served for their text. The language model inside such a checkpoint is one of the text
+architectures, so the engine serves it as that architecture: its config is the checkpoint's text_config, its tensors
+those under the language model's prefix. The vision tower and the projector are not read, and the API's requests take
+text content parts only, so no image reaches the model."""
+
+from __future__ import annotations
+
+# A multimodal architecture -> the text architecture of its language model.
+LANGUAGE_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+
+# Where such checkpoints keep the language model's tensors (the prefixes the hub's checkpoints have, and the one
+# transformers' own multimodal classes use) -> where the text architecture keeps them.
+_LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                            ("model.language_model.", "model."))
+# Their other parts, which are not read.
+_OTHER_PARTS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def text_config_values(values: dict) -> dict:
+    """A resolved config's values as the engine serves the model: a multimodal checkpoint's text_config, named as its
+    language model's architecture; any other config's as they are."""
+    architectures = values.get("architectures") or []
+    text_architecture = next((LANGUAGE_MODELS[name] for name in architectures if name in LANGUAGE_MODELS), None)
+    if text_architecture is None or not isinstance(values.get("text_config"), dict):
+        return values
+    return {**values["text_config"], "architectures": [text_architecture]}
+
+
+def text_tensor_name(name: str) -> str | None:
+    """A checkpoint tensor's name as the text architecture reads it; None for a multimodal checkpoint's other parts."""
+    if name.startswith(_OTHER_PARTS):
+        return None
+    for prefix, ours in _LANGUAGE_MODEL_PREFIXES:
+        if name.startswith(prefix):
+            return ours + name[len(prefix):]
+    return name
