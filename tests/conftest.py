@@ -133,16 +133,24 @@ def tiny_models(tmp_path_factory, default_model_dir):
     return dirs
 
 
-def hf_greedy(model_dir, prompt_ids_list, max_new_tokens, dtype=torch.float32, adapter_dir=None, **generate_options):
-    """Reference: transformers greedy generation in dtype, one prompt at a time (no padding effects); with adapter_dir,
-    through peft with that LoRA adapter; generate_options go to generate (its logits processors' settings)."""
+def hf_model(model_dir, dtype=torch.float32, adapter_dir=None, model_class=None):
+    """transformers' model of model_dir in dtype (model_class's, default AutoModelForCausalLM's); with adapter_dir,
+    through peft with that LoRA adapter."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    model = (model_class or AutoModelForCausalLM).from_pretrained(model_dir, dtype=dtype).eval()
     if adapter_dir is not None:
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, str(adapter_dir)).eval()
+    return model
+
+
+def hf_greedy(model_dir, prompt_ids_list, max_new_tokens, dtype=torch.float32, adapter_dir=None, model_class=None,
+              **generate_options):
+    """Reference: transformers greedy generation in dtype, one prompt at a time (no padding effects), of hf_model's
+    model; generate_options go to generate (its logits processors' settings)."""
+    model = hf_model(model_dir, dtype, adapter_dir, model_class)
     results = []
     with torch.inference_mode():
         for prompt_ids in prompt_ids_list:
@@ -153,16 +161,9 @@ def hf_greedy(model_dir, prompt_ids_list, max_new_tokens, dtype=torch.float32, a
     return results
 
 
-def hf_token_logprobs(model_dir, prompt_ids, output_ids, dtype=torch.float32, adapter_dir=None):
-    """Reference log-probabilities of output_ids after prompt_ids, from one transformers forward pass in dtype; with
-    adapter_dir, through peft with that LoRA adapter."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    if adapter_dir is not None:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, str(adapter_dir)).eval()
+def hf_token_logprobs(model_dir, prompt_ids, output_ids, dtype=torch.float32, adapter_dir=None, model_class=None):
+    """Reference log-probabilities of output_ids after prompt_ids, from one forward pass of hf_model's model."""
+    model = hf_model(model_dir, dtype, adapter_dir, model_class)
     with torch.inference_mode():
         ids = torch.tensor([prompt_ids + output_ids])
         logprobs = torch.log_softmax(model(ids).logits[0].float(), dim=-1)

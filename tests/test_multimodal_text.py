@@ -1,6 +1,6 @@
-"""A multimodal checkpoint (Gemma 3's 4B and larger are saved as Gemma3ForConditionalGeneration) serves its language
-model: the same tokens and logprobs as transformers' multimodal class on text, from the hub's layout and from
-transformers' newer one, without reading the vision tower."""
+"""A multimodal checkpoint (Gemma 3's 4B and larger saved as Gemma3ForConditionalGeneration, Mistral Small 3.1 as
+Mistral3ForConditionalGeneration) serves its language model: the same tokens and logprobs as transformers' multimodal
+class on text, from the hub's layout and from transformers' newer one, without reading the vision tower."""
 
 import shutil
 
@@ -12,26 +12,37 @@ from pagedserve import LLM
 from pagedserve.models.loader import iterate_safetensors
 
 PROMPTS = [[1, 400, 500, 600, 700], list(range(100, 140))]
+TEXT = {"vocab_size": 49152, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 1024, "initializer_range": 0.3}
+VISION = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28,
+          "patch_size": 14}
 
 
-@pytest.fixture(scope="module")
-def multimodal_dir(tmp_path_factory, default_model_dir):
-    """A tiny Gemma3ForConditionalGeneration (a sliding-window layer and a full one; a small SigLIP tower), its norms'
-    weights drawn, saved as transformers saves it (the hub's layout), with the default model's tokenizer."""
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+def multimodal_model(arch: str):
+    """A tiny Gemma 3 (a sliding-window layer and a full one, its norms' weights drawn; a small SigLIP tower) or Mistral
+    3 (its lm_head tied by the whole model's config, as transformers ties it, while its text config says untied; a small
+    Pixtral tower)."""
+    import transformers
 
-    text = {"vocab_size": 49152, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 16,
-            "layer_types": ["sliding_attention", "full_attention"], "max_position_embeddings": 1024, "initializer_range": 0.3}
-    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28,
-              "patch_size": 14}
-    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=49151,
-                          boi_token_index=49149, eoi_token_index=49150)
     torch.manual_seed(5)
-    model = Gemma3ForConditionalGeneration(config).eval()
-    draw_norm_weights(model)
-    out = tmp_path_factory.mktemp("multimodal") / "gemma3"
-    model.save_pretrained(out)
+    if arch == "gemma3":
+        text = TEXT | {"query_pre_attn_scalar": 24, "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]}
+        config = transformers.Gemma3Config(text_config=text, vision_config=VISION, mm_tokens_per_image=4, image_token_index=49151,
+                                           boi_token_index=49149, eoi_token_index=49150)
+        model = transformers.Gemma3ForConditionalGeneration(config).eval()
+        draw_norm_weights(model)
+        return model
+    config = transformers.Mistral3Config(text_config=TEXT | {"model_type": "mistral", "sliding_window": None, "tie_word_embeddings": False},
+                                         vision_config=VISION | {"head_dim": 16}, image_token_index=49151, spatial_merge_size=1,
+                                         tie_word_embeddings=True)
+    return transformers.Mistral3ForConditionalGeneration(config).eval()
+
+
+@pytest.fixture(scope="module", params=["gemma3", "mistral3"])
+def multimodal_dir(request, tmp_path_factory, default_model_dir):
+    """The tiny model saved as transformers saves it (the hub's layout), with the default model's tokenizer."""
+    out = tmp_path_factory.mktemp("multimodal") / request.param
+    multimodal_model(request.param).save_pretrained(out)
     for name in TOKENIZER_FILES:
         if (default_model_dir / name).exists():
             shutil.copy(default_model_dir / name, out / name)
@@ -53,12 +64,16 @@ def newer_layout(model_dir, out_dir):
 
 @pytest.mark.parametrize("layout", ["hub", "newer"])
 def test_a_multimodal_checkpoint_serves_its_language_model_as_transformers_does(layout, multimodal_dir, tmp_path):
+    from transformers import AutoModelForImageTextToText
+
     model_dir = multimodal_dir if layout == "hub" else newer_layout(multimodal_dir, tmp_path / "newer")
     llm = LLM(str(model_dir), kv_cache_memory=16 * 1024**2)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy(20, logprobs=1), use_tqdm=False)
-    assert [list(o.outputs[0].token_ids) for o in outputs] == hf_greedy(multimodal_dir, PROMPTS, 20)
-    reference, _ = hf_token_logprobs(multimodal_dir, PROMPTS[1], list(outputs[1].outputs[0].token_ids))
-    ours = [position[token].logprob for token, position in zip(outputs[1].outputs[0].token_ids, outputs[1].outputs[0].logprobs)]
+    assert [list(o.outputs[0].token_ids) for o in outputs] == hf_greedy(multimodal_dir, PROMPTS, 20,
+                                                                       model_class=AutoModelForImageTextToText)
+    tokens = list(outputs[1].outputs[0].token_ids)
+    reference, _ = hf_token_logprobs(multimodal_dir, PROMPTS[1], tokens, model_class=AutoModelForImageTextToText)
+    ours = [position[token].logprob for token, position in zip(tokens, outputs[1].outputs[0].logprobs)]
     assert ours == pytest.approx(reference, abs=1e-3)
 
 

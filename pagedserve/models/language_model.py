@@ -6,7 +6,7 @@ text content parts only, so no image reaches the model."""
 from __future__ import annotations
 
 # A multimodal architecture -> the text architecture of its language model.
-LANGUAGE_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+LANGUAGE_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM", "Mistral3ForConditionalGeneration": "MistralForCausalLM"}
 
 # Where such checkpoints keep the language model's tensors (the prefixes the hub's checkpoints have, and the one
 # transformers' own multimodal classes use) -> where the text architecture keeps them.
@@ -18,12 +18,14 @@ _OTHER_PARTS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower."
 
 def text_config_values(values: dict) -> dict:
     """A resolved config's values as the engine serves the model: a multimodal checkpoint's text_config, named as its
-    language model's architecture; any other config's as they are."""
+    language model's architecture, its lm_head tied or not as the whole model's config says (transformers ties it by
+    that); any other config's as they are."""
     architectures = values.get("architectures") or []
     text_architecture = next((LANGUAGE_MODELS[name] for name in architectures if name in LANGUAGE_MODELS), None)
     if text_architecture is None or not isinstance(values.get("text_config"), dict):
         return values
-    return {**values["text_config"], "architectures": [text_architecture]}
+    tied = {"tie_word_embeddings": values["tie_word_embeddings"]} if "tie_word_embeddings" in values else {}
+    return {**values["text_config"], "architectures": [text_architecture], **tied}
 
 
 def text_tensor_name(name: str) -> str | None:
