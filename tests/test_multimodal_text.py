@@ -1,6 +1,7 @@
 """A multimodal checkpoint (Gemma 3's 4B and larger saved as Gemma3ForConditionalGeneration, Mistral Small 3.1 as
-Mistral3ForConditionalGeneration) serves its language model: the same tokens and logprobs as transformers' multimodal
-class on text, from the hub's layout and from transformers' newer one, without reading the vision tower."""
+Mistral3ForConditionalGeneration, Qwen2.5-VL, Qwen3-VL) serves its language model: the same tokens and logprobs as
+transformers' multimodal class on text, from the layout transformers saves and from the one its classes hold in
+memory, without reading the vision tower."""
 
 import shutil
 
@@ -18,13 +19,29 @@ VISION = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "n
           "patch_size": 14}
 
 
+QWEN_VISION = {"hidden_size": 32, "intermediate_size": 64, "depth": 1, "num_heads": 2, "out_hidden_size": 64, "patch_size": 14,
+               "spatial_merge_size": 2, "temporal_patch_size": 2}
+QWEN_TOKENS = {"image_token_id": 49151, "video_token_id": 49150, "vision_start_token_id": 49149}
+
+
 def multimodal_model(arch: str):
-    """A tiny Gemma 3 (a sliding-window layer and a full one, its norms' weights drawn; a small SigLIP tower) or Mistral
-    3 (its lm_head tied by the whole model's config, as transformers ties it, while its text config says untied; a small
-    Pixtral tower)."""
+    """A tiny Gemma 3 (a sliding-window layer and a full one, its norms' weights drawn; a small SigLIP tower), Mistral 3
+    (its lm_head tied by the whole model's config, as transformers ties it, while its text config says untied; a small
+    Pixtral tower), Qwen2.5-VL (qkv biases) or Qwen3-VL (q/k norms, interleaved sections), the Qwens' rotations in
+    sections by three position ids."""
     import transformers
 
     torch.manual_seed(5)
+    if arch == "qwen2_5_vl":
+        rope = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]}
+        config = transformers.Qwen2_5_VLConfig(text_config=TEXT | {"rope_parameters": rope, "bos_token_id": 1, "eos_token_id": 2},
+                                               vision_config=QWEN_VISION | {"fullatt_block_indexes": [0]}, **QWEN_TOKENS)
+        return transformers.Qwen2_5_VLForConditionalGeneration(config).eval()
+    if arch == "qwen3_vl":
+        rope = {"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [4, 2, 2], "mrope_interleaved": True}
+        config = transformers.Qwen3VLConfig(text_config=TEXT | {"rope_parameters": rope, "bos_token_id": 1, "eos_token_id": 2},
+                                            vision_config=QWEN_VISION | {"deepstack_visual_indexes": [0]}, **QWEN_TOKENS)
+        return transformers.Qwen3VLForConditionalGeneration(config).eval()
     if arch == "gemma3":
         text = TEXT | {"query_pre_attn_scalar": 24, "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]}
         config = transformers.Gemma3Config(text_config=text, vision_config=VISION, mm_tokens_per_image=4, image_token_index=49151,
@@ -38,7 +55,7 @@ def multimodal_model(arch: str):
     return transformers.Mistral3ForConditionalGeneration(config).eval()
 
 
-@pytest.fixture(scope="module", params=["gemma3", "mistral3"])
+@pytest.fixture(scope="module", params=["gemma3", "mistral3", "qwen2_5_vl", "qwen3_vl"])
 def multimodal_dir(request, tmp_path_factory, default_model_dir):
     """The tiny model saved as transformers saves it (the hub's layout), with the default model's tokenizer."""
     out = tmp_path_factory.mktemp("multimodal") / request.param
@@ -51,13 +68,21 @@ def multimodal_dir(request, tmp_path_factory, default_model_dir):
 
 def newer_layout(model_dir, out_dir):
     """The checkpoint with its tensors named as transformers' multimodal classes name them in memory
-    (model.language_model., model.vision_tower., model.multi_modal_projector.)."""
+    (model.language_model., model.vision_tower., model.visual., model.multi_modal_projector.; lm_head as it is)."""
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(model_dir, out_dir)
     tensors = load_file(str(model_dir / "model.safetensors"))
-    renamed = {("model.language_model." + name.removeprefix("language_model.model.")) if name.startswith("language_model.model.")
-               else "model." + name: tensor for name, tensor in tensors.items()}
+
+    def newer_name(name: str) -> str:
+        for old, new in (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."),
+                         ("model.language_model.", "model.language_model."), ("model.visual.", "model.visual."),
+                         ("model.", "model.language_model."), ("lm_head.", "lm_head.")):
+            if name.startswith(old):
+                return new + name.removeprefix(old)
+        return "model." + name
+
+    renamed = {newer_name(name): tensor for name, tensor in tensors.items()}
     save_file(renamed, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     return out_dir
 
@@ -79,5 +104,5 @@ def test_a_multimodal_checkpoint_serves_its_language_model_as_transformers_does(
 
 def test_the_vision_tower_is_not_read(multimodal_dir):
     names = [name for name, _ in iterate_safetensors(multimodal_dir)]
-    assert names and all(name.startswith("model.layers.") or name in ("model.embed_tokens.weight", "model.norm.weight")
+    assert names and all(name.startswith("model.layers.") or name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
                          for name in names)

@@ -5,27 +5,36 @@ text content parts only, so no image reaches the model."""
 
 from __future__ import annotations
 
-# A multimodal architecture -> the text architecture of its language model.
-LANGUAGE_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM", "Mistral3ForConditionalGeneration": "MistralForCausalLM"}
+# A multimodal architecture -> the text architecture of its language model and that architecture's model type. Qwen2.5-VL's
+# and Qwen3-VL's language models rotate by three position ids (time, height, width), which are all the token's position
+# for text: their rotation is the text model's.
+LANGUAGE_MODELS = {
+    "Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "gemma3_text"),
+    "Mistral3ForConditionalGeneration": ("MistralForCausalLM", "mistral"),
+    "Qwen2_5_VLForConditionalGeneration": ("Qwen2ForCausalLM", "qwen2"),
+    "Qwen3VLForConditionalGeneration": ("Qwen3ForCausalLM", "qwen3"),
+}
 
 # Where such checkpoints keep the language model's tensors (the prefixes the hub's checkpoints have, and the one
 # transformers' own multimodal classes use) -> where the text architecture keeps them.
 _LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
                             ("model.language_model.", "model."))
 # Their other parts, which are not read.
-_OTHER_PARTS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+_OTHER_PARTS = ("vision_tower.", "multi_modal_projector.", "visual.", "model.vision_tower.", "model.multi_modal_projector.",
+                "model.visual.")
 
 
 def text_config_values(values: dict) -> dict:
-    """A resolved config's values as the engine serves the model: a multimodal checkpoint's text_config, named as its
-    language model's architecture, its lm_head tied or not as the whole model's config says (transformers ties it by
-    that); any other config's as they are."""
+    """A resolved config's values as the engine serves the model: a multimodal checkpoint's text_config, as its language
+    model's architecture and model type, its lm_head tied or not as the whole model's config says (transformers ties
+    it by that); any other config's as they are."""
     architectures = values.get("architectures") or []
-    text_architecture = next((LANGUAGE_MODELS[name] for name in architectures if name in LANGUAGE_MODELS), None)
-    if text_architecture is None or not isinstance(values.get("text_config"), dict):
+    language_model = next((LANGUAGE_MODELS[name] for name in architectures if name in LANGUAGE_MODELS), None)
+    if language_model is None or not isinstance(values.get("text_config"), dict):
         return values
+    architecture, model_type = language_model
     tied = {"tie_word_embeddings": values["tie_word_embeddings"]} if "tie_word_embeddings" in values else {}
-    return {**values["text_config"], "architectures": [text_architecture], **tied}
+    return {**values["text_config"], "architectures": [architecture], "model_type": model_type, **tied}
 
 
 def text_tensor_name(name: str) -> str | None:
