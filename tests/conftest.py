@@ -48,6 +48,8 @@ TINY_ARCHS = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"num_experts": 8, "num_experts_per_tok": 4, "moe_intermediate_size": 32,
                                                             "norm_topk_prob": True, "head_dim": 16, "use_sliding_window": False}),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {"num_experts": 8, "num_experts_per_tok": 2, "clip_qkv": 3.0}),
+    # A layer without a rotary (NoPE) after one with it.
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {"no_rope_layers": [1, 0], "pad_token_id": 0}),
     # Gemma: its norms' 1 + weight (drawn: transformers starts them at zero), scaled embeddings and GELU (tanh) MLP.
     "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 16}),
     # A sliding-window layer and a full one; scores and logits soft-capped at caps the tiny model's values reach.

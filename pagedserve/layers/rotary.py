@@ -117,6 +117,20 @@ class RotaryEmbedding(nn.Module, UsesCPUKernels):
         return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
 
 
+class NoRotary(nn.Module):
+    """The rotary of a layer that attends without one (SmolLM3's layers that no_rope_layers marks 0): query and key pass
+    unturned."""
+
+    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
+        return query, key
+
+
+def unrotated_layers(hf_config) -> set[int]:
+    """The layers that attend without a rotary: those SmolLM3's no_rope_layers marks 0 (1: the layer rotates)."""
+    flags = getattr(hf_config, "no_rope_layers", None) or []
+    return {index for index, rotates in enumerate(flags) if not rotates}
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

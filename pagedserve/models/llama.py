@@ -1,6 +1,6 @@
-"""The Llama family: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm per head), Gemma, Gemma 2 and Gemma 3 (below),
-and their mixtures of experts (models/moe.py): Mixtral, Qwen2-MoE (qkv bias, a shared expert), Qwen3-MoE (q/k RMSNorm
-per head), OLMoE (q/k RMSNorm across the heads, qkv clipping).
+"""The Llama family: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm per head), SmolLM3 (some layers without a
+rotary), Gemma, Gemma 2 and Gemma 3 (below), and their mixtures of experts (models/moe.py): Mixtral, Qwen2-MoE (qkv
+bias, a shared expert), Qwen3-MoE (q/k RMSNorm per head), OLMoE (q/k RMSNorm across the heads, qkv clipping).
 
 Gemma is the family's layer with RMSNorms that scale by 1 + weight (the checkpoint's weights are loaded plus one),
 embeddings scaled by the square root of the hidden size and a GELU (tanh) gated MLP. Gemma 2 adds: a norm on what
@@ -42,7 +42,14 @@ from pagedserve.layers.linear import (
     RowParallelLinear,
     pad_rows,
 )
-from pagedserve.layers.rotary import RotaryEmbedding, partial_rotary_order, rotary_dim, rotary_layer_types
+from pagedserve.layers.rotary import (
+    NoRotary,
+    RotaryEmbedding,
+    partial_rotary_order,
+    rotary_dim,
+    rotary_layer_types,
+    unrotated_layers,
+)
 from pagedserve.layers.vocab_embedding import VocabParallelEmbedding, gather_logits
 from pagedserve.models.mlp import GatedMLP
 from pagedserve.models.moe import checkpoint_alias, expected_expert_loads, expert_load_key, expert_tensor, layer_mlp
@@ -530,14 +537,15 @@ class LlamaForCausalLM(nn.Module):
 
 def _rotary_tables(hf_config, max_position: int):
     """layer index -> its table of rotary angles: one shared by every layer (they all rotate by the same position), or
-    one per layer type where the config rotates each type by its own parameters (Gemma 3's)."""
+    one per layer type where the config rotates each type by its own parameters (Gemma 3's); none (NoRotary) for a
+    layer that attends without one (SmolLM3's)."""
     head_dim = head_dim_of(hf_config)
-    layer_types = rotary_layer_types(hf_config)
+    layer_types, unrotated = rotary_layer_types(hf_config), unrotated_layers(hf_config)
     if layer_types is None:
         shared = RotaryEmbedding(hf_config, head_dim, max_position)
-        return lambda index: shared
+        return lambda index: NoRotary() if index in unrotated else shared
     tables = {layer_type: RotaryEmbedding(hf_config, head_dim, max_position, layer_type) for layer_type in layer_types}
-    return lambda index: tables[hf_config.layer_types[index]]
+    return lambda index: NoRotary() if index in unrotated else tables[hf_config.layer_types[index]]
 
 
 def with_model_prefix(name: str) -> str:

@@ -19,6 +19,7 @@ from pagedserve.layers.activation import GeluTanhAndMul, SiluAndMul
 from pagedserve.layers.attention import AttentionMetadata
 from pagedserve.layers.attention.cpu_backend import CPUAttentionBackend
 from pagedserve.layers.linear import TILES_MAX_ROWS, Linear
+from pagedserve.layers.rotary import NoRotary
 from pagedserve.models.mlp import GatedMLP
 
 
@@ -80,6 +81,8 @@ def _plain(layer) -> bool:
     if attn is None or not isinstance(mlp, GatedMLP) or not isinstance(mlp.act_fn, (SiluAndMul, GeluTanhAndMul)):
         return False
     if attn.qk_norm_across_heads or attn.clip_qkv is not None or layer.residual_multiplier != 1.0:
+        return False
+    if isinstance(attn.rotary_emb, NoRotary):  # the native layers rotate every layer
         return False
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     if any(m.bias is not None or m.lora is not None or m.quantized is None for m in linears):

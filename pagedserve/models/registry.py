@@ -10,6 +10,7 @@ _MODELS = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "SmolLM3ForCausalLM": LlamaForCausalLM,  # with its layers without a rotary (no_rope_layers)
     "GraniteForCausalLM": LlamaForCausalLM,  # with its multipliers of embeddings, scores, residual adds and logits
     "Phi3ForCausalLM": LlamaForCausalLM,  # its q/k/v and gate/up saved fused (models/llama._unfused)
     "MixtralForCausalLM": LlamaForCausalLM,
