@@ -48,6 +48,13 @@ TINY_ARCHS = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"num_experts": 8, "num_experts_per_tok": 4, "moe_intermediate_size": 32,
                                                             "norm_topk_prob": True, "head_dim": 16, "use_sliding_window": False}),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {"num_experts": 8, "num_experts_per_tok": 2, "clip_qkv": 3.0}),
+    # Norms after attention and the MLP only, q/k norms across the heads; OLMo 3's sliding-window layer and full layer
+    # rotating by their own parameters.
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", {
+        "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                            "full_attention": {"rope_type": "linear", "rope_theta": 500000.0, "factor": 4.0}}}),
     # A layer without a rotary (NoPE) after one with it.
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {"no_rope_layers": [1, 0], "pad_token_id": 0}),
     # Gemma: its norms' 1 + weight (drawn: transformers starts them at zero), scaled embeddings and GELU (tanh) MLP.
@@ -83,7 +90,7 @@ def make_tiny_model(out_dir, arch: str, tokenizer_dir, tie_word_embeddings: bool
     )
     torch.manual_seed(1234)
     model = getattr(transformers, model_name)(config).eval()
-    if arch.startswith("gemma"):
+    if arch.startswith(("gemma", "olmo2", "olmo3")):
         draw_norm_weights(model)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, **kwargs)

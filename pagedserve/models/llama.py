@@ -1,6 +1,8 @@
 """The Llama family: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm per head), SmolLM3 (some layers without a
-rotary), Gemma, Gemma 2 and Gemma 3 (below), and their mixtures of experts (models/moe.py): Mixtral, Qwen2-MoE (qkv
-bias, a shared expert), Qwen3-MoE (q/k RMSNorm per head), OLMoE (q/k RMSNorm across the heads, qkv clipping).
+rotary), OLMo 2 and OLMo 3 (q/k RMSNorm across the heads; norms on what attention and the MLP give, none on their input:
+PostNormDecoderLayer; OLMo 3's sliding-window layers rotating by their own parameters), Gemma, Gemma 2 and Gemma 3
+(below), and their mixtures of experts (models/moe.py): Mixtral, Qwen2-MoE (qkv bias, a shared expert), Qwen3-MoE (q/k
+RMSNorm per head), OLMoE (q/k RMSNorm across the heads, qkv clipping).
 
 Gemma is the family's layer with RMSNorms that scale by 1 + weight (the checkpoint's weights are loaded plus one),
 embeddings scaled by the square root of the hidden size and a GELU (tanh) gated MLP. Gemma 2 adds: a norm on what
@@ -83,6 +85,8 @@ KV_SCALE_NAMES = {
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
 # Those whose layer normalizes what attention and the MLP give (GemmaDecoderLayer).
 POST_NORM_TYPES = ("gemma2", "gemma3_text")
+# Model types whose layer normalizes what attention and the MLP give and not their input (PostNormDecoderLayer).
+POST_NORM_ONLY_TYPES = ("olmo2", "olmo3")
 
 
 def head_dim_of(hf_config) -> int:
@@ -121,7 +125,7 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
-        self.qk_norm_across_heads = model_type == "olmoe"  # over the whole projection, every head of every rank
+        self.qk_norm_across_heads = model_type in ("olmoe", *POST_NORM_ONLY_TYPES)  # the whole projection, every rank's heads
         if self.qk_norm_across_heads and tp_size() == 1:
             self.q_norm = RMSNorm(self.q_size, hf_config.rms_norm_eps)
             self.k_norm = RMSNorm(self.kv_size, hf_config.rms_norm_eps)
@@ -226,6 +230,25 @@ class GemmaDecoderLayer(LlamaDecoderLayer):
         return self.post_feedforward_layernorm(self.mlp(hidden_states)), residual
 
 
+class PostNormDecoderLayer(LlamaDecoderLayer):
+    """OLMo 2's and OLMo 3's layer: attention and the MLP read the residual stream as it is (no norm before them), and
+    what each gives is normalized (post_attention_layernorm, post_feedforward_layernorm) before it joins the stream.
+    As every layer here, it returns (its last addition to the stream, the stream before it)."""
+
+    def __init__(self, hf_config, rotary_emb: RotaryEmbedding, attn_backend: AttentionBackend, index: int) -> None:
+        super().__init__(hf_config, rotary_emb, attn_backend, index)
+        del self.input_layernorm
+        self.post_feedforward_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+
+    def keep_gemm_outputs(self, dtype: torch.dtype, single_rank: bool) -> None:
+        """Every GEMM keeps float32 outputs: a norm of its own reads each of attention's and the MLP's."""
+
+    def forward(self, positions, hidden_states, residual, kv_cache, meta):
+        stream = hidden_states if residual is None else hidden_states + residual
+        stream = stream + self.post_attention_layernorm(self.self_attn(positions, stream, kv_cache, meta))
+        return self.post_feedforward_layernorm(self.mlp(stream)), stream
+
+
 class MissingLayer(nn.Module):
     """A decoder layer that another pipeline stage runs: it keeps the layers' numbering and holds nothing."""
 
@@ -243,7 +266,8 @@ class LlamaModel(nn.Module):
         gemma = hf_config.model_type in GEMMA_TYPES
         if gemma:  # the square root of the hidden size, rounded to float32 as transformers' buffer holds it
             self.embedding_multiplier = float(torch.tensor(hf_config.hidden_size**0.5, dtype=torch.float32))
-        layer_class = GemmaDecoderLayer if hf_config.model_type in POST_NORM_TYPES else LlamaDecoderLayer
+        layer_class = {**dict.fromkeys(POST_NORM_TYPES, GemmaDecoderLayer),
+                       **dict.fromkeys(POST_NORM_ONLY_TYPES, PostNormDecoderLayer)}.get(hf_config.model_type, LlamaDecoderLayer)
         rotary = _rotary_tables(hf_config, max_position)
         self.layers = nn.ModuleList([
             layer_class(hf_config, rotary(index), attn_backend, index) if index in self.stage_layers else MissingLayer()

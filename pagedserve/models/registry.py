@@ -11,6 +11,8 @@ _MODELS = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "SmolLM3ForCausalLM": LlamaForCausalLM,  # with its layers without a rotary (no_rope_layers)
+    "Olmo2ForCausalLM": LlamaForCausalLM,  # norms after attention and the MLP (models/llama.PostNormDecoderLayer)
+    "Olmo3ForCausalLM": LlamaForCausalLM,  # OLMo 2's layer, with sliding-window layers
     "GraniteForCausalLM": LlamaForCausalLM,  # with its multipliers of embeddings, scores, residual adds and logits
     "Phi3ForCausalLM": LlamaForCausalLM,  # its q/k/v and gate/up saved fused (models/llama._unfused)
     "MixtralForCausalLM": LlamaForCausalLM,
