@@ -55,6 +55,8 @@ TINY_ARCHS = {
         "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"],
         "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                             "full_attention": {"rope_type": "linear", "rope_theta": 500000.0, "factor": 4.0}}}),
+    # OLMo 2's layer with q/k norms per head; a sliding-window layer, and a full one without a rotary.
+    "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", {"head_dim": 16, "sliding_window": 16, "sliding_window_pattern": 2}),
     # A layer without a rotary (NoPE) after one with it.
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {"no_rope_layers": [1, 0], "pad_token_id": 0}),
     # Gemma: its norms' 1 + weight (drawn: transformers starts them at zero), scaled embeddings and GELU (tanh) MLP.
@@ -90,7 +92,7 @@ def make_tiny_model(out_dir, arch: str, tokenizer_dir, tie_word_embeddings: bool
     )
     torch.manual_seed(1234)
     model = getattr(transformers, model_name)(config).eval()
-    if arch.startswith(("gemma", "olmo2", "olmo3")):
+    if arch.startswith(("gemma", "olmo2", "olmo3", "exaone4")):
         draw_norm_weights(model)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, **kwargs)

@@ -126,7 +126,10 @@ class NoRotary(nn.Module):
 
 
 def unrotated_layers(hf_config) -> set[int]:
-    """The layers that attend without a rotary: those SmolLM3's no_rope_layers marks 0 (1: the layer rotates)."""
+    """The layers that attend without a rotary: those SmolLM3's no_rope_layers marks 0 (1: the layer rotates), and an
+    EXAONE 4 with sliding-window layers' other layers."""
+    if getattr(hf_config, "model_type", None) == "exaone4" and getattr(hf_config, "sliding_window", None):
+        return {index for index, layer_type in enumerate(hf_config.layer_types) if layer_type != "sliding_attention"}
     flags = getattr(hf_config, "no_rope_layers", None) or []
     return {index for index, rotates in enumerate(flags) if not rotates}
 

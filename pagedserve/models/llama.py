@@ -1,6 +1,7 @@
 """The Llama family: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm per head), SmolLM3 (some layers without a
 rotary), OLMo 2 and OLMo 3 (q/k RMSNorm across the heads; norms on what attention and the MLP give, none on their input:
-PostNormDecoderLayer; OLMo 3's sliding-window layers rotating by their own parameters), Gemma, Gemma 2 and Gemma 3
+PostNormDecoderLayer; OLMo 3's sliding-window layers rotating by their own parameters), EXAONE 4 (OLMo 2's layer with q/k
+RMSNorm per head; with sliding-window layers, its full layers without a rotary), Gemma, Gemma 2 and Gemma 3
 (below), and their mixtures of experts (models/moe.py): Mixtral, Qwen2-MoE (qkv bias, a shared expert), Qwen3-MoE (q/k
 RMSNorm per head), OLMoE (q/k RMSNorm across the heads, qkv clipping).
 
@@ -86,7 +87,7 @@ GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
 # Those whose layer normalizes what attention and the MLP give (GemmaDecoderLayer).
 POST_NORM_TYPES = ("gemma2", "gemma3_text")
 # Model types whose layer normalizes what attention and the MLP give and not their input (PostNormDecoderLayer).
-POST_NORM_ONLY_TYPES = ("olmo2", "olmo3")
+POST_NORM_ONLY_TYPES = ("olmo2", "olmo3", "exaone4")
 
 
 def head_dim_of(hf_config) -> int:
@@ -121,11 +122,11 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(hf_config.num_attention_heads * self.head_dim, hf_config.hidden_size, bias=o_bias,
                                         name="o_proj")
-        self.qk_norm = model_type in ("qwen3", "qwen3_moe", "gemma3_text")  # per head
+        self.qk_norm = model_type in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4")  # per head
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
-        self.qk_norm_across_heads = model_type in ("olmoe", *POST_NORM_ONLY_TYPES)  # the whole projection, every rank's heads
+        self.qk_norm_across_heads = model_type in ("olmoe", "olmo2", "olmo3")  # the whole projection, every rank's heads
         if self.qk_norm_across_heads and tp_size() == 1:
             self.q_norm = RMSNorm(self.q_size, hf_config.rms_norm_eps)
             self.k_norm = RMSNorm(self.kv_size, hf_config.rms_norm_eps)
@@ -231,7 +232,7 @@ class GemmaDecoderLayer(LlamaDecoderLayer):
 
 
 class PostNormDecoderLayer(LlamaDecoderLayer):
-    """OLMo 2's and OLMo 3's layer: attention and the MLP read the residual stream as it is (no norm before them), and
+    """OLMo 2's, OLMo 3's and EXAONE 4's layer: attention and the MLP read the residual stream as it is (no norm before them), and
     what each gives is normalized (post_attention_layernorm, post_feedforward_layernorm) before it joins the stream.
     As every layer here, it returns (its last addition to the stream, the stream before it)."""
 

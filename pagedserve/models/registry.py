@@ -13,6 +13,7 @@ _MODELS = {
     "SmolLM3ForCausalLM": LlamaForCausalLM,  # with its layers without a rotary (no_rope_layers)
     "Olmo2ForCausalLM": LlamaForCausalLM,  # norms after attention and the MLP (models/llama.PostNormDecoderLayer)
     "Olmo3ForCausalLM": LlamaForCausalLM,  # OLMo 2's layer, with sliding-window layers
+    "Exaone4ForCausalLM": LlamaForCausalLM,  # OLMo 2's layer, q/k norms per head; its full layers unrotated beside windows
     "GraniteForCausalLM": LlamaForCausalLM,  # with its multipliers of embeddings, scores, residual adds and logits
     "Phi3ForCausalLM": LlamaForCausalLM,  # its q/k/v and gate/up saved fused (models/llama._unfused)
     "MixtralForCausalLM": LlamaForCausalLM,
