@@ -26,6 +26,10 @@ TINY_ARCHS = {
                                                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                                        "original_max_position_embeddings": 128}}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    # A yarn rotary, and queries scaled by their position past the original length (crossed by the long prompt).
+    "ministral3": ("Ministral3Config", "Ministral3ForCausalLM", {"sliding_window": None, "pad_token_id": 0, "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 32.0,
+        "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.5}}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": False}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"use_sliding_window": False, "head_dim": 16}),
     # Multipliers of the embeddings, the attention scores, what each block adds to the residual, and the logits.
@@ -57,6 +61,8 @@ TINY_ARCHS = {
                             "full_attention": {"rope_type": "linear", "rope_theta": 500000.0, "factor": 4.0}}}),
     # OLMo 2's layer with q/k norms per head; a sliding-window layer, and a full one without a rotary.
     "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", {"head_dim": 16, "sliding_window": 16, "sliding_window_pattern": 2}),
+    # A rotary of adjacent pairs of dims.
+    "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", {"head_dim": 16, "pad_token_id": 0}),
     # A layer without a rotary (NoPE) after one with it.
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {"no_rope_layers": [1, 0], "pad_token_id": 0}),
     # Gemma: its norms' 1 + weight (drawn: transformers starts them at zero), scaled embeddings and GELU (tanh) MLP.

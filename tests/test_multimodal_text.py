@@ -102,6 +102,17 @@ def test_a_multimodal_checkpoint_serves_its_language_model_as_transformers_does(
     assert ours == pytest.approx(reference, abs=1e-3)
 
 
+def test_a_multimodal_architecture_of_another_language_model_is_refused_by_name(tmp_path):
+    import transformers
+
+    config = transformers.Mistral3Config(text_config=TEXT | {"model_type": "llama"}, vision_config=VISION | {"head_dim": 16},
+                                         image_token_index=49151, spatial_merge_size=1)
+    transformers.Mistral3ForConditionalGeneration(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="Mistral3ForConditionalGeneration with a 'llama' language model is not supported; "
+                                         "supported: .*Mistral3ForConditionalGeneration of mistral"):
+        LLM(str(tmp_path), kv_cache_memory=16 * 1024**2)
+
+
 def test_the_vision_tower_is_not_read(multimodal_dir):
     names = [name for name, _ in iterate_safetensors(multimodal_dir)]
     assert names and all(name.startswith("model.layers.") or name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")

@@ -44,6 +44,22 @@ def rotary_dim(hf_config, head_dim: int) -> int:
     return int(head_dim * factor) if factor else head_dim
 
 
+# Model types that turn adjacent dims (2i, 2i + 1) of each head together, not i and i + head_dim / 2.
+ADJACENT_PAIR_TYPES = ("ernie4_5",)
+
+
+def rotary_order(hf_config, head_dim: int) -> list[int] | None:
+    """Where each head's dims of q and k are laid out at load so that the kernels' rotation, which turns dims i and
+    i + head_dim / 2 together, turns the pairs the model turns (None: as they are): a partial rotary's
+    (partial_rotary_order); for a model that turns adjacent pairs (ERNIE 4.5's), the even dims, then the odd ones."""
+    turned = rotary_dim(hf_config, head_dim)
+    if getattr(hf_config, "model_type", None) not in ADJACENT_PAIR_TYPES:
+        return partial_rotary_order(head_dim, turned)
+    if turned != head_dim:
+        raise ValueError("a partial rotary of adjacent pairs is not supported")
+    return [*range(0, head_dim, 2), *range(1, head_dim, 2)]
+
+
 def partial_rotary_order(head_dim: int, turned: int) -> list[int] | None:
     """Where a head's dims go when only `turned` of them rotate (None: all do). transformers turns dims i and
     i + turned/2 together; the kernels turn i and i + head_dim/2. Laid out in this order (q and k alike, so their

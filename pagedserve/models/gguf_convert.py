@@ -120,12 +120,9 @@ def _read_through_transformers(reader, gguf_path: Path):
         skeleton = AutoModelForCausalLM.from_config(config)
     tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)["tensors"]
     config.architectures = [type(skeleton).__name__]
-    if _architecture(reader) == "qwen3":
-        _set_head_dim(reader, config)
-    if _architecture(reader) == "gemma2":
-        _set_gemma2_attention(reader, config)
-    if _architecture(reader) == "gemma3":
-        _set_gemma3_attention(reader, config)
+    set_what_is_left = _SETTINGS_LEFT_AT_DEFAULTS.get(_architecture(reader))
+    if set_what_is_left is not None:
+        set_what_is_left(reader, config)
     if _is_llama_mixture(reader):
         config = _mixtral_config(reader, config)
         tensors.update(_stacked_experts(reader))
@@ -226,6 +223,11 @@ def _set_gemma3_attention(reader, config) -> None:
         config.rope_parameters["full_attention"] = {**full, "rope_type": "linear", "factor": float(factor)}
     per_head = config.hidden_size // config.num_attention_heads
     config.query_pre_attn_scalar = per_head if config.num_hidden_layers == 62 else config.head_dim
+
+
+# An architecture -> what sets the settings its file states, or llama.cpp assumes, that transformers' GGUF reading leaves
+# at its config's defaults.
+_SETTINGS_LEFT_AT_DEFAULTS = {"qwen3": _set_head_dim, "gemma2": _set_gemma2_attention, "gemma3": _set_gemma3_attention}
 
 
 def _mixtral_config(reader, llama_config):

@@ -5,15 +5,17 @@ text content parts only, so no image reaches the model."""
 
 from __future__ import annotations
 
-# A multimodal architecture -> the text architecture of its language model and that architecture's model type. Qwen2.5-VL's
-# and Qwen3-VL's language models rotate by three position ids (time, height, width), which are all the token's position
-# for text: their rotation is the text model's.
+# (A multimodal architecture, the model type of its text config) -> the text architecture of its language model and that
+# architecture's model type. Qwen2.5-VL's and Qwen3-VL's language models rotate by three position ids (time, height,
+# width), which are all the token's position for text: their rotation is the text model's.
 LANGUAGE_MODELS = {
-    "Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "gemma3_text"),
-    "Mistral3ForConditionalGeneration": ("MistralForCausalLM", "mistral"),
-    "Qwen2_5_VLForConditionalGeneration": ("Qwen2ForCausalLM", "qwen2"),
-    "Qwen3VLForConditionalGeneration": ("Qwen3ForCausalLM", "qwen3"),
+    ("Gemma3ForConditionalGeneration", "gemma3_text"): ("Gemma3ForCausalLM", "gemma3_text"),
+    ("Mistral3ForConditionalGeneration", "mistral"): ("MistralForCausalLM", "mistral"),
+    ("Mistral3ForConditionalGeneration", "ministral3"): ("Ministral3ForCausalLM", "ministral3"),
+    ("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl_text"): ("Qwen2ForCausalLM", "qwen2"),
+    ("Qwen3VLForConditionalGeneration", "qwen3_vl_text"): ("Qwen3ForCausalLM", "qwen3"),
 }
+MULTIMODAL_ARCHITECTURES = sorted({architecture for architecture, _ in LANGUAGE_MODELS})
 
 # Where such checkpoints keep the language model's tensors (the prefixes the hub's checkpoints have, and the one
 # transformers' own multimodal classes use) -> where the text architecture keeps them.
@@ -28,11 +30,14 @@ def text_config_values(values: dict) -> dict:
     """A resolved config's values as the engine serves the model: a multimodal checkpoint's text_config, as its language
     model's architecture and model type, its lm_head tied or not as the whole model's config says (transformers ties
     it by that); any other config's as they are."""
-    architectures = values.get("architectures") or []
-    language_model = next((LANGUAGE_MODELS[name] for name in architectures if name in LANGUAGE_MODELS), None)
-    if language_model is None or not isinstance(values.get("text_config"), dict):
+    multimodal = next((name for name in values.get("architectures") or [] if name in MULTIMODAL_ARCHITECTURES), None)
+    if multimodal is None or not isinstance(values.get("text_config"), dict):
         return values
-    architecture, model_type = language_model
+    text_type = values["text_config"].get("model_type")
+    if (multimodal, text_type) not in LANGUAGE_MODELS:
+        known = ", ".join(f"{name} of {kind}" for name, kind in LANGUAGE_MODELS)
+        raise ValueError(f"{multimodal} with a {text_type!r} language model is not supported; supported: {known}")
+    architecture, model_type = LANGUAGE_MODELS[multimodal, text_type]
     tied = {"tie_word_embeddings": values["tie_word_embeddings"]} if "tie_word_embeddings" in values else {}
     return {**values["text_config"], "architectures": [architecture], "model_type": model_type, **tied}
 

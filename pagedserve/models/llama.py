@@ -1,9 +1,10 @@
-"""The Llama family: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm per head), SmolLM3 (some layers without a
-rotary), OLMo 2 and OLMo 3 (q/k RMSNorm across the heads; norms on what attention and the MLP give, none on their input:
-PostNormDecoderLayer; OLMo 3's sliding-window layers rotating by their own parameters), EXAONE 4 (OLMo 2's layer with q/k
-RMSNorm per head; with sliding-window layers, its full layers without a rotary), Gemma, Gemma 2 and Gemma 3
-(below), and their mixtures of experts (models/moe.py): Mixtral, Qwen2-MoE (qkv bias, a shared expert), Qwen3-MoE (q/k
-RMSNorm per head), OLMoE (q/k RMSNorm across the heads, qkv clipping).
+"""The Llama family: Llama, Mistral, Ministral 3 (queries scaled by their position), Qwen2 (qkv bias), Qwen3 (q/k
+RMSNorm per head), SmolLM3 (some layers without a rotary), ERNIE 4.5 (a rotary of adjacent pairs), OLMo 2 and OLMo 3
+(q/k RMSNorm across the heads; norms on what attention and the MLP give, none on their input: PostNormDecoderLayer;
+OLMo 3's sliding-window layers rotating by their own parameters), EXAONE 4 (OLMo 2's layer with q/k RMSNorm per head;
+with sliding-window layers, its full layers without a rotary), Gemma, Gemma 2 and Gemma 3 (below), and their mixtures
+of experts (models/moe.py): Mixtral, Qwen2-MoE (qkv bias, a shared expert), Qwen3-MoE (q/k RMSNorm per head), OLMoE
+(q/k RMSNorm across the heads, qkv clipping).
 
 Gemma is the family's layer with RMSNorms that scale by 1 + weight (the checkpoint's weights are loaded plus one),
 embeddings scaled by the square root of the hidden size and a GELU (tanh) gated MLP. Gemma 2 adds: a norm on what
@@ -45,14 +46,7 @@ from pagedserve.layers.linear import (
     RowParallelLinear,
     pad_rows,
 )
-from pagedserve.layers.rotary import (
-    NoRotary,
-    RotaryEmbedding,
-    partial_rotary_order,
-    rotary_dim,
-    rotary_layer_types,
-    unrotated_layers,
-)
+from pagedserve.layers.rotary import NoRotary, RotaryEmbedding, rotary_layer_types, rotary_order, unrotated_layers
 from pagedserve.layers.vocab_embedding import VocabParallelEmbedding, gather_logits
 from pagedserve.models.mlp import GatedMLP
 from pagedserve.models.moe import checkpoint_alias, expected_expert_loads, expert_load_key, expert_tensor, layer_mlp
@@ -88,6 +82,9 @@ GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
 POST_NORM_TYPES = ("gemma2", "gemma3_text")
 # Model types whose layer normalizes what attention and the MLP give and not their input (PostNormDecoderLayer).
 POST_NORM_ONLY_TYPES = ("olmo2", "olmo3", "exaone4")
+# Model types that normalize q and k: each head's, or the whole projection's (every rank's heads).
+QK_NORM_PER_HEAD_TYPES = ("qwen3", "qwen3_moe", "gemma3_text", "exaone4")
+QK_NORM_ACROSS_HEADS_TYPES = ("olmoe", "olmo2", "olmo3")
 
 
 def head_dim_of(hf_config) -> int:
@@ -122,11 +119,11 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(hf_config.num_attention_heads * self.head_dim, hf_config.hidden_size, bias=o_bias,
                                         name="o_proj")
-        self.qk_norm = model_type in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4")  # per head
+        self.qk_norm = model_type in QK_NORM_PER_HEAD_TYPES
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
-        self.qk_norm_across_heads = model_type in ("olmoe", "olmo2", "olmo3")  # the whole projection, every rank's heads
+        self.qk_norm_across_heads = model_type in QK_NORM_ACROSS_HEADS_TYPES
         if self.qk_norm_across_heads and tp_size() == 1:
             self.q_norm = RMSNorm(self.q_size, hf_config.rms_norm_eps)
             self.k_norm = RMSNorm(self.kv_size, hf_config.rms_norm_eps)
@@ -143,6 +140,8 @@ class LlamaAttention(nn.Module):
             self.attn.scale = float(hf_config.attention_multiplier)
         if getattr(hf_config, "query_pre_attn_scalar", None) is not None:  # Gemma's
             self.attn.scale = float(hf_config.query_pre_attn_scalar) ** -0.5
+        # Ministral 3 scales each rotated query by its position: 1 + beta * log(1 + floor(position / original length)).
+        self.query_position_scaling = _query_position_scaling(hf_config)
 
     def forward(self, positions, hidden_states, kv_cache, meta: AttentionMetadata):
         rows, tokens = hidden_states.shape[0], meta.slot_mapping.shape[0]  # rows past the tokens: LlamaModel.gemm_rows
@@ -158,6 +157,9 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
+        if self.query_position_scaling is not None:
+            beta, original = self.query_position_scaling
+            q = q * (1 + beta * torch.log(1 + torch.floor(positions / original)))[:, None, None].to(q.dtype)
         return self.o_proj(pad_rows(self.attn(q, k, v, kv_cache, meta, out_dtype=self.o_proj.input_dtype(rows)), rows))
 
 
@@ -232,9 +234,9 @@ class GemmaDecoderLayer(LlamaDecoderLayer):
 
 
 class PostNormDecoderLayer(LlamaDecoderLayer):
-    """OLMo 2's, OLMo 3's and EXAONE 4's layer: attention and the MLP read the residual stream as it is (no norm before them), and
-    what each gives is normalized (post_attention_layernorm, post_feedforward_layernorm) before it joins the stream.
-    As every layer here, it returns (its last addition to the stream, the stream before it)."""
+    """OLMo 2's, OLMo 3's and EXAONE 4's layer: attention and the MLP read the residual stream as it is (no norm before
+    them), and what each gives is normalized (post_attention_layernorm, post_feedforward_layernorm) before it joins the
+    stream. As every layer here, it returns (its last addition to the stream, the stream before it)."""
 
     def __init__(self, hf_config, rotary_emb: RotaryEmbedding, attn_backend: AttentionBackend, index: int) -> None:
         super().__init__(hf_config, rotary_emb, attn_backend, index)
@@ -264,11 +266,9 @@ class LlamaModel(nn.Module):
             self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
         self.stage_layers = info.stage_layers(hf_config.num_hidden_layers)
         self.embedding_multiplier = float(getattr(hf_config, "embedding_multiplier", None) or 1.0)  # Granite's
-        gemma = hf_config.model_type in GEMMA_TYPES
-        if gemma:  # the square root of the hidden size, rounded to float32 as transformers' buffer holds it
+        if hf_config.model_type in GEMMA_TYPES:  # the square root of the hidden size, rounded to float32 as transformers' buffer holds it
             self.embedding_multiplier = float(torch.tensor(hf_config.hidden_size**0.5, dtype=torch.float32))
-        layer_class = {**dict.fromkeys(POST_NORM_TYPES, GemmaDecoderLayer),
-                       **dict.fromkeys(POST_NORM_ONLY_TYPES, PostNormDecoderLayer)}.get(hf_config.model_type, LlamaDecoderLayer)
+        layer_class = _decoder_layer_class(hf_config.model_type)
         rotary = _rotary_tables(hf_config, max_position)
         self.layers = nn.ModuleList([
             layer_class(hf_config, rotary(index), attn_backend, index) if index in self.stage_layers else MissingLayer()
@@ -332,8 +332,8 @@ class LlamaForCausalLM(nn.Module):
         self.bfloat16_lm_head: BFloat16ProductsWeight | None = None
         self.quantized_lm_head: QuantizedWeight | None = None
         head_dim = head_dim_of(hf_config)
-        self.rotary_order = partial_rotary_order(head_dim, rotary_dim(hf_config, head_dim))
-        if self.rotary_order is not None and hf_config.model_type in ("qwen3", "qwen3_moe", "olmoe", "gemma3_text"):
+        self.rotary_order = rotary_order(hf_config, head_dim)
+        if self.rotary_order is not None and hf_config.model_type in QK_NORM_PER_HEAD_TYPES + QK_NORM_ACROSS_HEADS_TYPES:
             raise ValueError("partial_rotary_factor with q/k norms is not supported")
         if pooling or not rank_info().is_last_stage:
             self.lm_head = None
@@ -506,8 +506,8 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint is missing tensors for: {', '.join(sorted(missing)[:8])}")
 
     def _in_rotary_order(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """q's and k's rows (weights and biases) with each head's dims in the order a partial rotary turns them in
-        (layers/rotary.partial_rotary_order); other tensors as they are."""
+        """q's and k's rows (weights and biases) with each head's dims in the order the kernels turn them in
+        (layers/rotary.rotary_order); other tensors as they are."""
         order = self.rotary_order
         if order is None or not (".q_proj." in name or ".k_proj." in name):
             return tensor
@@ -558,6 +558,22 @@ class LlamaForCausalLM(nn.Module):
             shards = getattr(module, "shard_sizes", None)
             expected += [f"{name}#{i}" for i in range(len(shards))] if shards else [f"{name}#None"]
         return expected
+
+
+def _query_position_scaling(hf_config) -> tuple[float, int] | None:
+    """(beta, original context length) of a config whose queries are scaled by their position (Ministral 3's
+    llama_4_scaling_beta); None for the others."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    beta = params.get("llama_4_scaling_beta")
+    if beta is None:
+        return None
+    return float(beta), int(params["original_max_position_embeddings"])
+
+
+def _decoder_layer_class(model_type: str) -> type[LlamaDecoderLayer]:
+    if model_type in POST_NORM_TYPES:
+        return GemmaDecoderLayer
+    return PostNormDecoderLayer if model_type in POST_NORM_ONLY_TYPES else LlamaDecoderLayer
 
 
 def _rotary_tables(hf_config, max_position: int):

@@ -82,7 +82,9 @@ def _plain(layer) -> bool:
         return False
     if attn.qk_norm_across_heads or attn.clip_qkv is not None or layer.residual_multiplier != 1.0:
         return False
-    if isinstance(attn.rotary_emb, NoRotary):  # the native layers rotate every layer
+    if isinstance(attn.rotary_emb, NoRotary) or attn.query_position_scaling is not None:  # nor does it scale queries
+        return False
+    if not hasattr(layer, "input_layernorm"):  # models/llama.PostNormDecoderLayer: no norm before attention
         return False
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     if any(m.bias is not None or m.lora is not None or m.quantized is None for m in linears):

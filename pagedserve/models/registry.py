@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-from pagedserve.models.language_model import LANGUAGE_MODELS
+from pagedserve.models.language_model import MULTIMODAL_ARCHITECTURES
 from pagedserve.models.llama import LlamaForCausalLM
 
 _MODELS = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "Ministral3ForCausalLM": LlamaForCausalLM,  # its queries scaled by their position (models/llama.py)
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "SmolLM3ForCausalLM": LlamaForCausalLM,  # with its layers without a rotary (no_rope_layers)
     "Olmo2ForCausalLM": LlamaForCausalLM,  # norms after attention and the MLP (models/llama.PostNormDecoderLayer)
     "Olmo3ForCausalLM": LlamaForCausalLM,  # OLMo 2's layer, with sliding-window layers
+    "Ernie4_5ForCausalLM": LlamaForCausalLM,  # its rotary of adjacent pairs (layers/rotary.rotary_order)
     "Exaone4ForCausalLM": LlamaForCausalLM,  # OLMo 2's layer, q/k norms per head; its full layers unrotated beside windows
     "GraniteForCausalLM": LlamaForCausalLM,  # with its multipliers of embeddings, scores, residual adds and logits
     "Phi3ForCausalLM": LlamaForCausalLM,  # its q/k/v and gate/up saved fused (models/llama._unfused)
@@ -35,7 +37,7 @@ _CLASSIFIERS = {"LlamaForSequenceClassification": LlamaForCausalLM, "MistralForS
 
 def supported_architectures() -> list[str]:
     return (sorted(_MODELS) + sorted(f"{name} (runner pooling)" for name in {**_BASE_MODELS, **_CLASSIFIERS})
-            + sorted(f"{name} (its language model)" for name in LANGUAGE_MODELS))
+            + [f"{name} (its language model)" for name in MULTIMODAL_ARCHITECTURES])
 
 
 def resolve_model_class(hf_config, pooling: bool = False):
