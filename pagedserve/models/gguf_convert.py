@@ -204,25 +204,31 @@ def _set_head_dim(reader, config) -> None:
 def _set_gemma2_attention(reader, config) -> None:
     """What a Gemma 2 file says, or llama.cpp assumes, which transformers' GGUF reading leaves at its defaults: the soft
     caps of the scores and of the logits (the file's, else llama.cpp's 50 and 30), and the scores' scale as llama.cpp
-    takes it (the 27B's, its only model of 46 layers, by the hidden size per head; the others' by the head size)."""
+    takes it (its 27B has 46 layers)."""
     config.attn_logit_softcapping = float(_metadata(reader, "attn_logit_softcapping", 50.0))
     config.final_logit_softcapping = float(_metadata(reader, "final_logit_softcapping", 30.0))
-    per_head = config.hidden_size // config.num_attention_heads
-    config.query_pre_attn_scalar = per_head if config.num_hidden_layers == 46 else config.head_dim
+    config.query_pre_attn_scalar = _gemma_score_scalar(config, layers_of_27b=46)
 
 
 def _set_gemma3_attention(reader, config) -> None:
     """What a Gemma 3 file says, or llama.cpp assumes, of its attention, which transformers' GGUF reading leaves at its
-    defaults: the full attention layers' rope scaling (the file's), and the scores' scale, as llama.cpp takes it (the
-    27B's, its only model of 62 layers, by the hidden size per head; the others' by the head size)."""
+    defaults: the full attention layers' rope scaling (the file's), and the scores' scale, as llama.cpp takes it (its
+    27B has 62 layers)."""
     scaling, factor = _metadata(reader, "rope.scaling.type"), _metadata(reader, "rope.scaling.factor")
     if scaling not in (None, "none", "linear"):
         raise ValueError(f"this Gemma 3 GGUF file's rope scaling {scaling!r} is not read; supported: linear")
     if scaling == "linear" and factor:
         full = dict(config.rope_parameters["full_attention"])
         config.rope_parameters["full_attention"] = {**full, "rope_type": "linear", "factor": float(factor)}
-    per_head = config.hidden_size // config.num_attention_heads
-    config.query_pre_attn_scalar = per_head if config.num_hidden_layers == 62 else config.head_dim
+    config.query_pre_attn_scalar = _gemma_score_scalar(config, layers_of_27b=62)
+
+
+def _gemma_score_scalar(config, layers_of_27b: int) -> int:
+    """A Gemma's query_pre_attn_scalar as llama.cpp takes it: the 27B's (known by its layer count, its only model of
+    that many) by the hidden size per head, the others' by the head size."""
+    if config.num_hidden_layers == layers_of_27b:
+        return config.hidden_size // config.num_attention_heads
+    return config.head_dim
 
 
 # An architecture -> what sets the settings its file states, or llama.cpp assumes, that transformers' GGUF reading leaves

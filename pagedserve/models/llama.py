@@ -187,6 +187,12 @@ class LlamaDecoderLayer(nn.Module):
             if isinstance(self.mlp, GatedMLP):
                 self.mlp.down_proj.output_dtype = dtype
 
+    def norms_by_place(self) -> dict[str, RMSNorm | None] | None:
+        """The layer's norms by the places the native decode layers (models/native_decode.py) apply norms at, None at a
+        place it has none; None for a layer whose norms sit where those layers have no place for them."""
+        return {"input_norm": self.input_layernorm, "post_norm": self.post_attention_layernorm, **_head_norms(self.self_attn),
+                "attention_out_norm": None, "mlp_out_norm": None}
+
     def attention_input(self, hidden_states, residual):
         """The layer's input joined to the residual stream (the first layer's starts it) and normalized for attention:
         (normalized, residual). Each norm hands the GEMM after it its input in the dtype that GEMM multiplies
@@ -224,6 +230,11 @@ class GemmaDecoderLayer(LlamaDecoderLayer):
         """Every GEMM keeps float32 outputs: a norm of its own reads each of attention's and the MLP's, before the
         float32 residual."""
 
+    def norms_by_place(self) -> dict[str, RMSNorm | None]:
+        """The MLP's input is normalized by pre_feedforward_layernorm; attention's and the MLP's outputs by theirs."""
+        return {"input_norm": self.input_layernorm, "post_norm": self.pre_feedforward_layernorm, **_head_norms(self.self_attn),
+                "attention_out_norm": self.post_attention_layernorm, "mlp_out_norm": self.post_feedforward_layernorm}
+
     def forward(self, positions, hidden_states, residual, kv_cache, meta):
         rows = hidden_states.shape[0]
         hidden_states, residual = self.attention_input(hidden_states, residual)
@@ -246,10 +257,19 @@ class PostNormDecoderLayer(LlamaDecoderLayer):
     def keep_gemm_outputs(self, dtype: torch.dtype, single_rank: bool) -> None:
         """Every GEMM keeps float32 outputs: a norm of its own reads each of attention's and the MLP's."""
 
+    def norms_by_place(self) -> None:
+        """Nothing normalizes attention's input here, which the native decode layers always do."""
+        return None
+
     def forward(self, positions, hidden_states, residual, kv_cache, meta):
         stream = hidden_states if residual is None else hidden_states + residual
         stream = stream + self.post_attention_layernorm(self.self_attn(positions, stream, kv_cache, meta))
         return self.post_feedforward_layernorm(self.mlp(stream)), stream
+
+
+def _head_norms(attn: LlamaAttention) -> dict[str, RMSNorm | None]:
+    """An attention's per-head q and k norms, by the native decode layers' names (None where it has none)."""
+    return {"q_norm": attn.q_norm if attn.qk_norm else None, "k_norm": attn.k_norm if attn.qk_norm else None}
 
 
 class MissingLayer(nn.Module):

@@ -49,14 +49,15 @@ class NativeDecodeLayers:
         if not isinstance(backend, CPUAttentionBackend) or backend.kernels is None or max_rows < 1:
             return None
         # One scale of the scores and one epsilon serve every layer.
-        if len({layer.self_attn.attn.scale for layer in layers}) != 1 or len(_epsilons(layers)) != 1:
+        epsilons = _epsilons(layers)
+        if len({layer.self_attn.attn.scale for layer in layers}) != 1 or len(epsilons) != 1:
             return None
-        native = kernels.LlamaDecodeLayers(attention.num_heads, attention.num_kv_heads, attention.head_dim, _epsilons(layers).pop(),
+        native = kernels.LlamaDecodeLayers(attention.num_heads, attention.num_kv_heads, attention.head_dim, epsilons.pop(),
                                            attention.attn.scale, backend.kernel_format)
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             scales, rotary = attn.attn.kv_scales, attn.rotary_emb
-            norms = {place: None if norm is None else norm.weight for place, norm in _norms(layer).items()}
+            norms = {place: None if norm is None else norm.weight for place, norm in layer.norms_by_place().items()}
             native.add_layer(qkv=_linear_args(attn.qkv_proj), o=_linear_args(attn.o_proj), gate_up=_linear_args(mlp.gate_up_proj),
                              down=_linear_args(mlp.down_proj), k_scale=scales.key or 0.0, v_scale=scales.value or 0.0,
                              cos_cache=rotary.cos_cache, sin_cache=rotary.sin_cache, window=attn.attn.window or 0,
@@ -84,31 +85,19 @@ def _plain(layer) -> bool:
         return False
     if isinstance(attn.rotary_emb, NoRotary) or attn.query_position_scaling is not None:  # nor does it scale queries
         return False
-    if not hasattr(layer, "input_layernorm"):  # models/llama.PostNormDecoderLayer: no norm before attention
-        return False
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     if any(m.bias is not None or m.lora is not None or m.quantized is None for m in linears):
         return False
-    norms = [norm for norm in _norms(layer).values() if norm is not None]
+    by_place = layer.norms_by_place()
+    if by_place is None:
+        return False
+    norms = [norm for norm in by_place.values() if norm is not None]
     on_kernels = all(module.kernels is not None for module in (*norms, attn.rotary_emb))
     return on_kernels and (not mlp.silu or mlp.act_fn.kernels is not None) and all(norm.weight.dtype == torch.float32 for norm in norms)
 
 
-def _norms(layer) -> dict:
-    """The layer's norms by where the native layers apply them (None: it has none there). A Gemma layer
-    (models/llama.GemmaDecoderLayer) normalizes what attention and the MLP give, and the MLP's input by its
-    pre_feedforward_layernorm."""
-    attn = layer.self_attn
-    qk = {"q_norm": attn.q_norm, "k_norm": attn.k_norm} if attn.qk_norm else {"q_norm": None, "k_norm": None}
-    if hasattr(layer, "post_feedforward_layernorm"):
-        return {"input_norm": layer.input_layernorm, "post_norm": layer.pre_feedforward_layernorm, **qk,
-                "attention_out_norm": layer.post_attention_layernorm, "mlp_out_norm": layer.post_feedforward_layernorm}
-    return {"input_norm": layer.input_layernorm, "post_norm": layer.post_attention_layernorm, **qk,
-            "attention_out_norm": None, "mlp_out_norm": None}
-
-
 def _epsilons(layers) -> set[float]:
-    return {norm.variance_epsilon for layer in layers for norm in _norms(layer).values() if norm is not None}
+    return {norm.variance_epsilon for layer in layers for norm in layer.norms_by_place().values() if norm is not None}
 
 
 def _linear_args(linear: Linear) -> tuple:
