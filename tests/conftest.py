@@ -188,6 +188,19 @@ def hf_token_logprobs(model_dir, prompt_ids, output_ids, dtype=torch.float32, ad
     return [logprobs[start + i, token].item() for i, token in enumerate(output_ids)], logprobs
 
 
+def hf_greedy_picks(model_dir, prompt_ids, output_ids, **model_options):
+    """transformers' most likely token after the prompt and after each longer prefix of output_ids, from one forward
+    pass: where output_ids equal them, they are what transformers' greedy generation gives (without its decode steps)."""
+    _, logprobs = hf_token_logprobs(model_dir, prompt_ids, output_ids, **model_options)
+    return most_likely_after(logprobs, len(prompt_ids), len(output_ids))
+
+
+def most_likely_after(logprobs, prompt_len, count):
+    """From hf_token_logprobs' log-probabilities of every position: the most likely token at each of the count
+    positions after a prompt of prompt_len tokens."""
+    return logprobs[prompt_len - 1:prompt_len - 1 + count].argmax(dim=-1).tolist()
+
+
 @pytest.fixture(scope="session")
 def default_llm():
     """The default model, shared by the tests that only read from it."""

@@ -1,5 +1,7 @@
 """The benchmark commands run end to end (on a tiny model, small sizes) and report sane figures."""
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -7,13 +9,18 @@ import sys
 import pytest
 
 
-def bench(tmp_path, workload, *args, timeout=600):
+def bench(tmp_path, workload, *args):
+    """`pagedserve bench WORKLOAD ARGS` through the command's own entry point, in this process (torch is imported
+    here already): its record and what it printed. The command's own process start is test_cli's business."""
+    from pagedserve.entrypoints import cli
+
     out = tmp_path / "record.json"
+    printed, errors = io.StringIO(), io.StringIO()
     # --json goes first: serve's --server-args takes everything after it.
-    result = subprocess.run([sys.executable, "-m", "pagedserve.entrypoints.cli", "bench", workload, "--json", str(out), *args],
-                            capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(out.read_text()), result.stdout
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(errors):
+        code = cli.main(["bench", workload, "--json", str(out), *args])
+    assert code == 0, errors.getvalue()[-3000:]
+    return json.loads(out.read_text()), printed.getvalue()
 
 
 @pytest.mark.slow

@@ -120,22 +120,40 @@ def float32_outputs(default_model_dir):
     return token_ids_of(llm.generate(PROMPTS, greedy(24), use_tqdm=False))
 
 
+@pytest.fixture(scope="module")
+def eight_bit_engine_runs(default_model_dir):
+    """run(kv_cache_dtype): an engine over that 8-bit cache and the C++ attention: its number of blocks and its greedy
+    outputs of PROMPTS, with their logprobs. Each dtype's engine runs once, for the tests below."""
+    runs = {}
+
+    def run(kv_cache_dtype):
+        if kv_cache_dtype not in runs:
+            llm = LLM(str(default_model_dir), max_model_len=512, kv_cache_memory=16 * 1024**2, kv_cache_dtype=kv_cache_dtype,
+                      attention_backend="cpu", **DENSE)
+            outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=24, logprobs=1), use_tqdm=False)
+            runs[kv_cache_dtype] = (engine_core_of(llm).kv_cache_manager.block_pool.num_blocks, [o.outputs[0] for o in outputs])
+            llm.llm_engine.shutdown()
+        return runs[kv_cache_dtype]
+
+    return run
+
+
 def first_divergence(ours: list[int], theirs: list[int]) -> int:
     return next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), len(ours))
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8", "fp8_e5m2"])
-def test_the_engine_holds_more_blocks_and_keeps_close_to_float32(default_model_dir, float32_outputs, kv_cache_dtype):
+def test_the_engine_holds_more_blocks_and_keeps_close_to_float32(default_model_dir, float32_outputs, eight_bit_engine_runs,
+                                                                kv_cache_dtype):
     """The same kv_cache_memory holds 3.5x float32's blocks or more; greedy outputs follow float32's for much of their
     length (measured 2026-12-02 on the default model with dense GEMMs, these 4 prompts over 24 tokens, with 1 and with
     2 threads alike, tokens before the first divergence: int8 24, 24, 24, 24; fp8_e4m3 18, 24, 24, 13; fp8_e5m2 6,
     11, 15, 24; the thresholds on the mean sit a few tokens below); prefix caching, chunked prefill and preemption run
     on the 8-bit cache."""
-    llm = LLM(str(default_model_dir), max_model_len=512, kv_cache_memory=16 * 1024**2, kv_cache_dtype=kv_cache_dtype, **DENSE)
-    blocks = engine_core_of(llm).kv_cache_manager.block_pool.num_blocks
+    blocks, completions = eight_bit_engine_runs(kv_cache_dtype)
     float32_blocks = 16 * 1024**2 // (2 * 30 * 3 * 64 * 4 * 16)  # layers, KV heads, head size, bytes, block size
     assert blocks >= 3.5 * float32_blocks
-    outputs = token_ids_of(llm.generate(PROMPTS, greedy(24), use_tqdm=False))
+    outputs = [list(completion.token_ids) for completion in completions]
     agreement = [first_divergence(ours, theirs) for ours, theirs in zip(outputs, float32_outputs)]
     assert sum(agreement) / len(agreement) >= {"int8": 20, "fp8": 14, "fp8_e5m2": 10}[kv_cache_dtype], agreement
     # The cache's features on: a small cache (preemption), small chunks, repeats (prefix hits). Attention then sums in
@@ -288,7 +306,7 @@ def test_long_chunks_read_8_bit_rows_through_the_kernel_as_the_reference(name):
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8", "fp8_e5m2"])
-def test_the_cpu_and_torch_backends_agree_on_an_8_bit_cache(default_model_dir, kv_cache_dtype):
+def test_the_cpu_and_torch_backends_agree_on_an_8_bit_cache(default_model_dir, eight_bit_engine_runs, kv_cache_dtype):
     """The engine's default (C++) attention and the torch reference read the same rows. Their float sums differ in
     order, which now and then moves a new K or V value across an 8-bit rounding step, so their answers part at a
     near-tie, sooner for the fp8 formats' coarser steps. Measured 2026-12-02 on the default model with dense GEMMs,
@@ -296,11 +314,10 @@ def test_the_cpu_and_torch_backends_agree_on_an_8_bit_cache(default_model_dir, k
     17, 24; fp8_e5m2 24, 13, 17, 24; the chosen tokens' logprobs before it differing by 0.006 (int8), 0.013 (e4m3),
     0.009 (e5m2) on average. A row read wrongly parts them at once and by whole units of logprob."""
     params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=1)
-    outputs = {}
-    for backend in ("cpu", "torch"):
-        llm = LLM(str(default_model_dir), max_model_len=512, kv_cache_memory=16 * 1024**2, kv_cache_dtype=kv_cache_dtype,
-                  attention_backend=backend, **DENSE)
-        outputs[backend] = [output.outputs[0] for output in llm.generate(PROMPTS, params, use_tqdm=False)]
+    llm = LLM(str(default_model_dir), max_model_len=512, kv_cache_memory=16 * 1024**2, kv_cache_dtype=kv_cache_dtype,
+              attention_backend="torch", **DENSE)
+    outputs = {"cpu": eight_bit_engine_runs(kv_cache_dtype)[1],
+               "torch": [output.outputs[0] for output in llm.generate(PROMPTS, params, use_tqdm=False)]}
     agreement, differences = [], []
     for ours, theirs in zip(outputs["cpu"], outputs["torch"]):
         agreement.append(first_divergence(ours.token_ids, theirs.token_ids))

@@ -100,11 +100,12 @@ def test_a_changed_tokenizer_config_is_loaded_as_auto_tokenizer_loads_it_anew(ti
     import shutil
 
     model_dir = shutil.copytree(tiny_models["llama"], tmp_path / "model")
-    assert _tokenizer_as_loaded(model_dir)["class"] == _auto_tokenizer_class(model_dir)
+    before = _tokenizer_as_loaded(model_dir)["class"]
+    assert before == _auto_tokenizer_class(model_dir)
     tokenizer_config = json.loads((model_dir / "tokenizer_config.json").read_text())
     (model_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config | {"tokenizer_class": "Qwen2Tokenizer"}))
     changed = _tokenizer_as_loaded(model_dir)
-    assert changed["class"] == _auto_tokenizer_class(model_dir) != _tokenizer_as_loaded(tiny_models["llama"])["class"]
+    assert changed["class"] == _auto_tokenizer_class(model_dir) != before
     assert "torch" in changed["imported"]  # AutoTokenizer asked again
 
 
