@@ -279,6 +279,42 @@ def _olmoe_tensors(state_dict, config):
     return _model_tensors(state_dict, config, layer)
 
 
+def tiny_olmo2_config():
+    """An OLMo 2 with the writer's vocabulary: norms after attention and after the MLP only, q and k normalized across
+    all heads."""
+    from transformers import Olmo2Config
+
+    return Olmo2Config(
+        vocab_size=len(VOCAB), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3, tie_word_embeddings=False,
+        bos_token_id=0, eos_token_id=2, pad_token_id=None, rms_norm_eps=1e-6, rope_theta=500000.0,
+    )
+
+
+def write_olmo2_gguf(path, state_dict: dict[str, torch.Tensor], config, type_name: str, sliding_window: int = 0) -> None:
+    """As llama.cpp's converter writes an OLMo 2: architecture olmo2, q and k not permuted, their norms over the whole
+    projection, the norms after attention and the MLP. sliding_window: stated as an OLMo 3's file states it."""
+    writer = _model_writer(path, "olmo2", "tiny-olmo2", config, rope_freq_base=config.rope_parameters["rope_theta"])
+    if sliding_window:
+        writer.add_sliding_window(sliding_window)
+    sd = {k: v.float().numpy() for k, v in state_dict.items()}
+
+    def tensors():
+        yield "token_embd.weight", sd["model.embed_tokens.weight"]
+        yield "output_norm.weight", sd["model.norm.weight"]
+        yield "output.weight", sd["lm_head.weight"]
+        for i in range(config.num_hidden_layers):
+            p = f"model.layers.{i}."
+            for part, piece in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("output", "o_proj"), ("q_norm", "q_norm"),
+                                ("k_norm", "k_norm")):
+                yield f"blk.{i}.attn_{part}.weight", sd[p + f"self_attn.{piece}.weight"]
+            yield f"blk.{i}.post_attention_norm.weight", sd[p + "post_attention_layernorm.weight"]
+            yield f"blk.{i}.post_ffw_norm.weight", sd[p + "post_feedforward_layernorm.weight"]
+            yield from _dense_mlp(sd, p, i)
+
+    _finish(writer, tensors(), type_name)
+
+
 def tiny_gemma3_config():
     """A Gemma 3 text model as a GGUF file tells it: llama.cpp's layer pattern (every sixth layer full attention, the
     others sliding), the file's rope base and linear scaling for the full layers and 10000 for the sliding ones, scores

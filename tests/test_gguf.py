@@ -226,15 +226,17 @@ def test_a_mixture_of_experts_gguf_generates_like_its_weights_in_transformers(ar
 
 
 @pytest.mark.parametrize("arch,type_name", [("gemma3", "F32"), ("gemma3", "Q8_0"), ("gemma3", "Q4_0"),
-                                            ("gemma2", "F32"), ("gemma2", "Q8_0"), ("qwen3", "F32"), ("qwen3", "Q4_0")])
+                                            ("gemma2", "F32"), ("gemma2", "Q8_0"), ("qwen3", "F32"), ("qwen3", "Q4_0"),
+                                            ("olmo2", "F32"), ("olmo2", "Q4_0")])
 def test_a_gguf_with_norms_of_its_own_generates_like_its_weights_in_transformers(arch, type_name, tmp_path):
-    """llama.cpp's Gemma 2, Gemma 3 and Qwen3 layouts (the Gemmas' norms stored plus one, their sliding and full
+    """llama.cpp's Gemma 2, Gemma 3, Qwen3 and OLMo 2 layouts (the Gemmas' norms stored plus one, their sliding and full
     attention layers in llama.cpp's pattern, Gemma 3's full layers' rope scaling, Gemma 2's soft caps; Qwen3's per-head
-    q/k norms and its head size, which the file states; tied embeddings), read through transformers' GGUF support:
+    q/k norms and its head size, which the file states; tied embeddings; OLMo 2's norms after attention and the MLP
+    only and its q/k norms across the heads, an architecture transformers' GGUF reading does not know, read by ours):
     greedy tokens and their logprobs equal transformers' on the values the file holds, past the sliding window, the
     quantized layers multiplying on their GGUF blocks."""
     import gguf_writer
-    from transformers import Gemma2ForCausalLM, Gemma3ForCausalLM, Qwen3ForCausalLM
+    from transformers import Gemma2ForCausalLM, Gemma3ForCausalLM, Olmo2ForCausalLM, Qwen3ForCausalLM
 
     from pagedserve.layers.linear import Linear
 
@@ -242,6 +244,7 @@ def test_a_gguf_with_norms_of_its_own_generates_like_its_weights_in_transformers
         "gemma2": (gguf_writer.tiny_gemma2_config(), Gemma2ForCausalLM, gguf_writer.write_gemma2_gguf),
         "gemma3": (gguf_writer.tiny_gemma3_config(), Gemma3ForCausalLM, gguf_writer.write_gemma3_gguf),
         "qwen3": (gguf_writer.tiny_qwen3_config(), Qwen3ForCausalLM, gguf_writer.write_qwen3_gguf),
+        "olmo2": (gguf_writer.tiny_olmo2_config(), Olmo2ForCausalLM, gguf_writer.write_olmo2_gguf),
     }[arch]
     torch.manual_seed(0)
     hf_model = model_class(config).eval()
@@ -253,6 +256,17 @@ def test_a_gguf_with_norms_of_its_own_generates_like_its_weights_in_transformers
     linears = [module for module in worker_of(llm).model.modules() if isinstance(module, Linear)]
     assert len(linears) == 4 * config.num_hidden_layers and all((m.quantized is not None) == (type_name != "F32") for m in linears)
     assert_generates_like(llm, reference)
+
+
+def test_an_olmo3_gguf_is_refused_rather_than_read_without_its_sliding_window_layers(tmp_path):
+    import gguf_writer
+    from transformers import Olmo2ForCausalLM
+
+    config = gguf_writer.tiny_olmo2_config()
+    path = tmp_path / "tiny-olmo3.gguf"
+    gguf_writer.write_olmo2_gguf(path, Olmo2ForCausalLM(config).state_dict(), config, "F32", sliding_window=16)
+    with pytest.raises(ValueError, match=r"sliding-window layers \(an OLMo 3\).*HF checkpoint"):
+        LLM(str(path), kv_cache_memory=4 * 1024**2)
 
 
 def test_a_gguf_mixture_of_an_architecture_whose_experts_are_not_read_is_refused(tiny_hf_llama, tmp_path, monkeypatch):

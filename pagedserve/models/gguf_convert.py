@@ -272,50 +272,88 @@ def _stacked_experts(reader) -> dict:
     return tensors
 
 
-# llama.cpp's names of an OLMoE's tensors outside its experts -> transformers' (those of a layer after blk.N.).
-_OLMOE_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                "output.weight": "lm_head.weight"}
-_OLMOE_LAYER_NAMES = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
-                      "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
-                      "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
-                      "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
+# llama.cpp's names of the OLMo family's tensors outside a mixture's experts -> transformers' (those of a layer after
+# blk.N.): OLMoE's norms before attention and its experts, OLMo 2's after attention and after its dense MLP.
+_OLMO_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+               "output.weight": "lm_head.weight"}
+_OLMO_ATTENTION_NAMES = {"attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+                         "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+                         "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
+_OLMO_LAYER_NAMES = {
+    "olmoe": _OLMO_ATTENTION_NAMES | {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight"},
+    "olmo2": _OLMO_ATTENTION_NAMES | {"post_attention_norm.weight": "post_attention_layernorm.weight",
+                                      "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+                                      "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+                                      "ffn_down.weight": "mlp.down_proj.weight"},
+}
+_OLMO_MODEL_NAMES = {"olmoe": "an OLMoE", "olmo2": "an OLMo 2"}
 
 
-def _olmoe(reader):
-    """(config, tensors under transformers' names) of an OLMoE as llama.cpp's converter writes it: q and k as
-    transformers holds them (llama.cpp rotates OLMoE's as NeoX does), the expert width as feed_forward_length.
-    llama.cpp's files do not keep OLMoE's clip_qkv: a model trained with one is not read exactly."""
-    from transformers import OlmoeConfig
-
+def _olmo_tensors(reader) -> dict:
+    """An OLMo-family file's tensors under transformers' names: q and k as transformers holds them (llama.cpp rotates
+    the family's as NeoX does), a mixture's experts stacked."""
+    architecture = _architecture(reader)
+    layer_names = _OLMO_LAYER_NAMES[architecture]
     tensors = _stacked_experts(reader)
     for tensor in reader.tensors:
         layer, _, rest = tensor.name.removeprefix("blk.").partition(".")
-        if tensor.name.startswith("blk.") and rest in _EXPERT_PARTS:
+        in_layer = tensor.name.startswith("blk.")
+        if in_layer and rest in _EXPERT_PARTS:
             continue
-        name = (f"model.layers.{layer}.{_OLMOE_LAYER_NAMES[rest]}" if tensor.name.startswith("blk.") and rest in _OLMOE_LAYER_NAMES
-                else _OLMOE_NAMES.get(tensor.name))
+        name = f"model.layers.{layer}.{layer_names[rest]}" if in_layer and rest in layer_names else _OLMO_NAMES.get(tensor.name)
         if name is None:
-            raise ValueError(f"this OLMoE GGUF file has a tensor {tensor.name!r} that an OLMoE does not have")
+            raise ValueError(f"this {architecture} GGUF file has a tensor {tensor.name!r} that {_OLMO_MODEL_NAMES[architecture]} "
+                             "does not have")
         tensors[name] = _dequantized(tensor)
+    return tensors
+
+
+def _olmo_config_values(reader, tensors) -> dict:
+    """The config values every OLMo-family file states the same way."""
     token_ids = {key: reader.fields[f"tokenizer.ggml.{key}"].contents() for key in ("bos_token_id", "eos_token_id")
                  if f"tokenizer.ggml.{key}" in reader.fields}
-    config = OlmoeConfig(
+    return dict(
         vocab_size=tensors["model.embed_tokens.weight"].shape[0], hidden_size=int(_metadata(reader, "embedding_length")),
-        intermediate_size=int(_metadata(reader, "expert_feed_forward_length", _metadata(reader, "feed_forward_length"))),
         num_hidden_layers=int(_metadata(reader, "block_count")), num_attention_heads=int(_metadata(reader, "attention.head_count")),
         num_key_value_heads=int(_metadata(reader, "attention.head_count_kv", _metadata(reader, "attention.head_count"))),
         max_position_embeddings=int(_metadata(reader, "context_length")),
         rms_norm_eps=float(_metadata(reader, "attention.layer_norm_rms_epsilon", 1e-5)),
         rope_parameters={"rope_type": "default", "rope_theta": float(_metadata(reader, "rope.freq_base", 10000.0))},
-        num_experts=_expert_count(reader), num_experts_per_tok=int(_metadata(reader, "expert_used_count")),
-        norm_topk_prob=bool(_metadata(reader, "expert_weights_norm", False)), clip_qkv=None,
         tie_word_embeddings="lm_head.weight" not in tensors, pad_token_id=None, **token_ids)
+
+
+def _olmoe(reader):
+    """(config, tensors under transformers' names) of an OLMoE as llama.cpp's converter writes it: the expert width as
+    feed_forward_length. llama.cpp's files do not keep OLMoE's clip_qkv: a model trained with one is not read exactly."""
+    from transformers import OlmoeConfig
+
+    tensors = _olmo_tensors(reader)
+    config = OlmoeConfig(
+        **_olmo_config_values(reader, tensors),
+        intermediate_size=int(_metadata(reader, "expert_feed_forward_length", _metadata(reader, "feed_forward_length"))),
+        num_experts=_expert_count(reader), num_experts_per_tok=int(_metadata(reader, "expert_used_count")),
+        norm_topk_prob=bool(_metadata(reader, "expert_weights_norm", False)), clip_qkv=None)
     config.architectures = ["OlmoeForCausalLM"]
     return config, tensors
 
 
+def _olmo2(reader):
+    """(config, tensors under transformers' names) of an OLMo 2 as llama.cpp's converter writes it. OLMo 3's files (the
+    same architecture with sliding-window layers, and a rotary of their own for those) are refused, not read without
+    them."""
+    from transformers import Olmo2Config
+
+    if _metadata(reader, "attention.sliding_window"):
+        raise ValueError("this olmo2 GGUF file has sliding-window layers (an OLMo 3), which are not read from GGUF; use the "
+                         "model's HF checkpoint")
+    tensors = _olmo_tensors(reader)
+    config = Olmo2Config(**_olmo_config_values(reader, tensors), intermediate_size=int(_metadata(reader, "feed_forward_length")))
+    config.architectures = ["Olmo2ForCausalLM"]
+    return config, tensors
+
+
 # The architectures transformers' GGUF reading does not know and this module reads itself.
-_OWN_READERS = {"olmoe": _olmoe}
+_OWN_READERS = {"olmoe": _olmoe, "olmo2": _olmo2}
 
 
 # llama.cpp's sampling metadata keys -> generation_config.json fields.
