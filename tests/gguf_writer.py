@@ -315,6 +315,25 @@ def write_olmo2_gguf(path, state_dict: dict[str, torch.Tensor], config, type_nam
     _finish(writer, tensors(), type_name)
 
 
+def tiny_smollm3_config():
+    """A SmolLM3 with the writer's vocabulary, four layers: the fourth without a rotary, as llama.cpp has it."""
+    from transformers import SmolLM3Config
+
+    return SmolLM3Config(
+        vocab_size=len(VOCAB), hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3, tie_word_embeddings=False,
+        bos_token_id=0, eos_token_id=2, pad_token_id=None, rms_norm_eps=1e-6, rope_theta=50000.0, no_rope_layer_interval=4,
+        use_sliding_window=False,
+    )
+
+
+def write_smollm3_gguf(path, state_dict: dict[str, torch.Tensor], config, type_name: str) -> None:
+    """As llama.cpp's converter writes a SmolLM3: a Llama's layout (q and k permuted) under architecture smollm3, with
+    nothing said of its layers without a rotary."""
+    writer = _model_writer(path, "smollm3", "tiny-smollm3", config, rope_freq_base=config.rope_parameters["rope_theta"])
+    _finish(writer, _gguf_tensors(state_dict, config), type_name)
+
+
 def tiny_gemma3_config():
     """A Gemma 3 text model as a GGUF file tells it: llama.cpp's layer pattern (every sixth layer full attention, the
     others sliding), the file's rope base and linear scaling for the full layers and 10000 for the sliding ones, scores

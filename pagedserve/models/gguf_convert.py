@@ -1,8 +1,9 @@
 """GGUF file -> cached HF-format directory (config.json, model.safetensors, tokenizer files).
 
-The dequantization and tensor-name mapping are transformers' own GGUF support; we run it once
-per file and keep the result, so later starts read plain safetensors. The quantized tensors are
-also kept in their GGUF blocks (models/gguf_blocks.py) for the CPU kernels.
+The dequantization and tensor-name mapping are transformers' own GGUF support, and for the architectures it does not
+know (_OWN_READERS), a table of llama.cpp's tensor names here; we run it once per file and keep the result, so later
+starts read plain safetensors. The quantized tensors are also kept in their GGUF blocks (models/gguf_blocks.py) for the
+CPU kernels.
 """
 
 from __future__ import annotations
@@ -272,44 +273,66 @@ def _stacked_experts(reader) -> dict:
     return tensors
 
 
-# llama.cpp's names of the OLMo family's tensors outside a mixture's experts -> transformers' (those of a layer after
-# blk.N.): OLMoE's norms before attention and its experts, OLMo 2's after attention and after its dense MLP.
-_OLMO_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-               "output.weight": "lm_head.weight"}
-_OLMO_ATTENTION_NAMES = {"attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
-                         "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
-                         "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
-_OLMO_LAYER_NAMES = {
-    "olmoe": _OLMO_ATTENTION_NAMES | {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight"},
-    "olmo2": _OLMO_ATTENTION_NAMES | {"post_attention_norm.weight": "post_attention_layernorm.weight",
-                                      "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
-                                      "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
-                                      "ffn_down.weight": "mlp.down_proj.weight"},
+# The tensors of the architectures read here (transformers' GGUF reading does not know them), outside a mixture's
+# experts: llama.cpp's names -> transformers' (those of a layer after blk.N.).
+_MODEL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                "output.weight": "lm_head.weight"}
+_ATTENTION_NAMES = {"attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+                    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight"}
+_QK_NORM_NAMES = {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
+_PRE_NORM_NAMES = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight"}
+_MLP_NAMES = {"ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight"}
+_LAYER_NAMES = {
+    "olmoe": _ATTENTION_NAMES | _QK_NORM_NAMES | _PRE_NORM_NAMES,
+    "olmo2": _ATTENTION_NAMES | _QK_NORM_NAMES | _MLP_NAMES | {"post_attention_norm.weight": "post_attention_layernorm.weight",
+                                                               "post_ffw_norm.weight": "post_feedforward_layernorm.weight"},
+    "smollm3": _ATTENTION_NAMES | _PRE_NORM_NAMES | _MLP_NAMES,
 }
-_OLMO_MODEL_NAMES = {"olmoe": "an OLMoE", "olmo2": "an OLMo 2"}
+_ARCHITECTURE_NAMES = {"olmoe": "an OLMoE", "olmo2": "an OLMo 2", "smollm3": "a SmolLM3"}
 
 
-def _olmo_tensors(reader) -> dict:
-    """An OLMo-family file's tensors under transformers' names: q and k as transformers holds them (llama.cpp rotates
-    the family's as NeoX does), a mixture's experts stacked."""
+def _named_tensors(reader, unpermute_qk: bool = False) -> dict:
+    """A file's tensors under transformers' names, a mixture's experts stacked. unpermute_qk: q and k rows are in
+    llama.cpp's rotary layout (as it writes a Llama's), turned back by transformers' own reading of a Llama's; else
+    they are as transformers holds them (llama.cpp rotates the OLMo family's as NeoX does)."""
     architecture = _architecture(reader)
-    layer_names = _OLMO_LAYER_NAMES[architecture]
+    layer_names = _LAYER_NAMES[architecture]
+    qk_layout = _llama_qk_layout(reader) if unpermute_qk else None
     tensors = _stacked_experts(reader)
     for tensor in reader.tensors:
         layer, _, rest = tensor.name.removeprefix("blk.").partition(".")
         in_layer = tensor.name.startswith("blk.")
         if in_layer and rest in _EXPERT_PARTS:
             continue
-        name = f"model.layers.{layer}.{layer_names[rest]}" if in_layer and rest in layer_names else _OLMO_NAMES.get(tensor.name)
+        name = f"model.layers.{layer}.{layer_names[rest]}" if in_layer and rest in layer_names else _MODEL_NAMES.get(tensor.name)
         if name is None:
-            raise ValueError(f"this {architecture} GGUF file has a tensor {tensor.name!r} that {_OLMO_MODEL_NAMES[architecture]} "
-                             "does not have")
-        tensors[name] = _dequantized(tensor)
+            raise ValueError(f"this {architecture} GGUF file has a tensor {tensor.name!r} that {_ARCHITECTURE_NAMES[architecture]} "
+                             "does not have, or whose meaning is not read")
+        values = _dequantized(tensor)
+        if qk_layout is not None and rest in ("attn_q.weight", "attn_k.weight"):
+            values = _torch_from(qk_layout.process(values.numpy(), tensor.name).weights)
+        tensors[name] = values
     return tensors
 
 
-def _olmo_config_values(reader, tensors) -> dict:
-    """The config values every OLMo-family file states the same way."""
+def _llama_qk_layout(reader):
+    """transformers' reading of a Llama's q and k rows from llama.cpp's rotary layout, for this file's head counts."""
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    heads = int(_metadata(reader, "attention.head_count"))
+    return LlamaTensorProcessor(config={"num_attention_heads": heads,
+                                        "num_key_value_heads": int(_metadata(reader, "attention.head_count_kv", heads))})
+
+
+def _torch_from(array):
+    import numpy as np
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(array))
+
+
+def _stated_config_values(reader, tensors) -> dict:
+    """The config values every file read here states the same way."""
     token_ids = {key: reader.fields[f"tokenizer.ggml.{key}"].contents() for key in ("bos_token_id", "eos_token_id")
                  if f"tokenizer.ggml.{key}" in reader.fields}
     return dict(
@@ -327,9 +350,9 @@ def _olmoe(reader):
     feed_forward_length. llama.cpp's files do not keep OLMoE's clip_qkv: a model trained with one is not read exactly."""
     from transformers import OlmoeConfig
 
-    tensors = _olmo_tensors(reader)
+    tensors = _named_tensors(reader)
     config = OlmoeConfig(
-        **_olmo_config_values(reader, tensors),
+        **_stated_config_values(reader, tensors),
         intermediate_size=int(_metadata(reader, "expert_feed_forward_length", _metadata(reader, "feed_forward_length"))),
         num_experts=_expert_count(reader), num_experts_per_tok=int(_metadata(reader, "expert_used_count")),
         norm_topk_prob=bool(_metadata(reader, "expert_weights_norm", False)), clip_qkv=None)
@@ -346,14 +369,31 @@ def _olmo2(reader):
     if _metadata(reader, "attention.sliding_window"):
         raise ValueError("this olmo2 GGUF file has sliding-window layers (an OLMo 3), which are not read from GGUF; use the "
                          "model's HF checkpoint")
-    tensors = _olmo_tensors(reader)
-    config = Olmo2Config(**_olmo_config_values(reader, tensors), intermediate_size=int(_metadata(reader, "feed_forward_length")))
+    tensors = _named_tensors(reader)
+    config = Olmo2Config(**_stated_config_values(reader, tensors), intermediate_size=int(_metadata(reader, "feed_forward_length")))
     config.architectures = ["Olmo2ForCausalLM"]
     return config, tensors
 
 
+# llama.cpp's SmolLM3 leaves the rotary out of every fourth layer, as SmolLM3's released configs do; its files do not
+# say so.
+_SMOLLM3_NO_ROPE_LAYER_INTERVAL = 4
+
+
+def _smollm3(reader):
+    """(config, tensors under transformers' names) of a SmolLM3 as llama.cpp's converter writes it: a Llama's layout
+    (q and k in llama.cpp's rotary layout), the layers without a rotary llama.cpp's (every fourth)."""
+    from transformers import SmolLM3Config
+
+    tensors = _named_tensors(reader, unpermute_qk=True)
+    config = SmolLM3Config(**_stated_config_values(reader, tensors), intermediate_size=int(_metadata(reader, "feed_forward_length")),
+                           no_rope_layer_interval=_SMOLLM3_NO_ROPE_LAYER_INTERVAL, use_sliding_window=False)
+    config.architectures = ["SmolLM3ForCausalLM"]
+    return config, tensors
+
+
 # The architectures transformers' GGUF reading does not know and this module reads itself.
-_OWN_READERS = {"olmoe": _olmoe, "olmo2": _olmo2}
+_OWN_READERS = {"olmoe": _olmoe, "olmo2": _olmo2, "smollm3": _smollm3}
 
 
 # llama.cpp's sampling metadata keys -> generation_config.json fields.
