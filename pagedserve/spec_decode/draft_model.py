@@ -11,7 +11,7 @@ import torch
 from pagedserve.layers.attention import AttentionBackend, AttentionMetadata, BatchLayout
 from pagedserve.layers.attention.backend import pad_block_tables
 from pagedserve.layers.sampler import argmax
-from pagedserve.layers.sampling_rule import DRAFT_STREAM, draw, philox_uniform
+from pagedserve.layers.sampling_rule import DRAFT_STREAM, draw, philox_uniforms
 from pagedserve.spec_decode.proposer import DraftInput, Proposal
 from pagedserve.spec_decode.rejection_sampler import target_probabilities
 
@@ -58,8 +58,8 @@ class DraftModelProposer:
         sampled = [row for row, request in enumerate(requests) if not request.params.is_greedy]
         if sampled:
             distributions = target_probabilities(logits[sampled], [requests[row].params for row in sampled])
-            for q, row in zip(distributions, sampled):
-                key, counter = requests[row].draw_keys[position]
-                picks[row] = draw(q, philox_uniform(key, counter, DRAFT_STREAM))
+            keys, counters = zip(*(requests[row].draw_keys[position] for row in sampled))
+            for q, row, uniform in zip(distributions, sampled, philox_uniforms(keys, counters, DRAFT_STREAM)):
+                picks[row] = draw(q, float(uniform))
                 probabilities[row].append(q)
         return picks

@@ -23,6 +23,7 @@ from pagedserve.layers.sampling_rule import (
     draw,
     filtered_distribution,
     philox_uniform,
+    philox_uniforms,
     sample,
 )
 from pagedserve.sampling_params import SamplingParams
@@ -54,12 +55,14 @@ def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams, draw
             accepted.append(draft)
         return Verification(accepted, picks[len(drafts)])
     probabilities = target_probabilities(logits[: len(drafts)].float(), params) if drafts else None
+    keys, counters = zip(*draw_keys[: len(drafts)]) if drafts else ((), ())
+    acceptance_uniforms = philox_uniforms(keys, counters, ACCEPT_STREAM)
     accepted = []
     for position, draft in enumerate(drafts):
         p = probabilities[position]
         q_draft = 1.0 if draft_probs is None else float(draft_probs[position, draft])
         key, counter = draw_keys[position]
-        if philox_uniform(key, counter, ACCEPT_STREAM) * q_draft < float(p[draft]):  # probability min(1, p / q)
+        if float(acceptance_uniforms[position]) * q_draft < float(p[draft]):  # probability min(1, p / q)
             accepted.append(draft)
             continue
         if draft_probs is None:
