@@ -288,7 +288,6 @@ _LAYER_NAMES = {
                                                                "post_ffw_norm.weight": "post_feedforward_layernorm.weight"},
     "smollm3": _ATTENTION_NAMES | _PRE_NORM_NAMES | _MLP_NAMES,
 }
-_ARCHITECTURE_NAMES = {"olmoe": "an OLMoE", "olmo2": "an OLMo 2", "smollm3": "a SmolLM3"}
 
 
 def _named_tensors(reader, unpermute_qk: bool = False) -> dict:
@@ -306,8 +305,8 @@ def _named_tensors(reader, unpermute_qk: bool = False) -> dict:
             continue
         name = f"model.layers.{layer}.{layer_names[rest]}" if in_layer and rest in layer_names else _MODEL_NAMES.get(tensor.name)
         if name is None:
-            raise ValueError(f"this {architecture} GGUF file has a tensor {tensor.name!r} that {_ARCHITECTURE_NAMES[architecture]} "
-                             "does not have, or whose meaning is not read")
+            raise ValueError(f"this {architecture} GGUF file has a tensor {tensor.name!r} that the architecture does not have, "
+                             "or whose meaning is not read")
         values = _dequantized(tensor)
         if qk_layout is not None and rest in ("attn_q.weight", "attn_k.weight"):
             values = _torch_from(qk_layout.process(values.numpy(), tensor.name).weights)
@@ -319,9 +318,14 @@ def _llama_qk_layout(reader):
     """transformers' reading of a Llama's q and k rows from llama.cpp's rotary layout, for this file's head counts."""
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
+    heads, kv_heads = _head_counts(reader)
+    return LlamaTensorProcessor(config={"num_attention_heads": heads, "num_key_value_heads": kv_heads})
+
+
+def _head_counts(reader) -> tuple[int, int]:
+    """(attention heads, KV heads): a file without a KV head count has as many as attention heads."""
     heads = int(_metadata(reader, "attention.head_count"))
-    return LlamaTensorProcessor(config={"num_attention_heads": heads,
-                                        "num_key_value_heads": int(_metadata(reader, "attention.head_count_kv", heads))})
+    return heads, int(_metadata(reader, "attention.head_count_kv", heads))
 
 
 def _torch_from(array):
@@ -335,10 +339,10 @@ def _stated_config_values(reader, tensors) -> dict:
     """The config values every file read here states the same way."""
     token_ids = {key: reader.fields[f"tokenizer.ggml.{key}"].contents() for key in ("bos_token_id", "eos_token_id")
                  if f"tokenizer.ggml.{key}" in reader.fields}
+    heads, kv_heads = _head_counts(reader)
     return dict(
         vocab_size=tensors["model.embed_tokens.weight"].shape[0], hidden_size=int(_metadata(reader, "embedding_length")),
-        num_hidden_layers=int(_metadata(reader, "block_count")), num_attention_heads=int(_metadata(reader, "attention.head_count")),
-        num_key_value_heads=int(_metadata(reader, "attention.head_count_kv", _metadata(reader, "attention.head_count"))),
+        num_hidden_layers=int(_metadata(reader, "block_count")), num_attention_heads=heads, num_key_value_heads=kv_heads,
         max_position_embeddings=int(_metadata(reader, "context_length")),
         rms_norm_eps=float(_metadata(reader, "attention.layer_norm_rms_epsilon", 1e-5)),
         rope_parameters={"rope_type": "default", "rope_theta": float(_metadata(reader, "rope.freq_base", 10000.0))},

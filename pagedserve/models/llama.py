@@ -354,7 +354,8 @@ class LlamaForCausalLM(nn.Module):
         head_dim = head_dim_of(hf_config)
         self.rotary_order = rotary_order(hf_config, head_dim)
         if self.rotary_order is not None and hf_config.model_type in QK_NORM_PER_HEAD_TYPES + QK_NORM_ACROSS_HEADS_TYPES:
-            raise ValueError("partial_rotary_factor with q/k norms is not supported")
+            raise ValueError("q/k norms with a rotary that reorders q and k at load (a partial_rotary_factor, or adjacent "
+                             "pairs) are not supported")
         if pooling or not rank_info().is_last_stage:
             self.lm_head = None
         elif self.tie_word_embeddings:
