@@ -2,7 +2,8 @@
 EmbeddingRequestOutput.
 
 They are msgspec Structs (attributes, equality and repr as dataclasses have) because the front end makes one of each for
-every request's every step, and a Struct is made in C."""
+every request's every step, and a Struct is made in C. RequestOutput and CompletionOutput are not tracked by the garbage
+collector (gc=False): they hold no cycles, and tracking two objects a request a step made the collector run each step."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ class LogprobsLists:
         return LogprobsLists(self.token_ids[:num_positions], self.logprobs[:num_positions], self.ranks[:num_positions])
 
 
-class CompletionOutput(msgspec.Struct):
+class CompletionOutput(msgspec.Struct, gc=False):
     index: int
     text: str
     token_ids: list[int]
@@ -53,7 +54,7 @@ class CompletionOutput(msgspec.Struct):
         return self.finish_reason is not None
 
 
-class RequestOutput(msgspec.Struct):
+class RequestOutput(msgspec.Struct, gc=False):
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from tokenizers.decoders import DecodeStream
 
+from pagedserve.engine.plain_outputs import TextFields
 from pagedserve.sampling_params import SamplingParams
 
 # Prompt tokens fed to the stream first, so the first output token decodes in context (leading spaces).
 _PROMPT_CONTEXT_TOKENS = 6
 
 
-class IncrementalDetokenizer:
+class IncrementalDetokenizer(TextFields):  # its text and tokens as C fields: plain_outputs.py
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams, token_texts: list[str | None] | None) -> None:
         """token_texts: TokenTexts.table for the params' skip_special_tokens (None: every token through the stream)."""
         self._backend = tokenizer.backend_tokenizer

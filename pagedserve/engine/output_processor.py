@@ -7,7 +7,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pagedserve.core.contracts import EngineCoreOutput
+from pagedserve.engine import plain_outputs
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.plain_outputs import RequestFields, SampleFields
 from pagedserve.engine.token_texts import TokenTexts
 from pagedserve.outputs import (
     CompletionOutput,
@@ -24,30 +26,33 @@ from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 _FINAL_ONLY, _DELTA = RequestOutputKind.FINAL_ONLY, RequestOutputKind.DELTA
 
 
-@dataclass
-class SampleState:
-    index: int
-    detokenizer: IncrementalDetokenizer
-    logprobs: list[PositionLogprobs] | None
-    cumulative_logprob: float | None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    sent_tokens: int = 0
-    sent_logprobs: int = 0
+class SampleState(SampleFields):  # the fields the C path reads as C fields: plain_outputs.py
+    def __init__(self, index: int, detokenizer: IncrementalDetokenizer, logprobs: list[PositionLogprobs] | None,
+                 cumulative_logprob: float | None, plain_mode: int) -> None:
+        self.index = index
+        self.detokenizer = detokenizer
+        self.logprobs = logprobs
+        self.cumulative_logprob = cumulative_logprob
+        self.plain_mode = plain_mode  # plain_outputs.plain_mode: whether (and how) its outputs may take the C path
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.sent_tokens = 0
+        self.sent_logprobs = 0
 
 
-@dataclass
-class RequestState:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    samples: dict[str, SampleState]  # engine request id -> sample
-    prompt_logprobs: list[PositionLogprobs | None] | None
-    num_cached_tokens: int = 0
-    prompt_logprobs_sent: bool = False
-    kv_transfer_params: dict | None = None
-    pooled: bytes | None = None  # runner pooling: the prompt's vector
+class RequestState(RequestFields):  # the fields the C path reads as C fields: plain_outputs.py
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                 samples: dict[str, SampleState], prompt_logprobs: list[PositionLogprobs | None] | None) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.samples = samples  # engine request id -> sample
+        self.prompt_logprobs = prompt_logprobs
+        self.num_cached_tokens = 0
+        self.prompt_logprobs_sent = False
+        self.kv_transfer_params: dict | None = None  # with a KV connector: what the request's KV transfer tells the client
+        self.pooled: bytes | None = None  # runner pooling: the prompt's vector
 
     @property
     def finished(self) -> bool:
@@ -64,8 +69,10 @@ class ProcessedOutputs:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, plain_path: bool = True) -> None:
+        """plain_path: the plainest outputs on the C path where it is built (plain_outputs.py); False: all on Python's."""
         self.tokenizer = tokenizer
+        self.plain_path = plain_outputs.process if plain_path else None
         self.token_texts = TokenTexts(tokenizer)
         self.token_texts.table(skip_special_tokens=SamplingParams.skip_special_tokens)  # the default's, made before any request waits on it
         self.request_states: dict[str, RequestState] = {}
@@ -77,13 +84,17 @@ class OutputProcessor:
         """engine_ids: the engine requests of its samples, in sample order."""
         if request_id in self.request_states:
             raise ValueError(f"request_id {request_id!r} is already in use by a running request")
+        table = self.token_texts.table(params.skip_special_tokens)
+        # The C path knows one sample's text and tokens, with no logprobs or stop strings, its tokens' texts looked up.
+        plain = (len(engine_ids) == 1 and params.logprobs is None and params.prompt_logprobs is None and not params.stop
+                 and table is not None)
         samples = {
             engine_id: SampleState(
                 index=index,
-                detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params,
-                                                   self.token_texts.table(params.skip_special_tokens)),
+                detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params, table),
                 logprobs=[] if params.logprobs is not None else None,
                 cumulative_logprob=0.0 if params.logprobs is not None else None,
+                plain_mode=plain_outputs.plain_mode(params.output_kind, plain),
             )
             for index, engine_id in enumerate(engine_ids)
         }
@@ -115,23 +126,30 @@ class OutputProcessor:
 
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
         request_outputs: list[RequestOutput | EmbeddingRequestOutput] = []
-        reqs_to_abort = []
+        reqs_to_abort: list[str] = []
         gathered: dict[str, RequestState] = {}  # requests of several samples: one output with all their samples' news
-        engine_samples = self.engine_samples
-        for output in outputs:
-            entry = engine_samples.get(output.request_id)
-            if entry is None:
-                continue  # aborted in the front end while the step ran
-            state, sample = entry
-            if self._apply(state, sample, output):
-                reqs_to_abort.append(output.request_id)
-            if len(state.samples) == 1:
-                self._report(state, sample.finish_reason is not None, (sample,), request_outputs)
-            else:
-                gathered[state.request_id] = state
+        if self.plain_path is not None:
+            self.plain_path(outputs, self.engine_samples, request_outputs, self._process, reqs_to_abort, gathered)
+        else:
+            engine_samples, process = self.engine_samples, self._process
+            for output in outputs:
+                entry = engine_samples.get(output.request_id)
+                if entry is not None:  # else aborted in the front end while the step ran
+                    process(entry[0], entry[1], output, request_outputs, reqs_to_abort, gathered)
         for state in gathered.values():
             self._report(state, state.finished, state.samples.values(), request_outputs)
         return ProcessedOutputs(request_outputs, reqs_to_abort)
+
+    def _process(self, state: RequestState, sample: SampleState, output: EngineCoreOutput,
+                 request_outputs: list[RequestOutput | EmbeddingRequestOutput], reqs_to_abort: list[str],
+                 gathered: dict[str, RequestState]) -> None:
+        """One output, on the Python path."""
+        if self._apply(state, sample, output):
+            reqs_to_abort.append(output.request_id)
+        if len(state.samples) == 1:
+            self._report(state, sample.finish_reason is not None, (sample,), request_outputs)
+        else:
+            gathered[state.request_id] = state
 
     def _report(self, state: RequestState, finished: bool, samples: Iterable[SampleState],
                 request_outputs: list[RequestOutput | EmbeddingRequestOutput]) -> None:

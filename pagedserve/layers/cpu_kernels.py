@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib.util
 import logging
 import os
 import shutil
@@ -27,6 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pagedserve import c_extension
 from pagedserve.cpu_features import cpu_features
 from pagedserve.envs import cache_root
 
@@ -113,17 +113,7 @@ def _build(build_dir: Path):
 def _import_built(build_dir: Path):
     """The finished build in build_dir, imported without the build tool; None if there is none, or if it does not
     import (a link cut short, say: the build tool then builds it again)."""
-    library = build_dir / f"{_MODULE_NAME}.so"
-    if not library.is_file():
-        return None
-    try:
-        spec = importlib.util.spec_from_file_location(_MODULE_NAME, library)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    except (ImportError, OSError) as exc:
-        logger.warning("the C++ CPU kernels in %s did not load (%s); building them again", build_dir, exc)
-        return None
-    return module
+    return c_extension.import_library(_MODULE_NAME, build_dir / f"{_MODULE_NAME}.so")
 
 
 def _use_packaged_ninja() -> None:
