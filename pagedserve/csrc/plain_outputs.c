@@ -348,9 +348,11 @@ static PyObject *process(PyObject *module, PyObject *const *args, Py_ssize_t nar
         PyObject *output = PyList_GET_ITEM(outputs, i);
         Py_INCREF(output); /* the list may change under a call to other() */
         int exact = Py_IS_TYPE(output, engine_output_type);
-        PyObject *request_id = exact ? field(output, output_at.request_id) : PyObject_GetAttrString(output, "request_id");
-        if (exact)
-            Py_XINCREF(request_id);
+        PyObject *request_id = exact ? field(output, output_at.request_id) : NULL;
+        if (request_id != NULL)
+            Py_INCREF(request_id);
+        else /* not an EngineCoreOutput, or a field deleted: Python's lookup, and its error */
+            request_id = PyObject_GetAttrString(output, "request_id");
         int done = request_id == NULL ? -1 : process_one(output, exact, request_id, args);
         Py_XDECREF(request_id);
         Py_DECREF(output);
