@@ -23,6 +23,8 @@ def test_bfloat16_gemms_run_between_float32_activations_on_the_float32_kernels(b
     worker = worker_of(bfloat16_llm)
     assert (worker.dtype, worker.gemm_dtype, worker.kv_cache_dtype) == (torch.float32, torch.bfloat16, torch.bfloat16)
     assert worker.attn_backend.name == "cpu" and worker.cpu_kernels is not None
+    # The prompts' attention multiplies in bfloat16 pairs where the processor has AVX-512 BF16 (the float32 mode never does).
+    assert worker.attn_backend.prefill_bf16_products == worker.cpu_kernels.prefill_bf16_products()
     linears = [m for m in worker.model.modules() if isinstance(m, Linear)]
     on_tiles = worker.cpu_kernels.bf16_matrix_tiles()  # AMX: steps of few rows on the tiles, float32 sums out
     assert worker.bfloat16_on_tiles == on_tiles and (worker.attn_backend.fresh_prefill_dtype is not None) == on_tiles
@@ -45,6 +47,10 @@ def test_bfloat16_gemms_run_between_float32_activations_on_the_float32_kernels(b
     for name, module in worker.model.named_modules():
         if isinstance(module, Linear):
             assert module.output_dtype == (torch.bfloat16 if name.endswith(kept) else torch.float32), name
+
+
+def test_float32_prompts_attend_with_float32_products(default_llm):
+    assert worker_of(default_llm).dtype == torch.float32 and not worker_of(default_llm).attn_backend.prefill_bf16_products
 
 
 def test_a_prompt_step_beyond_the_tiles_makes_silu_and_mul_in_the_gate_up_gemms(bfloat16_llm):

@@ -17,6 +17,8 @@ from pagedserve.layers.attention.cpu_backend import (
 )
 from pagedserve.layers.attention.torch_backend import (
     TorchAttentionBackend,
+    gather_sequence_kv,
+    read_kv,
     reference_decode_attention,
     reference_prefill_attention,
 )
@@ -533,6 +535,18 @@ def test_kv_cache_write_kernel_stores_bfloat16_keys_as_their_float32_values(kv_f
         kernels.write_kv_cache(key, value.float(), narrow[0], narrow[1], slots, kv_format)
 
 
+def chunks_on_random_blocks(chunks, first_row: int, num_blocks: int, block_size: int) -> tuple[list[PrefillChunk], PagedPrefills]:
+    """(context, query tokens) chunks one after another from first_row, each on distinct random blocks, and their layout
+    as the prefill kernel reads it."""
+    rng = np.random.default_rng(0)
+    prefills, start = [], first_row
+    for context, query_len in chunks:
+        table = torch.from_numpy(rng.choice(num_blocks, -(-(context + query_len) // block_size), replace=False).astype(np.int64))
+        prefills.append(PrefillChunk(start, query_len, context + query_len, table))
+        start += query_len
+    return prefills, PagedPrefills.of(prefills, torch.device("cpu"))
+
+
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 @pytest.mark.parametrize(
     "num_heads,num_kv_heads,head_dim,block_size,chunks",
@@ -548,17 +562,11 @@ def test_cpu_prefill_kernel_matches_reference(num_heads, num_kv_heads, head_dim,
     torch.manual_seed(0)
     num_blocks = 128
     kv_cache = (torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim) * 3).to(cache_dtype)
-    rng = np.random.default_rng(0)
     num_decodes = 3  # rows before the chunks, as in an engine step
     total = num_decodes + sum(q for _, q in chunks)
     qkv = torch.randn(total, (num_heads + 2 * num_kv_heads) * head_dim)
     query = qkv[:, : num_heads * head_dim].view(total, num_heads, head_dim)  # strided, as the model passes it
-    prefills, start = [], num_decodes
-    for context, query_len in chunks:
-        table = torch.from_numpy(rng.choice(num_blocks, -(-(context + query_len) // block_size), replace=False).astype(np.int64))
-        prefills.append(PrefillChunk(start, query_len, context + query_len, table))
-        start += query_len
-    paged = PagedPrefills.of(prefills, torch.device("cpu"))
+    prefills, paged = chunks_on_random_blocks(chunks, num_decodes, num_blocks, block_size)
     out = torch.full((total, num_heads, head_dim), 7.0)
     kernels.paged_prefill_attention(query, kv_cache[0], kv_cache[1], paged.block_tables, paged.query_starts,
                                     paged.query_lens, paged.seq_lens, head_dim**-0.5, out)
@@ -588,6 +596,65 @@ def test_torch_prefill_after_context_matches_reference(num_heads, num_kv_heads, 
     own = torch.zeros(query_len, num_kv_heads, head_dim)  # read from the cache after context, not used
     expected = reference_prefill_attention(query, own, own, kv_cache, chunk)
     torch.testing.assert_close(prefill_attention(query, own, own, kv_cache, chunk), expected, atol=2e-5, rtol=1e-4)
+
+
+def bfloat16_rounded_attention(query, kv_cache, chunk: PrefillChunk, scale: float, window: int = 0, softcap: float = 0.0):
+    """What the prefill kernel's bfloat16 products stand for, over keys that fit one span: q * scale rounded to
+    bfloat16, float32 scores and softmax, the probabilities (relative to each row's max) rounded to bfloat16 before
+    their product with v, and the sums in float32."""
+    keys, values = (kv.float() for kv in gather_sequence_kv(kv_cache, chunk.block_table, chunk.seq_len))  # [S, KV, D]
+    group = query.shape[1] // keys.shape[1]
+    scores = torch.einsum("qhd,khd->hqk", (query * scale).bfloat16().float(), keys.repeat_interleave(group, dim=1))
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    positions, key_positions = torch.arange(chunk.context_len, chunk.seq_len)[:, None], torch.arange(chunk.seq_len)[None]
+    hidden = (key_positions > positions) | ((key_positions <= positions - window) if window else False)
+    scores = scores.masked_fill(hidden, float("-inf"))
+    weights = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
+    out = torch.einsum("hqk,khd->qhd", weights.bfloat16().float(), values.repeat_interleave(group, dim=1))
+    return out / weights.sum(dim=-1).transpose(0, 1)[..., None]
+
+
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim,chunks,window,softcap",
+    [(9, 3, 64, [(1024, 16), (3, 5), (40, 1), (17, 33), (0, 45), (0, 64)], 0, 0.0),  # odd spans, a fresh prompt, context
+     (4, 2, 32, [(600, 200), (9, 7)], 0, 0.0), (4, 2, 96, [(70, 90)], 0, 0.0), (2, 1, 128, [(5, 60)], 0, 0.0),
+     (9, 3, 64, [(300, 100), (0, 90), (100, 16)], 40, 0.0), (9, 3, 64, [(300, 100), (0, 90), (0, 60)], 0, 5.0)],
+)
+def test_cpu_prefill_kernel_in_bfloat16_pairs_rounds_only_q_and_the_probabilities(num_heads, num_kv_heads, head_dim, chunks, window,
+                                                                                  softcap):
+    """Over a bfloat16 cache with bf16_products, the prefill kernel multiplies q and the probabilities rounded to
+    bfloat16: a chunk whose keys fit one span of the kernel (64) gives what that rounding gives, a longer one stays
+    within bfloat16's precision of float32 attention; rows of other tokens are left alone. Where the build has no
+    AVX-512 BF16 it says so and refuses."""
+    kernels = built_kernels()
+    torch.manual_seed(0)
+    block_size, num_blocks, scale = 16, 256, head_dim**-0.5
+    kv_cache = (torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim) * 3).bfloat16()
+    num_decodes = 3
+    total = num_decodes + sum(q for _, q in chunks)
+    query = torch.randn(total, num_heads, head_dim)
+    prefills, paged = chunks_on_random_blocks(chunks, num_decodes, num_blocks, block_size)
+    out = torch.full((total, num_heads, head_dim), 7.0)
+    args = (query, kv_cache[0], kv_cache[1], paged.block_tables, paged.query_starts, paged.query_lens, paged.seq_lens, scale, out, 0,
+            window, softcap)
+    if not kernels.prefill_bf16_products():
+        with pytest.raises(RuntimeError, match="AVX-512 BF16"):
+            kernels.paged_prefill_attention(*args, bf16_products=True)
+        return
+    kernels.paged_prefill_attention(*args, bf16_products=True)
+    for chunk in prefills:
+        rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
+        first_key = max(0, chunk.context_len - window + 1) if window else 0
+        if chunk.seq_len - first_key <= 64:  # one span: the rounding alone departs from float32
+            expected = bfloat16_rounded_attention(query[rows], kv_cache, chunk, scale, window, softcap)
+            torch.testing.assert_close(out[rows], expected, atol=2e-5, rtol=1e-4)
+        own_keys, own_values = (read_kv(kv, None, torch.float32) for kv in gather_sequence_kv(kv_cache, chunk.block_table,
+                                                                                                chunk.seq_len))
+        exact = reference_prefill_attention(query[rows], own_keys[chunk.context_len:], own_values[chunk.context_len:], kv_cache,
+                                            chunk, scale, window=window or None, softcap=softcap or None)
+        torch.testing.assert_close(out[rows], exact, atol=0.1, rtol=0.02)  # bfloat16's 8 bits, on values of magnitude ~3
+    assert torch.equal(out[:num_decodes], torch.full((num_decodes, num_heads, head_dim), 7.0))
 
 
 def test_cpu_prefill_kernel_names_a_chunk_outside_its_table():

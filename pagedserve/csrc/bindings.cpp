@@ -25,10 +25,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("kv_format") = 0, py::arg("window") = 0, py::arg("softcap") = 0.0);
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "causal paged attention for prefill chunks, after context or not (CPU; float32 queries, 16- or 32-bit cache or 8-bit rows; "
-        "window: a sliding window's keys, 0 for none; softcap: the scores' soft cap, 0 for none), into out",
+        "window: a sliding window's keys, 0 for none; softcap: the scores' soft cap, 0 for none; bf16_products: over a bfloat16 "
+        "cache, q and the probabilities rounded to bfloat16 and multiplied in pairs, where prefill_bf16_products()), into out",
         py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"), py::arg("query_starts"),
         py::arg("query_lens"), py::arg("seq_lens"), py::arg("scale"), py::arg("out"), py::arg("kv_format") = 0, py::arg("window") = 0,
-        py::arg("softcap") = 0.0);
+        py::arg("softcap") = 0.0, py::arg("bf16_products") = false);
+  m.def("prefill_bf16_products", &prefill_bf16_products,
+        "whether paged_prefill_attention multiplies in bfloat16 pairs here (bf16_products): a build with AVX-512 BF16");
   m.def("write_kv_cache", &write_kv_cache,
         "store new tokens' float32 K/V at their cache slots (CPU; float32/bfloat16/float16 cache, or quantized into 8-bit rows, "
         "with static scales where k_scale / v_scale are positive, else each row's own)",

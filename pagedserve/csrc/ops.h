@@ -14,7 +14,8 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor key_cache, at::Te
 void paged_prefill_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                              const at::Tensor& block_tables, const at::Tensor& query_starts, const at::Tensor& query_lens,
                              const at::Tensor& seq_lens, double scale, at::Tensor out, int64_t kv_format, int64_t window = 0,
-                             double softcap = 0);
+                             double softcap = 0, bool bf16_products = false);
+bool prefill_bf16_products();
 // RMSNorm's output in out_dtype: float32, or bfloat16 for a GEMM that multiplies it (layer_ops.cpp).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::ScalarType out_dtype);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,

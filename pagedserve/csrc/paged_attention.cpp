@@ -783,10 +783,18 @@ struct TileScratch {
   std::vector<float> q_t, scores_t, acc, running_max, running_sum, rescale;
   std::vector<const float*> keys, values;  // the span's K and V rows of the task's KV head: in the cache, or widened below
   std::vector<float> key_rows, value_rows;  // a 16-bit cache's span, widened
-  TileScratch(int64_t max_rows, int64_t head_dim, int64_t span)
+  // With bfloat16 products (attend_tile_bf16): q_t's rows and the span's probabilities as bfloat16 pairs of dims and of
+  // keys ([pair][padded rows]), the span's values as pairs of keys ([pair][dim]), the span's keys where the cache holds them.
+  std::vector<uint32_t> q_pairs, p_pairs, v_pairs;
+  std::vector<const c10::BFloat16*> key_rows_bf16, value_rows_bf16;
+  TileScratch(int64_t max_rows, int64_t head_dim, int64_t span, bool bf16_products)
       : q_t(head_dim * round_up(max_rows, kLanes)), scores_t(span * round_up(max_rows, kLanes)), acc(max_rows * head_dim),
         running_max(round_up(max_rows, kLanes)), running_sum(round_up(max_rows, kLanes)), rescale(round_up(max_rows, kLanes)),
-        keys(span), values(span), key_rows(span * head_dim), value_rows(span * head_dim) {}
+        keys(span), values(span), key_rows(bf16_products ? 0 : span * head_dim), value_rows(bf16_products ? 0 : span * head_dim),
+        q_pairs(bf16_products ? head_dim / 2 * round_up(max_rows, kLanes) : 0),
+        p_pairs(bf16_products ? (span + 1) / 2 * round_up(max_rows, kLanes) : 0),
+        v_pairs(bf16_products ? (span + 1) / 2 * head_dim : 0), key_rows_bf16(bf16_products ? span : 0),
+        value_rows_bf16(bf16_products ? span : 0) {}
 };
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -913,6 +921,131 @@ void span_values(const float* p_t, int64_t padded, const float* const* values, i
     }
 }
 
+// ---- bfloat16 products for a bfloat16 cache (bf16_products) ----
+// The scores and the products with v multiply bfloat16 pairs into float32 sums (AVX-512 BF16's dpbf16ps: each lane
+// adds the products of a pair of values): q (scaled) is rounded to bfloat16 once per tile, the keys are read as the
+// cache holds them, and each span's probabilities are rounded to bfloat16 for their product with v, as the AMX tiles'
+// fresh attention rounds them (fresh_attention.cpp). The softmax, its running max and sums stay float32.
+#if defined(__AVX512BF16__) && defined(PAGEDSERVE_LANES16)
+#define PREFILL_BF16_PRODUCTS 1
+
+inline __m512bh as_pairs(__m512i words) { return reinterpret_cast<__m512bh>(words); }
+
+// Two vectors of floats rounded to bfloat16 (to nearest even) and paired lane by lane: lane r holds low's value r in
+// its low half and high's in its high half, the order in which dpbf16ps takes a pair.
+inline __m512i bf16_pairs(__m512 low, __m512 high) {
+  const __m512i lo = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(low)));
+  const __m512i hi = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(high)));
+  return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+}
+
+// A bfloat16 pair of values (p[0] low, p[1] high) in every lane.
+inline __m512bh broadcast_pair(const void* p) {
+  uint32_t word;
+  std::memcpy(&word, p, sizeof(word));
+  return as_pairs(_mm512_set1_epi32(static_cast<int>(word)));
+}
+
+// q_pairs[d2 * padded + r]: rows r's dims 2 * d2 and 2 * d2 + 1 of q_t ([dim][padded]).
+void pair_queries(const float* q_t, int64_t padded, int64_t dim, uint32_t* q_pairs) {
+  for (int64_t d2 = 0; d2 < dim / 2; ++d2)
+    for (int64_t r = 0; r < padded; r += 16)
+      _mm512_storeu_si512(q_pairs + d2 * padded + r,
+                          bf16_pairs(_mm512_loadu_ps(q_t + 2 * d2 * padded + r), _mm512_loadu_ps(q_t + (2 * d2 + 1) * padded + r)));
+}
+
+// scores_t[j * padded + r] = q . keys[j] for NK keys and RV vectors of rows from r0, over pairs of dims in order.
+template <int RV, int NK>
+inline void score_keys_bf16(const uint32_t* q_pairs, int64_t padded, int64_t r0, const c10::BFloat16* const* keys, int64_t dim,
+                            float* scores_t) {
+  __m512 acc[RV][NK];
+  for (int v = 0; v < RV; ++v)
+    for (int j = 0; j < NK; ++j) acc[v][j] = _mm512_setzero_ps();
+  for (int64_t d2 = 0; d2 < dim / 2; ++d2) {
+    __m512bh q[RV];
+    for (int v = 0; v < RV; ++v) q[v] = as_pairs(_mm512_loadu_si512(q_pairs + d2 * padded + r0 + 16 * v));
+    for (int j = 0; j < NK; ++j) {
+      const __m512bh k = broadcast_pair(keys[j] + 2 * d2);
+      for (int v = 0; v < RV; ++v) acc[v][j] = _mm512_dpbf16_ps(acc[v][j], q[v], k);
+    }
+  }
+  for (int j = 0; j < NK; ++j)
+    for (int v = 0; v < RV; ++v) _mm512_storeu_ps(scores_t + j * padded + r0 + 16 * v, acc[v][j]);
+}
+
+template <int NK>
+inline void score_rows_bf16(const uint32_t* q_pairs, int64_t padded, const c10::BFloat16* const* keys, int64_t dim, float* scores_t) {
+  int64_t r0 = 0;
+  for (; r0 + 48 <= padded; r0 += 48) score_keys_bf16<3, NK>(q_pairs, padded, r0, keys, dim, scores_t);
+  for (; r0 < padded; r0 += 16) score_keys_bf16<1, NK>(q_pairs, padded, r0, keys, dim, scores_t);
+}
+
+void span_scores_bf16(const uint32_t* q_pairs, int64_t padded, const c10::BFloat16* const* keys, int64_t n, int64_t dim, float* scores_t) {
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) score_rows_bf16<4>(q_pairs, padded, keys + i, dim, scores_t + i * padded);
+  for (; i < n; ++i) score_rows_bf16<1>(q_pairs, padded, keys + i, dim, scores_t + i * padded);
+}
+
+// v_pairs[i2 * dim + d]: value d of keys 2 * i2 (low half) and 2 * i2 + 1 (high half; zero past the span's n keys).
+void pair_values(const c10::BFloat16* const* rows, int64_t n, int64_t dim, uint32_t* v_pairs) {
+  for (int64_t i2 = 0; i2 < (n + 1) / 2; ++i2) {
+    const c10::BFloat16* low = rows[2 * i2];
+    const c10::BFloat16* high = 2 * i2 + 1 < n ? rows[2 * i2 + 1] : nullptr;
+    for (int64_t d = 0; d < dim; d += 16) {
+      const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(low + d)));
+      const __m512i hi = high ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(high + d)))
+                              : _mm512_setzero_si512();
+      _mm512_storeu_si512(v_pairs + i2 * dim + d, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+  }
+}
+
+// p_pairs[i2 * padded + r]: row r's probabilities of keys 2 * i2 and 2 * i2 + 1 (zero past n), from scores_t.
+void pair_probabilities(const float* scores_t, int64_t padded, int64_t n, uint32_t* p_pairs) {
+  for (int64_t i2 = 0; i2 < (n + 1) / 2; ++i2)
+    for (int64_t r = 0; r < padded; r += 16) {
+      const __m512 high = 2 * i2 + 1 < n ? _mm512_loadu_ps(scores_t + (2 * i2 + 1) * padded + r) : _mm512_setzero_ps();
+      _mm512_storeu_si512(p_pairs + i2 * padded + r, bf16_pairs(_mm512_loadu_ps(scores_t + 2 * i2 * padded + r), high));
+    }
+}
+
+// acc[r][d0 ..] += sum over key pairs of row r's probabilities times the values, for R rows from r0 and V vectors of 16
+// dims from d0: each vector of value pairs loaded once for the R rows.
+template <int R, int V>
+inline void accumulate_rows_bf16(const uint32_t* p_pairs, int64_t padded, int64_t r0, const uint32_t* v_pairs, int64_t pairs,
+                                 int64_t dim, int64_t d0, float* acc) {
+  __m512 a[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) a[r][v] = _mm512_loadu_ps(acc + (r0 + r) * dim + d0 + 16 * v);
+  for (int64_t i2 = 0; i2 < pairs; ++i2) {
+    __m512bh value[V];
+    for (int v = 0; v < V; ++v) value[v] = as_pairs(_mm512_loadu_si512(v_pairs + i2 * dim + d0 + 16 * v));
+    for (int r = 0; r < R; ++r) {
+      const __m512bh p = broadcast_pair(p_pairs + i2 * padded + r0 + r);
+      for (int v = 0; v < V; ++v) a[r][v] = _mm512_dpbf16_ps(a[r][v], value[v], p);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(acc + (r0 + r) * dim + d0 + 16 * v, a[r][v]);
+}
+
+template <int R>
+inline void accumulate_row_group_bf16(const uint32_t* p_pairs, int64_t padded, int64_t r0, const uint32_t* v_pairs, int64_t pairs,
+                                      int64_t dim, float* acc) {
+  int64_t d0 = 0;
+  for (; d0 + 64 <= dim; d0 += 64) accumulate_rows_bf16<R, 4>(p_pairs, padded, r0, v_pairs, pairs, dim, d0, acc);
+  for (; d0 < dim; d0 += 16) accumulate_rows_bf16<R, 1>(p_pairs, padded, r0, v_pairs, pairs, dim, d0, acc);
+}
+
+void span_values_bf16(const uint32_t* p_pairs, int64_t padded, const uint32_t* v_pairs, int64_t n, int64_t rows, int64_t dim,
+                      float* acc) {
+  const int64_t pairs = (n + 1) / 2;
+  int64_t r = 0;
+  for (; r + 3 <= rows; r += 3) accumulate_row_group_bf16<3>(p_pairs, padded, r, v_pairs, pairs, dim, acc);
+  for (; r < rows; ++r) accumulate_row_group_bf16<1>(p_pairs, padded, r, v_pairs, pairs, dim, acc);
+}
+#endif
+
 struct ChunkView {
   const float* query;  // the chunk's first query token
   int64_t query_stride;  // floats between tokens
@@ -934,15 +1067,19 @@ void hide_passed_keys(float* scores_t, int64_t padded, int64_t rows, int64_t gro
 // One task: the tile's rows attend causally to keys [0, context_len + first + count) of the sequence; with a sliding
 // window (Windowed, window > 0), a row at position p to keys (p - window, p] only. Windowed is a template argument so
 // that the tile's loop without a window compiles as it does alone.
-template <typename T, bool Windowed>
+template <typename T, bool Windowed, bool Bf16 = false>
 void attend_tile(const AttentionShape& s, const ChunkView& c, const PrefillTask& task, const T* k_cache, const T* v_cache,
                  int64_t span, int64_t window, TileScratch& w) {
+  static_assert(!Bf16 || std::is_same_v<T, c10::BFloat16>, "bfloat16 products read a bfloat16 cache");
   const int64_t D = s.head_dim, rows = task.count * s.group, padded = round_up(rows, kLanes);
   std::fill(w.q_t.begin(), w.q_t.begin() + D * padded, 0.f);
   for (int64_t r = 0; r < rows; ++r) {
     const float* src = c.query + (task.first + r / s.group) * c.query_stride + (task.kv_head * s.group + r % s.group) * D;
     for (int64_t d = 0; d < D; ++d) w.q_t[d * padded + r] = src[d] * s.scale;
   }
+#if defined(PREFILL_BF16_PRODUCTS)
+  if constexpr (Bf16) pair_queries(w.q_t.data(), padded, D, w.q_pairs.data());
+#endif
   std::fill(w.acc.begin(), w.acc.begin() + rows * D, 0.f);
   std::fill(w.running_max.begin(), w.running_max.begin() + padded, -std::numeric_limits<float>::infinity());
   std::fill(w.running_sum.begin(), w.running_sum.begin() + padded, 0.f);
@@ -955,10 +1092,21 @@ void attend_tile(const AttentionShape& s, const ChunkView& c, const PrefillTask&
       const int64_t key = span_start + i;
       const int64_t offset = c.table[key / s.block_size] * s.block_stride + (key % s.block_size) * s.row_stride +
                              task.kv_head * s.head_stride;
-      w.keys[i] = as_float(k_cache + offset, s.head_stride, w.key_rows.data() + i * D, D, s.head_stride);
-      w.values[i] = as_float(v_cache + offset, s.head_stride, w.value_rows.data() + i * D, D, s.head_stride);
+      if constexpr (Bf16) {
+        w.key_rows_bf16[i] = k_cache + offset;
+        w.value_rows_bf16[i] = v_cache + offset;
+      } else {
+        w.keys[i] = as_float(k_cache + offset, s.head_stride, w.key_rows.data() + i * D, D, s.head_stride);
+        w.values[i] = as_float(v_cache + offset, s.head_stride, w.value_rows.data() + i * D, D, s.head_stride);
+      }
     }
-    span_scores(w.q_t.data(), padded, w.keys.data(), n, D, w.scores_t.data());
+#if defined(PREFILL_BF16_PRODUCTS)
+    if constexpr (Bf16) {
+      span_scores_bf16(w.q_pairs.data(), padded, w.key_rows_bf16.data(), n, D, w.scores_t.data());
+      pair_values(w.value_rows_bf16.data(), n, D, w.v_pairs.data());
+    }
+#endif
+    if constexpr (!Bf16) span_scores(w.q_t.data(), padded, w.keys.data(), n, D, w.scores_t.data());
     if (s.softcap > 0.f) cap_scores(w.scores_t.data(), n * padded, s.softcap);
     for (int64_t i = std::max<int64_t>(0, first_position + 1 - span_start); i < n; ++i)  // causal: hide keys after a row
       for (int64_t r = 0; r < rows; ++r)
@@ -969,7 +1117,13 @@ void attend_tile(const AttentionShape& s, const ChunkView& c, const PrefillTask&
     span_softmax(w.scores_t.data(), n, padded, w.running_max.data(), w.running_sum.data(), w.rescale.data());
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t d = 0; d < D; ++d) w.acc[r * D + d] *= w.rescale[r];
-    span_values(w.scores_t.data(), padded, w.values.data(), n, rows, D, w.acc.data());
+#if defined(PREFILL_BF16_PRODUCTS)
+    if constexpr (Bf16) {
+      pair_probabilities(w.scores_t.data(), padded, n, w.p_pairs.data());
+      span_values_bf16(w.p_pairs.data(), padded, w.v_pairs.data(), n, rows, D, w.acc.data());
+    }
+#endif
+    if constexpr (!Bf16) span_values(w.scores_t.data(), padded, w.values.data(), n, rows, D, w.acc.data());
   }
   for (int64_t r = 0; r < rows; ++r) {
     const float inv = 1.f / w.running_sum[r];
@@ -986,6 +1140,15 @@ int64_t prefill_lanes() {
   return PrefillLanes::kWidth;
 #else
   return 1;
+#endif
+}
+
+// Whether this build's prefill attention multiplies in bfloat16 pairs over a bfloat16 cache (bf16_products): AVX-512 BF16.
+bool prefill_bf16_products() {
+#if defined(PREFILL_BF16_PRODUCTS)
+  return true;
+#else
+  return false;
 #endif
 }
 
@@ -1056,8 +1219,9 @@ at::Tensor paged_decode_attention(at::Tensor query_in, at::Tensor key_cache, at:
 void paged_prefill_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                              const at::Tensor& block_tables, const at::Tensor& query_starts, const at::Tensor& query_lens,
                              const at::Tensor& seq_lens, double scale, at::Tensor out, int64_t kv_format, int64_t window,
-                             double softcap) {
+                             double softcap, bool bf16_products) {
   TORCH_CHECK(query.dtype() == at::kFloat && out.dtype() == at::kFloat, "query and out must be float32");
+  TORCH_CHECK(!bf16_products || prefill_bf16_products(), "bf16_products needs a build with AVX-512 BF16 (prefill_bf16_products)");
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
   TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: none)");
   TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2), "query rows must be contiguous");
@@ -1101,14 +1265,27 @@ void paged_prefill_attention(const at::Tensor& query, const at::Tensor& key_cach
     using T = decltype(element);
     const T* k_ptr = reinterpret_cast<const T*>(key_cache.data_ptr());
     const T* v_ptr = reinterpret_cast<const T*>(value_cache.data_ptr());
+    // bfloat16 products where asked and the cache holds bfloat16 rows of whole vectors; float32 products otherwise.
+    const bool in_pairs = bf16_products && std::is_same_v<T, c10::BFloat16> && head_dim % 32 == 0;
     at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t begin, int64_t end) {
       const int64_t span = std::max(kKeySpan, block_size);
-      TileScratch scratch(kQueryTile * group, head_dim, span);
+      TileScratch scratch(kQueryTile * group, head_dim, span, in_pairs);
       for (int64_t part = begin; part < end; ++part)
         for (int64_t i = bounds[part]; i < bounds[part + 1]; ++i) {
           const int64_t c = tasks[i].chunk;
           const ChunkView view{q_ptr + start_ptr[c] * query.stride(0), query.stride(0), out_ptr + start_ptr[c] * num_heads * head_dim,
                                table_ptr + c * max_blocks, len_ptr[c] - qlen_ptr[c]};
+#if defined(PREFILL_BF16_PRODUCTS)
+          if constexpr (std::is_same_v<T, c10::BFloat16>) {
+            if (in_pairs) {
+              if (window > 0)
+                attend_tile<T, true, true>(shape, view, tasks[i], k_ptr, v_ptr, span, window, scratch);
+              else
+                attend_tile<T, false, true>(shape, view, tasks[i], k_ptr, v_ptr, span, 0, scratch);
+              continue;
+            }
+          }
+#endif
           if (window > 0)
             attend_tile<T, true>(shape, view, tasks[i], k_ptr, v_ptr, span, window, scratch);
           else

@@ -191,7 +191,7 @@ class Worker:
                         ",".join(map(str, self.thread_pinning.cpus)), cpu_host.PINNED_MAX_TOKENS)
         self.int8_gemms = int8_gemms_wanted(config, self.device, self.dtype, self.cpu_kernels)
         self.attn_backend = select_attention_backend(config.attention_backend, self.device, self.dtype, self.cpu_kernels, self.kv_format,
-                                                     self.bfloat16_on_tiles)
+                                                     self.bfloat16_on_tiles, bfloat16_gemms=self.gemm_dtype == torch.bfloat16)
         if config.data_parallel_place is not None:
             self._join_expert_groups(config.data_parallel_place)
         self.model = load_model(self.hf_config, self.model_dir, self.dtype, self.device, self.model_max_len, self.attn_backend,

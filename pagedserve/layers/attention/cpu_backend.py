@@ -123,13 +123,16 @@ def causal_attention_of_run(query, key, value, count: int, scale: float, dtype: 
 class CPUAttentionBackend(AttentionBackend):
     name = "cpu"
 
-    def __init__(self, kernels, kv_format: KVFormat | None = None, fresh_prefill_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, kernels, kv_format: KVFormat | None = None, fresh_prefill_dtype: torch.dtype | None = None,
+                 prefill_bf16_products: bool = False) -> None:
         """kv_format: the 8-bit format the caches hold; None for a 16- or 32-bit cache. fresh_prefill_dtype: where set,
         chunks that start their sequence are attended by torch in that dtype (their queries, keys and values rounded
-        to it, the output widened back)."""
+        to it, the output widened back). prefill_bf16_products: the prefill kernel multiplies in bfloat16 over a
+        bfloat16 cache (q and the probabilities rounded to bfloat16, the sums in float32), where the kernels can."""
         self.kernels = kernels
         self.kv_format = kv_format
         self.fresh_prefill_dtype = fresh_prefill_dtype if kv_format is None else None
+        self.prefill_bf16_products = prefill_bf16_products and kernels is not None and kernels.prefill_bf16_products()
         self.kernel_format = kv_format.kernel_code if kv_format is not None else 0
         self.prefill_lanes = kernels.prefill_lanes() if kernels is not None else 1  # None: metadata only (host_costs)
         # An 8-bit cache's rows as values, for the chunks torch attends: the kernels read them as they read them.
@@ -175,7 +178,8 @@ class CPUAttentionBackend(AttentionBackend):
         if paged is not None:  # first: the kernel writes its chunks' rows of a float32 tensor, the others' come after
             wide = out if out.dtype == torch.float32 else torch.empty(query.shape, dtype=torch.float32)
             kernels.paged_prefill_attention(query.float(), key_cache, value_cache, paged.block_tables, paged.query_starts,
-                                            paged.query_lens, paged.seq_lens, scale, wide, kernel_format, *rule)
+                                            paged.query_lens, paged.seq_lens, scale, wide, kernel_format, *rule,
+                                            self.prefill_bf16_products)
             if wide is not out:
                 out.copy_(wide)
         if num_decodes:
