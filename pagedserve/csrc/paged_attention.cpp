@@ -853,19 +853,22 @@ void span_scores(const float* q_t, int64_t rows, const float* const* keys, int64
 }
 
 // Online softmax over a span, one row per vector lane: running max and sum updated, scores replaced by
-// exp(score - new max), and each row's factor for its old accumulator left in rescale.
+// exp(score - new max), and each row's factor for its old accumulator left in rescale. FastExp: torch's faster
+// exponential (within 20 ULP), for probabilities that are rounded to bfloat16 next.
+template <bool FastExp = false>
 void span_softmax(float* scores_t, int64_t n, int64_t rows, float* running_max, float* running_sum, float* rescale) {
   using Vec = at::vec::Vectorized<float>;
+  const auto exp = [](const Vec& x) { return FastExp ? x.exp_u20() : x.exp(); };
   for (int64_t r = 0; r < rows; r += Vec::size()) {
     Vec new_max = Vec::loadu(running_max + r);
     for (int64_t i = 0; i < n; ++i) new_max = at::vec::maximum(new_max, Vec::loadu(scores_t + i * rows + r));
     Vec sum(0.f);
     for (int64_t i = 0; i < n; ++i) {
-      const Vec e = (Vec::loadu(scores_t + i * rows + r) - new_max).exp();
+      const Vec e = exp(Vec::loadu(scores_t + i * rows + r) - new_max);
       e.store(scores_t + i * rows + r);
       sum = sum + e;
     }
-    const Vec factor = (Vec::loadu(running_max + r) - new_max).exp();  // 0 on the first span
+    const Vec factor = exp(Vec::loadu(running_max + r) - new_max);  // 0 on the first span
     factor.store(rescale + r);
     (Vec::loadu(running_sum + r) * factor + sum).store(running_sum + r);
     new_max.store(running_max + r);
@@ -1114,7 +1117,7 @@ void attend_tile(const AttentionShape& s, const ChunkView& c, const PrefillTask&
     if constexpr (Windowed) hide_passed_keys(w.scores_t.data(), padded, rows, s.group, span_start, n, first_position, window);
     // Every row sees its first key in the first span (it is at most kQueryTile keys after the span's start, and a span
     // holds more), so no row's max stays -inf (no inf - inf below).
-    span_softmax(w.scores_t.data(), n, padded, w.running_max.data(), w.running_sum.data(), w.rescale.data());
+    span_softmax<Bf16>(w.scores_t.data(), n, padded, w.running_max.data(), w.running_sum.data(), w.rescale.data());
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t d = 0; d < D; ++d) w.acc[r * D + d] *= w.rescale[r];
 #if defined(PREFILL_BF16_PRODUCTS)

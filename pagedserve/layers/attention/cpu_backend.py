@@ -14,6 +14,10 @@ chunks run as above while no chunk of the step is longer than the window (the wi
 where one is, all of them run in the prefill kernel, which hides the keys each row's window has passed. A layer whose
 scores are soft-capped (Attention.softcap) runs all its chunks and decodes in the kernels, which cap each span's
 scores before the mask; torch's fused attention takes no cap.
+
+Where the GEMMs multiply in bfloat16 and the kernels are built with AVX-512 BF16 (prefill_bf16_products), the prefill
+kernel over a bfloat16 cache multiplies in bfloat16 pairs too: q and the probabilities rounded to bfloat16, the sums
+in float32. Decodes, read by memory more than by arithmetic, stay float32.
 """
 
 from __future__ import annotations
