@@ -55,7 +55,7 @@ def load(name: str, source: str, what: str) -> ModuleType | None:
             _compile(CSRC / source, library, compiler, what)
             module = import_library(name, library)
         return module
-    except (OSError, subprocess.CalledProcessError, RuntimeError) as exc:
+    except (OSError, RuntimeError) as exc:  # no compiler, a failed build, a cache we cannot write
         logger.warning("%s unavailable (%s); using the Python path", what, exc)
         return None
 

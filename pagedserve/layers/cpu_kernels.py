@@ -70,7 +70,8 @@ def load():
     """The compiled module, or None when it cannot be built here."""
     try:
         build_dir = _build_dir()
-        built = _import_built(build_dir)
+        # A finished build imports without the build tool (a broken one is built again).
+        built = c_extension.import_library(_MODULE_NAME, build_dir / f"{_MODULE_NAME}.so")
         return built if built is not None else _build(build_dir)
     except Exception as exc:  # no compiler, no ninja, ...: the reference paths still work
         logger.warning("CPU kernels unavailable (%s); using the torch reference paths", exc)
@@ -108,12 +109,6 @@ def _build(build_dir: Path):
     if first_build:
         logger.info("C++ CPU kernels built in %.0f s", time.monotonic() - start)
     return module
-
-
-def _import_built(build_dir: Path):
-    """The finished build in build_dir, imported without the build tool; None if there is none, or if it does not
-    import (a link cut short, say: the build tool then builds it again)."""
-    return c_extension.import_library(_MODULE_NAME, build_dir / f"{_MODULE_NAME}.so")
 
 
 def _use_packaged_ninja() -> None:
