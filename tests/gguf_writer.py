@@ -144,19 +144,29 @@ def tiny_qwen3_config():
 def write_qwen3_gguf(path, state_dict: dict[str, torch.Tensor], config, type_name: str) -> None:
     """As llama.cpp's converter writes a Qwen3: its head size as the key and value lengths, q and k not permuted, their
     norms per head, no output tensor (tied)."""
-    writer = _model_writer(path, "qwen3", "tiny-qwen3", config, rope_freq_base=config.rope_parameters["rope_theta"])
-    writer.add_key_length(config.head_dim)
-    writer.add_value_length(config.head_dim)
-
     def layer(sd, p, i):
-        for part, piece in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("output", "o_proj")):  # not permuted
-            yield f"blk.{i}.attn_{part}.weight", sd[p + f"self_attn.{piece}.weight"]
+        yield from _unpermuted_attention(sd, p, i)
         yield f"blk.{i}.attn_q_norm.weight", sd[p + "self_attn.q_norm.weight"]
         yield f"blk.{i}.attn_k_norm.weight", sd[p + "self_attn.k_norm.weight"]
         yield from _dense_mlp(sd, p, i)
 
+    _write_tied_with_head_size(path, "qwen3", config, layer, type_name, state_dict)
+
+
+def _write_tied_with_head_size(path, architecture: str, config, layer, type_name: str, state_dict) -> None:
+    """A model's file with its head size as the key and value lengths and no output tensor (tied embeddings), each
+    layer's tensors after its norms from layer(numpy state dict, HF prefix of the layer, layer index)."""
+    writer = _model_writer(path, architecture, f"tiny-{architecture}", config, rope_freq_base=config.rope_parameters["rope_theta"])
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
     tensors = ((name, tensor) for name, tensor in _model_tensors(state_dict, config, layer) if name != "output.weight")
     _finish(writer, tensors, type_name)
+
+
+def _unpermuted_attention(sd, p, i):
+    """q and k as the checkpoint holds them: llama.cpp's converter permutes a Llama's only."""
+    for part, piece in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("output", "o_proj")):
+        yield f"blk.{i}.attn_{part}.weight", sd[p + f"self_attn.{piece}.weight"]
 
 
 def tiny_qwen2_moe_config():
@@ -332,6 +342,27 @@ def write_smollm3_gguf(path, state_dict: dict[str, torch.Tensor], config, type_n
     nothing said of its layers without a rotary."""
     writer = _model_writer(path, "smollm3", "tiny-smollm3", config, rope_freq_base=config.rope_parameters["rope_theta"])
     _finish(writer, _gguf_tensors(state_dict, config), type_name)
+
+
+def tiny_ernie4_5_config():
+    """An ERNIE 4.5 with the writer's vocabulary: its rotary of adjacent pairs, a head size the file states (beside
+    hidden size / heads)."""
+    from transformers import Ernie4_5Config
+
+    return Ernie4_5Config(
+        vocab_size=len(VOCAB), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=24, max_position_embeddings=512, initializer_range=0.3, tie_word_embeddings=True,
+        bos_token_id=0, eos_token_id=2, pad_token_id=None, rms_norm_eps=1e-5, rope_theta=500000.0, use_bias=False,
+    )
+
+
+def write_ernie4_5_gguf(path, state_dict: dict[str, torch.Tensor], config, type_name: str) -> None:
+    """As llama.cpp's converter writes an ERNIE 4.5: q and k as the checkpoint holds them, no output tensor (tied)."""
+    def layer(sd, p, i):
+        yield from _unpermuted_attention(sd, p, i)
+        yield from _dense_mlp(sd, p, i)
+
+    _write_tied_with_head_size(path, "ernie4_5", config, layer, type_name, state_dict)
 
 
 def tiny_gemma3_config():

@@ -227,17 +227,26 @@ def test_a_mixture_of_experts_gguf_generates_like_its_weights_in_transformers(ar
 
 @pytest.mark.parametrize("arch,type_name", [("gemma3", "F32"), ("gemma3", "Q8_0"), ("gemma3", "Q4_0"),
                                             ("gemma2", "F32"), ("gemma2", "Q8_0"), ("qwen3", "F32"), ("qwen3", "Q4_0"),
-                                            ("olmo2", "F32"), ("olmo2", "Q4_0"), ("smollm3", "F32"), ("smollm3", "Q8_0")])
+                                            ("olmo2", "F32"), ("olmo2", "Q4_0"), ("smollm3", "F32"), ("smollm3", "Q8_0"),
+                                            ("ernie4_5", "F32"), ("ernie4_5", "Q8_0")])
 def test_a_dense_gguf_of_another_architecture_generates_like_its_weights_in_transformers(arch, type_name, tmp_path):
-    """llama.cpp's Gemma 2, Gemma 3, Qwen3, OLMo 2 and SmolLM3 layouts (the Gemmas' norms stored plus one, their sliding
-    and full attention layers in llama.cpp's pattern, Gemma 3's full layers' rope scaling, Gemma 2's soft caps; Qwen3's
-    per-head q/k norms and its head size, which the file states; tied embeddings; read by ours, as transformers' GGUF
-    reading does not know them: OLMo 2's norms after attention and the MLP only and its q/k norms across the heads,
-    SmolLM3's q and k in llama.cpp's rotary layout and its fourth layer without a rotary, which the file does not
-    state): greedy tokens and their logprobs equal transformers' on the values the file holds, past the sliding window,
-    the quantized layers multiplying on their GGUF blocks."""
+    """llama.cpp's Gemma 2, Gemma 3, Qwen3, OLMo 2, SmolLM3 and ERNIE 4.5 layouts (the Gemmas' norms stored plus one,
+    their sliding and full attention layers in llama.cpp's pattern, Gemma 3's full layers' rope scaling, Gemma 2's soft
+    caps; Qwen3's per-head q/k norms and its head size, which the file states; tied embeddings; read by ours, as
+    transformers' GGUF reading does not know them: OLMo 2's norms after attention and the MLP only and its q/k norms
+    across the heads, SmolLM3's q and k in llama.cpp's rotary layout and its fourth layer without a rotary, which the
+    file does not state, ERNIE 4.5's q and k as its checkpoint holds them for its rotary of adjacent pairs, its head
+    size and its tied embeddings): greedy tokens and their logprobs equal transformers' on the values the file holds,
+    past the sliding window, the quantized layers multiplying on their GGUF blocks."""
     import gguf_writer
-    from transformers import Gemma2ForCausalLM, Gemma3ForCausalLM, Olmo2ForCausalLM, Qwen3ForCausalLM, SmolLM3ForCausalLM
+    from transformers import (
+        Ernie4_5ForCausalLM,
+        Gemma2ForCausalLM,
+        Gemma3ForCausalLM,
+        Olmo2ForCausalLM,
+        Qwen3ForCausalLM,
+        SmolLM3ForCausalLM,
+    )
 
     from pagedserve.layers.linear import Linear
 
@@ -247,6 +256,7 @@ def test_a_dense_gguf_of_another_architecture_generates_like_its_weights_in_tran
         "qwen3": (gguf_writer.tiny_qwen3_config(), Qwen3ForCausalLM, gguf_writer.write_qwen3_gguf),
         "olmo2": (gguf_writer.tiny_olmo2_config(), Olmo2ForCausalLM, gguf_writer.write_olmo2_gguf),
         "smollm3": (gguf_writer.tiny_smollm3_config(), SmolLM3ForCausalLM, gguf_writer.write_smollm3_gguf),
+        "ernie4_5": (gguf_writer.tiny_ernie4_5_config(), Ernie4_5ForCausalLM, gguf_writer.write_ernie4_5_gguf),
     }[arch]
     torch.manual_seed(0)
     hf_model = model_class(config).eval()

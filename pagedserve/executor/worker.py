@@ -199,12 +199,11 @@ class Worker:
         settle_static_kv_scales(self.model, self.kv_format, self.model_dir.name)
         cpu_kernels.attach(self.model, self.cpu_kernels)
         # A partial rotary, or one of adjacent pairs, reorders q's and k's rows at load (layers/rotary.rotary_order): an
-        # adapter's or a GGUF block's rows would be in the checkpoint's order.
-        reordered = self.model.rotary_order is not None
-        if reordered and config.enable_lora:
+        # adapter's rows would be in the checkpoint's order (GGUF blocks are reordered as the rows are).
+        if self.model.rotary_order is not None and config.enable_lora:
             raise ValueError("enable_lora is not supported with a rotary that reorders q and k at load (the model's "
                              "partial_rotary_factor, or ERNIE 4.5's adjacent pairs)")
-        if config.gguf_quantized_weights and self.cpu_kernels is not None and self.dtype == torch.float32 and not reordered:
+        if config.gguf_quantized_weights and self.cpu_kernels is not None and self.dtype == torch.float32:
             self._use_gguf_blocks()
         self._pack_gemm_weights(self.model)
         if not self.int8_gemms:  # else once the int8 GEMMs exist (initialize_cache)

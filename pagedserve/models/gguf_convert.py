@@ -287,6 +287,7 @@ _LAYER_NAMES = {
     "olmo2": _ATTENTION_NAMES | _QK_NORM_NAMES | _MLP_NAMES | {"post_attention_norm.weight": "post_attention_layernorm.weight",
                                                                "post_ffw_norm.weight": "post_feedforward_layernorm.weight"},
     "smollm3": _ATTENTION_NAMES | _PRE_NORM_NAMES | _MLP_NAMES,
+    "ernie4_5": _ATTENTION_NAMES | _PRE_NORM_NAMES | _MLP_NAMES,
 }
 
 
@@ -396,8 +397,23 @@ def _smollm3(reader):
     return config, tensors
 
 
+def _ernie4_5(reader):
+    """(config, tensors under transformers' names) of an ERNIE 4.5 (the dense models) as llama.cpp's converter writes
+    it: a Llama's tensors, q and k as the checkpoint holds them (llama.cpp turns adjacent pairs, as ERNIE's rotary
+    does), the head size the file states."""
+    from transformers import Ernie4_5Config
+
+    tensors = _named_tensors(reader)
+    stated = _stated_config_values(reader, tensors)
+    key_length = _metadata(reader, "attention.key_length")
+    head_dim = int(key_length) if key_length is not None else stated["hidden_size"] // stated["num_attention_heads"]
+    config = Ernie4_5Config(**stated, intermediate_size=int(_metadata(reader, "feed_forward_length")), head_dim=head_dim, use_bias=False)
+    config.architectures = ["Ernie4_5ForCausalLM"]
+    return config, tensors
+
+
 # The architectures transformers' GGUF reading does not know and this module reads itself.
-_OWN_READERS = {"olmoe": _olmoe, "olmo2": _olmo2, "smollm3": _smollm3}
+_OWN_READERS = {"olmoe": _olmoe, "olmo2": _olmo2, "smollm3": _smollm3, "ernie4_5": _ernie4_5}
 
 
 # llama.cpp's sampling metadata keys -> generation_config.json fields.

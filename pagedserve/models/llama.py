@@ -450,8 +450,9 @@ class LlamaForCausalLM(nn.Module):
 
     def use_quantized_weights(self, blocks: dict[str, tuple[torch.Tensor, int]], kernels) -> int:
         """Run the GEMMs whose checkpoint tensors come as GGUF blocks on them (the C++ kernels, float32
-        activations), this rank's share of them. A fused layer needs all its shards in one type. Returns how
-        many layers switched."""
+        activations), this rank's share of them. A fused layer needs all its shards in one type. q's and k's blocks
+        come in the checkpoint's row order and are put in the kernels' rotary order as their float rows were (each
+        row's blocks move whole: the same values). Returns how many layers switched."""
         shards: dict[str, dict[int | None, tuple[torch.Tensor, int]]] = {}
         experts: dict[str, dict[str, tuple[torch.Tensor, int]]] = {}
         for name, entry in blocks.items():
@@ -460,7 +461,7 @@ class LlamaForCausalLM(nn.Module):
                 experts.setdefault(module_name, {})[part] = entry
                 continue
             target, shard = _fused_target(name)
-            shards.setdefault(target, {})[shard] = entry
+            shards.setdefault(target, {})[shard] = (self._in_rotary_order(name, entry[0]), entry[1])
         lm_head_source = "model.embed_tokens.weight" if self.tie_word_embeddings else "lm_head.weight"
         switched = sum(self._experts_on_blocks(module_name, parts, kernels) for module_name, parts in experts.items())
         for target, parts in shards.items():
