@@ -7,6 +7,8 @@ import numpy as np
 import torch
 from tokenizers import pre_tokenizers
 
+from pagedserve.models.gguf_convert import llama3_divisors
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n'}}"
@@ -153,14 +155,15 @@ def write_qwen3_gguf(path, state_dict: dict[str, torch.Tensor], config, type_nam
     _write_tied_with_head_size(path, "qwen3", config, layer, type_name, state_dict)
 
 
-def _write_tied_with_head_size(path, architecture: str, config, layer, type_name: str, state_dict) -> None:
+def _write_tied_with_head_size(path, architecture: str, config, layer, type_name: str, state_dict, extra=()) -> None:
     """A model's file with its head size as the key and value lengths and no output tensor (tied embeddings), each
-    layer's tensors after its norms from layer(numpy state dict, HF prefix of the layer, layer index)."""
+    layer's tensors after its norms from layer(numpy state dict, HF prefix of the layer, layer index), then the
+    (name, array) tensors of extra."""
     writer = _model_writer(path, architecture, f"tiny-{architecture}", config, rope_freq_base=config.rope_parameters["rope_theta"])
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
-    tensors = ((name, tensor) for name, tensor in _model_tensors(state_dict, config, layer) if name != "output.weight")
-    _finish(writer, tensors, type_name)
+    tensors = [(name, tensor) for name, tensor in _model_tensors(state_dict, config, layer) if name != "output.weight"]
+    _finish(writer, [*tensors, *extra], type_name)
 
 
 def _unpermuted_attention(sd, p, i):
@@ -356,13 +359,56 @@ def tiny_ernie4_5_config():
     )
 
 
-def write_ernie4_5_gguf(path, state_dict: dict[str, torch.Tensor], config, type_name: str) -> None:
-    """As llama.cpp's converter writes an ERNIE 4.5: q and k as the checkpoint holds them, no output tensor (tied)."""
+def write_ernie4_5_gguf(path, state_dict: dict[str, torch.Tensor], config, type_name: str, rope_factors=None) -> None:
+    """As llama.cpp's converter writes an ERNIE 4.5: q and k as the checkpoint holds them, no output tensor (tied).
+    rope_factors: a rope_freqs tensor too, which llama.cpp writes for a scaled rotary of other architectures."""
     def layer(sd, p, i):
         yield from _unpermuted_attention(sd, p, i)
         yield from _dense_mlp(sd, p, i)
 
-    _write_tied_with_head_size(path, "ernie4_5", config, layer, type_name, state_dict)
+    extra = [("rope_freqs.weight", rope_factors)] if rope_factors is not None else []
+    _write_tied_with_head_size(path, "ernie4_5", config, layer, type_name, state_dict, extra)
+
+
+def tiny_exaone4_config():
+    """An EXAONE 4 with the writer's vocabulary: a sliding-window layer and a full one (without a rotary), and a llama3
+    rope scaling whose blend covers two of the head's frequencies (so that a file's factors tell its bounds)."""
+    from transformers import Exaone4Config
+
+    return Exaone4Config(
+        vocab_size=len(VOCAB), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, initializer_range=0.3, tie_word_embeddings=False,
+        bos_token_id=0, eos_token_id=2, pad_token_id=None, rms_norm_eps=1e-5, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 8.0, "original_max_position_embeddings": 2048},
+    )
+
+
+def write_exaone4_gguf(path, state_dict: dict[str, torch.Tensor], config, type_name: str) -> None:
+    """As llama.cpp's converter writes an EXAONE 4: OLMo 2's tensors with q/k norms per head, q and k as the checkpoint
+    holds them, the sliding window and its pattern (which layers take it), and the llama3 scaling as the factors that
+    divide each frequency (rope_freqs), as its converter computes them."""
+    rope = config.rope_parameters
+    writer = _model_writer(path, "exaone4", "tiny-exaone4", config, rope_freq_base=rope["rope_theta"])
+    writer.add_sliding_window(config.sliding_window)
+    writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in config.layer_types])
+
+    def layer(sd, p, i):
+        yield from _unpermuted_attention(sd, p, i)
+        yield f"blk.{i}.attn_q_norm.weight", sd[p + "self_attn.q_norm.weight"]
+        yield f"blk.{i}.attn_k_norm.weight", sd[p + "self_attn.k_norm.weight"]
+        yield f"blk.{i}.post_attention_norm.weight", sd[p + "post_attention_layernorm.weight"]
+        yield f"blk.{i}.post_ffw_norm.weight", sd[p + "post_feedforward_layernorm.weight"]
+        yield from _dense_mlp(sd, p, i)
+
+    sd = {k: v.float().numpy() for k, v in state_dict.items()}
+    factors = np.array(llama3_divisors(rope, config.head_dim), dtype=np.float32)
+    tensors = [("token_embd.weight", sd["model.embed_tokens.weight"]), ("output_norm.weight", sd["model.norm.weight"]),
+               ("output.weight", sd["lm_head.weight"]), ("rope_freqs.weight", factors)]
+    for i in range(config.num_hidden_layers):
+        tensors.extend(layer(sd, f"model.layers.{i}.", i))
+    _finish(writer, tensors, type_name)
 
 
 def tiny_gemma3_config():

@@ -228,7 +228,7 @@ def test_a_mixture_of_experts_gguf_generates_like_its_weights_in_transformers(ar
 @pytest.mark.parametrize("arch,type_name", [("gemma3", "F32"), ("gemma3", "Q8_0"), ("gemma3", "Q4_0"),
                                             ("gemma2", "F32"), ("gemma2", "Q8_0"), ("qwen3", "F32"), ("qwen3", "Q4_0"),
                                             ("olmo2", "F32"), ("olmo2", "Q4_0"), ("smollm3", "F32"), ("smollm3", "Q8_0"),
-                                            ("ernie4_5", "F32"), ("ernie4_5", "Q8_0")])
+                                            ("ernie4_5", "F32"), ("ernie4_5", "Q8_0"), ("exaone4", "F32"), ("exaone4", "Q4_1")])
 def test_a_dense_gguf_of_another_architecture_generates_like_its_weights_in_transformers(arch, type_name, tmp_path):
     """llama.cpp's Gemma 2, Gemma 3, Qwen3, OLMo 2, SmolLM3 and ERNIE 4.5 layouts (the Gemmas' norms stored plus one,
     their sliding and full attention layers in llama.cpp's pattern, Gemma 3's full layers' rope scaling, Gemma 2's soft
@@ -236,11 +236,13 @@ def test_a_dense_gguf_of_another_architecture_generates_like_its_weights_in_tran
     transformers' GGUF reading does not know them: OLMo 2's norms after attention and the MLP only and its q/k norms
     across the heads, SmolLM3's q and k in llama.cpp's rotary layout and its fourth layer without a rotary, which the
     file does not state, ERNIE 4.5's q and k as its checkpoint holds them for its rotary of adjacent pairs, its head
-    size and its tied embeddings): greedy tokens and their logprobs equal transformers' on the values the file holds,
+    size and its tied embeddings, EXAONE 4's sliding-window pattern beside a full layer without a rotary and its llama3
+    rope scaling read back from the file's factors): greedy tokens and their logprobs equal transformers' on the values the file holds,
     past the sliding window, the quantized layers multiplying on their GGUF blocks."""
     import gguf_writer
     from transformers import (
         Ernie4_5ForCausalLM,
+        Exaone4ForCausalLM,
         Gemma2ForCausalLM,
         Gemma3ForCausalLM,
         Olmo2ForCausalLM,
@@ -257,6 +259,7 @@ def test_a_dense_gguf_of_another_architecture_generates_like_its_weights_in_tran
         "olmo2": (gguf_writer.tiny_olmo2_config(), Olmo2ForCausalLM, gguf_writer.write_olmo2_gguf),
         "smollm3": (gguf_writer.tiny_smollm3_config(), SmolLM3ForCausalLM, gguf_writer.write_smollm3_gguf),
         "ernie4_5": (gguf_writer.tiny_ernie4_5_config(), Ernie4_5ForCausalLM, gguf_writer.write_ernie4_5_gguf),
+        "exaone4": (gguf_writer.tiny_exaone4_config(), Exaone4ForCausalLM, gguf_writer.write_exaone4_gguf),
     }[arch]
     torch.manual_seed(0)
     hf_model = model_class(config).eval()
@@ -268,6 +271,20 @@ def test_a_dense_gguf_of_another_architecture_generates_like_its_weights_in_tran
     linears = [module for module in worker_of(llm).model.modules() if isinstance(module, Linear)]
     assert len(linears) == 4 * config.num_hidden_layers and all((m.quantized is not None) == (type_name != "F32") for m in linears)
     assert_generates_like(llm, reference)
+
+
+def test_rope_factors_are_refused_where_the_architecture_does_not_read_them(tmp_path):
+    """llama.cpp writes a scaled rotary as factors of its frequencies (rope_freqs); a file of an architecture read here
+    that has them, but whose reading does not take them, is refused rather than served without the scaling."""
+    import gguf_writer
+    from transformers import Ernie4_5ForCausalLM
+
+    config = gguf_writer.tiny_ernie4_5_config()
+    path = tmp_path / "tiny-ernie-scaled.gguf"
+    factors = np.full(config.head_dim // 2, 2.0, dtype=np.float32)
+    gguf_writer.write_ernie4_5_gguf(path, Ernie4_5ForCausalLM(config).state_dict(), config, "F32", rope_factors=factors)
+    with pytest.raises(ValueError, match=r"ernie4_5 GGUF file has rope factors \(rope_freqs.weight\).*HF checkpoint"):
+        LLM(str(path), kv_cache_memory=4 * 1024**2)
 
 
 def test_an_olmo3_gguf_is_refused_rather_than_read_without_its_sliding_window_layers(tmp_path):

@@ -12,6 +12,7 @@ import hashlib
 import importlib.util
 import json
 import logging
+import math
 import os
 import shutil
 import time
@@ -282,19 +283,28 @@ _ATTENTION_NAMES = {"attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight":
 _QK_NORM_NAMES = {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
 _PRE_NORM_NAMES = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight"}
 _MLP_NAMES = {"ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight"}
+_POST_NORM_NAMES = {"post_attention_norm.weight": "post_attention_layernorm.weight",
+                    "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
 _LAYER_NAMES = {
     "olmoe": _ATTENTION_NAMES | _QK_NORM_NAMES | _PRE_NORM_NAMES,
-    "olmo2": _ATTENTION_NAMES | _QK_NORM_NAMES | _MLP_NAMES | {"post_attention_norm.weight": "post_attention_layernorm.weight",
-                                                               "post_ffw_norm.weight": "post_feedforward_layernorm.weight"},
+    "olmo2": _ATTENTION_NAMES | _QK_NORM_NAMES | _MLP_NAMES | _POST_NORM_NAMES,
+    "exaone4": _ATTENTION_NAMES | _QK_NORM_NAMES | _MLP_NAMES | _POST_NORM_NAMES,
     "smollm3": _ATTENTION_NAMES | _PRE_NORM_NAMES | _MLP_NAMES,
     "ernie4_5": _ATTENTION_NAMES | _PRE_NORM_NAMES | _MLP_NAMES,
 }
 
 
-def _named_tensors(reader, unpermute_qk: bool = False) -> dict:
+# llama.cpp's per-frequency divisors of a scaled rotary (a llama3 scaling written out): read as the config's rope
+# parameters by the architectures that take them (_llama3_rope_parameters), not as a model tensor.
+_ROPE_FACTORS = "rope_freqs.weight"
+
+
+def _named_tensors(reader, unpermute_qk: bool = False, rope_factors: bool = False) -> dict:
     """A file's tensors under transformers' names, a mixture's experts stacked. unpermute_qk: q and k rows are in
     llama.cpp's rotary layout (as it writes a Llama's), turned back by transformers' own reading of a Llama's; else
-    they are as transformers holds them (llama.cpp rotates the OLMo family's as NeoX does)."""
+    they are as transformers holds them (llama.cpp rotates the OLMo family's as NeoX does). rope_factors: the caller
+    reads the file's rope factors (under _ROPE_FACTORS, if it has them); else a file with them is refused rather than
+    read without its rotary's scaling."""
     architecture = _architecture(reader)
     layer_names = _LAYER_NAMES[architecture]
     qk_layout = _llama_qk_layout(reader) if unpermute_qk else None
@@ -305,6 +315,11 @@ def _named_tensors(reader, unpermute_qk: bool = False) -> dict:
         if in_layer and rest in _EXPERT_PARTS:
             continue
         name = f"model.layers.{layer}.{layer_names[rest]}" if in_layer and rest in layer_names else _MODEL_NAMES.get(tensor.name)
+        if tensor.name == _ROPE_FACTORS:
+            if not rope_factors:
+                raise ValueError(f"this {architecture} GGUF file has rope factors ({_ROPE_FACTORS}), a scaled rotary that is "
+                                 "not read for this architecture; use the model's HF checkpoint")
+            name = _ROPE_FACTORS
         if name is None:
             raise ValueError(f"this {architecture} GGUF file has a tensor {tensor.name!r} that the architecture does not have, "
                              "or whose meaning is not read")
@@ -329,11 +344,67 @@ def _head_counts(reader) -> tuple[int, int]:
     return heads, int(_metadata(reader, "attention.head_count_kv", heads))
 
 
+def _head_size(reader) -> int:
+    """The head size the file states (its key length), else the hidden size over the heads."""
+    key_length = _metadata(reader, "attention.key_length")
+    return int(key_length) if key_length is not None else int(_metadata(reader, "embedding_length")) // _head_counts(reader)[0]
+
+
 def _torch_from(array):
     import numpy as np
     import torch
 
     return torch.from_numpy(np.ascontiguousarray(array))
+
+
+def _llama3_rope_parameters(factors, theta: float, head_dim: int) -> dict:
+    """The llama3 rope parameters (transformers' names) whose divisors of the rotary's frequencies are llama.cpp's
+    factors: 1 for the fast frequencies, `factor` for the slow ones, and between them 1 / ((1 - s) / factor + s), s
+    linear in 1 / wavelength, whose two coefficients give the original length and the high frequency factor, with the
+    low one at 1 (any other low factor with the same two coefficients gives the same divisors); factors of 1 are no
+    scaling. Refused where the factors are not of that form."""
+    factor = max(factors)
+    if factor <= 1 + 1e-6:
+        return {"rope_type": "default", "rope_theta": theta}
+    wavelengths = _wavelengths(theta, head_dim)
+    # (1 / wavelength, s) of the frequencies between the two ends.
+    blended = [(1 / w, (1 / f - 1 / factor) / (1 - 1 / factor)) for w, f in zip(wavelengths, factors)
+               if 1 + 1e-6 < f < factor * (1 - 1e-6)]
+    if len(blended) < 2:
+        raise ValueError(f"this GGUF file's rope factors ({_ROPE_FACTORS}) are not read: fewer than two frequencies lie "
+                         "between the unscaled and the fully scaled ones, so the scaling's bounds are not known")
+    (x0, s0), (x1, s1) = blended[0], blended[-1]
+    slope = (s1 - s0) / (x1 - x0)  # s = slope / wavelength - offset, slope = original length / (high - low)
+    offset = slope * x0 - s0  # = low / (high - low)
+    original = round(slope / offset)
+    parameters = {"rope_type": "llama3", "rope_theta": theta, "factor": float(factor), "low_freq_factor": 1.0,
+                  "high_freq_factor": 1.0 + original / slope, "original_max_position_embeddings": original}
+    expected = llama3_divisors(parameters, head_dim)
+    if any(abs(e - f) > 1e-4 * f for e, f in zip(expected, factors)):
+        raise ValueError(f"this GGUF file's rope factors ({_ROPE_FACTORS}) are not a llama3 scaling, the one read")
+    return parameters
+
+
+def llama3_divisors(parameters: dict, head_dim: int) -> list[float]:
+    """What a llama3 scaling (transformers' rope parameters) divides each of a head's frequencies by, as llama.cpp's
+    converter writes it (rope_freqs)."""
+    factor, low, high = parameters["factor"], parameters["low_freq_factor"], parameters["high_freq_factor"]
+    original = parameters["original_max_position_embeddings"]
+    divisors = []
+    for wavelength in _wavelengths(parameters["rope_theta"], head_dim):
+        if wavelength < original / high:
+            divisors.append(1.0)
+        elif wavelength > original / low:
+            divisors.append(factor)
+        else:
+            s = (original / wavelength - low) / (high - low)
+            divisors.append(1 / ((1 - s) / factor + s))
+    return divisors
+
+
+def _wavelengths(theta: float, head_dim: int) -> list[float]:
+    """The wavelengths of a rotary's frequencies, one a pair of a head's dims."""
+    return [2 * math.pi * theta ** (2 * i / head_dim) for i in range(head_dim // 2)]
 
 
 def _stated_config_values(reader, tensors) -> dict:
@@ -397,6 +468,33 @@ def _smollm3(reader):
     return config, tensors
 
 
+def _exaone4(reader):
+    """(config, tensors under transformers' names) of an EXAONE 4 as llama.cpp's converter writes it: OLMo 2's tensors
+    with q/k norms per head, q and k as the checkpoint holds them; its sliding window and which layers take it (the
+    file's pattern, else EXAONE's default of three sliding layers to a full one), and a llama3 rope scaling read back
+    from its rope factors."""
+    from transformers import Exaone4Config
+
+    tensors = _named_tensors(reader, rope_factors=True)
+    factors = tensors.pop(_ROPE_FACTORS, None)
+    stated = _stated_config_values(reader, tensors)
+    head_dim = _head_size(reader)
+    if factors is not None:
+        stated["rope_parameters"] = _llama3_rope_parameters(factors.tolist(), stated["rope_parameters"]["rope_theta"], head_dim)
+    window = _metadata(reader, "attention.sliding_window")
+    pattern = _metadata(reader, "attention.sliding_window_pattern")
+    if not window:
+        layer_types = ["full_attention"] * stated["num_hidden_layers"]
+    elif pattern is not None:
+        layer_types = ["sliding_attention" if sliding else "full_attention" for sliding in pattern]
+    else:
+        layer_types = None  # the config's default pattern
+    config = Exaone4Config(**stated, intermediate_size=int(_metadata(reader, "feed_forward_length")), head_dim=head_dim,
+                           sliding_window=int(window) if window else None, layer_types=layer_types)
+    config.architectures = ["Exaone4ForCausalLM"]
+    return config, tensors
+
+
 def _ernie4_5(reader):
     """(config, tensors under transformers' names) of an ERNIE 4.5 (the dense models) as llama.cpp's converter writes
     it: a Llama's tensors, q and k as the checkpoint holds them (llama.cpp turns adjacent pairs, as ERNIE's rotary
@@ -404,16 +502,14 @@ def _ernie4_5(reader):
     from transformers import Ernie4_5Config
 
     tensors = _named_tensors(reader)
-    stated = _stated_config_values(reader, tensors)
-    key_length = _metadata(reader, "attention.key_length")
-    head_dim = int(key_length) if key_length is not None else stated["hidden_size"] // stated["num_attention_heads"]
-    config = Ernie4_5Config(**stated, intermediate_size=int(_metadata(reader, "feed_forward_length")), head_dim=head_dim, use_bias=False)
+    config = Ernie4_5Config(**_stated_config_values(reader, tensors), intermediate_size=int(_metadata(reader, "feed_forward_length")),
+                            head_dim=_head_size(reader), use_bias=False)
     config.architectures = ["Ernie4_5ForCausalLM"]
     return config, tensors
 
 
 # The architectures transformers' GGUF reading does not know and this module reads itself.
-_OWN_READERS = {"olmoe": _olmoe, "olmo2": _olmo2, "smollm3": _smollm3, "ernie4_5": _ernie4_5}
+_OWN_READERS = {"olmoe": _olmoe, "olmo2": _olmo2, "smollm3": _smollm3, "ernie4_5": _ernie4_5, "exaone4": _exaone4}
 
 
 # llama.cpp's sampling metadata keys -> generation_config.json fields.
