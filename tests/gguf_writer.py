@@ -93,17 +93,18 @@ def _gguf_tensors(state_dict, config):
     return _model_tensors(state_dict, config, layer)
 
 
-def _model_tensors(state_dict, config, layer_tensors):
-    """(GGUF name, array) of a model: the embedding, final norm and output, and each layer's norms and then
-    layer_tensors(numpy state dict, HF prefix of the layer, layer index)."""
+def _model_tensors(state_dict, config, layer_tensors, pre_norms: bool = True):
+    """(GGUF name, array) of a model: the embedding, final norm and output, and each layer's norms before attention
+    and the MLP (where pre_norms) and then layer_tensors(numpy state dict, HF prefix of the layer, layer index)."""
     sd = {k: v.float().numpy() for k, v in state_dict.items()}
     yield "token_embd.weight", sd["model.embed_tokens.weight"]
     yield "output_norm.weight", sd["model.norm.weight"]
     yield "output.weight", sd["lm_head.weight"]
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
-        yield f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"]
-        yield f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"]
+        if pre_norms:
+            yield f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"]
+            yield f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"]
         yield from layer_tensors(sd, p, i)
 
 
@@ -310,22 +311,21 @@ def write_olmo2_gguf(path, state_dict: dict[str, torch.Tensor], config, type_nam
     writer = _model_writer(path, "olmo2", "tiny-olmo2", config, rope_freq_base=config.rope_parameters["rope_theta"])
     if sliding_window:
         writer.add_sliding_window(sliding_window)
-    sd = {k: v.float().numpy() for k, v in state_dict.items()}
+    _finish(writer, _post_norm_model_tensors(state_dict, config), type_name)
 
-    def tensors():
-        yield "token_embd.weight", sd["model.embed_tokens.weight"]
-        yield "output_norm.weight", sd["model.norm.weight"]
-        yield "output.weight", sd["lm_head.weight"]
-        for i in range(config.num_hidden_layers):
-            p = f"model.layers.{i}."
-            for part, piece in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("output", "o_proj"), ("q_norm", "q_norm"),
-                                ("k_norm", "k_norm")):
-                yield f"blk.{i}.attn_{part}.weight", sd[p + f"self_attn.{piece}.weight"]
-            yield f"blk.{i}.post_attention_norm.weight", sd[p + "post_attention_layernorm.weight"]
-            yield f"blk.{i}.post_ffw_norm.weight", sd[p + "post_feedforward_layernorm.weight"]
-            yield from _dense_mlp(sd, p, i)
 
-    _finish(writer, tensors(), type_name)
+def _post_norm_model_tensors(state_dict, config):
+    """(GGUF name, array) of a model with OLMo 2's layer: q and k not permuted, their norms, the norms after attention
+    and the MLP (none before them)."""
+    def layer(sd, p, i):
+        yield from _unpermuted_attention(sd, p, i)
+        yield f"blk.{i}.attn_q_norm.weight", sd[p + "self_attn.q_norm.weight"]
+        yield f"blk.{i}.attn_k_norm.weight", sd[p + "self_attn.k_norm.weight"]
+        yield f"blk.{i}.post_attention_norm.weight", sd[p + "post_attention_layernorm.weight"]
+        yield f"blk.{i}.post_ffw_norm.weight", sd[p + "post_feedforward_layernorm.weight"]
+        yield from _dense_mlp(sd, p, i)
+
+    return _model_tensors(state_dict, config, layer, pre_norms=False)
 
 
 def tiny_smollm3_config():
@@ -393,22 +393,8 @@ def write_exaone4_gguf(path, state_dict: dict[str, torch.Tensor], config, type_n
     writer = _model_writer(path, "exaone4", "tiny-exaone4", config, rope_freq_base=rope["rope_theta"])
     writer.add_sliding_window(config.sliding_window)
     writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in config.layer_types])
-
-    def layer(sd, p, i):
-        yield from _unpermuted_attention(sd, p, i)
-        yield f"blk.{i}.attn_q_norm.weight", sd[p + "self_attn.q_norm.weight"]
-        yield f"blk.{i}.attn_k_norm.weight", sd[p + "self_attn.k_norm.weight"]
-        yield f"blk.{i}.post_attention_norm.weight", sd[p + "post_attention_layernorm.weight"]
-        yield f"blk.{i}.post_ffw_norm.weight", sd[p + "post_feedforward_layernorm.weight"]
-        yield from _dense_mlp(sd, p, i)
-
-    sd = {k: v.float().numpy() for k, v in state_dict.items()}
     factors = np.array(llama3_divisors(rope, config.head_dim), dtype=np.float32)
-    tensors = [("token_embd.weight", sd["model.embed_tokens.weight"]), ("output_norm.weight", sd["model.norm.weight"]),
-               ("output.weight", sd["lm_head.weight"]), ("rope_freqs.weight", factors)]
-    for i in range(config.num_hidden_layers):
-        tensors.extend(layer(sd, f"model.layers.{i}.", i))
-    _finish(writer, tensors, type_name)
+    _finish(writer, [*_post_norm_model_tensors(state_dict, config), ("rope_freqs.weight", factors)], type_name)
 
 
 def tiny_gemma3_config():

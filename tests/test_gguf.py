@@ -237,8 +237,8 @@ def test_a_dense_gguf_of_another_architecture_generates_like_its_weights_in_tran
     across the heads, SmolLM3's q and k in llama.cpp's rotary layout and its fourth layer without a rotary, which the
     file does not state, ERNIE 4.5's q and k as its checkpoint holds them for its rotary of adjacent pairs, its head
     size and its tied embeddings, EXAONE 4's sliding-window pattern beside a full layer without a rotary and its llama3
-    rope scaling read back from the file's factors): greedy tokens and their logprobs equal transformers' on the values the file holds,
-    past the sliding window, the quantized layers multiplying on their GGUF blocks."""
+    rope scaling read back from the file's factors): greedy tokens and their logprobs equal transformers' on the values
+    the file holds, past the sliding window, the quantized layers multiplying on their GGUF blocks."""
     import gguf_writer
     from transformers import (
         Ernie4_5ForCausalLM,

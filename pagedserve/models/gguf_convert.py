@@ -198,9 +198,7 @@ def _set_expert_widths(reader, config) -> None:
 def _set_head_dim(reader, config) -> None:
     """The head size the file states (its key length), which transformers' GGUF reading of a Qwen3 leaves at its
     config's default."""
-    key_length = _metadata(reader, "attention.key_length")
-    if key_length is not None:
-        config.head_dim = int(key_length)
+    config.head_dim = _head_size(reader)
 
 
 def _set_gemma2_attention(reader, config) -> None:
