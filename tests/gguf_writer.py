@@ -69,6 +69,10 @@ def _finish(writer, tensors, type_name: str) -> None:
     qtype = QUANT_TYPES[type_name]
     for name, tensor in tensors:
         _add_tensor(writer, name, tensor, qtype)
+    _write_out(writer)
+
+
+def _write_out(writer) -> None:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -83,6 +87,49 @@ def quantized_round_trip(weight: np.ndarray, type_name: str) -> np.ndarray:
     if qtype == gguf.GGMLQuantizationType.F16:
         return weight.astype(np.float16).astype(np.float32)
     return gguf.quants.dequantize(gguf.quants.quantize(weight.astype(np.float32), qtype), qtype)
+
+
+# Values per block, bytes per block and where the block's fp16 scales lie, of the types written as random blocks (gguf
+# cannot quantize the K-quants): any bytes make a valid block once its scales are finite.
+BLOCK_LAYOUTS = {"Q4_0": (32, 18, (0,)), "Q4_1": (32, 20, (0, 2)), "Q5_0": (32, 22, (0,)), "Q5_1": (32, 24, (0, 2)),
+                 "Q8_0": (32, 34, (0,)), "Q4_K": (256, 144, (0, 2)), "Q5_K": (256, 176, (0, 2)), "Q6_K": (256, 210, (208,))}
+
+
+def random_blocks(type_name: str, rows: int, columns: int, rng: np.random.Generator, magnitude: float = 1.0) -> np.ndarray:
+    """Random GGUF blocks of type_name holding a [rows, columns] matrix (uint8 [rows, bytes per row]): random values and
+    scales, the scales drawn so that the values stay within about magnitude."""
+    values, size, scales = BLOCK_LAYOUTS[type_name]
+    raw = rng.integers(0, 256, (rows, columns // values, size), dtype=np.uint8)
+    # The largest stored integer times its largest scale multiplier: a K-quant's 6-bit (Q6_K: int8) scales times its values.
+    largest = {"Q4_K": 63 * 15, "Q5_K": 63 * 31, "Q6_K": 128 * 32, "Q5_0": 16, "Q5_1": 31, "Q4_0": 8, "Q4_1": 15}.get(type_name, 128)
+    for at in scales:
+        scale = rng.uniform(0.25, 1.0, raw.shape[:2]) * magnitude / largest
+        raw[..., at:at + 2] = scale.astype(np.float16)[..., None].view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def tiny_k_quant_llama_config():
+    """The tiny Llama wide enough for K-quant blocks, whose rows are whole 256-value super-blocks."""
+    config = tiny_llama_config()
+    config.hidden_size, config.intermediate_size = 256, 512
+    config.head_dim = config.hidden_size // config.num_attention_heads
+    return config
+
+
+def write_random_blocks_gguf(path, state_dict: dict[str, torch.Tensor], config, type_of, seed: int = 0) -> None:
+    """A llama GGUF file whose matrices are random blocks of the type type_of(GGUF tensor name) names (the state dict
+    gives their shapes and the F32 norms), as llama.cpp's mixed files (Q4_K_M and the like) hold several types."""
+    rng = np.random.default_rng(seed)
+    writer = _model_writer(path, "llama", "tiny-llama-blocks", config)
+    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    for name, tensor in _gguf_tensors(state_dict, config):
+        if tensor.ndim == 1:
+            writer.add_tensor(name, tensor.astype(np.float32))
+            continue
+        type_name = type_of(name)
+        magnitude = 1.0 if name == "token_embd.weight" else 0.15
+        writer.add_tensor(name, random_blocks(type_name, *tensor.shape, rng, magnitude), raw_dtype=gguf.GGMLQuantizationType[type_name])
+    _write_out(writer)
 
 
 def _gguf_tensors(state_dict, config):

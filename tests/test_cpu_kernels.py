@@ -397,6 +397,67 @@ def test_q8_quantized_linear_computes_its_scheme(type_name, rows, out_features, 
         assert torch.equal(alone, actual[row : row + 1])
 
 
+def exactly_rounded_input(rows: int, in_features: int, rng: np.random.Generator) -> torch.Tensor:
+    """x whose every 32 values round to 8 bits without error: integers in [-127, 127], one of them +-127, times a power of
+    two; so the integer products on the panels must give x @ W.T itself."""
+    q = rng.integers(-127, 128, (rows, in_features // 32, 32)).astype(np.float32)
+    q[..., rng.integers(0, 32)] = 127 * rng.choice([-1, 1], (rows, in_features // 32))
+    scales = 2.0 ** rng.integers(-6, 3, (rows, in_features // 32, 1))
+    return torch.from_numpy((q * scales).reshape(rows, in_features).astype(np.float32))
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("rows,out_features,in_features", [(1, 5, 256), (3, 33, 512), (70, 24, 256), (9, 40, 768), (130, 17, 256)])
+def test_q8_panels_hold_every_gguf_type_as_gguf_dequantizes_it(type_name, rows, out_features, in_features):
+    """Random blocks of each type the panels read (every bit pattern of values, high bits and packed K-quant scales), on
+    input that rounds to 8 bits exactly: the integer products equal x @ W.T with W as gguf dequantizes the blocks. On
+    random input they are off by the rounding alone, and a row's result does not depend on its batch."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+    from gguf_writer import BLOCK_LAYOUTS, random_blocks
+
+    kernels = built_kernels()
+    qtype = int(GGMLQuantizationType[type_name])
+    assert kernels.gguf_block_shape(qtype) == BLOCK_LAYOUTS[type_name][:2]
+    rng = np.random.default_rng(rows * out_features)
+    raw = random_blocks(type_name, out_features, in_features, rng)
+    weight = torch.from_numpy(dequantize(raw, GGMLQuantizationType[type_name])).double()
+    panels = kernels.pack_q8_panels(torch.from_numpy(raw), qtype)
+    x = exactly_rounded_input(rows, in_features, rng)
+    expected = x.double() @ weight.T
+    actual = kernels.quantized_linear_q8(x, panels, qtype, out_features).double()
+    assert (actual - expected).abs().max() <= 1e-6 * expected.abs().max()
+    x = torch.from_numpy(rng.standard_normal((rows, in_features), dtype=np.float32))
+    actual = kernels.quantized_linear_q8(x, panels, qtype, out_features)
+    exact = x.double() @ weight.T
+    assert 0 < (actual.double() - exact).norm() / exact.norm() < 0.03
+    for row in range(min(rows, 5)):
+        assert torch.equal(kernels.quantized_linear_q8(x[row : row + 1].contiguous(), panels, qtype, out_features), actual[row : row + 1])
+
+
+def test_q8_parts_of_types_of_their_own_give_each_parts_product_side_by_side():
+    """A fused layer whose parts come in different types (q, k in Q4_K and v in Q6_K, as llama.cpp's Q4_K_M files hold
+    them): x rounded once, each part's products on its own panels, the bias added to the whole."""
+    from gguf import GGMLQuantizationType
+    from gguf_writer import random_blocks
+
+    kernels = built_kernels()
+    rng = np.random.default_rng(0)
+    parts = [("Q4_K", 40), ("Q6_K", 17), ("Q8_0", 9)]
+    types = [int(GGMLQuantizationType[name]) for name, _ in parts]
+    panels = [kernels.pack_q8_panels(torch.from_numpy(random_blocks(name, rows, 512, rng)), qtype)
+              for (name, rows), qtype in zip(parts, types)]
+    rows = [rows for _, rows in parts]
+    x, bias = torch.randn(7, 512), torch.randn(sum(rows))
+    apart = torch.cat([kernels.quantized_linear_q8(x, p, qtype, n) for p, qtype, n in zip(panels, types, rows)], dim=1)
+    assert torch.equal(kernels.quantized_linear_q8_parts(x, panels, types, rows), apart)
+    assert torch.equal(kernels.quantized_linear_q8_parts(x, panels, types, rows, bias), apart + bias)
+    with pytest.raises(RuntimeError, match="one type and one output size for each part"):
+        kernels.quantized_linear_q8_parts(x, panels, types[:2], rows)
+    with pytest.raises(RuntimeError, match="panels do not hold 33 rows of 512 values"):
+        kernels.quantized_linear_q8_parts(x, panels, types, [40, 33, 9])
+
+
 def test_quantized_linear_names_bad_input():
     kernels = built_kernels()
     blocks = torch.zeros(4, 20, dtype=torch.uint8)  # one Q4_1 block per row: 32 values
@@ -406,7 +467,7 @@ def test_quantized_linear_names_bad_input():
         kernels.quantized_linear(torch.zeros(2, 64), blocks, 3)
     panels = kernels.pack_q8_panels(blocks, 3)
     with pytest.raises(RuntimeError, match="unsupported GGUF quantization type"):
-        kernels.quantized_linear_q8(torch.zeros(2, 32), panels, 12, 4)
+        kernels.quantized_linear_q8(torch.zeros(2, 32), panels, 10, 4)  # Q2_K
     with pytest.raises(RuntimeError, match="panels do not hold 4 rows of 64 values"):
         kernels.quantized_linear_q8(torch.zeros(2, 64), panels, 3, 4)
     # More rows than one group holds (8 or 16, by the build), while the panels hold one group.
@@ -415,7 +476,9 @@ def test_quantized_linear_names_bad_input():
     with pytest.raises(RuntimeError, match="not whole blocks of 32"):
         kernels.quantized_linear_q8(torch.zeros(2, 40), panels, 3, 4)
     with pytest.raises(RuntimeError, match="unsupported GGUF quantization type"):
-        kernels.pack_q8_panels(blocks, 12)
+        kernels.pack_q8_panels(blocks, 10)
+    with pytest.raises(RuntimeError, match="not whole blocks of 144"):
+        kernels.pack_q8_panels(blocks, 12)  # Q4_K: 256 values a block
     with pytest.raises(RuntimeError, match="multiple of 8 rows"):
         kernels.interleave_gguf_rows(blocks, 3)
     with pytest.raises(RuntimeError, match="interleaved weight does not match"):

@@ -2,6 +2,7 @@
 
 import copy
 
+import gguf_writer
 import numpy as np
 import pytest
 import torch
@@ -201,7 +202,6 @@ def test_a_mixture_of_experts_gguf_generates_like_its_weights_in_transformers(ar
     architecture transformers' GGUF reading does not know, read by ours; q and k norms over all heads): greedy tokens and
     their logprobs equal transformers' on the values the file holds (quantized and back), the quantized experts
     multiplying on their GGUF blocks."""
-    import gguf_writer
     from transformers import MixtralForCausalLM, OlmoeForCausalLM, Qwen2MoeForCausalLM
 
     from pagedserve.layers.fused_moe import FusedMoE
@@ -239,7 +239,6 @@ def test_a_dense_gguf_of_another_architecture_generates_like_its_weights_in_tran
     size and its tied embeddings, EXAONE 4's sliding-window pattern beside a full layer without a rotary and its llama3
     rope scaling read back from the file's factors): greedy tokens and their logprobs equal transformers' on the values
     the file holds, past the sliding window, the quantized layers multiplying on their GGUF blocks."""
-    import gguf_writer
     from transformers import (
         Ernie4_5ForCausalLM,
         Exaone4ForCausalLM,
@@ -276,7 +275,6 @@ def test_a_dense_gguf_of_another_architecture_generates_like_its_weights_in_tran
 def test_rope_factors_are_refused_where_the_architecture_does_not_read_them(tmp_path):
     """llama.cpp writes a scaled rotary as factors of its frequencies (rope_freqs); a file of an architecture read here
     that has them, but whose reading does not take them, is refused rather than served without the scaling."""
-    import gguf_writer
     from transformers import Ernie4_5ForCausalLM
 
     config = gguf_writer.tiny_ernie4_5_config()
@@ -288,7 +286,6 @@ def test_rope_factors_are_refused_where_the_architecture_does_not_read_them(tmp_
 
 
 def test_an_olmo3_gguf_is_refused_rather_than_read_without_its_sliding_window_layers(tmp_path):
-    import gguf_writer
     from transformers import Olmo2ForCausalLM
 
     config = gguf_writer.tiny_olmo2_config()
@@ -333,52 +330,58 @@ def test_block_products_round_their_input_unless_float32_is_asked_for(dtype, aut
 
 def transformers_on_rounded_input(tiny_hf_llama, type_name: str):
     """The tiny model in transformers with its weights as the GGUF file holds them, and the input of every linear layer
-    (the lm_head's too) rounded as llama.cpp rounds activations: to nearbyint(x * 127 / max|x|) per 32 values."""
-    import copy
-
-    import torch.nn.functional as F
+    (the lm_head's too) rounded as llama.cpp rounds activations."""
     from torch import nn
 
     config, hf_model = tiny_hf_llama
     model = copy.deepcopy(hf_model)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                module.weight.copy_(torch.from_numpy(quantized_round_trip(module.weight.numpy(), type_name)))
+        embedding = model.get_input_embeddings().weight
+        embedding.copy_(torch.from_numpy(quantized_round_trip(embedding.numpy(), type_name)))
+    return with_rounded_linear_inputs(model)
+
+
+def with_rounded_linear_inputs(model):
+    """model (changed in place) with the input of every linear layer rounded as llama.cpp rounds activations: to
+    nearbyint(x * 127 / max|x|) per 32 values."""
+    import torch.nn.functional as F
+    from torch import nn
 
     def rounded(x):
         blocks = x.reshape(*x.shape[:-1], -1, 32)
         amax = blocks.abs().amax(-1, keepdim=True)
         return (torch.round(blocks * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))) * (amax / 127)).reshape(x.shape)
 
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, nn.Linear):
-                module.weight.copy_(torch.from_numpy(quantized_round_trip(module.weight.numpy(), type_name)))
-                module.forward = lambda x, m=module: F.linear(rounded(x), m.weight, m.bias)
-        embedding = model.get_input_embeddings().weight
-        embedding.copy_(torch.from_numpy(quantized_round_trip(embedding.numpy(), type_name)))
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            module.forward = lambda x, m=module: F.linear(rounded(x), m.weight, m.bias)
     return model.eval()
 
 
-def test_auto_runs_the_blocks_on_input_rounded_to_8_bits(tiny_hf_llama, tmp_path, monkeypatch):
-    """dtype auto on a processor without bfloat16 matrix units: float32 everywhere but the products on GGUF blocks of
-    few rows, whose input is rounded to 8 bits per 32 values. Scored on the tokens the exact mode picks (every row on
-    the integer products), its logprobs are off from the exact mode's (transformers') by no more, on the whole, than
-    rounding each linear layer's input in transformers."""
+def rounding_llm(path, monkeypatch):
+    """An LLM on the file with dtype auto on a processor without bfloat16 matrix units: float32 everywhere but the
+    products on GGUF blocks, whose input is rounded to 8 bits per 32 values; every step on the blocks, whatever this
+    machine measured."""
     from pagedserve.cpu_features import CPUFeatures
     from pagedserve.executor import worker as worker_module
     from pagedserve.layers.linear import QUANTIZED_MAX_ROWS
 
-    path = tiny_gguf(tmp_path, tiny_hf_llama, "Q4_1")
-    exact = LLM(str(path), dtype="float32", kv_cache_memory=4 * 1024**2)
     monkeypatch.delenv("PAGEDSERVE_CPU_AUTO_DTYPE")
     monkeypatch.setattr(worker_module, "cpu_features", lambda: CPUFeatures("test CPU", frozenset({"avx2", "fma"})))
-    rounding = LLM(str(path), kv_cache_memory=4 * 1024**2)
-    worker = worker_of(rounding)
+    llm = LLM(str(path), kv_cache_memory=4 * 1024**2)
+    worker = worker_of(llm)
     assert worker.dtype == worker.gemm_dtype == torch.float32
-    blocks = [gemm.blocks for gemm in worker.model.blocks_and_dense_gemms()]
-    assert blocks and all(b.rounds_activations and b.interleaved is None for b in blocks)
-    assert not any(gemm.blocks.rounds_activations for gemm in worker_of(exact).model.blocks_and_dense_gemms())
-    for b in blocks:  # prefills on the blocks' integer products too, whatever this machine measured
-        b.max_rows = QUANTIZED_MAX_ROWS
-    reference = transformers_on_rounded_input(tiny_hf_llama, "Q4_1")
+    for gemm in worker.model.blocks_and_dense_gemms():
+        gemm.blocks.max_rows = QUANTIZED_MAX_ROWS
+    return llm
+
+
+def assert_rounding_departs_like_transformers(rounding, exact, reference) -> None:
+    """Scored on the tokens the exact mode picks, the rounding engine's logprobs are off from the exact mode's (which are
+    transformers') by no more, on the whole, than the reference's (transformers rounding each linear layer's input)."""
     scoring = greedy(1, prompt_logprobs=0)
     ours_off, theirs_off = [], []
     for seed in range(3):
@@ -393,6 +396,74 @@ def test_auto_runs_the_blocks_on_input_rounded_to_8_bits(tiny_hf_llama, tmp_path
             theirs_off.append(abs(theirs[i - 1, ids[i]].item() - exact_logprobs[i][ids[i]].logprob))
     assert sum(theirs_off) > 0 and sum(ours_off) > 0  # both do round
     assert sum(ours_off) <= 1.25 * sum(theirs_off), (sum(ours_off), sum(theirs_off))
+
+
+def test_auto_runs_the_blocks_on_input_rounded_to_8_bits(tiny_hf_llama, tmp_path, monkeypatch):
+    """dtype auto on a processor without bfloat16 matrix units: float32 everywhere but the products on GGUF blocks of
+    few rows, whose input is rounded to 8 bits per 32 values; off from the exact mode no more than rounding each linear
+    layer's input in transformers."""
+    path = tiny_gguf(tmp_path, tiny_hf_llama, "Q4_1")
+    exact = LLM(str(path), dtype="float32", kv_cache_memory=4 * 1024**2)
+    rounding = rounding_llm(path, monkeypatch)
+    blocks = [gemm.blocks for gemm in worker_of(rounding).model.blocks_and_dense_gemms()]
+    assert blocks and all(b.rounds_activations and b.interleaved is None for b in blocks)
+    assert not any(gemm.blocks.rounds_activations for gemm in worker_of(exact).model.blocks_and_dense_gemms())
+    assert_rounding_departs_like_transformers(rounding, exact, transformers_on_rounded_input(tiny_hf_llama, "Q4_1"))
+
+
+# Types of a mixed file as llama.cpp's Q4_K_M mixes them (v and down in more bits), and every other type only the
+# integer products read: layer 0's q/k/v and gate/up each mix two types, layer 1's are of one.
+_MIXED_TYPES = {"token_embd": "Q4_K", "output": "Q6_K", "attn_q": ("Q4_K", "Q6_K"), "attn_k": ("Q4_K", "Q6_K"),
+                "attn_v": ("Q6_K", "Q6_K"), "attn_output": ("Q5_K", "Q5_0"), "ffn_gate": ("Q4_K", "Q5_1"),
+                "ffn_up": ("Q5_0", "Q5_1"), "ffn_down": ("Q6_K", "Q4_K")}
+
+
+def _mixed_type(name: str) -> str:
+    """The type of GGUF tensor `name` (blk.N.part.weight: the part's type in layer N) in the mixed file."""
+    parts = name.split(".")
+    chosen = _MIXED_TYPES[parts[0] if len(parts) == 2 else parts[2]]
+    return chosen if isinstance(chosen, str) else chosen[int(parts[1])]
+
+
+def test_k_quant_and_q5_files_run_their_blocks_where_products_are_integers(tmp_path, monkeypatch):
+    """A file mixing Q4_K, Q5_K, Q6_K, Q5_0 and Q5_1 matrices, as llama.cpp's K-quant files do, fused layers of two types
+    included. In float32 (exact) it generates as transformers does on the values the file holds, on dense weights; where
+    products are integers every linear layer and the lm_head run on their blocks, off from the exact mode no more than
+    transformers rounding each linear layer's input, and decode steps in one C++ call give the modules' bits."""
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    from pagedserve.layers.linear import GGUF_PANEL_TYPES, Linear, QuantizedParts
+
+    config = gguf_writer.tiny_k_quant_llama_config()
+    torch.manual_seed(0)
+    hf_model = LlamaForCausalLM(config)
+    draw_norm_weights(hf_model)
+    path = tmp_path / "tiny-mixed-k-quants.gguf"
+    gguf_writer.write_random_blocks_gguf(path, hf_model.state_dict(), config, _mixed_type)
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, torch_dtype=torch.float32).eval()
+
+    exact = LLM(str(path), dtype="float32", kv_cache_memory=4 * 1024**2)
+    assert not worker_of(exact).model.blocks_and_dense_gemms()
+    assert_generates_like(exact, reference)
+
+    rounding = rounding_llm(path, monkeypatch)
+    model = worker_of(rounding).model
+    linears = [module for module in model.modules() if isinstance(module, Linear)]
+    assert len(linears) == 4 * config.num_hidden_layers and all(m.quantized is not None for m in linears)
+    first = model.model.layers[0]
+    assert isinstance(first.self_attn.qkv_proj.quantized, QuantizedParts) and isinstance(first.mlp.gate_up_proj.quantized, QuantizedParts)
+    blocks = [gemm.blocks for gemm in model.blocks_and_dense_gemms()]
+    assert len(blocks) == len(linears) + 1 and all(b.rounds_activations for b in blocks)  # the lm_head too
+    assert {part.qtype for b in blocks for part in getattr(b, "parts", [b])} == set(GGUF_PANEL_TYPES.values())
+    assert_rounding_departs_like_transformers(rounding, exact, with_rounded_linear_inputs(copy.deepcopy(reference)))
+    assert model.model.native_decode is not None
+    prompts = [{"prompt_token_ids": [1, 40, 50, 60]}, {"prompt_token_ids": list(range(100, 133))}]
+    native = rounding.generate(prompts, greedy(8, logprobs=3), use_tqdm=False)
+    model.model.native_decode = None
+    for got, want in zip(native, rounding.generate(prompts, greedy(8, logprobs=3), use_tqdm=False)):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        assert [{t: lp.logprob for t, lp in step.items()} for step in got.outputs[0].logprobs] == \
+               [{t: lp.logprob for t, lp in step.items()} for step in want.outputs[0].logprobs]
 
 
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])

@@ -69,5 +69,5 @@ def _dense_lm_head(model):
 
 def _bytes_read(rows: int, blocks, packed, weight) -> int:
     if blocks is not None and blocks.takes_rows(rows):
-        return blocks.blocks.numel()
+        return blocks.stored_bytes
     return weight.numel() * (packed.dtype.itemsize if packed is not None else weight.element_size())

@@ -7,12 +7,12 @@ namespace {
 
 // (blocks, qtype, interleaved or None, panels or None, blocks_max_rows, AMX tiles' pairs or None, out_features), as
 // models/native_decode.py passes a Linear.
-using BlockLinearArgs =
-    std::tuple<at::Tensor, int64_t, c10::optional<at::Tensor>, c10::optional<at::Tensor>, int64_t, c10::optional<at::Tensor>, int64_t>;
+using BlockLinearArgs = std::tuple<at::Tensor, int64_t, c10::optional<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>,
+                                   std::vector<int64_t>, int64_t, c10::optional<at::Tensor>, int64_t>;
 
 BlockLinear block_linear(const BlockLinearArgs& args) {
-  return {std::get<0>(args), std::get<1>(args), std::get<2>(args), std::get<3>(args), std::get<4>(args), std::get<5>(args),
-          std::get<6>(args)};
+  return {std::get<0>(args), std::get<1>(args), std::get<2>(args), std::get<3>(args), std::get<4>(args),
+          std::get<5>(args), std::get<6>(args), std::get<7>(args), std::get<8>(args)};
 }
 
 }  // namespace
@@ -76,10 +76,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantized_linear", &quantized_linear, "x @ W.T (+ bias) with W in GGUF Q4_0/Q4_1/Q8_0 blocks",
         py::arg("x"), py::arg("weight"), py::arg("qtype"), py::arg("bias") = py::none(), py::arg("interleaved") = py::none());
   m.def("quantized_linear_q8", &quantized_linear_q8,
-        "x @ W.T (+ bias) with W in GGUF Q4_0/Q4_1/Q8_0 blocks, read from their panels (pack_q8_panels), and x rounded to 8 bits "
+        "x @ W.T (+ bias) with W in GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K blocks, read from their panels (pack_q8_panels), "
+        "and x rounded to 8 bits "
         "per block of 32 values (integer products)",
         py::arg("x"), py::arg("panels"), py::arg("qtype"), py::arg("out_features"), py::arg("bias") = py::none());
+  m.def("quantized_linear_q8_parts", &quantized_linear_q8_parts,
+        "quantized_linear_q8 over the parts of a fused weight, each on its own panels and type, x rounded once: their outputs "
+        "side by side",
+        py::arg("x"), py::arg("panels"), py::arg("qtypes"), py::arg("out_features"), py::arg("bias") = py::none());
   m.def("pack_q8_panels", &pack_q8_panels, "GGUF blocks as the panels quantized_linear_q8 reads (a group of rows side by side)");
+  m.def("gguf_block_shape", &gguf_block_shape, "(values, bytes) of one stored block of a GGUF type the panels read; (0, 0) otherwise");
   m.def("interleave_gguf_rows", &interleave_gguf_rows, "the copy of GGUF blocks (8 rows interleaved) read for steps of 3+ rows");
   m.def("dequantize_gguf", &dequantize_gguf, "float32 values of GGUF Q4_0/Q4_1/Q8_0 blocks");
   m.def("lora_add_", &lora_add_, "add each listed row's LoRA product (its group's adapter) to out, in place");
@@ -118,8 +124,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                             q_norm.value_or(at::Tensor()), k_norm.value_or(at::Tensor()), attention_out_norm.value_or(at::Tensor()),
                             mlp_out_norm.value_or(at::Tensor())});
           },
-          "the next layer: its norms' weights, its linear layers as (blocks, qtype, interleaved or None, panels or None, "
-          "blocks_max_rows, AMX tiles' bfloat16 pairs or None, out_features), its KV cache's static scales (0: each row's own), "
+          "the next layer: its norms' weights, its linear layers as (blocks, qtype, interleaved or None, the panels of its parts "
+          "([] for none), their types, their output rows, blocks_max_rows, AMX tiles' bfloat16 pairs or None, out_features), its KV cache's static scales (0: each row's own), "
           "its rotary table, its sliding window and soft cap (0: none), its MLP's activation, and the norms it has beyond "
           "Llama's (None: none)",
           py::arg("input_norm"), py::arg("post_norm"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"),

@@ -8,13 +8,14 @@
 
 // A linear layer as Linear runs it on its GGUF blocks (QuantizedWeight) and, where it has them, on AMX tiles: steps of
 // more than blocks_max_rows rows on the bfloat16 pairs (bf16_pairs_linear) where tile_pairs is given; on the blocks,
-// integer products on input rounded to 8 bits where there are panels, else float32 ones (on the interleaved copy from
-// 3 rows, where there is one).
+// integer products on input rounded to 8 bits where there are panels (one for each part of a layer whose parts come in
+// types of their own), else float32 ones (on the interleaved copy from 3 rows, where there is one).
 struct BlockLinear {
   at::Tensor blocks;
   int64_t qtype;
   c10::optional<at::Tensor> interleaved;
-  c10::optional<at::Tensor> panels;
+  std::vector<at::Tensor> panels;
+  std::vector<int64_t> panel_types, panel_rows;
   int64_t blocks_max_rows;
   c10::optional<at::Tensor> tile_pairs;
   int64_t out_features;

@@ -37,7 +37,12 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& weight, int64
 // a group of rows side by side; quantized_linear_q8.cpp).
 at::Tensor quantized_linear_q8(const at::Tensor& x, const at::Tensor& panels, int64_t qtype, int64_t out_features,
                                const c10::optional<at::Tensor>& bias = c10::nullopt);
+// The same for the parts of a fused weight, each in its own type: their outputs side by side.
+at::Tensor quantized_linear_q8_parts(const at::Tensor& x, const std::vector<at::Tensor>& panels, const std::vector<int64_t>& qtypes,
+                                     const std::vector<int64_t>& out_features, const c10::optional<at::Tensor>& bias = c10::nullopt);
 at::Tensor pack_q8_panels(const at::Tensor& weight, int64_t qtype);
+// (values, bytes) of one stored block of a GGUF type the panels read; (0, 0) for any other.
+std::tuple<int64_t, int64_t> gguf_block_shape(int64_t qtype);
 at::Tensor interleave_gguf_rows(const at::Tensor& weight, int64_t qtype);
 at::Tensor dequantize_gguf(const at::Tensor& weight, int64_t qtype);
 at::Tensor dequantize_kv_rows(const at::Tensor& rows, int64_t kv_format);

@@ -1,10 +1,12 @@
-// Linear layer on GGUF Q4_0 / Q4_1 / Q8_0 blocks with the activations rounded to 8 bits, a scale for each 32 values
-// (the Q8 rounding llama.cpp and vLLM's GGUF kernels apply), so that a block's products are integer dot products.
+// Linear layer on GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K) with the activations
+// rounded to 8 bits, a scale for each 32 values (the Q8 rounding llama.cpp and vLLM's GGUF kernels apply), so that a
+// block's products are integer dot products.
 //
 // Turning a block's 32 values into float32 takes more instructions than reading its bytes from memory does time, so
 // the float32 kernel (quantized_linear.cpp) is bound by that conversion on processors without wide vector units.
 // Here the block's values stay bytes: with x's block rounded to q_x at scale d_x, and the weight's value written as
-// d * c + o with c centred on 0 (a Q4 nibble less 8, offset m + 8d: Q4_0's is 0; a Q8_0 byte as it is, offset 0),
+// d * c + o with c centred on 0 (a Q4 nibble less 8, offset m + 8d: Q4_0's is 0; a 5-bit value less 16, offset m + 16d;
+// a Q6_K value less 32, offset 0, with a scale d for each 16 values; a Q8_0 byte as it is, offset 0),
 //   sum_j x_j (d c_j + o)  ~  d * d_x * sum_j c_j q_x,j  +  o * sum_j x_j,
 // an integer dot product of 32 byte pairs and one multiply-add; the sum of x over the block is kept exact, so only the
 // rounding of x to q_x departs from the float32 product. Centred values keep x's rounding error from being multiplied
@@ -22,6 +24,7 @@
 #include <vector>
 
 #include "gguf_block.h"
+#include "gguf_sub_blocks.h"
 #include "ops.h"
 #include "vec_lanes.h"
 
@@ -37,14 +40,14 @@
 namespace {
 
 // x's rows rounded per block of 32 values: q = nearbyint(x * 127 / max|x|) (symmetric, so -q is always an int8),
-// with the block's scale max|x| / 127, its exact sum and the sum of its q. Held block-major (every row's block 0, then
+// with the block's scale max|x| / 127, its exact sum, the sum of its q and that of its first 16 q (for Q6_K's halves). Held block-major (every row's block 0, then
 // every row's block 1, ...): a group's products read one block of consecutive rows at a time, so the rows' bytes are
 // one contiguous run however wide a row is, rather than one cache line per row a row's width apart.
 struct RoundedRows {
   int64_t rows;
   std::unique_ptr<int8_t[]> values;
   std::unique_ptr<float[]> scales, sums;
-  std::unique_ptr<int32_t[]> value_sums;
+  std::unique_ptr<int32_t[]> value_sums, half_sums;
   int64_t index(int64_t row, int64_t block) const { return block * rows + row; }
   const int8_t* block_values(int64_t row, int64_t block) const { return values.get() + index(row, block) * kBlockValues; }
 };
@@ -78,7 +81,8 @@ inline void round_block(const float* in, int64_t b, RoundedRows& rounded) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
   rounded.scales[b] = amax / 127.f;
   rounded.sums[b] = horizontal_sum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
-  rounded.value_sums[b] = sum_of_lanes(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+  rounded.half_sums[b] = sum_of_lanes(_mm256_add_epi32(q[0], q[1]));
+  rounded.value_sums[b] = rounded.half_sums[b] + sum_of_lanes(_mm256_add_epi32(q[2], q[3]));
 #else
   float amax = 0.f, sum = 0.f;
   for (int64_t j = 0; j < kBlockValues; ++j) {
@@ -90,6 +94,7 @@ inline void round_block(const float* in, int64_t b, RoundedRows& rounded) {
   for (int64_t j = 0; j < kBlockValues; ++j) {
     out[j] = static_cast<int8_t>(std::nearbyint(in[j] * inverse));
     value_sum += out[j];
+    if (j == kBlockValues / 2 - 1) rounded.half_sums[b] = value_sum;
   }
   rounded.scales[b] = amax / 127.f;
   rounded.sums[b] = sum;
@@ -103,7 +108,7 @@ constexpr int64_t kRoundTileRows = 64;
 RoundedRows round_rows(const float* x, int64_t rows, int64_t k) {
   const int64_t row_blocks = k / kBlockValues, num_blocks = rows * row_blocks;
   RoundedRows rounded{rows, uninitialized<int8_t>(rows * k), uninitialized<float>(num_blocks), uninitialized<float>(num_blocks),
-                      uninitialized<int32_t>(num_blocks)};
+                      uninitialized<int32_t>(num_blocks), uninitialized<int32_t>(num_blocks)};
   at::parallel_for(0, rows, std::max<int64_t>(1, 2048 / row_blocks), [&](int64_t begin, int64_t end) {
     for (int64_t tile = begin; tile < end; tile += kRoundTileRows)
       for (int64_t block = 0; block < row_blocks; ++block)
@@ -113,29 +118,37 @@ RoundedRows round_rows(const float* x, int64_t rows, int64_t k) {
   return rounded;
 }
 
+// How a panel holds a type's values: 4 vectors of nibble bytes (the Q4 types), or 8 of bytes.
+constexpr bool holds_nibbles(int64_t qtype) { return qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ4_K; }
+// Whether a type's values have an offset beside their scale (value = d * q + m).
+constexpr bool has_offset(int64_t qtype) { return qtype == kQ4_1 || qtype == kQ5_1 || qtype == kQ4_K || qtype == kQ5_K; }
+// Q6_K's scales are for 16 values each: a 32-value block's products are summed in two halves.
+constexpr bool scaled_in_halves(int64_t qtype) { return qtype == kQ6_K; }
+
 // Whether the panels are fetched ahead (fetch_row) for steps of one or two rows: where their products take less time
-// than their bytes take to come from memory (a Q8_0 panel; a Q4 one where VNNI's dpbusd multiplies its bytes).
+// than their bytes take to come from memory (a panel of bytes; a Q4 one where VNNI's dpbusd multiplies its bytes).
 constexpr bool fetches_ahead(int64_t qtype) {
 #if defined(PANELS_VNNI)
   return true;
 #else
-  return qtype == kQ8_0;
+  return !holds_nibbles(qtype);
 #endif
 }
 
 // Panels: the blocks of a group of output rows side by side (8 rows, one 32-byte vector; 16 where VNNI's 64-byte dpbusd
 // multiplies them), so that one maddubs (dpbusd) multiplies 4 values of each row of the group by the same 4 bytes of x,
 // broadcast. Each block's unpacking is then shared by every input row of a step, and an output's sums land in a vector
-// lane of their own with no horizontal sum. Per group and per block: the rows' d, then their m (Q4_1's offset; 0
-// otherwise), as fp16; then the values in vectors of 4 bytes per row, lane c (4 bytes) for row c:
-//   Q4: 4 vectors; vector s holds the block's nibble bytes 4s..4s+3 of each row (values 4s.. in the low nibbles,
-//       16 + 4s.. in the high ones, as the block pairs them);
-//   Q8_0: 8 vectors; vector t holds values 4t..4t+3 of each row.
+// lane of their own with no horizontal sum. Per group and per block of 32 values (a K-quant's sub-block): the rows' two
+// scale words (gguf_sub_blocks.h: fp16 d, then m or 0; a K-quant's in float32: d * scale, then the offset or Q6_K's
+// second half's scale); then the values in vectors of 4 bytes per row, lane c (4 bytes) for row c:
+//   Q4 types: 4 vectors; vector s holds nibble bytes 4s..4s+3 of each row (values 4s.. in the low nibbles, 16 + 4s.. in
+//       the high ones, as Q4_0's blocks pair them; Q4_K's are paired so when packed);
+//   the others: 8 vectors; vector t holds values 4t..4t+3 of each row.
 // Rows past the weight's last (in a last group of fewer rows) are zeros. With VNNI a Q8_0 value is held plus 128, as
 // an unsigned byte: dpbusd multiplies unsigned by signed bytes into int32 without saturating, so the block's sum then
 // loses 128 times x's sum, as a Q4 block's loses 8 times it; AVX2's maddubs saturates its int16 pairs, so there the
-// values stay signed and their signs move onto x's bytes. The panels are made and read by the same build, so the
-// group's width and the Q8_0 values' offset are the build's.
+// values stay signed and their signs move onto x's bytes. The other types' values are unsigned as stored. The panels
+// are made and read by the same build, so the group's width and the Q8_0 values' offset are the build's.
 #if defined(PANELS_VNNI)
 constexpr int64_t kGroupRows = 16;
 constexpr int32_t kQ8PanelOffset = 128;
@@ -144,25 +157,34 @@ constexpr int64_t kGroupRows = 8;
 constexpr int32_t kQ8PanelOffset = 0;
 #endif
 constexpr int64_t kPanelVectorBytes = 4 * kGroupRows;
-// What a panel's values are held plus, and so what each block's integer sum loses times x's sum of q: a Q4 nibble is
-// centred (c = q - kQ4Centre), a Q8_0 value is held plus kQ8PanelOffset.
-constexpr int32_t panel_value_offset(int64_t qtype) { return qtype == kQ8_0 ? kQ8PanelOffset : kQ4Centre; }
-constexpr int64_t kPanelScaleBytes = 2 * kGroupRows * sizeof(uint16_t);
-
-int64_t panel_value_bytes(int64_t qtype) { return (qtype == kQ8_0 ? 8 : 4) * kPanelVectorBytes; }
-int64_t panel_record_bytes(int64_t qtype) { return kPanelScaleBytes + panel_value_bytes(qtype); }
+// What a panel's values are held plus (the centre taken off them), and so what each block's integer sum loses times x's
+// sum of q.
+constexpr int32_t panel_value_offset(int64_t qtype) {
+  if (qtype == kQ8_0) return kQ8PanelOffset;
+  if (holds_nibbles(qtype)) return kQ4Centre;
+  return qtype == kQ6_K ? 32 : 16;
+}
+constexpr int64_t panel_word_bytes(int64_t qtype) { return is_k_quant(qtype) ? 4 : 2; }
+constexpr int64_t panel_scale_bytes(int64_t qtype) { return 2 * kGroupRows * panel_word_bytes(qtype); }
+constexpr int64_t panel_value_bytes(int64_t qtype) { return (holds_nibbles(qtype) ? 4 : 8) * kPanelVectorBytes; }
+constexpr int64_t panel_record_bytes(int64_t qtype) { return panel_scale_bytes(qtype) + panel_value_bytes(qtype); }
 
 void pack_panel_record(const uint8_t* weight, int64_t n, int64_t row_bytes, int64_t first_row, int64_t b, int64_t qtype,
                        uint8_t* record) {
   std::memset(record, 0, panel_record_bytes(qtype));
-  uint8_t* values = record + kPanelScaleBytes;
+  const int64_t word = panel_word_bytes(qtype);
+  uint8_t* values = record + panel_scale_bytes(qtype);
   for (int64_t c = 0; c < kGroupRows && first_row + c < n; ++c) {
-    const uint8_t* block = weight + (first_row + c) * row_bytes + b * quantized_block_bytes(qtype);
-    std::memcpy(record + 2 * c, block, 2);
-    if (qtype == kQ4_1) std::memcpy(record + 2 * (kGroupRows + c), block + 2, 2);
-    const uint8_t* bytes = qtype == kQ8_0 ? block + 2 : nibbles_of(block, qtype);
-    const int64_t num_words = qtype == kQ8_0 ? 8 : 4;
-    for (int64_t t = 0; t < num_words; ++t) std::memcpy(values + t * kPanelVectorBytes + 4 * c, bytes + 4 * t, 4);
+    const SubBlock sub = sub_block(weight + (first_row + c) * row_bytes, b, qtype);
+    std::memcpy(record + word * c, sub.words[0], word);
+    std::memcpy(record + word * (kGroupRows + c), sub.words[1], word);
+    if (holds_nibbles(qtype)) {
+      uint8_t nibbles[16];
+      for (int j = 0; j < 16; ++j) nibbles[j] = static_cast<uint8_t>(sub.q[j] | sub.q[j + 16] << 4);
+      for (int64_t s = 0; s < 4; ++s) std::memcpy(values + s * kPanelVectorBytes + 4 * c, nibbles + 4 * s, 4);
+    } else {
+      for (int64_t t = 0; t < 8; ++t) std::memcpy(values + t * kPanelVectorBytes + 4 * c, sub.q + 4 * t, 4);
+    }
   }
   if (qtype == kQ8_0 && kQ8PanelOffset == 128)
     for (int64_t j = 0; j < panel_value_bytes(qtype); ++j) values[j] ^= 0x80;  // int8 v -> uint8 v + 128
@@ -224,52 +246,67 @@ struct PanelLanes {
 #endif
 
 // The exact integer sum of a block's products for one input row, one lane per weight row of the group: bytes of the
-// weight (unsigned) times x's bytes (signed) broadcast 4 at a time. With VNNI dpbusd adds each 4 products into int32,
-// into two sums taken in turn (each dpbusd waits on the one before it into the same sum); AVX2's maddubs gives int16
-// pairs, which a Q4 block (products below 16 * 127) can add up in int16 over its 32 values before one madd widens
-// them, while a Q8_0 block's pairs are widened at once. Integer sums, so their order does not change the result.
+// weight (unsigned) times x's bytes (signed) broadcast 4 at a time; for Q6_K, the sums of its two halves apart. With VNNI
+// dpbusd adds each 4 products into int32, into two sums taken in turn (each dpbusd waits on the one before it into the
+// same sum); AVX2's maddubs gives int16 pairs, which a Q4 block (products below 16 * 127) can add up in int16 over its
+// 32 values before one madd widens them, while other blocks' pairs are widened at once. Integer sums, so their order
+// does not change the result.
 template <int64_t qtype>
 struct BlockDots {
   using Ints = PanelLanes::Ints;
-#if defined(PANELS_VNNI)
   Ints sums[2] = {PanelLanes::zero(), PanelLanes::zero()};
-  void add(int t, Ints u, Ints s) { sums[t & 1] = PanelLanes::dot(sums[t & 1], u, s); }
+  static constexpr int sum_of(int t) { return scaled_in_halves(qtype) ? t / 4 : t & 1; }
+#if defined(PANELS_VNNI)
+  void add(int t, Ints u, Ints s) { sums[sum_of(t)] = PanelLanes::dot(sums[sum_of(t)], u, s); }
   Ints total() const { return PanelLanes::add(sums[0], sums[1]); }
 #else
-  Ints sums = PanelLanes::zero();
-  void add(int, Ints u, Ints s) {
+  void add(int t, Ints u, Ints s) {
     const Ints pairs = _mm256_maddubs_epi16(u, s);
-    if constexpr (qtype == kQ8_0) sums = _mm256_add_epi32(sums, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-    else sums = _mm256_add_epi16(sums, pairs);
+    if constexpr (holds_nibbles(qtype)) sums[0] = _mm256_add_epi16(sums[0], pairs);
+    else sums[sum_of(t)] = _mm256_add_epi32(sums[sum_of(t)], _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
   }
-  Ints total() const { return qtype == kQ8_0 ? sums : _mm256_madd_epi16(sums, _mm256_set1_epi16(1)); }
+  Ints total() const {
+    return holds_nibbles(qtype) ? _mm256_madd_epi16(sums[0], _mm256_set1_epi16(1)) : _mm256_add_epi32(sums[0], sums[1]);
+  }
 #endif
+  Ints half(int h) const { return sums[h]; }
 };
 
+// A record's scale words i (0: d; 1: m, or Q6_K's second scale) of the group's rows.
+template <int64_t qtype>
+PanelLanes::Floats scale_words(const uint8_t* record, int i) {
+  if constexpr (panel_word_bytes(qtype) == 4) return PanelLanes::load_floats(reinterpret_cast<const float*>(record) + i * kGroupRows);
+  else return PanelLanes::halves(record + 2 * i * kGroupRows);
+}
+
 // acc[i * kGroupRows + c] for the `rows` input rows starting at `first` and the weight rows of the group whose records
-// start at `group`: per output, over the blocks in order, sums * (d * d_x), then (Q4_1) offset * x's sum. A block's 8
-// vectors of weight bytes stay in registers while every row passes; the accumulators are in memory, touched once a
-// block (and first written by block 0, so they need no zeroing pass).
+// start at `group`: per output, over the blocks in order, sums * (d * d_x), then the offset times x's sum (Q6_K: each
+// half's sums times its own d * d_x). A block's 8 vectors of weight bytes stay in registers while every row passes; the
+// accumulators are in memory, touched once a block (and first written by block 0, so they need no zeroing pass).
 template <int64_t qtype>
 void rows_times_group(const RoundedRows& rounded, int64_t first, int64_t rows, int64_t k, const uint8_t* group, float* acc) {
   using L = PanelLanes;
+  constexpr int32_t centre = panel_value_offset(qtype);
   const int64_t num_blocks = k / kBlockValues, record_bytes = panel_record_bytes(qtype);
   for (int64_t b = 0; b < num_blocks; ++b) {
     const uint8_t* record = group + b * record_bytes;
-    const uint8_t* values = record + kPanelScaleBytes;
+    const uint8_t* values = record + panel_scale_bytes(qtype);
     // w[t]: values 4t..4t+3 of each row, as the unsigned operand (PanelLanes::q8_weight for a Q8_0 row's).
     L::Ints w[8];
     for (int t = 0; t < 8; ++t) {
-      if constexpr (qtype == kQ8_0) {
-        w[t] = L::q8_weight(L::load(values + t * kPanelVectorBytes));
+      if constexpr (!holds_nibbles(qtype)) {
+        const L::Ints stored = L::load(values + t * kPanelVectorBytes);
+        w[t] = qtype == kQ8_0 ? L::q8_weight(stored) : stored;
       } else {
         const L::Ints packed = L::load(values + (t % 4) * kPanelVectorBytes);
         w[t] = t < 4 ? L::low_nibbles(packed) : L::high_nibbles(packed);
       }
     }
-    const L::Floats d = L::halves(record);
-    L::Floats offset = L::zero_floats();
-    if constexpr (qtype == kQ4_1) offset = L::fma(L::broadcast(kQ4Centre), d, L::halves(record + 2 * kGroupRows));
+    const L::Floats d = scale_words<qtype>(record, 0);
+    // The offset of a centred value (m + centre * d), or Q6_K's second half's scale.
+    L::Floats second = L::zero_floats();
+    if constexpr (has_offset(qtype)) second = L::fma(L::broadcast(centre), d, scale_words<qtype>(record, 1));
+    if constexpr (scaled_in_halves(qtype)) second = scale_words<qtype>(record, 1);
     const int8_t* xq = rounded.block_values(first, b);
     for (int64_t i = 0; i < rows; ++i) {
       BlockDots<qtype> dots;
@@ -279,11 +316,19 @@ void rows_times_group(const RoundedRows& rounded, int64_t first, int64_t rows, i
         else dots.add(t, w[t], x);
       }
       const int64_t xb = rounded.index(first + i, b);
-      L::Ints sums = dots.total();
-      if constexpr (panel_value_offset(qtype) != 0) sums = L::less(sums, panel_value_offset(qtype) * rounded.value_sums[xb]);
       const L::Floats prior = b == 0 ? L::zero_floats() : L::load_floats(acc + i * kGroupRows);
-      L::Floats a = L::fma(L::floats(sums), L::mul(d, L::broadcast(rounded.scales[xb])), prior);
-      if constexpr (qtype == kQ4_1) a = L::fma(offset, L::broadcast(rounded.sums[xb]), a);
+      const L::Floats x_scale = L::broadcast(rounded.scales[xb]);
+      L::Floats a;
+      if constexpr (scaled_in_halves(qtype)) {
+        const int32_t first_half = rounded.half_sums[xb], second_half = rounded.value_sums[xb] - first_half;
+        a = L::fma(L::floats(L::less(dots.half(0), centre * first_half)), L::mul(d, x_scale), prior);
+        a = L::fma(L::floats(L::less(dots.half(1), centre * second_half)), L::mul(second, x_scale), a);
+      } else {
+        L::Ints sums = dots.total();
+        if constexpr (centre != 0) sums = L::less(sums, centre * rounded.value_sums[xb]);
+        a = L::fma(L::floats(sums), L::mul(d, x_scale), prior);
+        if constexpr (has_offset(qtype)) a = L::fma(second, L::broadcast(rounded.sums[xb]), a);
+      }
       L::store(acc + i * kGroupRows, a);
     }
   }
@@ -291,6 +336,26 @@ void rows_times_group(const RoundedRows& rounded, int64_t first, int64_t rows, i
 #else
 // Builds without AVX2 have no VNNI, so their Q8_0 panels hold the values as they are, signed.
 static_assert(kQ8PanelOffset == 0, "the scalar path reads a Q8_0 panel's bytes as signed values");
+
+// Scale word i of row c of a record, as a float.
+inline float scale_word(const uint8_t* record, int64_t qtype, int i, int64_t c) {
+  const uint8_t* word = record + panel_word_bytes(qtype) * (i * kGroupRows + c);
+  if (panel_word_bytes(qtype) == 2) return half_at(word);
+  float value;
+  std::memcpy(&value, word, sizeof(value));
+  return value;
+}
+
+// Value j of row c of a record, the centre taken off.
+inline int32_t centred_value(const uint8_t* values, int64_t qtype, int64_t c, int64_t j) {
+  if (!holds_nibbles(qtype)) {
+    const uint8_t byte = values[(j / 4) * kPanelVectorBytes + 4 * c + j % 4];
+    return (qtype == kQ8_0 ? static_cast<int8_t>(byte) : static_cast<int32_t>(byte)) - panel_value_offset(qtype);
+  }
+  const int64_t v = j % 16;
+  const uint8_t byte = values[(v / 4) * kPanelVectorBytes + 4 * c + v % 4];
+  return (j < 16 ? byte & 0x0F : byte >> 4) - panel_value_offset(qtype);
+}
 
 template <int64_t qtype>
 void rows_times_group(const RoundedRows& rounded, int64_t first, int64_t rows, int64_t k, const uint8_t* group, float* acc) {
@@ -300,25 +365,20 @@ void rows_times_group(const RoundedRows& rounded, int64_t first, int64_t rows, i
       float a = 0.f;
       for (int64_t b = 0; b < num_blocks; ++b) {
         const uint8_t* record = group + b * record_bytes;
-        const uint8_t* values = record + kPanelScaleBytes;
+        const uint8_t* values = record + panel_scale_bytes(qtype);
         const int8_t* xq = rounded.block_values(first + i, b);
         const int64_t xb = rounded.index(first + i, b);
-        int32_t sum = 0;
-        for (int64_t j = 0; j < kBlockValues; ++j) {
-          int32_t w;
-          if (qtype == kQ8_0) {
-            w = static_cast<int8_t>(values[(j / 4) * kPanelVectorBytes + 4 * c + j % 4]);
-          } else {
-            const int64_t v = j % 16;
-            const uint8_t byte = values[(v / 4) * kPanelVectorBytes + 4 * c + v % 4];
-            w = j < 16 ? byte & 0x0F : byte >> 4;
-          }
-          sum += w * xq[j];
+        int32_t halves[2] = {0, 0};
+        for (int64_t j = 0; j < kBlockValues; ++j) halves[j / 16] += centred_value(values, qtype, c, j) * xq[j];
+        const float d = scale_word(record, qtype, 0, c), x_scale = rounded.scales[xb];
+        if (scaled_in_halves(qtype)) {
+          a = std::fma(static_cast<float>(halves[0]), d * x_scale, a);
+          a = std::fma(static_cast<float>(halves[1]), scale_word(record, qtype, 1, c) * x_scale, a);
+        } else {
+          a = std::fma(static_cast<float>(halves[0] + halves[1]), d * x_scale, a);
+          if (has_offset(qtype))
+            a = std::fma(std::fma(static_cast<float>(panel_value_offset(qtype)), d, scale_word(record, qtype, 1, c)), rounded.sums[xb], a);
         }
-        sum -= panel_value_offset(qtype) * rounded.value_sums[xb];
-        const float d = half_at(record + 2 * c);
-        a = std::fma(static_cast<float>(sum), d * rounded.scales[xb], a);
-        if (qtype == kQ4_1) a = std::fma(std::fma(static_cast<float>(kQ4Centre), d, half_at(record + 2 * (kGroupRows + c))), rounded.sums[xb], a);
       }
       acc[i * kGroupRows + c] = a;
     }
@@ -328,8 +388,10 @@ void rows_times_group(const RoundedRows& rounded, int64_t first, int64_t rows, i
 // Input rows walked together past a task's groups: their rounded bytes stay in L2 meanwhile.
 constexpr int64_t kPanelChunkRows = 64;
 
+// out's rows are out_stride floats apart: a part of a fused layer writes its columns of the whole layer's output.
 template <int64_t qtype>
-void panels_linear(const RoundedRows& rounded, int64_t m, int64_t k, const uint8_t* panels, int64_t n, const float* bias, float* out) {
+void panels_linear(const RoundedRows& rounded, int64_t m, int64_t k, const uint8_t* panels, int64_t n, const float* bias, float* out,
+                   int64_t out_stride) {
   const int64_t group_bytes = k / kBlockValues * panel_record_bytes(qtype), num_groups = (n + kGroupRows - 1) / kGroupRows;
   at::parallel_for(0, num_groups, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(std::min(kPanelChunkRows, m) * kGroupRows);
@@ -342,19 +404,35 @@ void panels_linear(const RoundedRows& rounded, int64_t m, int64_t k, const uint8
         const int64_t first_col = g * kGroupRows, cols = std::min(kGroupRows, n - first_col);
         for (int64_t i = 0; i < rows; ++i)
           for (int64_t c = 0; c < cols; ++c)
-            out[(chunk + i) * n + first_col + c] = acc[i * kGroupRows + c] + (bias ? bias[first_col + c] : 0.f);
+            out[(chunk + i) * out_stride + first_col + c] = acc[i * kGroupRows + c] + (bias ? bias[first_col + c] : 0.f);
       }
     }
   });
 }
 
+constexpr const char* kPanelTypes = "Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14";
+
+// The values and bytes of one stored block of a type the panels read, checked.
+StoredBlock checked_panel_type(int64_t qtype) {
+  const StoredBlock stored = stored_block(qtype);
+  TORCH_CHECK(stored.bytes > 0, "unsupported GGUF quantization type id ", qtype, " (supported: ", kPanelTypes, ")");
+  return stored;
+}
+
 }  // namespace
 
-// GGUF blocks [N, K / 32 * block_bytes] -> the panels quantized_linear_q8 reads (layout above pack_panel_record):
-// [ceil(N / kGroupRows), K / 32 * record bytes].
+std::tuple<int64_t, int64_t> gguf_block_shape(int64_t qtype) {
+  const StoredBlock stored = stored_block(qtype);
+  return {stored.values, stored.bytes};
+}
+
+// GGUF blocks [N, K / values per block * block bytes] -> the panels quantized_linear_q8 reads (layout above
+// pack_panel_record): [ceil(N / kGroupRows), K / 32 * record bytes].
 at::Tensor pack_q8_panels(const at::Tensor& weight, int64_t qtype) {
-  const int64_t bytes = checked_block_rows(weight, qtype);
-  const int64_t n = weight.size(0), row_bytes = weight.size(1), num_blocks = row_bytes / bytes;
+  const StoredBlock stored = checked_panel_type(qtype);
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.is_contiguous(), "weight must be contiguous uint8 blocks");
+  TORCH_CHECK(weight.size(1) % stored.bytes == 0, "rows of ", weight.size(1), " bytes are not whole blocks of ", stored.bytes);
+  const int64_t n = weight.size(0), row_bytes = weight.size(1), num_blocks = row_bytes / stored.bytes * (stored.values / kBlockValues);
   const int64_t num_groups = (n + kGroupRows - 1) / kGroupRows, record_bytes = panel_record_bytes(qtype);
   auto out = at::empty({num_groups, num_blocks * record_bytes}, weight.options());
   const uint8_t* w_ptr = weight.data_ptr<uint8_t>();
@@ -367,24 +445,60 @@ at::Tensor pack_q8_panels(const at::Tensor& weight, int64_t qtype) {
   return out;
 }
 
-// x [M, K] float32; panels (pack_q8_panels) of a weight [out_features, K / 32 * block bytes] uint8 in GGUF blocks;
-// bias [out_features] float32 or undefined. Returns x @ dequantized(weight).T + bias, [M, out_features], with x
-// rounded to 8 bits per block of 32 values.
-at::Tensor quantized_linear_q8(const at::Tensor& x, const at::Tensor& panels, int64_t qtype, int64_t out_features,
-                               const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(quantized_block_bytes(qtype) > 0, "unsupported GGUF quantization type id ", qtype, " (supported: Q4_0=2, Q4_1=3, Q8_0=8)");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be a contiguous float32 [M, K] tensor");
-  const int64_t m = x.size(0), k = x.size(1), n = out_features;
-  TORCH_CHECK(k % kBlockValues == 0, "x's rows of ", k, " values are not whole blocks of ", kBlockValues);
+namespace {
+
+// One weight's products on its panels into columns [0, n) of out (rows out_stride apart), x rounded already.
+void part_linear(const RoundedRows& rounded, int64_t m, int64_t k, const at::Tensor& panels, int64_t qtype, int64_t n,
+                 const float* bias, float* out, int64_t out_stride) {
+  checked_panel_type(qtype);
   TORCH_CHECK(panels.dim() == 2 && panels.scalar_type() == at::kByte && panels.is_contiguous() &&
                   panels.size(0) == (n + kGroupRows - 1) / kGroupRows && panels.size(1) == k / kBlockValues * panel_record_bytes(qtype),
               "panels do not hold ", n, " rows of ", k, " values of this type (make them with pack_q8_panels)");
+  const uint8_t* p = panels.data_ptr<uint8_t>();
+  switch (qtype) {
+    case kQ4_0: panels_linear<kQ4_0>(rounded, m, k, p, n, bias, out, out_stride); break;
+    case kQ4_1: panels_linear<kQ4_1>(rounded, m, k, p, n, bias, out, out_stride); break;
+    case kQ5_0: panels_linear<kQ5_0>(rounded, m, k, p, n, bias, out, out_stride); break;
+    case kQ5_1: panels_linear<kQ5_1>(rounded, m, k, p, n, bias, out, out_stride); break;
+    case kQ8_0: panels_linear<kQ8_0>(rounded, m, k, p, n, bias, out, out_stride); break;
+    case kQ4_K: panels_linear<kQ4_K>(rounded, m, k, p, n, bias, out, out_stride); break;
+    case kQ5_K: panels_linear<kQ5_K>(rounded, m, k, p, n, bias, out, out_stride); break;
+    case kQ6_K: panels_linear<kQ6_K>(rounded, m, k, p, n, bias, out, out_stride); break;
+  }
+}
+
+}  // namespace
+
+// x [M, K] float32; the panels (pack_q8_panels) of the parts of a fused weight, each [out_features[i], K] in GGUF blocks
+// of its own type; bias [sum of out_features] float32 or undefined. Returns x @ dequantized(weight).T + bias, the parts'
+// outputs side by side, [M, sum of out_features], with x rounded to 8 bits per block of 32 values (once, for every
+// part).
+at::Tensor quantized_linear_q8_parts(const at::Tensor& x, const std::vector<at::Tensor>& panels, const std::vector<int64_t>& qtypes,
+                                     const std::vector<int64_t>& out_features, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(!panels.empty() && panels.size() == qtypes.size() && panels.size() == out_features.size(),
+              "one type and one output size for each part's panels");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be a contiguous float32 [M, K] tensor");
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(k % kBlockValues == 0, "x's rows of ", k, " values are not whole blocks of ", kBlockValues);
+  int64_t n = 0;
+  for (const int64_t part : out_features) n += part;
   const float* bias_ptr = checked_bias(bias, n);
   auto out = at::empty({m, n}, x.options());
   const RoundedRows rounded = round_rows(x.data_ptr<float>(), m, k);
-  const uint8_t* p = panels.data_ptr<uint8_t>();
-  if (qtype == kQ4_0) panels_linear<kQ4_0>(rounded, m, k, p, n, bias_ptr, out.data_ptr<float>());
-  else if (qtype == kQ4_1) panels_linear<kQ4_1>(rounded, m, k, p, n, bias_ptr, out.data_ptr<float>());
-  else panels_linear<kQ8_0>(rounded, m, k, p, n, bias_ptr, out.data_ptr<float>());
+  int64_t first_col = 0;
+  for (size_t i = 0; i < panels.size(); ++i) {
+    part_linear(rounded, m, k, panels[i], qtypes[i], out_features[i], bias_ptr ? bias_ptr + first_col : nullptr,
+                out.data_ptr<float>() + first_col, n);
+    first_col += out_features[i];
+  }
   return out;
+}
+
+// x [M, K] float32; panels (pack_q8_panels) of a weight [out_features, K] in GGUF blocks; bias [out_features] float32
+// or undefined. Returns x @ dequantized(weight).T + bias, [M, out_features], with x rounded to 8 bits per block of 32
+// values.
+at::Tensor quantized_linear_q8(const at::Tensor& x, const at::Tensor& panels, int64_t qtype, int64_t out_features,
+                               const c10::optional<at::Tensor>& bias) {
+  checked_panel_type(qtype);
+  return quantized_linear_q8_parts(x, {panels}, {qtype}, {out_features}, bias);
 }

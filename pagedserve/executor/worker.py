@@ -24,7 +24,7 @@ from pagedserve.layers.attention import Attention, select_attention_backend
 from pagedserve.layers.attention.kv_quant import NO_STATIC_SCALES, KVFormat, kv_format
 from pagedserve.layers.fused_moe import FusedMoE
 from pagedserve.layers.gemm import onednn_available
-from pagedserve.layers.linear import TILES_MAX_ROWS, Linear, kv_heads_of_rank, row_limit_text
+from pagedserve.layers.linear import GGUF_KERNEL_TYPES, TILES_MAX_ROWS, Linear, kv_heads_of_rank, row_limit_text
 from pagedserve.lora_request import LoRARequest
 from pagedserve.matryoshka import matryoshka_dimensions
 from pagedserve.model_info import ModelInfo
@@ -289,15 +289,27 @@ class Worker:
 
     def _use_gguf_blocks(self) -> None:
         blocks = load_quantized_blocks(self.model_dir)
+        rounding = block_products_round_activations(self.config, self.device)
+        if not rounding:
+            blocks = self._blocks_of_exact_types(blocks)
         if not blocks:
             return
-        switched = self.model.use_quantized_weights(blocks, self.cpu_kernels)
-        rounding = block_products_round_activations(self.config, self.device)
+        switched = self.model.use_quantized_weights(blocks, self.cpu_kernels, mixed_parts=rounding)
         if rounding:
             for gemm in self.model.blocks_and_dense_gemms():
                 gemm.blocks.round_activations()
         logger.info("%d layers run on their GGUF blocks (%.0f MB)%s", switched, sum(b.numel() for b, _ in blocks.values()) / 1e6,
                     ", multiplying their input rounded to 8 bits per 32 values (dtype float32 multiplies it exactly)" if rounding else "")
+
+    @staticmethod
+    def _blocks_of_exact_types(blocks: dict[str, tuple[torch.Tensor, int]]) -> dict[str, tuple[torch.Tensor, int]]:
+        """The blocks the exact float32 products read; the others (Q5 and K-quants, read only by the integer products)
+        run dense, and the log says so."""
+        exact = {name: entry for name, entry in blocks.items() if entry[1] in GGUF_KERNEL_TYPES.values()}
+        if len(exact) < len(blocks):
+            logger.info("%d GGUF tensors in Q5_0/Q5_1/K-quant blocks run on float32 weights: only the integer products read "
+                        "those blocks (any dtype but float32)", len(blocks) - len(exact))
+        return exact
 
     # ---- KV cache ---------------------------------------------------------------------------------
 

@@ -36,7 +36,8 @@ _CSRC = Path(__file__).resolve().parent.parent / "csrc"
 _SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "quantized_linear.cpp", "quantized_linear_q8.cpp", "sampling.cpp", "lora.cpp",
             "int8_gemm.cpp", "bf16_gemm.cpp", "tile_blocks.cpp", "fresh_attention.cpp", "decode_layers.cpp", "thread_pinning.cpp",
             "spin_pause.cpp", "int8_peak.cpp", "bindings.cpp")
-_HEADERS = ("ops.h", "decode_layers.h", "gguf_block.h", "vec_lanes.h", "silu_row.h", "parallel_rows.h", "amx_tiles.h", "tile_blocks.h")
+_HEADERS = ("ops.h", "decode_layers.h", "gguf_block.h", "gguf_sub_blocks.h", "vec_lanes.h", "silu_row.h", "parallel_rows.h",
+            "amx_tiles.h", "tile_blocks.h")
 _MODULE_NAME = "pagedserve_cpu_kernels"
 
 

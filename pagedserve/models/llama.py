@@ -37,11 +37,13 @@ from pagedserve.layers.fused_moe import FusedMoE
 from pagedserve.layers.gemm import BFloat16ProductsWeight, linear_into, onednn_packs, pack_weight, packed_linear
 from pagedserve.layers.layernorm import RMSNorm, SplitRMSNorm
 from pagedserve.layers.linear import (
+    GGUF_KERNEL_TYPES,
     ONEDNN_ROW_MULTIPLE,
     TILES_MAX_ROWS,
     BlocksOrDense,
     Linear,
     QKVParallelLinear,
+    QuantizedParts,
     QuantizedWeight,
     RowParallelLinear,
     pad_rows,
@@ -448,9 +450,10 @@ class LlamaForCausalLM(nn.Module):
             gemms.append(BlocksOrDense(f"lm_head {hidden}x{vocab}", hidden, self.quantized_lm_head, self.dense_logits))
         return gemms
 
-    def use_quantized_weights(self, blocks: dict[str, tuple[torch.Tensor, int]], kernels) -> int:
+    def use_quantized_weights(self, blocks: dict[str, tuple[torch.Tensor, int]], kernels, mixed_parts: bool = False) -> int:
         """Run the GEMMs whose checkpoint tensors come as GGUF blocks on them (the C++ kernels, float32
-        activations), this rank's share of them. A fused layer needs all its shards in one type. q's and k's blocks
+        activations), this rank's share of them. A fused layer needs all its shards in blocks, and in one type unless
+        mixed_parts (where the products will be integers: QuantizedParts). q's and k's blocks
         come in the checkpoint's row order and are put in the kernels' rotary order as their float rows were (each
         row's blocks move whole: the same values). Returns how many layers switched."""
         shards: dict[str, dict[int | None, tuple[torch.Tensor, int]]] = {}
@@ -476,21 +479,27 @@ class LlamaForCausalLM(nn.Module):
             if not isinstance(module, Linear):
                 continue  # another stage's, or not a linear layer
             expected = range(len(module.shard_sizes)) if module.shard_sizes else [None]
-            if set(parts) != set(expected) or len({q for _, q in parts.values()}) != 1:
+            types = [parts[s][1] for s in expected] if set(parts) == set(expected) else []
+            if not types or (len(set(types)) > 1 and not mixed_parts):
                 continue
-            qtype = parts[expected[0]][1]
-            local = [module.rank_blocks(parts[s][0], s, kernels.quantized_block_bytes(qtype)) for s in expected]
+            local = [module.rank_blocks(parts[s][0], s, kernels.gguf_block_shape(qtype)) for s, qtype in zip(expected, types)]
             if any(part is None for part in local):
                 continue
-            module.quantized = QuantizedWeight(torch.cat(local).contiguous(), qtype, kernels)
+            if len(set(types)) == 1:
+                module.quantized = QuantizedWeight(torch.cat(local).contiguous(), types[0], kernels)
+            else:
+                module.quantized = QuantizedParts([QuantizedWeight(part, qtype, kernels) for part, qtype in zip(local, types)], kernels)
             switched += 1
         return switched
 
     def _experts_on_blocks(self, module_name: str, parts: dict[str, tuple[torch.Tensor, int]], kernels) -> bool:
-        """A mixture layer's experts onto their GGUF blocks, when its gate, up and down all came in one type."""
+        """A mixture layer's experts onto their GGUF blocks, when its gate, up and down all came in one type that the
+        float32 kernel reads (the experts' products are not rounded: FusedMoE)."""
         if set(parts) != {"gate", "up", "down"} or len({qtype for _, qtype in parts.values()}) != 1:
             return False
         qtype = parts["gate"][1]
+        if qtype not in GGUF_KERNEL_TYPES.values():
+            return False
         return self.get_submodule(module_name).use_blocks(parts["gate"][0], parts["up"][0], parts["down"][0], qtype, kernels)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

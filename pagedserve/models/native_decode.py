@@ -18,7 +18,7 @@ from pagedserve.distributed.parallel_state import rank_info
 from pagedserve.layers.activation import GeluTanhAndMul, SiluAndMul
 from pagedserve.layers.attention import AttentionMetadata
 from pagedserve.layers.attention.cpu_backend import CPUAttentionBackend
-from pagedserve.layers.linear import TILES_MAX_ROWS, Linear
+from pagedserve.layers.linear import TILES_MAX_ROWS, Linear, QuantizedWeight
 from pagedserve.layers.rotary import NoRotary
 from pagedserve.models.mlp import GatedMLP
 
@@ -101,7 +101,10 @@ def _epsilons(layers) -> set[float]:
 
 
 def _linear_args(linear: Linear) -> tuple:
-    """A linear layer's paths as the C++ layers take them: its blocks and their row limits, its AMX tiles' pairs (or None)."""
+    """A linear layer's paths as the C++ layers take them: its blocks (none for a layer of mixed types, which multiplies on
+    its parts' panels alone) and their row limits, its AMX tiles' pairs (or None)."""
     blocks, tiles = linear.quantized, linear.bf16_products
-    return (blocks.blocks, blocks.qtype, blocks.interleaved, blocks.panels, blocks.max_rows,
-            tiles.packed if tiles is not None else None, linear.out_features)
+    panels, types, rows = (list(column) for column in zip(*blocks.panel_parts())) if blocks.rounds_activations else ([], [], [])
+    whole = (blocks.blocks, blocks.qtype) if isinstance(blocks, QuantizedWeight) else (torch.empty(0, dtype=torch.uint8), -1)
+    return (*whole, blocks.interleaved, panels, types, rows, blocks.max_rows, tiles.packed if tiles is not None else None,
+            linear.out_features)
