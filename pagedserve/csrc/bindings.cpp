@@ -125,7 +125,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                             mlp_out_norm.value_or(at::Tensor())});
           },
           "the next layer: its norms' weights, its linear layers as (blocks, qtype, interleaved or None, the panels of its parts "
-          "([] for none), their types, their output rows, blocks_max_rows, AMX tiles' bfloat16 pairs or None, out_features), its KV cache's static scales (0: each row's own), "
+          "([] for none), their types, their output rows, blocks_max_rows, AMX tiles' bfloat16 pairs or None, out_features), "
+          "its KV cache's static scales (0: each row's own), "
           "its rotary table, its sliding window and soft cap (0: none), its MLP's activation, and the norms it has beyond "
           "Llama's (None: none)",
           py::arg("input_norm"), py::arg("post_norm"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"),

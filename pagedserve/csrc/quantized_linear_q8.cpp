@@ -40,9 +40,10 @@
 namespace {
 
 // x's rows rounded per block of 32 values: q = nearbyint(x * 127 / max|x|) (symmetric, so -q is always an int8),
-// with the block's scale max|x| / 127, its exact sum, the sum of its q and that of its first 16 q (for Q6_K's halves). Held block-major (every row's block 0, then
-// every row's block 1, ...): a group's products read one block of consecutive rows at a time, so the rows' bytes are
-// one contiguous run however wide a row is, rather than one cache line per row a row's width apart.
+// with the block's scale max|x| / 127, its exact sum, the sum of its q and that of its first 16 q (for Q6_K's halves).
+// Held block-major (every row's block 0, then every row's block 1, ...): a group's products read one block of
+// consecutive rows at a time, so the rows' bytes are one contiguous run however wide a row is, rather than one cache
+// line per row a row's width apart.
 struct RoundedRows {
   int64_t rows;
   std::unique_ptr<int8_t[]> values;
