@@ -64,11 +64,14 @@ def _model_writer(path, architecture: str, name: str, config, rope_freq_base: fl
     return writer
 
 
-def _finish(writer, tensors, type_name: str) -> None:
-    """Add the (name, array) tensors in type_name, then write the file."""
-    qtype = QUANT_TYPES[type_name]
+def _finish(writer, tensors, type_name) -> None:
+    """Add the (name, array) tensors in type_name (or, given a function of the GGUF name, in the type it names for each
+    tensor, as llama.cpp's mixed files such as Q4_K_M hold several), then write the file."""
+    type_of = type_name if callable(type_name) else lambda name: type_name
+    # Vectors (norms, biases) stay F32, as llama.cpp keeps them.
+    rng = np.random.default_rng(0)
     for name, tensor in tensors:
-        _add_tensor(writer, name, tensor, qtype)
+        _add_tensor(writer, name, tensor, type_of(name) if tensor.ndim > 1 else "F32", rng)
     _write_out(writer)
 
 
@@ -114,22 +117,6 @@ def tiny_k_quant_llama_config():
     config.hidden_size, config.intermediate_size = 256, 512
     config.head_dim = config.hidden_size // config.num_attention_heads
     return config
-
-
-def write_random_blocks_gguf(path, state_dict: dict[str, torch.Tensor], config, type_of, seed: int = 0) -> None:
-    """A llama GGUF file whose matrices are random blocks of the type type_of(GGUF tensor name) names (the state dict
-    gives their shapes and the F32 norms), as llama.cpp's mixed files (Q4_K_M and the like) hold several types."""
-    rng = np.random.default_rng(seed)
-    writer = _model_writer(path, "llama", "tiny-llama-blocks", config)
-    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
-    for name, tensor in _gguf_tensors(state_dict, config):
-        if tensor.ndim == 1:
-            writer.add_tensor(name, tensor.astype(np.float32))
-            continue
-        type_name = type_of(name)
-        magnitude = 1.0 if name == "token_embd.weight" else 0.15
-        writer.add_tensor(name, random_blocks(type_name, *tensor.shape, rng, magnitude), raw_dtype=gguf.GGMLQuantizationType[type_name])
-    _write_out(writer)
 
 
 def _gguf_tensors(state_dict, config):
@@ -255,11 +242,21 @@ def _add_tokenizer(writer) -> None:
     writer.add_chat_template(CHAT_TEMPLATE)
 
 
-def _add_tensor(writer, name: str, tensor: np.ndarray, qtype) -> None:
-    if tensor.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:  # norms and biases stay F32, as llama.cpp keeps them
+# Types gguf cannot quantize: a tensor in one is written as random blocks of its shape (random_blocks), so the file's
+# values are not the state dict's, and the reference reads the file (transformers' GGUF reading).
+RANDOM_BLOCK_TYPES = ("Q4_K", "Q5_K", "Q6_K")
+
+
+def _add_tensor(writer, name: str, tensor: np.ndarray, type_name: str, rng: np.random.Generator) -> None:
+    qtype = gguf.GGMLQuantizationType[type_name]
+    if qtype == gguf.GGMLQuantizationType.F32:
         writer.add_tensor(name, tensor.astype(np.float32))
     elif qtype == gguf.GGMLQuantizationType.F16:
         writer.add_tensor(name, tensor.astype(np.float16))
+    elif type_name in RANDOM_BLOCK_TYPES:
+        magnitude = 1.0 if name == "token_embd.weight" else 0.15
+        blocks = random_blocks(type_name, int(np.prod(tensor.shape[:-1])), tensor.shape[-1], rng, magnitude)
+        writer.add_tensor(name, blocks.reshape(*tensor.shape[:-1], -1), raw_dtype=qtype)
     else:
         writer.add_tensor(name, gguf.quants.quantize(tensor.astype(np.float32), qtype), raw_dtype=qtype)
 

@@ -294,10 +294,10 @@ class Worker:
             blocks = self._blocks_of_exact_types(blocks)
         if not blocks:
             return
-        switched = self.model.use_quantized_weights(blocks, self.cpu_kernels, mixed_parts=rounding)
+        switched = self.model.use_quantized_weights(blocks, self.cpu_kernels, integer_products=rounding)
         if rounding:
-            for gemm in self.model.blocks_and_dense_gemms():
-                gemm.blocks.round_activations()
+            for products in self.model.block_products():
+                products.round_activations()
         logger.info("%d layers run on their GGUF blocks (%.0f MB)%s", switched, sum(b.numel() for b, _ in blocks.values()) / 1e6,
                     ", multiplying their input rounded to 8 bits per 32 values (dtype float32 multiplies it exactly)" if rounding else "")
 

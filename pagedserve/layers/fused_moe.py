@@ -130,19 +130,25 @@ class FusedMoE(nn.Module):
                            [pack_weight(weight, dtype, onednn) for weight in self.w2])
         self._release_loaded_weights()
 
-    def use_blocks(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, qtype: int, kernels) -> bool:
-        """Run every expert on its GGUF blocks (uint8 [E, rows, bytes per row]: gate and up [E, I, .], down [E, H, .]),
-        this rank's share of them; False (and nothing changed) where the share would cut a block."""
+    def use_blocks(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, gate_up_type: int, down_type: int,
+                   kernels) -> bool:
+        """Run every expert on its GGUF blocks (uint8 [E, rows, bytes per row]: gate and up [E, I, .] in gate_up_type,
+        down [E, H, .] in down_type), this rank's share of them; False (and nothing changed) where the share would cut a
+        block."""
         start, length = self.intermediate_range
-        columns = block_columns(self.intermediate_range, kernels.gguf_block_shape(qtype))
+        columns = block_columns(self.intermediate_range, kernels.gguf_block_shape(down_type))
         if columns is None:
             return False
         experts = list(self.local_experts)
-        self.packed = ([QuantizedWeight(torch.cat([gate[e].narrow(0, start, length), up[e].narrow(0, start, length)]), qtype, kernels)
-                        for e in experts],
-                       [QuantizedWeight(down[e].narrow(1, *columns), qtype, kernels) for e in experts])
+        self.packed = ([QuantizedWeight(torch.cat([gate[e].narrow(0, start, length), up[e].narrow(0, start, length)]), gate_up_type,
+                                        kernels) for e in experts],
+                       [QuantizedWeight(down[e].narrow(1, *columns), down_type, kernels) for e in experts])
         self._release_loaded_weights()
         return True
+
+    def block_weights(self) -> list[QuantizedWeight]:
+        """The experts' weights that run on GGUF blocks (none before use_blocks)."""
+        return [] if self.packed is None else [w for part in self.packed for w in part if isinstance(w, QuantizedWeight)]
 
     def _release_loaded_weights(self) -> None:
         self.w13 = nn.Parameter(torch.empty(0, *self.w13.shape[1:]), requires_grad=False)

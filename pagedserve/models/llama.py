@@ -450,10 +450,11 @@ class LlamaForCausalLM(nn.Module):
             gemms.append(BlocksOrDense(f"lm_head {hidden}x{vocab}", hidden, self.quantized_lm_head, self.dense_logits))
         return gemms
 
-    def use_quantized_weights(self, blocks: dict[str, tuple[torch.Tensor, int]], kernels, mixed_parts: bool = False) -> int:
+    def use_quantized_weights(self, blocks: dict[str, tuple[torch.Tensor, int]], kernels, integer_products: bool = False) -> int:
         """Run the GEMMs whose checkpoint tensors come as GGUF blocks on them (the C++ kernels, float32
         activations), this rank's share of them. A fused layer needs all its shards in blocks, and in one type unless
-        mixed_parts (where the products will be integers: QuantizedParts). q's and k's blocks
+        integer_products (the products will be integers on rounded input: QuantizedParts); so do a mixture's gate and
+        up, and without integer_products its down too, in a type the float32 kernel reads. q's and k's blocks
         come in the checkpoint's row order and are put in the kernels' rotary order as their float rows were (each
         row's blocks move whole: the same values). Returns how many layers switched."""
         shards: dict[str, dict[int | None, tuple[torch.Tensor, int]]] = {}
@@ -466,7 +467,7 @@ class LlamaForCausalLM(nn.Module):
             target, shard = _fused_target(name)
             shards.setdefault(target, {})[shard] = (self._in_rotary_order(name, entry[0]), entry[1])
         lm_head_source = "model.embed_tokens.weight" if self.tie_word_embeddings else "lm_head.weight"
-        switched = sum(self._experts_on_blocks(module_name, parts, kernels) for module_name, parts in experts.items())
+        switched = sum(self._experts_on_blocks(module_name, parts, kernels, integer_products) for module_name, parts in experts.items())
         for target, parts in shards.items():
             if target == lm_head_source:
                 if self.lm_head is not None:
@@ -480,7 +481,7 @@ class LlamaForCausalLM(nn.Module):
                 continue  # another stage's, or not a linear layer
             expected = range(len(module.shard_sizes)) if module.shard_sizes else [None]
             types = [parts[s][1] for s in expected] if set(parts) == set(expected) else []
-            if not types or (len(set(types)) > 1 and not mixed_parts):
+            if not types or (len(set(types)) > 1 and not integer_products):
                 continue
             local = [module.rank_blocks(parts[s][0], s, kernels.gguf_block_shape(qtype)) for s, qtype in zip(expected, types)]
             if any(part is None for part in local):
@@ -492,15 +493,22 @@ class LlamaForCausalLM(nn.Module):
             switched += 1
         return switched
 
-    def _experts_on_blocks(self, module_name: str, parts: dict[str, tuple[torch.Tensor, int]], kernels) -> bool:
-        """A mixture layer's experts onto their GGUF blocks, when its gate, up and down all came in one type that the
-        float32 kernel reads (the experts' products are not rounded: FusedMoE)."""
-        if set(parts) != {"gate", "up", "down"} or len({qtype for _, qtype in parts.values()}) != 1:
+    def _experts_on_blocks(self, module_name: str, parts: dict[str, tuple[torch.Tensor, int]], kernels, integer_products: bool) -> bool:
+        """A mixture layer's experts onto their GGUF blocks: gate and up in one type (each expert multiplies them as one
+        weight), down in its own (llama.cpp's Q4_K_M gives it more bits), all read by the float32 kernel unless the
+        products are integers."""
+        if set(parts) != {"gate", "up", "down"} or parts["gate"][1] != parts["up"][1]:
             return False
-        qtype = parts["gate"][1]
-        if qtype not in GGUF_KERNEL_TYPES.values():
+        if not integer_products and not {qtype for _, qtype in parts.values()} <= set(GGUF_KERNEL_TYPES.values()):
             return False
-        return self.get_submodule(module_name).use_blocks(parts["gate"][0], parts["up"][0], parts["down"][0], qtype, kernels)
+        (gate, gate_up_type), (up, _), (down, down_type) = parts["gate"], parts["up"], parts["down"]
+        return self.get_submodule(module_name).use_blocks(gate, up, down, gate_up_type, down_type, kernels)
+
+    def block_products(self) -> list[QuantizedWeight | QuantizedParts]:
+        """Every product on GGUF blocks (QuantizedWeight, QuantizedParts): the GEMMs that can also run dense, and the
+        experts'."""
+        experts = [weight for module in self.modules() if isinstance(module, FusedMoE) for weight in module.block_weights()]
+        return [gemm.blocks for gemm in self.blocks_and_dense_gemms()] + experts
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy this rank's share of each checkpoint tensor into place; tensors of other stages are skipped."""
