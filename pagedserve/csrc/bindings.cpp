@@ -108,7 +108,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ W.T in float32: x and W rounded to bfloat16, their products summed in float32 (W from pack_bf16_pairs or pack_tile_blocks), into out "
         "where given; on AMX tiles where bf16_matrix_tiles() and tiles",
         py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("out") = py::none(), py::arg("tiles") = true);
-  m.def("quantized_block_bytes", &quantized_block_bytes, "bytes per 32-value block of a GGUF type (0: unsupported)");
   py::class_<LlamaDecodeLayers>(m, "LlamaDecodeLayers",
                                 "a Llama-family model's decoder layers on GGUF blocks (and AMX tiles) for a step of decodes alone, in one call")
       .def(py::init<int64_t, int64_t, int64_t, double, double, int64_t>(), py::arg("num_heads"), py::arg("num_kv_heads"),

@@ -12,28 +12,6 @@
 
 #include "gguf_block.h"
 
-// gguf's GGMLQuantizationType ids of the types only the panels read.
-constexpr int64_t kQ5_0 = 6, kQ5_1 = 7, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
-constexpr int64_t kSuperBlockValues = 256;
-
-// Values per stored block and bytes per stored block of a type the panels read; {0, 0} for any other.
-struct StoredBlock {
-  int64_t values, bytes;
-};
-inline StoredBlock stored_block(int64_t qtype) {
-  switch (qtype) {
-    case kQ4_0: return {32, 18};
-    case kQ4_1: return {32, 20};
-    case kQ5_0: return {32, 22};  // fp16 d, 32 high bits, 16 bytes of nibbles
-    case kQ5_1: return {32, 24};  // fp16 d, fp16 m, 32 high bits, 16 bytes of nibbles
-    case kQ8_0: return {32, 34};
-    case kQ4_K: return {256, 144};  // fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles
-    case kQ5_K: return {256, 176};  // as Q4_K, with 32 bytes of high bits before the nibbles
-    case kQ6_K: return {256, 210};  // 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales, fp16 d
-    default: return {0, 0};
-  }
-}
-
 constexpr bool is_k_quant(int64_t qtype) { return qtype == kQ4_K || qtype == kQ5_K || qtype == kQ6_K; }
 
 struct SubBlock {

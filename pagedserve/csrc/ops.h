@@ -30,7 +30,6 @@ void apply_penalties_(at::Tensor logits, const at::Tensor& token_ids, const at::
 void apply_token_bitmask_(at::Tensor logits, const at::Tensor& bitmask, const at::Tensor& rows);
 void rotary_embedding(const at::Tensor& positions, at::Tensor query, at::Tensor key, const at::Tensor& cos_cache,
                       const at::Tensor& sin_cache);
-int64_t quantized_block_bytes(int64_t qtype);
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& weight, int64_t qtype, const c10::optional<at::Tensor>& bias,
                             const c10::optional<at::Tensor>& interleaved);
 // quantized_linear's product with x rounded to 8 bits per block of 32 values, on the blocks' panels (pack_q8_panels:

@@ -356,15 +356,6 @@ void interleaved_linear(const float* x, int64_t m, int64_t k, const uint8_t* pac
 
 }  // namespace
 
-int64_t quantized_block_bytes(int64_t qtype) {
-  switch (qtype) {
-    case kQ4_0: return 18;  // fp16 d, 16 bytes of nibbles
-    case kQ4_1: return 20;  // fp16 d, fp16 m, 16 bytes of nibbles
-    case kQ8_0: return 34;  // fp16 d, 32 int8
-    default: return 0;
-  }
-}
-
 // x [M, K] float32; weight [N, K / 32 * block_bytes] uint8 (GGUF blocks, one output row per row);
 // bias [N] float32 or undefined. Returns x @ dequantized(weight).T + bias, [M, N].
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& weight, int64_t qtype, const c10::optional<at::Tensor>& bias,

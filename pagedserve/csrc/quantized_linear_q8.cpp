@@ -40,7 +40,8 @@
 namespace {
 
 // x's rows rounded per block of 32 values: q = nearbyint(x * 127 / max|x|) (symmetric, so -q is always an int8),
-// with the block's scale max|x| / 127, its exact sum, the sum of its q and that of its first 16 q (for Q6_K's halves).
+// with the block's scale max|x| / 127, its exact sum, the sum of its q and, where a Q6_K weight multiplies them, that
+// of its first 16 q (half_sums, else null: Q6_K sums its halves apart).
 // Held block-major (every row's block 0, then every row's block 1, ...): a group's products read one block of
 // consecutive rows at a time, so the rows' bytes are one contiguous run however wide a row is, rather than one cache
 // line per row a row's width apart.
@@ -82,8 +83,12 @@ inline void round_block(const float* in, int64_t b, RoundedRows& rounded) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
   rounded.scales[b] = amax / 127.f;
   rounded.sums[b] = horizontal_sum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
-  rounded.half_sums[b] = sum_of_lanes(_mm256_add_epi32(q[0], q[1]));
-  rounded.value_sums[b] = rounded.half_sums[b] + sum_of_lanes(_mm256_add_epi32(q[2], q[3]));
+  if (rounded.half_sums) {
+    rounded.half_sums[b] = sum_of_lanes(_mm256_add_epi32(q[0], q[1]));
+    rounded.value_sums[b] = rounded.half_sums[b] + sum_of_lanes(_mm256_add_epi32(q[2], q[3]));
+  } else {
+    rounded.value_sums[b] = sum_of_lanes(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+  }
 #else
   float amax = 0.f, sum = 0.f;
   for (int64_t j = 0; j < kBlockValues; ++j) {
@@ -95,7 +100,7 @@ inline void round_block(const float* in, int64_t b, RoundedRows& rounded) {
   for (int64_t j = 0; j < kBlockValues; ++j) {
     out[j] = static_cast<int8_t>(std::nearbyint(in[j] * inverse));
     value_sum += out[j];
-    if (j == kBlockValues / 2 - 1) rounded.half_sums[b] = value_sum;
+    if (rounded.half_sums && j == kBlockValues / 2 - 1) rounded.half_sums[b] = value_sum;
   }
   rounded.scales[b] = amax / 127.f;
   rounded.sums[b] = sum;
@@ -106,10 +111,10 @@ inline void round_block(const float* in, int64_t b, RoundedRows& rounded) {
 // Rows rounded together, block by block: the stores run on through one block's rows while the loads stay in the tile.
 constexpr int64_t kRoundTileRows = 64;
 
-RoundedRows round_rows(const float* x, int64_t rows, int64_t k) {
+RoundedRows round_rows(const float* x, int64_t rows, int64_t k, bool half_sums) {
   const int64_t row_blocks = k / kBlockValues, num_blocks = rows * row_blocks;
   RoundedRows rounded{rows, uninitialized<int8_t>(rows * k), uninitialized<float>(num_blocks), uninitialized<float>(num_blocks),
-                      uninitialized<int32_t>(num_blocks), uninitialized<int32_t>(num_blocks)};
+                      uninitialized<int32_t>(num_blocks), half_sums ? uninitialized<int32_t>(num_blocks) : nullptr};
   at::parallel_for(0, rows, std::max<int64_t>(1, 2048 / row_blocks), [&](int64_t begin, int64_t end) {
     for (int64_t tile = begin; tile < end; tile += kRoundTileRows)
       for (int64_t block = 0; block < row_blocks; ++block)
@@ -431,8 +436,7 @@ std::tuple<int64_t, int64_t> gguf_block_shape(int64_t qtype) {
 // pack_panel_record): [ceil(N / kGroupRows), K / 32 * record bytes].
 at::Tensor pack_q8_panels(const at::Tensor& weight, int64_t qtype) {
   const StoredBlock stored = checked_panel_type(qtype);
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.is_contiguous(), "weight must be contiguous uint8 blocks");
-  TORCH_CHECK(weight.size(1) % stored.bytes == 0, "rows of ", weight.size(1), " bytes are not whole blocks of ", stored.bytes);
+  check_rows_of_blocks(weight, stored.bytes);
   const int64_t n = weight.size(0), row_bytes = weight.size(1), num_blocks = row_bytes / stored.bytes * (stored.values / kBlockValues);
   const int64_t num_groups = (n + kGroupRows - 1) / kGroupRows, record_bytes = panel_record_bytes(qtype);
   auto out = at::empty({num_groups, num_blocks * record_bytes}, weight.options());
@@ -448,13 +452,24 @@ at::Tensor pack_q8_panels(const at::Tensor& weight, int64_t qtype) {
 
 namespace {
 
-// One weight's products on its panels into columns [0, n) of out (rows out_stride apart), x rounded already.
-void part_linear(const RoundedRows& rounded, int64_t m, int64_t k, const at::Tensor& panels, int64_t qtype, int64_t n,
-                 const float* bias, float* out, int64_t out_stride) {
+// The checks of one weight's panels of n rows of k values in qtype.
+void check_part(const at::Tensor& panels, int64_t qtype, int64_t n, int64_t k) {
   checked_panel_type(qtype);
   TORCH_CHECK(panels.dim() == 2 && panels.scalar_type() == at::kByte && panels.is_contiguous() &&
                   panels.size(0) == (n + kGroupRows - 1) / kGroupRows && panels.size(1) == k / kBlockValues * panel_record_bytes(qtype),
               "panels do not hold ", n, " rows of ", k, " values of this type (make them with pack_q8_panels)");
+}
+
+// The checks of x [M, K] float32, K whole blocks.
+void check_input(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be a contiguous float32 [M, K] tensor");
+  TORCH_CHECK(x.size(1) % kBlockValues == 0, "x's rows of ", x.size(1), " values are not whole blocks of ", kBlockValues);
+}
+
+// One weight's products on its panels (checked: check_part) into columns [0, n) of out (rows out_stride apart), x
+// rounded already.
+void part_linear(const RoundedRows& rounded, int64_t m, int64_t k, const at::Tensor& panels, int64_t qtype, int64_t n,
+                 const float* bias, float* out, int64_t out_stride) {
   const uint8_t* p = panels.data_ptr<uint8_t>();
   switch (qtype) {
     case kQ4_0: panels_linear<kQ4_0>(rounded, m, k, p, n, bias, out, out_stride); break;
@@ -478,14 +493,18 @@ at::Tensor quantized_linear_q8_parts(const at::Tensor& x, const std::vector<at::
                                      const std::vector<int64_t>& out_features, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(!panels.empty() && panels.size() == qtypes.size() && panels.size() == out_features.size(),
               "one type and one output size for each part's panels");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be a contiguous float32 [M, K] tensor");
+  check_input(x);
   const int64_t m = x.size(0), k = x.size(1);
-  TORCH_CHECK(k % kBlockValues == 0, "x's rows of ", k, " values are not whole blocks of ", kBlockValues);
   int64_t n = 0;
-  for (const int64_t part : out_features) n += part;
+  bool halves = false;
+  for (size_t i = 0; i < panels.size(); ++i) {
+    check_part(panels[i], qtypes[i], out_features[i], k);
+    n += out_features[i];
+    halves = halves || scaled_in_halves(qtypes[i]);
+  }
   const float* bias_ptr = checked_bias(bias, n);
   auto out = at::empty({m, n}, x.options());
-  const RoundedRows rounded = round_rows(x.data_ptr<float>(), m, k);
+  const RoundedRows rounded = round_rows(x.data_ptr<float>(), m, k, halves);
   int64_t first_col = 0;
   for (size_t i = 0; i < panels.size(); ++i) {
     part_linear(rounded, m, k, panels[i], qtypes[i], out_features[i], bias_ptr ? bias_ptr + first_col : nullptr,
@@ -501,5 +520,12 @@ at::Tensor quantized_linear_q8_parts(const at::Tensor& x, const std::vector<at::
 at::Tensor quantized_linear_q8(const at::Tensor& x, const at::Tensor& panels, int64_t qtype, int64_t out_features,
                                const c10::optional<at::Tensor>& bias) {
   checked_panel_type(qtype);
-  return quantized_linear_q8_parts(x, {panels}, {qtype}, {out_features}, bias);
+  check_input(x);
+  const int64_t m = x.size(0), k = x.size(1);
+  check_part(panels, qtype, out_features, k);
+  const float* bias_ptr = checked_bias(bias, out_features);
+  auto out = at::empty({m, out_features}, x.options());
+  const RoundedRows rounded = round_rows(x.data_ptr<float>(), m, k, scaled_in_halves(qtype));
+  part_linear(rounded, m, k, panels, qtype, out_features, bias_ptr, out.data_ptr<float>(), out_features);
+  return out;
 }

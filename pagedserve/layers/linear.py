@@ -127,10 +127,12 @@ class QuantizedParts(RowLimited):
         self.parts = parts
         self.qtype = "+".join(str(part.qtype) for part in parts)  # names the mixture in gemm_choice's keys
         self._kernels = kernels
+        # The kernel's arguments (every part's panels, types and output rows), set once the panels are made.
+        self._panel_args: tuple[list[torch.Tensor], list[int], list[int]] | None = None
 
     @property
     def rounds_activations(self) -> bool:
-        return all(part.rounds_activations for part in self.parts)
+        return self._panel_args is not None
 
     @property
     def stored_bytes(self) -> int:
@@ -142,12 +144,13 @@ class QuantizedParts(RowLimited):
     def round_activations(self) -> None:
         for part in self.parts:
             part.round_activations()
+        panels, types, rows = zip(*self.panel_parts())
+        self._panel_args = (list(panels), list(types), list(rows))
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if not self.rounds_activations:
+        if self._panel_args is None:
             raise RuntimeError("a layer of mixed GGUF block types multiplies on its panels only (round_activations)")
-        panels, types, rows = zip(*self.panel_parts())
-        return self._kernels.quantized_linear_q8_parts(x.contiguous(), list(panels), list(types), list(rows), bias)
+        return self._kernels.quantized_linear_q8_parts(x.contiguous(), *self._panel_args, bias)
 
 
 class BlocksOrDense(NamedTuple):

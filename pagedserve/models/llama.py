@@ -37,7 +37,6 @@ from pagedserve.layers.fused_moe import FusedMoE
 from pagedserve.layers.gemm import BFloat16ProductsWeight, linear_into, onednn_packs, pack_weight, packed_linear
 from pagedserve.layers.layernorm import RMSNorm, SplitRMSNorm
 from pagedserve.layers.linear import (
-    GGUF_KERNEL_TYPES,
     ONEDNN_ROW_MULTIPLE,
     TILES_MAX_ROWS,
     BlocksOrDense,
@@ -452,9 +451,9 @@ class LlamaForCausalLM(nn.Module):
 
     def use_quantized_weights(self, blocks: dict[str, tuple[torch.Tensor, int]], kernels, integer_products: bool = False) -> int:
         """Run the GEMMs whose checkpoint tensors come as GGUF blocks on them (the C++ kernels, float32
-        activations), this rank's share of them. A fused layer needs all its shards in blocks, and in one type unless
-        integer_products (the products will be integers on rounded input: QuantizedParts); so do a mixture's gate and
-        up, and without integer_products its down too, in a type the float32 kernel reads. q's and k's blocks
+        activations), this rank's share of them (the blocks given are those the products will read: Worker). A fused
+        layer needs all its shards in blocks, and in one type unless integer_products (the products will be integers on
+        rounded input: QuantizedParts); so do a mixture's gate and up. q's and k's blocks
         come in the checkpoint's row order and are put in the kernels' rotary order as their float rows were (each
         row's blocks move whole: the same values). Returns how many layers switched."""
         shards: dict[str, dict[int | None, tuple[torch.Tensor, int]]] = {}
@@ -467,7 +466,7 @@ class LlamaForCausalLM(nn.Module):
             target, shard = _fused_target(name)
             shards.setdefault(target, {})[shard] = (self._in_rotary_order(name, entry[0]), entry[1])
         lm_head_source = "model.embed_tokens.weight" if self.tie_word_embeddings else "lm_head.weight"
-        switched = sum(self._experts_on_blocks(module_name, parts, kernels, integer_products) for module_name, parts in experts.items())
+        switched = sum(self._experts_on_blocks(module_name, parts, kernels) for module_name, parts in experts.items())
         for target, parts in shards.items():
             if target == lm_head_source:
                 if self.lm_head is not None:
@@ -493,13 +492,10 @@ class LlamaForCausalLM(nn.Module):
             switched += 1
         return switched
 
-    def _experts_on_blocks(self, module_name: str, parts: dict[str, tuple[torch.Tensor, int]], kernels, integer_products: bool) -> bool:
+    def _experts_on_blocks(self, module_name: str, parts: dict[str, tuple[torch.Tensor, int]], kernels) -> bool:
         """A mixture layer's experts onto their GGUF blocks: gate and up in one type (each expert multiplies them as one
-        weight), down in its own (llama.cpp's Q4_K_M gives it more bits), all read by the float32 kernel unless the
-        products are integers."""
+        weight), down in its own (llama.cpp's Q4_K_M gives it more bits)."""
         if set(parts) != {"gate", "up", "down"} or parts["gate"][1] != parts["up"][1]:
-            return False
-        if not integer_products and not {qtype for _, qtype in parts.values()} <= set(GGUF_KERNEL_TYPES.values()):
             return False
         (gate, gate_up_type), (up, _), (down, down_type) = parts["gate"], parts["up"], parts["down"]
         return self.get_submodule(module_name).use_blocks(gate, up, down, gate_up_type, down_type, kernels)
