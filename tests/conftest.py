@@ -85,6 +85,26 @@ def default_model_dir():
     return resolve_model_dir(DEFAULT_MODEL)
 
 
+@pytest.fixture(scope="session")
+def default_hf_dir(default_model_dir, tmp_path_factory):
+    """The reference's checkpoint of the default model: the weights of its GGUF file as transformers' own GGUF reading
+    gives them, with the converted directory's config and tokenizer (the engine's directory keeps most weights as GGUF
+    blocks alone). transformers does not save a model it read from GGUF, so its tensors are written here."""
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM
+
+    from pagedserve.models.gguf_convert import default_gguf_path
+
+    path = default_gguf_path()
+    out = tmp_path_factory.mktemp("default_hf")
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    save_model(model, str(out / "model.safetensors"))
+    for file in default_model_dir.iterdir():
+        if file.is_file() and file.suffix != ".safetensors" and not file.name.startswith("."):
+            shutil.copy(file, out / file.name)
+    return out
+
+
 def make_tiny_model(out_dir, arch: str, tokenizer_dir, tie_word_embeddings: bool = False, max_shard_size: str | None = None,
                     **config_values):
     """config_values: set over the architecture's tiny config (TINY_ARCHS)."""

@@ -53,7 +53,8 @@ def test_throughput_with_baseline_and_ceiling(tmp_path, tiny_models):
 
 
 def test_gemm_work_counts_the_weights_a_decode_step_reads(default_llm):
-    """Steps the GGUF blocks take read the blocks; larger ones read the dense weights (float32 here)."""
+    """Steps the GGUF blocks take read the blocks; larger ones read the dense weights (float32 here): the blocks again
+    for the layers on blocks alone (dequantized for the step), the float32 embedding for the lm_head tied to it."""
     from conftest import worker_of
 
     from pagedserve.benchmarks import worker_probes
@@ -62,8 +63,9 @@ def test_gemm_work_counts_the_weights_a_decode_step_reads(default_llm):
     model = worker.model
     small, large = worker_probes.gemm_work(worker, 1, 512), worker_probes.gemm_work(worker, 1000, 512)
     linears = [m for m in model.modules() if hasattr(m, "quantized") and hasattr(m, "packed_weight")]
-    blocks = sum(m.quantized.blocks.numel() for m in linears) + model.quantized_lm_head.blocks.numel()
-    dense = 4 * (sum(m.weight.numel() for m in linears) + model.lm_head.weight.numel())
+    assert all(m.weight is None for m in linears) and model.lm_head.weight is not None
+    layer_blocks = sum(m.quantized.blocks.numel() for m in linears)
+    blocks, dense = layer_blocks + model.quantized_lm_head.blocks.numel(), layer_blocks + 4 * model.lm_head.weight.numel()
     assert (small["decode_weight_bytes"], large["decode_weight_bytes"]) == (blocks, dense)
     gemm_flops, lm_head_flops = 2 * sum(m.in_features * m.out_features for m in linears), 2 * model.lm_head.weight.numel()
     # In float32 the blocks' products are float32 too.

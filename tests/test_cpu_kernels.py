@@ -411,7 +411,8 @@ def exactly_rounded_input(rows: int, in_features: int, rng: np.random.Generator)
 def test_q8_panels_hold_every_gguf_type_as_gguf_dequantizes_it(type_name, rows, out_features, in_features):
     """Random blocks of each type the panels read (every bit pattern of values, high bits and packed K-quant scales), on
     input that rounds to 8 bits exactly: the integer products equal x @ W.T with W as gguf dequantizes the blocks. On
-    random input they are off by the rounding alone, and a row's result does not depend on its batch."""
+    random input they are off by the rounding alone, and a row's result does not depend on its batch. The blocks dequantize
+    to gguf's values, bit for bit."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
     from gguf_writer import BLOCK_LAYOUTS, random_blocks
@@ -421,7 +422,9 @@ def test_q8_panels_hold_every_gguf_type_as_gguf_dequantizes_it(type_name, rows, 
     assert kernels.gguf_block_shape(qtype) == BLOCK_LAYOUTS[type_name][:2]
     rng = np.random.default_rng(rows * out_features)
     raw = random_blocks(type_name, out_features, in_features, rng)
-    weight = torch.from_numpy(dequantize(raw, GGMLQuantizationType[type_name])).double()
+    weight = torch.from_numpy(dequantize(raw, GGMLQuantizationType[type_name]))
+    assert torch.equal(kernels.dequantize_gguf(torch.from_numpy(raw), qtype), weight)  # bit-identical values
+    weight = weight.double()
     panels = kernels.pack_q8_panels(torch.from_numpy(raw), qtype)
     x = exactly_rounded_input(rows, in_features, rng)
     expected = x.double() @ weight.T

@@ -38,8 +38,10 @@ def tiny_gguf(tmp_path, tiny_hf_llama, type_name: str):
 
 @pytest.mark.parametrize("type_name", sorted(QUANT_TYPES))
 def test_gguf_weights_load_as_their_dequantized_values(type_name, tiny_hf_llama, tmp_path):
+    """Off their blocks, every layer holds the file's values: those the converted checkpoint keeps only as blocks are
+    dequantized at load."""
     config, hf_model = tiny_hf_llama
-    llm = LLM(str(tiny_gguf(tmp_path, tiny_hf_llama, type_name)), kv_cache_memory=4 * 1024**2)
+    llm = LLM(str(tiny_gguf(tmp_path, tiny_hf_llama, type_name)), kv_cache_memory=4 * 1024**2, gguf_quantized_weights=False)
     ours = worker_of(llm).model
     layer, hf_layer = ours.model.layers[1], hf_model.model.layers[1]
     q_size = layer.self_attn.q_size
@@ -78,7 +80,7 @@ def test_converted_gguf_is_cached(tiny_hf_llama, tmp_path):
     marker_time = (first / ".pagedserve-complete").stat().st_mtime_ns
     assert gguf_convert.ensure_converted(path) == first
     assert (first / ".pagedserve-complete").stat().st_mtime_ns == marker_time
-    assert (first / "model.safetensors").is_file() and (first / "tokenizer.json").is_file()
+    assert (first / gguf_convert.FLOAT_FILE).is_file() and (first / "tokenizer.json").is_file()
     # Keyed by content: a copy elsewhere (another environment's site-packages, say) reuses the conversion.
     copy = tmp_path / "elsewhere" / path.name
     copy.parent.mkdir()
@@ -128,15 +130,18 @@ def test_quantized_gguf_runs_on_its_blocks_with_the_same_values(type_name, tiny_
     assert len(linears) == 4 * config.num_hidden_layers and all(m.quantized is not None for m in linears)
     assert model.quantized_lm_head is not None
     assert {m.quantized.qtype for m in linears} == {int(QUANT_TYPES[type_name])}  # our type ids are gguf's
+    assert all(m.weight is None for m in linears) and model.lm_head.weight is None  # no dense copy beside the blocks
     kernels = cpu_kernels.load()
-    for module in linears:  # the blocks hold the float32 weight's values, rows in the same order (q/k un-permuted)
-        assert torch.equal(kernels.dequantize_gguf(module.quantized.blocks, module.quantized.qtype), module.weight)
-        assert module.quantized.interleaved is not None  # steps of 3+ rows take the broadcast GEMM
     on_floats = LLM(str(path), kv_cache_memory=4 * 1024**2, gguf_quantized_weights=False)
-    assert all(m.quantized is None for m in worker_of(on_floats).model.modules() if isinstance(m, Linear))
+    dense = [m for m in worker_of(on_floats).model.modules() if isinstance(m, Linear)]
+    assert all(m.quantized is None for m in dense)
+    for module, reference in zip(linears, dense):  # the blocks hold the dense weights' values, rows in the same order
+        assert torch.equal(kernels.dequantize_gguf(module.quantized.blocks, module.quantized.qtype), reference.weight)
+        assert module.quantized.interleaved is not None  # steps of 3+ rows take the broadcast GEMM
     for blocks in [m.quantized for m in linears] + [model.quantized_lm_head]:  # both block kernels (1-2 rows, 3+) run below,
         blocks.max_rows = QUANTIZED_MAX_ROWS  # whatever this machine measured
-    # A prompt longer than QUANTIZED_MAX_ROWS runs its prefill on the float32 weights, its decodes on the blocks.
+    # A prompt longer than QUANTIZED_MAX_ROWS runs its prefill on the weights dequantized for the step, its decodes on
+    # the blocks.
     prompts = ["hello world", "or", "hello world or hello " * (QUANTIZED_MAX_ROWS // 4)]
     params = greedy(10)
     params.logprobs = 3
@@ -146,6 +151,37 @@ def test_quantized_gguf_runs_on_its_blocks_with_the_same_values(type_name, tiny_
             for token_id, logprob in want.items():
                 assert got[token_id].logprob == pytest.approx(logprob.logprob, abs=1e-4)
 
+
+
+def test_the_converted_directory_keeps_blocks_alone_and_export_writes_transformers_checkpoint(tiny_hf_llama, tmp_path, monkeypatch):
+    """A converted GGUF model keeps the tensors the kernels read as GGUF blocks alone (no float32 copy: about the file's
+    size, and no file transformers would read as the whole checkpoint); `pagedserve export` writes the whole checkpoint,
+    in shards, with the values transformers' own reading of the GGUF file gives."""
+    from transformers import AutoModelForCausalLM
+
+    from pagedserve.entrypoints import cli
+    from pagedserve.models import hf_export
+    from pagedserve.models.gguf_blocks import load_quantized_blocks
+    from pagedserve.models.gguf_convert import ensure_converted
+    from pagedserve.models.loader import stored_tensor_names
+
+    path = tiny_gguf(tmp_path, tiny_hf_llama, "Q4_1")
+    converted = ensure_converted(path)
+    blocks, stored = load_quantized_blocks(converted), stored_tensor_names(converted)
+    assert "lm_head.weight" in blocks and "model.layers.0.self_attn.q_proj.weight" in blocks
+    assert set(blocks) & stored == {"model.embed_tokens.weight"}  # looked up by rows: float32 too
+    assert not (converted / "model.safetensors").exists()
+    monkeypatch.setattr(hf_export, "SHARD_BYTES", 64 * 1024)
+    out = tmp_path / "exported"
+    assert cli.main(["export", str(path), str(out)]) == 0
+    assert len(list(out.glob("model-*-of-*.safetensors"))) > 1
+    ours = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    theirs = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name).state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[name], theirs[name]) for name in ours)
+    assert cli.main(["export", str(path), str(out)]) == 2  # not over what is there
+    cached = hf_export.transformers_checkpoint(converted)  # what the HF baseline of bench throughput reads
+    assert cached != converted and hf_export.transformers_checkpoint(converted) == cached
+    assert all(torch.equal(tensor, theirs[name]) for name, tensor in AutoModelForCausalLM.from_pretrained(cached).state_dict().items())
 
 
 def test_blocks_are_matched_to_float32_tensors_only_exactly():

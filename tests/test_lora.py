@@ -190,17 +190,18 @@ def test_speculative_decoding_with_adapters_keeps_each_adapters_greedy_tokens(ti
         assert list(output.outputs[0].token_ids) == expected(tiny_models, adapters, name, [prompt], 16)[0], name
 
 
-def test_an_adapter_of_the_default_model_equals_peft_and_its_output_follows_a_structure(default_model_dir, tokenizer, tmp_path):
+def test_an_adapter_of_the_default_model_equals_peft_and_its_output_follows_a_structure(default_model_dir, default_hf_dir, tokenizer,
+                                                                                         tmp_path):
     """A peft adapter of SmolLM2 (its GEMMs on the GGUF blocks and on oneDNN, the adapter's beside them), and a structured
     output under an adapter: the grammar's mask applies to the adapter's logits."""
     from pagedserve import SamplingParams, StructuredOutputsParams
 
-    adapter = make_adapter(default_model_dir, tmp_path / "smol", 8, ["q_proj", "v_proj", "o_proj", "down_proj"], 11)
+    adapter = make_adapter(default_hf_dir, tmp_path / "smol", 8, ["q_proj", "v_proj", "o_proj", "down_proj"], 11)
     llm = LLM(str(default_model_dir), enable_lora=True, max_lora_rank=8, kv_cache_memory=2**26, max_model_len=512, dtype="float32")
     smol = LoRARequest("smol", 1, str(adapter))
     prompt = tokenizer("The capital of France is").input_ids
     output = llm.generate({"prompt_token_ids": prompt}, greedy(12), lora_request=smol, use_tqdm=False)[0]
-    assert list(output.outputs[0].token_ids) == hf_greedy(default_model_dir, [prompt], 12, adapter_dir=adapter)[0]
+    assert list(output.outputs[0].token_ids) == hf_greedy(default_hf_dir, [prompt], 12, adapter_dir=adapter)[0]
     lowercase = SamplingParams(temperature=0.0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex="[a-z ]+"))
     structured = llm.generate({"prompt_token_ids": prompt}, lowercase, lora_request=smol, use_tqdm=False)[0].outputs[0].text
     assert structured and all(character.islower() or character == " " for character in structured)

@@ -6,20 +6,20 @@ from conftest import PROMPTS, TINY_ARCHS, greedy, hf_greedy, hf_greedy_picks, hf
 from pagedserve import LLM
 
 
-def test_default_model_greedy_matches_transformers(default_llm, default_model_dir, tokenizer):
+def test_default_model_greedy_matches_transformers(default_llm, default_hf_dir, tokenizer):
     prompt_ids = [tokenizer(p).input_ids for p in PROMPTS]
     outputs = default_llm.generate(PROMPTS, greedy(32), use_tqdm=False)
     assert [o.prompt_token_ids for o in outputs] == prompt_ids
     for ids, ours in zip(prompt_ids, token_ids_of(outputs)):
-        assert ours == hf_greedy_picks(default_model_dir, ids, ours)
+        assert ours == hf_greedy_picks(default_hf_dir, ids, ours)
     assert all(len(o.outputs[0].token_ids) == 32 and o.outputs[0].finish_reason == "length" for o in outputs)
     assert outputs[1].outputs[0].text == tokenizer.decode(outputs[1].outputs[0].token_ids, skip_special_tokens=True)
 
 
-def test_default_model_logprobs_match_transformers(default_llm, default_model_dir, tokenizer):
+def test_default_model_logprobs_match_transformers(default_llm, default_hf_dir, tokenizer):
     prompt = PROMPTS[2]
     output = default_llm.generate(prompt, greedy(12, logprobs=5), use_tqdm=False)[0].outputs[0]
-    reference, full = hf_token_logprobs(default_model_dir, tokenizer(prompt).input_ids, output.token_ids)
+    reference, full = hf_token_logprobs(default_hf_dir, tokenizer(prompt).input_ids, output.token_ids)
     start = len(tokenizer(prompt).input_ids) - 1
     assert len(output.logprobs) == len(output.token_ids) == 12
     for step, (token_id, position) in enumerate(zip(output.token_ids, output.logprobs)):
@@ -31,24 +31,24 @@ def test_default_model_logprobs_match_transformers(default_llm, default_model_di
 
 
 @pytest.mark.slow
-def test_long_context_decode_matches_transformers(default_llm, default_model_dir, tokenizer):
+def test_long_context_decode_matches_transformers(default_llm, default_hf_dir, tokenizer):
     """Decodes after 1100+ tokens of context: the CPU kernel attends to them in parts of 512 and merges
     them; greedy picks and their logprobs still match transformers."""
     text = " ".join(f"Item {i}: the {['red', 'green', 'blue'][i % 3]} box holds {i * 7 % 13} stones." for i in range(90))
     prompt_ids = tokenizer(text + " Now, item 91:").input_ids
     assert len(prompt_ids) > 1100
     output = default_llm.generate({"prompt_token_ids": prompt_ids}, greedy(12, logprobs=1), use_tqdm=False)[0].outputs[0]
-    reference, full = hf_token_logprobs(default_model_dir, prompt_ids, list(output.token_ids))
+    reference, full = hf_token_logprobs(default_hf_dir, prompt_ids, list(output.token_ids))
     assert list(output.token_ids) == most_likely_after(full, len(prompt_ids), 12)  # transformers' greedy picks
     for token_id, position, expected in zip(output.token_ids, output.logprobs, reference):
         assert position[token_id].logprob == pytest.approx(expected, abs=1e-3)
 
 
-def test_prompt_logprobs_match_transformers(default_llm, default_model_dir, tokenizer):
+def test_prompt_logprobs_match_transformers(default_llm, default_hf_dir, tokenizer):
     prompt = PROMPTS[2]
     prompt_ids = tokenizer(prompt).input_ids
     output = default_llm.generate(prompt, greedy(1, prompt_logprobs=2), use_tqdm=False)[0]
-    _, full = hf_token_logprobs(default_model_dir, prompt_ids[:1], prompt_ids[1:])
+    _, full = hf_token_logprobs(default_hf_dir, prompt_ids[:1], prompt_ids[1:])
     assert output.prompt_logprobs[0] is None
     assert len(output.prompt_logprobs) == len(prompt_ids)
     for index in range(1, len(prompt_ids)):
@@ -111,7 +111,7 @@ def test_half_precision_dtypes_run_and_stay_close_to_float32(dtype, tiny_models)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kv_cache_dtype,tolerance", [("bfloat16", 0.1), ("float16", 0.01)])
-def test_16bit_kv_cache_holds_twice_the_tokens_and_keeps_the_model(kv_cache_dtype, tolerance, default_llm, default_model_dir, tokenizer):
+def test_16bit_kv_cache_holds_twice_the_tokens_and_keeps_the_model(kv_cache_dtype, tolerance, default_llm, default_hf_dir, tokenizer):
     """kv_cache_dtype rounds only the cached K/V: every greedy pick is still transformers' (float32)
     most likely token, its logprob is close to transformers', and the same memory holds twice the blocks."""
     import torch
@@ -125,7 +125,7 @@ def test_16bit_kv_cache_holds_twice_the_tokens_and_keeps_the_model(kv_cache_dtyp
     outputs = llm.generate(PROMPTS, greedy(32, logprobs=1), use_tqdm=False)
     for prompt, output in zip(PROMPTS, outputs):
         prompt_ids, ours = tokenizer(prompt).input_ids, output.outputs[0]
-        reference, full = hf_token_logprobs(default_model_dir, prompt_ids, ours.token_ids)
+        reference, full = hf_token_logprobs(default_hf_dir, prompt_ids, ours.token_ids)
         start = len(prompt_ids) - 1
         for step, (token_id, position) in enumerate(zip(ours.token_ids, ours.logprobs)):
             assert position[token_id].logprob == pytest.approx(reference[step], abs=tolerance)

@@ -114,7 +114,7 @@ def test_n_with_seed_is_reproducible_and_distinct(client):
     assert sorted(c.index for c in chat.choices) == [0, 1]
 
 
-def test_logprobs_shapes_and_values_match_transformers(client, server, default_model_dir):
+def test_logprobs_shapes_and_values_match_transformers(client, server, default_hf_dir):
     response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, logprobs=3, **GREEDY)
     logprobs = response.choices[0].logprobs
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 6
@@ -123,7 +123,7 @@ def test_logprobs_shapes_and_values_match_transformers(client, server, default_m
     echoed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, echo=True, logprobs=1, **GREEDY)
     prompt_ids = server.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
     prompt_logprobs = echoed.choices[0].logprobs.token_logprobs[: len(prompt_ids)]
-    reference, _ = hf_token_logprobs(default_model_dir, prompt_ids[:1], prompt_ids[1:])
+    reference, _ = hf_token_logprobs(default_hf_dir, prompt_ids[:1], prompt_ids[1:])
     assert prompt_logprobs[0] is None and prompt_logprobs[1:] == pytest.approx(reference, abs=1e-3)
     assert "".join(echoed.choices[0].logprobs.tokens[: len(prompt_ids)]) == PROMPT
     assert all(lp == pytest.approx(max(top.values()), abs=1e-6) for lp, top in zip(logprobs.token_logprobs, logprobs.top_logprobs))

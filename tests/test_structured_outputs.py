@@ -113,13 +113,13 @@ CASES = [(QUESTION, dict(json=SCHEMAS["nested objects"])), ("What is 12 times 12
          ("Name a fruit.", dict(choice=["apple", "banana", "cherry"]))]
 
 
-def test_greedy_outputs_equal_transformers_under_the_same_grammar(default_llm, default_model_dir, tokenizer):
+def test_greedy_outputs_equal_transformers_under_the_same_grammar(default_llm, default_hf_dir, tokenizer):
     prompts = [tokenizer(chat(tokenizer, question), add_special_tokens=False).input_ids for question, _ in CASES]
     specs = [StructuredOutputsParams(**structure) for _, structure in CASES]
     ours = default_llm.generate([{"prompt_token_ids": p} for p in prompts],
                                 [SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=s) for s in specs], use_tqdm=False)
     for output, prompt_ids, spec in zip(ours, prompts, specs):
-        expected = transformers_under_grammar(default_model_dir, tokenizer, prompt_ids, spec, 60)
+        expected = transformers_under_grammar(default_hf_dir, tokenizer, prompt_ids, spec, 60)
         assert output.outputs[0].token_ids == expected
 
 

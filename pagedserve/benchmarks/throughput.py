@@ -14,6 +14,7 @@ from pathlib import Path
 from pagedserve.benchmarks.ceiling import ceiling_seconds, workload_ceiling
 from pagedserve.benchmarks.datasets import BenchRequest, mixed_requests, random_requests
 from pagedserve.benchmarks.report import print_table, write_json
+from pagedserve.executor.abstract import Executor
 
 
 def make_requests(args, vocab_size: int, seed: int) -> list[BenchRequest]:
@@ -95,7 +96,8 @@ def run(args) -> dict:
     vocab_size = llm.llm_engine.model_info.vocab_size
     model_dir = llm.llm_engine.model_info.model_dir
     runs = []
-    hf = HFStaticBatching(model_dir) if args.baseline == "hf" else None
+    # A converted GGUF model's directory keeps most weights as GGUF blocks alone: transformers reads its export.
+    hf = HFStaticBatching(Executor.transformers_checkpoint(model_dir)) if args.baseline == "hf" else None
     try:
         for repeat in range(args.repeats):
             runs.append(_one_run(args, llm, vocab_size, repeat, hf))

@@ -39,7 +39,8 @@ def gemm_work(worker, decode_rows: int, prefill_rows: int) -> dict:
     flops = {step: _flops_by_product(((2 * size, blocks) for size, blocks, *_ in gemms), rows, dense) for step, rows in steps}
     lm_head_flops = {"prefill": {}, "decode": {}}
     if model.lm_head is not None:
-        lm_head = [(2 * model.lm_head.weight.numel(), model.quantized_lm_head)]
+        vocab = model.lm_head.weight.shape[0] if model.lm_head.weight is not None else model.quantized_lm_head.blocks.shape[0]
+        lm_head = [(2 * vocab * model.config.hidden_size, model.quantized_lm_head)]
         # The lm_head's dense product is in the activations' GEMM dtype, whatever the layers' quantization.
         lm_head_dense = str(worker.gemm_dtype).removeprefix("torch.")
         lm_head_flops = {step: _flops_by_product(lm_head, rows, lm_head_dense) for step, rows in steps}
@@ -68,6 +69,7 @@ def _dense_lm_head(model):
 
 
 def _bytes_read(rows: int, blocks, packed, weight) -> int:
-    if blocks is not None and blocks.takes_rows(rows):
+    """weight None: a layer on blocks alone, whose dense steps read its blocks too (dequantizing them)."""
+    if blocks is not None and (blocks.takes_rows(rows) or weight is None):
         return blocks.stored_bytes
     return weight.numel() * (packed.dtype.itemsize if packed is not None else weight.element_size())

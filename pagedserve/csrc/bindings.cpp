@@ -87,7 +87,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_q8_panels", &pack_q8_panels, "GGUF blocks as the panels quantized_linear_q8 reads (a group of rows side by side)");
   m.def("gguf_block_shape", &gguf_block_shape, "(values, bytes) of one stored block of a GGUF type the panels read; (0, 0) otherwise");
   m.def("interleave_gguf_rows", &interleave_gguf_rows, "the copy of GGUF blocks (8 rows interleaved) read for steps of 3+ rows");
-  m.def("dequantize_gguf", &dequantize_gguf, "float32 values of GGUF Q4_0/Q4_1/Q8_0 blocks");
+  m.def("dequantize_gguf", &dequantize_gguf, "float32 values of GGUF blocks of any type the kernels read, as gguf dequantizes them");
   m.def("lora_add_", &lora_add_, "add each listed row's LoRA product (its group's adapter) to out, in place");
   m.def("int8_linear", &int8_linear,
         "(x * input_multipliers) @ (weight * weight_scales[:, None]).T (+ bias) in out_dtype, with the rows rounded to int8 "

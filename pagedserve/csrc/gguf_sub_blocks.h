@@ -108,3 +108,27 @@ inline SubBlock sub_block(const uint8_t* row, int64_t b, int64_t qtype) {
   }
   return out;
 }
+
+// The float32 values of a sub-block of `qtype`, as gguf dequantizes them: a scale times the integer less the type's centre
+// (Q4_0's 8, Q5_0's 16, Q6_K's 32), plus the block's offset where it has one (Q4_1 and Q5_1 store it; Q4_K and Q5_K
+// as minus dmin times the sub-block's min). Every product of a scale and an integer is exact in float32, so the one
+// rounding is the offset's addition, as gguf's.
+inline void sub_block_values(const SubBlock& sub, int64_t qtype, float* out) {
+  using namespace gguf_sub_blocks;
+  float scales[2], offset = 0.f;
+  int centre = 0;
+  if (is_k_quant(qtype)) {
+    std::memcpy(&scales[0], sub.words[0], 4);
+    std::memcpy(&scales[1], sub.words[qtype == kQ6_K ? 1 : 0], 4);
+    if (qtype == kQ6_K) centre = 32;
+    else std::memcpy(&offset, sub.words[1], 4);
+  } else {
+    scales[0] = scales[1] = half_at(sub.words[0]);
+    if (qtype == kQ4_1 || qtype == kQ5_1) offset = half_at(sub.words[1]);
+    centre = qtype == kQ4_0 ? kQ4Centre : (qtype == kQ5_0 ? 16 : 0);
+  }
+  for (int l = 0; l < 32; ++l) {
+    const int q = qtype == kQ8_0 ? static_cast<int8_t>(sub.q[l]) : sub.q[l] - centre;
+    out[l] = scales[l / 16] * static_cast<float>(q) + offset;
+  }
+}

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "gguf_block.h"
+#include "gguf_sub_blocks.h"
 #include "ops.h"
 #include "vec_lanes.h"
 
@@ -408,15 +409,27 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& weight, int64
   return out;
 }
 
-// The float32 values of GGUF blocks [N, K / 32 * block_bytes] -> [N, K] (for embedding lookups and checks).
+// The float32 values of GGUF blocks of any type the kernels read, [N, row bytes] -> [N, K], exactly as gguf dequantizes
+// them: for the steps of a layer that keeps no dense weight which its blocks do not take, for a layer whose blocks the
+// products do not read, and for checks. The types every kernel reads go through the float32 kernel's own unpacking.
 at::Tensor dequantize_gguf(const at::Tensor& weight, int64_t qtype) {
-  const int64_t bytes = checked_block_rows(weight, qtype);
-  const int64_t n = weight.size(0), num_blocks = weight.size(1) / bytes, k = num_blocks * kBlockValues;
+  const StoredBlock stored = stored_block(qtype);
+  TORCH_CHECK(stored.bytes > 0, "unsupported GGUF quantization type id ", qtype);
+  check_rows_of_blocks(weight, stored.bytes);
+  const int64_t n = weight.size(0), row_bytes = weight.size(1), k = row_bytes / stored.bytes * stored.values;
   auto out = at::empty({n, k}, weight.options().dtype(at::kFloat));
   const uint8_t* w_ptr = weight.data_ptr<uint8_t>();
   float* out_ptr = out.data_ptr<float>();
+  const bool every_kernel_reads = quantized_block_bytes(qtype) > 0;
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) dequantize_row(w_ptr + r * weight.size(1), qtype, num_blocks, out_ptr + r * k);
+    for (int64_t r = begin; r < end; ++r) {
+      const uint8_t* row = w_ptr + r * row_bytes;
+      if (every_kernel_reads) {
+        dequantize_row(row, qtype, k / kBlockValues, out_ptr + r * k);
+        continue;
+      }
+      for (int64_t b = 0; b < k / kBlockValues; ++b) sub_block_values(sub_block(row, b, qtype), qtype, out_ptr + r * k + b * kBlockValues);
+    }
   });
   return out;
 }

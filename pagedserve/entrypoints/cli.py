@@ -1,4 +1,4 @@
-"""The `pagedserve` command: serve | generate | chat | bench | proxy."""
+"""The `pagedserve` command: serve | generate | chat | bench | proxy | export."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pagedserve.entrypoints import bench_cmd, generate_cmd, proxy_cmd, serve_cmd
+    from pagedserve.entrypoints import bench_cmd, export_cmd, generate_cmd, proxy_cmd, serve_cmd
 
     parser = argparse.ArgumentParser(prog="pagedserve", description="LLM inference and serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate_cmd.register(sub)
     bench_cmd.register(sub)
     proxy_cmd.register(sub)
+    export_cmd.register(sub)
     return parser
 
 

@@ -34,6 +34,16 @@ class Executor(ABC):
 
         return str(resolve_model_dir(config.model))
 
+    @staticmethod
+    def transformers_checkpoint(model_dir: str) -> str:
+        """A directory transformers loads whole with model_dir's weights: model_dir, or a converted GGUF model's export
+        (its directory keeps most weights as GGUF blocks alone), written once."""
+        from pathlib import Path
+
+        from pagedserve.models.hf_export import transformers_checkpoint
+
+        return str(transformers_checkpoint(Path(model_dir)))
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
 

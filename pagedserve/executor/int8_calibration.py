@@ -28,8 +28,8 @@ _MIN_MAGNITUDE = 1e-5
 def pack_int8_gemms(model: torch.nn.Module, runner, kernels, output_dtype: torch.dtype, max_tokens: int) -> int:
     """Calibrate and round every linear layer but routers (and the lm_head, not a Linear) to smoothed int8 GEMMs that
     return output_dtype; returns how many. max_tokens bounds the calibration pass (the KV cache's tokens and the
-    context length)."""
-    maxima = input_maxima(model, runner, max_tokens)
+    context length). A layer on GGUF blocks alone (no dense weight) keeps its blocks."""
+    maxima = {layer: maximum for layer, maximum in input_maxima(model, runner, max_tokens).items() if layer.weight is not None}
     for layer, maximum in maxima.items():
         layer.pack_int8(kernels, output_dtype, smoothing_factors(maximum, layer.weight))
     return len(maxima)

@@ -27,7 +27,9 @@ class LoRAManager:
         self.max_cpu_loras = max_cpu_loras
         self.linears: dict[str, Linear] = {name: module for name, module in model.named_modules() if isinstance(module, Linear)}
         for linear in self.linears.values():
-            kernel = kernels if linear.weight.dtype in KERNEL_DTYPES else None
+            # A layer on GGUF blocks alone multiplies float32, as its blocks do.
+            weight_dtype = linear.weight.dtype if linear.weight is not None else torch.float32
+            kernel = kernels if weight_dtype in KERNEL_DTYPES else None
             linear.lora = LinearLoRA(linear.out_features, *_gemm_of(linear), kernels=kernel)
         self.held: OrderedDict[int, LoRARequest] = OrderedDict()  # least recently used first
         self._attached: dict[int, list[LinearLoRA]] = {}

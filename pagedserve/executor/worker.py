@@ -28,7 +28,6 @@ from pagedserve.layers.linear import GGUF_KERNEL_TYPES, TILES_MAX_ROWS, Linear, 
 from pagedserve.lora_request import LoRARequest
 from pagedserve.matryoshka import matryoshka_dimensions
 from pagedserve.model_info import ModelInfo
-from pagedserve.models.gguf_blocks import load_quantized_blocks
 from pagedserve.models.hf_config import load_hf_config
 from pagedserve.models.llama import head_dim_of
 from pagedserve.models.loader import (
@@ -194,8 +193,10 @@ class Worker:
                                                      self.bfloat16_on_tiles, bfloat16_gemms=self.gemm_dtype == torch.bfloat16)
         if config.data_parallel_place is not None:
             self._join_expert_groups(config.data_parallel_place)
+        on_blocks = config.gguf_quantized_weights and self.cpu_kernels is not None and self.dtype == torch.float32
         self.model = load_model(self.hf_config, self.model_dir, self.dtype, self.device, self.model_max_len, self.attn_backend,
-                                pooling=config.runner == "pooling")
+                                pooling=config.runner == "pooling", place_blocks=self._place_gguf_blocks if on_blocks else None,
+                                kernels=self.cpu_kernels)
         settle_static_kv_scales(self.model, self.kv_format, self.model_dir.name)
         cpu_kernels.attach(self.model, self.cpu_kernels)
         # A partial rotary, or one of adjacent pairs, reorders q's and k's rows at load (layers/rotary.rotary_order): an
@@ -203,8 +204,6 @@ class Worker:
         if self.model.rotary_order is not None and config.enable_lora:
             raise ValueError("enable_lora is not supported with a rotary that reorders q and k at load (the model's "
                              "partial_rotary_factor, or ERNIE 4.5's adjacent pairs)")
-        if config.gguf_quantized_weights and self.cpu_kernels is not None and self.dtype == torch.float32:
-            self._use_gguf_blocks()
         self._pack_gemm_weights(self.model)
         if not self.int8_gemms:  # else once the int8 GEMMs exist (initialize_cache)
             self._choose_gemm_paths()
@@ -271,7 +270,7 @@ class Worker:
                              f"{draft_dir.name} has {draft_config.vocab_size}")
         # Drafts run up to num_speculative_tokens positions past the verified tokens.
         max_position = max(max_position_of(draft_config), self.model_max_len) + spec.num_speculative_tokens
-        draft = load_model(draft_config, draft_dir, self.dtype, self.device, max_position, self.attn_backend)
+        draft = load_model(draft_config, draft_dir, self.dtype, self.device, max_position, self.attn_backend, kernels=self.cpu_kernels)
         settle_static_kv_scales(draft, self.kv_format, draft_dir.name)
         cpu_kernels.attach(draft, self.cpu_kernels)
         self._pack_gemm_weights(draft)
@@ -287,19 +286,22 @@ class Worker:
         return DraftModelProposer(self.draft_model, self.draft_kv_caches, self.config.block_size, self.attn_backend, self.device,
                                   spec.num_speculative_tokens, self.cpu_kernels)
 
-    def _use_gguf_blocks(self) -> None:
-        blocks = load_quantized_blocks(self.model_dir)
+    def _place_gguf_blocks(self, model: torch.nn.Module, blocks: dict[str, tuple[torch.Tensor, int]]) -> set[str]:
+        """Put the model's layers onto the GGUF blocks their products read in this mode (load_model's place_blocks);
+        returns the names of the blocks taken."""
         rounding = block_products_round_activations(self.config, self.device)
         if not rounding:
             blocks = self._blocks_of_exact_types(blocks)
         if not blocks:
-            return
-        switched = self.model.use_quantized_weights(blocks, self.cpu_kernels, integer_products=rounding)
+            return set()
+        taken = model.use_quantized_weights(blocks, self.cpu_kernels, integer_products=rounding)
         if rounding:
-            for products in self.model.block_products():
+            for products in model.block_products():
                 products.round_activations()
-        logger.info("%d layers run on their GGUF blocks (%.0f MB)%s", switched, sum(b.numel() for b, _ in blocks.values()) / 1e6,
+        logger.info("%d GGUF tensors run on their blocks (%.0f MB), their layers without dense weights%s", len(taken),
+                    sum(blocks[name][0].numel() for name in taken) / 1e6,
                     ", multiplying their input rounded to 8 bits per 32 values (dtype float32 multiplies it exactly)" if rounding else "")
+        return taken
 
     @staticmethod
     def _blocks_of_exact_types(blocks: dict[str, tuple[torch.Tensor, int]]) -> dict[str, tuple[torch.Tensor, int]]:

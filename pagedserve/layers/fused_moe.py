@@ -146,6 +146,11 @@ class FusedMoE(nn.Module):
         self._release_loaded_weights()
         return True
 
+    @property
+    def on_blocks(self) -> bool:
+        """Whether the experts run on GGUF blocks (use_blocks): their checkpoint's float tensors are not read."""
+        return bool(self.block_weights())
+
     def block_weights(self) -> list[QuantizedWeight]:
         """The experts' weights that run on GGUF blocks (none before use_blocks)."""
         return [] if self.packed is None else [w for part in self.packed for w in part if isinstance(w, QuantizedWeight)]

@@ -71,11 +71,12 @@ class BFloat16ProductsWeight:
     conversions at every row count measured (docs/cpu.md); on AVX-512 BF16 dot products alone it beats it for the
     lm_head only."""
 
-    def __init__(self, weight: torch.Tensor, kernels, q4_blocks: tuple[torch.Tensor, int] | None = None) -> None:
+    def __init__(self, weight: torch.Tensor | None, kernels, q4_blocks: tuple[torch.Tensor, int] | None = None) -> None:
         """Given q4_blocks (weight's GGUF Q4_0 / Q4_1 blocks and their type id), the kernel reads those instead,
         dequantizing them as it goes into the same bfloat16 values (csrc/tile_blocks.h): the same products from 0.31 of
-        the bytes, for steps of the few tens of rows that wait on reading their weights."""
-        self.out_features = weight.shape[0]
+        the bytes, for steps of the few tens of rows that wait on reading their weights; weight may then be None (a
+        layer on blocks alone)."""
+        self.out_features = q4_blocks[0].shape[0] if q4_blocks is not None else weight.shape[0]
         self.packed = kernels.pack_tile_blocks(*q4_blocks) if q4_blocks is not None else kernels.pack_bf16_pairs(weight)
         self._kernel = kernels.bf16_pairs_linear  # looked up once, not per call
 

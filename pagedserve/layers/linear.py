@@ -102,6 +102,10 @@ class QuantizedWeight(RowLimited):
             self._interleaved = self._kernels.interleave_gguf_rows(self.blocks, self.qtype)
         return self._interleaved
 
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight the blocks hold ([out_features, in_features], as gguf dequantizes them), made anew."""
+        return self._kernels.dequantize_gguf(self.blocks, self.qtype)
+
     def round_activations(self) -> None:
         """From now on, steps round x to 8 bits per block of 32 values and multiply integers, as llama.cpp's and vLLM's
         GGUF kernels do (csrc/quantized_linear_q8.cpp): fewer instructions per block than widening it to float32. They
@@ -141,6 +145,9 @@ class QuantizedParts(RowLimited):
     def panel_parts(self) -> list[tuple[torch.Tensor, int, int]]:
         return [entry for part in self.parts for entry in part.panel_parts()]
 
+    def dequantized(self) -> torch.Tensor:
+        return torch.cat([part.dequantized() for part in self.parts])
+
     def round_activations(self) -> None:
         for part in self.parts:
             part.round_activations()
@@ -165,7 +172,9 @@ class BlocksOrDense(NamedTuple):
 
 class Linear(nn.Linear):
     """nn.Linear that runs small batches on GGUF blocks once given them, and the rest on a oneDNN-packed
-    copy of its weight (float32 or bfloat16) once pack() was called. Replicated: every tensor-parallel rank holds all of
+    copy of its weight (float32 or bfloat16) once pack() was called. A layer on GGUF blocks holds no dense weight
+    (use_blocks): steps its blocks do not take multiply the weight dequantized from them for the step, as vLLM's GGUF
+    layers do, so that a GGUF model takes the memory of its file. Replicated: every tensor-parallel rank holds all of
     it. A fused layer (qkv, gate-up) lists its parts' output sizes in shard_sizes."""
 
     packed_weight: torch.Tensor | None = None
@@ -187,15 +196,24 @@ class Linear(nn.Linear):
     full_part_sizes: tuple[int, ...] | None = None  # None: one part, out_features
     full_in_features: int | None = None  # None: in_features
 
+    def use_blocks(self, blocks: QuantizedWeight | QuantizedParts) -> None:
+        """Run on these GGUF blocks (this rank's share of the layer's weight), letting the dense weight go: from now on
+        `weight` is None and the checkpoint's float tensors of this layer are not read."""
+        self.quantized = blocks
+        self.register_parameter("weight", None)
+
     def pack(self, dtype: torch.dtype = torch.float32, onednn: bool = True, output_dtype: torch.dtype | None = None,
              tile_kernels=None, parts_apart: bool = False) -> None:
         """Run the dense product on a copy of the weight in dtype, reordered for oneDNN where onednn, returning
         output_dtype; given tile_kernels (kernels on AMX tiles, with dtype bfloat16), steps of up to TILES_MAX_ROWS rows
         on a second copy for the tiles instead (float32 sums out): the layer's GGUF Q4 blocks where it has them.
         parts_apart, for a gate-up layer: its gate and up packed apart (packed_parts) in place of the whole, so that
-        silu(gate) * up comes out of the GEMMs themselves rather than a pass that reads their whole output back."""
-        if tile_kernels is not None:
+        silu(gate) * up comes out of the GEMMs themselves rather than a pass that reads their whole output back. A layer on
+        blocks alone has no dense weight to copy: only the tiles' reading of its Q4 blocks."""
+        if tile_kernels is not None and (self.weight is not None or self._q4_blocks() is not None):
             self.bf16_products = BFloat16ProductsWeight(self.weight, tile_kernels, self._q4_blocks())
+        if self.weight is None:
+            return
         if parts_apart:
             gate, up = self.shard_sizes
             self.packed_parts = (pack_weight(self.weight[:gate], dtype, onednn), pack_weight(self.weight[gate : gate + up], dtype, onednn))
@@ -260,6 +278,8 @@ class Linear(nn.Linear):
             biases = bias.split(self.shard_sizes) if bias is not None else (None, None)
             return torch.cat([packed_linear(x, part, part_bias, self.output_dtype)
                               for part, part_bias in zip(self.packed_parts, biases, strict=True)], dim=-1)
+        if self.weight is None:  # on blocks alone: in float32, as the blocks' own products
+            return F.linear(x.float(), self.quantized.dequantized(), bias)
         return F.linear(x, self.weight, bias)
 
     def input_dtype(self, rows: int) -> torch.dtype | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -27,9 +28,9 @@ _EXPERT_TENSOR = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 QUANTIZED_FILE = Path("gguf_blocks") / "blocks.safetensors"
 
 
-def extract_quantized_blocks(reader, hf_tensors: dict[str, torch.Tensor], out_dir: Path) -> int:
+def extract_quantized_blocks(reader, hf_tensors: dict[str, torch.Tensor], out_dir: Path) -> set[str]:
     """Write the kernel-readable quantized tensors of the file `reader` (a gguf.GGUFReader) reads to
-    out_dir/QUANTIZED_FILE, in the row order of their float32 counterparts in hf_tensors; returns how many were written."""
+    out_dir/QUANTIZED_FILE, in the row order of their float32 counterparts in hf_tensors; returns their names."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
     from safetensors.numpy import save_file
@@ -52,7 +53,7 @@ def extract_quantized_blocks(reader, hf_tensors: dict[str, torch.Tensor], out_di
     if blocks:
         (out_dir / QUANTIZED_FILE).parent.mkdir(exist_ok=True)
         save_file(blocks, str(out_dir / QUANTIZED_FILE), metadata=metadata)
-    return len(blocks)
+    return set(blocks)
 
 
 def _expert_blocks(tensors, hf_tensors: dict[str, torch.Tensor]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
@@ -93,6 +94,55 @@ def load_quantized_blocks(model_dir: Path) -> dict[str, tuple[torch.Tensor, int]
     with safe_open(str(path), framework="pt") as handle:
         types = handle.metadata() or {}
         return {name: (handle.get_tensor(name), GGUF_BLOCK_TYPES[types[name]]) for name in handle.keys()}
+
+
+def dense_counterpart(name: str) -> str:
+    """The converted checkpoint's float tensor that holds a block tensor's values: a mixture's experts' gate and up are
+    stacked in one gate_up_proj."""
+    module, _, part = name.rpartition(".")
+    if module.endswith(".mlp.experts") and part in ("gate", "up", "down"):
+        return f"{module}.{'down_proj' if part == 'down' else 'gate_up_proj'}"
+    return name
+
+
+def tensors_held_by_blocks(block_names: set[str]) -> set[str]:
+    """The converted checkpoint's float tensors whose every value the named blocks hold (a stacked gate_up_proj needs
+    both its gate's and its up's)."""
+    held = {dense_counterpart(name) for name in block_names}
+    return {name for name in held if not name.endswith(".gate_up_proj")
+            or {f"{name.rpartition('.')[0]}.{part}" for part in ("gate", "up")} <= block_names}
+
+
+def dequantized_tensors(blocks: dict[str, tuple[torch.Tensor, int]], names: set[str], kernels=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The float32 checkpoint tensors of the named blocks (a mixture's experts' gate and up stacked into gate_up_proj),
+    for the layers that do not run on them: the values gguf dequantizes, by the C++ kernels where given."""
+    stacked: dict[str, dict[str, torch.Tensor]] = {}
+    for name in sorted(names):
+        values = dequantize_blocks(*blocks[name], kernels)
+        counterpart = dense_counterpart(name)
+        if counterpart == name or counterpart.endswith(".down_proj"):
+            yield counterpart, values
+            continue
+        parts = stacked.setdefault(counterpart, {})
+        parts[name.rpartition(".")[2]] = values
+        if len(parts) == 2:
+            yield counterpart, torch.cat([parts["gate"], parts["up"]], dim=1)
+            del stacked[counterpart]
+    if stacked:
+        raise ValueError(f"GGUF blocks of a mixture hold gate without up or up without gate: {', '.join(sorted(stacked))}")
+
+
+def dequantize_blocks(blocks: torch.Tensor, qtype: int, kernels=None) -> torch.Tensor:
+    """float32 values of GGUF blocks [..., rows, bytes per row] -> [..., rows, values per row]."""
+    rows = blocks.reshape(-1, blocks.shape[-1]).contiguous()
+    if kernels is not None:
+        values = kernels.dequantize_gguf(rows, qtype)
+    else:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        values = torch.from_numpy(dequantize(rows.numpy(), GGMLQuantizationType(qtype)))
+    return values.reshape(*blocks.shape[:-1], values.shape[-1])
 
 
 def _row_index(hf_tensors: dict[str, torch.Tensor]) -> dict[int, tuple[str, int]]:

