@@ -80,7 +80,7 @@ def test_converted_gguf_is_cached(tiny_hf_llama, tmp_path):
     marker_time = (first / ".pagedserve-complete").stat().st_mtime_ns
     assert gguf_convert.ensure_converted(path) == first
     assert (first / ".pagedserve-complete").stat().st_mtime_ns == marker_time
-    assert (first / gguf_convert.FLOAT_FILE).is_file() and (first / "tokenizer.json").is_file()
+    assert any(first.glob(f"{gguf_convert.FLOAT_FILE_STEM}-*.safetensors")) and (first / "tokenizer.json").is_file()
     # Keyed by content: a copy elsewhere (another environment's site-packages, say) reuses the conversion.
     copy = tmp_path / "elsewhere" / path.name
     copy.parent.mkdir()
@@ -155,28 +155,36 @@ def test_quantized_gguf_runs_on_its_blocks_with_the_same_values(type_name, tiny_
 
 def test_the_converted_directory_keeps_blocks_alone_and_export_writes_transformers_checkpoint(tiny_hf_llama, tmp_path, monkeypatch):
     """A converted GGUF model keeps the tensors the kernels read as GGUF blocks alone (no float32 copy: about the file's
-    size, and no file transformers would read as the whole checkpoint); `pagedserve export` writes the whole checkpoint,
-    in shards, with the values transformers' own reading of the GGUF file gives."""
+    size, and no file transformers would read as the whole checkpoint), the others in shards; it generates as
+    transformers does. `pagedserve export` writes the whole checkpoint, in shards, with the values transformers' own
+    reading of the GGUF file gives."""
     from transformers import AutoModelForCausalLM
 
     from pagedserve.entrypoints import cli
-    from pagedserve.models import hf_export
+    from pagedserve.models import hf_export, safetensors_shards
     from pagedserve.models.gguf_blocks import load_quantized_blocks
     from pagedserve.models.gguf_convert import ensure_converted
     from pagedserve.models.loader import stored_tensor_names
 
     path = tiny_gguf(tmp_path, tiny_hf_llama, "Q4_1")
+    monkeypatch.setattr(safetensors_shards, "SHARD_BYTES", 64 * 1024)  # the conversion's float tensors and the export in shards
     converted = ensure_converted(path)
+    assert len(list(converted.glob("*.safetensors"))) > 1
     blocks, stored = load_quantized_blocks(converted), stored_tensor_names(converted)
     assert "lm_head.weight" in blocks and "model.layers.0.self_attn.q_proj.weight" in blocks
     assert set(blocks) & stored == {"model.embed_tokens.weight"}  # looked up by rows: float32 too
     assert not (converted / "model.safetensors").exists()
-    monkeypatch.setattr(hf_export, "SHARD_BYTES", 64 * 1024)
+    reference = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name)
+    output = LLM(str(path), kv_cache_memory=4 * 1024**2, dtype="float32").generate("hello world", greedy(12), use_tqdm=False)[0]
+    ids = torch.tensor([output.prompt_token_ids])
+    with torch.inference_mode():
+        expected = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                                      pad_token_id=0)
+    assert output.outputs[0].token_ids == expected[0, ids.shape[1]:].tolist()
     out = tmp_path / "exported"
     assert cli.main(["export", str(path), str(out)]) == 0
     assert len(list(out.glob("model-*-of-*.safetensors"))) > 1
-    ours = AutoModelForCausalLM.from_pretrained(out).state_dict()
-    theirs = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name).state_dict()
+    ours, theirs = AutoModelForCausalLM.from_pretrained(out).state_dict(), reference.state_dict()
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[name], theirs[name]) for name in ours)
     assert cli.main(["export", str(path), str(out)]) == 2  # not over what is there
     cached = hf_export.transformers_checkpoint(converted)  # what the HF baseline of bench throughput reads
@@ -184,25 +192,22 @@ def test_the_converted_directory_keeps_blocks_alone_and_export_writes_transforme
     assert all(torch.equal(tensor, theirs[name]) for name, tensor in AutoModelForCausalLM.from_pretrained(cached).state_dict().items())
 
 
-def test_blocks_are_matched_to_float32_tensors_only_exactly():
-    from pagedserve.models.gguf_blocks import _match_rows, _row_index
+def test_blocks_are_matched_to_their_converted_tensor_only_exactly():
+    from pagedserve.models.gguf_blocks import _row_order
 
     rng = np.random.default_rng(0)
-    weight = rng.standard_normal((6, 32)).astype(np.float32)
-    weight[4] = weight[1]  # repeated rows (as in embeddings) are fine in the original order
-    tensors = {"a.weight": torch.from_numpy(weight), "b.weight": torch.from_numpy(rng.standard_normal((6, 32)).astype(np.float32))}
-    owners = _row_index(tensors)
-    name, rows = _match_rows(weight, owners, tensors)
-    assert name == "a.weight" and rows.tolist() == list(range(6))
-    permuted = tensors["b.weight"].numpy()[[1, 0, 3, 2, 5, 4]]  # llama.cpp's q/k layout is a row permutation
-    name, rows = _match_rows(permuted, owners, tensors)
-    assert name == "b.weight" and np.array_equal(tensors["b.weight"].numpy()[rows], permuted)
-    assert _match_rows(weight[[1, 0, 2, 3, 4, 5]][:, ::-1].copy(), owners, tensors) is None  # values that match nothing
-    off_by_one_ulp = weight.copy()
+    converted = rng.standard_normal((6, 32)).astype(np.float32)
+    converted[4] = converted[1]  # repeated rows (as in embeddings) are fine in the original order
+    assert _row_order(converted.copy(), converted).tolist() == list(range(6))
+    assert _row_order(converted[[1, 0, 3, 2, 5, 4]], converted) is None  # a repeated row cannot be placed once each
+    distinct = rng.standard_normal((6, 32)).astype(np.float32)
+    permuted = distinct[[1, 0, 3, 2, 5, 4]]  # llama.cpp's q/k layout is a row permutation
+    assert np.array_equal(distinct[_row_order(permuted, distinct)], permuted)
+    assert _row_order(distinct[:, ::-1].copy(), distinct) is None  # values that match nothing
+    off_by_one_ulp = permuted.copy()
     off_by_one_ulp[2, 7] = np.nextafter(off_by_one_ulp[2, 7], np.float32(np.inf))
-    assert _match_rows(off_by_one_ulp, owners, tensors) is None
-    mixed = np.concatenate([weight[:3], tensors["b.weight"].numpy()[3:]])  # rows of two tensors
-    assert _match_rows(mixed, owners, tensors) is None
+    assert _row_order(off_by_one_ulp, distinct) is None
+    assert _row_order(distinct[:5], distinct) is None  # another shape
 
 
 def file_values(hf_model, type_name: str, stored_as_is=lambda name: False):

