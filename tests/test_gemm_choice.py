@@ -18,6 +18,8 @@ class FakeClock:
 
 
 class FakeBlocks:
+    stored_bytes = 1024
+
     def __init__(self, clock, seconds_per_row, qtype=3):
         self.clock, self.seconds_per_row, self.qtype, self.max_rows = clock, seconds_per_row, qtype, 64
         self.rounds_activations = False
@@ -44,6 +46,19 @@ def test_each_shape_keeps_its_blocks_up_to_the_last_row_count_they_were_not_slow
         fake_gemm(clock, "narrow 8x8", blocks_per_row=1.0, dense_seconds=4.5),  # a second layer of the first shape
     ]
     assert gemm_choice.measure(gemms, clock) == {"narrow 8x8": 4, "wide 8x64": 64, "fast dense 8x16": 0}
+
+
+def test_a_large_model_is_measured_on_its_first_layers_and_every_shape(monkeypatch):
+    """Beyond MEASURED_BYTES of blocks, a measurement runs only the first GEMM of a shape it has not met (the lm_head):
+    every shape gets its row count, at a fraction of the time."""
+    monkeypatch.setattr(gemm_choice, "MEASURED_BYTES", 2 * FakeBlocks.stored_bytes)
+    clock = FakeClock()
+    layers = [fake_gemm(clock, shape, blocks_per_row=1.0, dense_seconds=4.5) for _ in range(10) for shape in ("qkv 8x8", "o 8x8")]
+    gemms = [*layers, fake_gemm(clock, "lm_head 8x64", blocks_per_row=1.0, dense_seconds=100.0)]
+    assert gemm_choice.measured_gemms(gemms) == [gemms[0], gemms[1], gemms[-1]]
+    assert gemm_choice.measure(gemms, clock) == {"qkv 8x8": 4, "o 8x8": 4, "lm_head 8x64": 64}
+    monkeypatch.setattr(gemm_choice, "MEASURED_BYTES", 100 * FakeBlocks.stored_bytes)
+    assert gemm_choice.measured_gemms(gemms) == gemms  # a model within it is measured whole
 
 
 def test_blocks_that_round_their_input_are_measured_at_prefill_rows_and_may_take_every_step():

@@ -5,8 +5,10 @@ more rows make a GEMM bound by arithmetic, where oneDNN's kernels (and bfloat16 
 processor has them) pull ahead. Where that happens depends on the processor: on some the blocks keep up to 64
 rows, on others they fall behind from 3. So each weight shape is timed both ways at growing row counts, every
 GEMM of the model in the order a forward pass runs them (the whole model's weights do not fit in the caches, as
-in a real step), and keeps its blocks up to the last count at which the dense weight was not clearly faster. The
-result is kept for the next start on the same machine, software and model.
+in a real step; of a large model, its first layers: MEASURED_BYTES), and keeps its blocks up to the last count at
+which the dense weight was not clearly faster. A layer on blocks alone has no dense copy: its dense product
+dequantizes the blocks for the step, and that is what is timed. The result is kept for the next start on the same
+machine, software and model.
 """
 
 from __future__ import annotations
@@ -37,6 +39,11 @@ PREFILL_PASSES = 2
 # move between starts where the two are close (a few-row GEMM on both reads at a similar pace), so a noisy moment does
 # not give away the blocks' smaller reads, which other work running beside a step is spared too.
 DENSE_MARGIN = 1.25
+# Bytes of blocks a measurement runs the GEMMs of: the model's first GEMMs in forward order up to this much, and the first
+# of any shape not among them (the lm_head's). More than a processor's caches hold, so the weights come from memory as
+# in a real step, and every layer's shapes are in (a model's layers repeat them); a larger model is not measured whole,
+# which takes minutes per billion weights.
+MEASURED_BYTES = 256 * 1024**2
 
 
 def choose(model, dense_dtype: torch.dtype) -> dict[str, int]:
@@ -59,6 +66,7 @@ def choose(model, dense_dtype: torch.dtype) -> dict[str, int]:
 def measure(gemms: Sequence[BlocksOrDense], clock: Callable[[], float] = time.perf_counter) -> dict[str, int]:
     """Per shape, the largest candidate row count up to which its dense weight was never clearly faster than its
     blocks (0: the dense weight always; EVERY_STEP: the blocks at every count, prefill-sized ones included)."""
+    gemms = measured_gemms(gemms)
     max_rows = dict.fromkeys((gemm.shape for gemm in gemms), 0)
     still_winning = set(max_rows)
     for rows in CANDIDATE_ROWS:
@@ -69,6 +77,18 @@ def measure(gemms: Sequence[BlocksOrDense], clock: Callable[[], float] = time.pe
     for name in still_winning & {gemm.shape for gemm in rounding}:
         max_rows[name] = EVERY_STEP
     return max_rows
+
+
+def measured_gemms(gemms: Sequence[BlocksOrDense]) -> list[BlocksOrDense]:
+    """The GEMMs a measurement runs, in forward order: the first ones up to MEASURED_BYTES of blocks, and the first of
+    each shape beyond them."""
+    measured, shapes, stored = [], set(), 0
+    for gemm in gemms:
+        if stored < MEASURED_BYTES or gemm.shape not in shapes:
+            measured.append(gemm)
+            shapes.add(gemm.shape)
+            stored += gemm.blocks.stored_bytes
+    return measured
 
 
 def _keep_winners(gemms: Sequence[BlocksOrDense], rows: int, passes: int, still_winning: set[str], max_rows: dict[str, int],
