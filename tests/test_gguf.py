@@ -192,6 +192,19 @@ def test_the_converted_directory_keeps_blocks_alone_and_export_writes_transforme
     assert all(torch.equal(tensor, theirs[name]) for name, tensor in AutoModelForCausalLM.from_pretrained(cached).state_dict().items())
 
 
+def test_export_of_a_sharded_checkpoint_writes_its_own_index(tiny_models, tmp_path):
+    """An HF directory in shards with an index exports to a checkpoint of the same tensors, indexed by its own shards."""
+    from transformers import AutoModelForCausalLM
+
+    from pagedserve.entrypoints import cli
+
+    source = tiny_models["mistral"]
+    assert (source / "model.safetensors.index.json").is_file()
+    assert cli.main(["export", str(source), str(tmp_path / "out")]) == 0
+    ours, theirs = (AutoModelForCausalLM.from_pretrained(d).state_dict() for d in (tmp_path / "out", source))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[name], theirs[name]) for name in ours)
+
+
 def test_blocks_are_matched_to_their_converted_tensor_only_exactly():
     from pagedserve.models.gguf_blocks import _row_order
 

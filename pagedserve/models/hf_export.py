@@ -18,6 +18,7 @@ logger = logging.getLogger(__name__)
 # it is complete.
 _CACHED_EXPORT = "transformers"
 _DONE_MARKER = ".export-complete"
+_INDEX = "model.safetensors.index.json"
 
 
 def transformers_checkpoint(model_dir: Path) -> Path:
@@ -52,10 +53,10 @@ def export_checkpoint(model_dir: Path, out_dir: Path) -> Path:
     final = {file: f"model-{number:05d}-of-{len(files):05d}.safetensors" for number, file in enumerate(files, start=1)}
     for file, name in final.items():
         (out_dir / file).rename(out_dir / name)
-    index = {"metadata": {}, "weight_map": {name: final[file] for name, file in shards.file_of.items()}}
-    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-    for file in model_dir.iterdir():
-        if file.is_file() and file.suffix != ".safetensors" and not file.name.startswith("."):
+    for file in model_dir.iterdir():  # config, tokenizer, generation config (not the checkpoint's own index)
+        if file.is_file() and file.suffix != ".safetensors" and file.name != _INDEX and not file.name.startswith("."):
             shutil.copy(file, out_dir / file.name)
+    index = {"metadata": {}, "weight_map": {name: final[file] for name, file in shards.file_of.items()}}
+    (out_dir / _INDEX).write_text(json.dumps(index, indent=1))
     logger.info("wrote %d tensors in %d shards into %s", len(shards.file_of), len(files), out_dir)
     return out_dir
