@@ -26,6 +26,9 @@ logger = logging.getLogger(__name__)
 
 _EXPERT_TENSOR = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 _STACKED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+# A mixture's stacked experts in the converted checkpoint (transformers' layout) -> the parts whose blocks fill it, in
+# their order along its dimension 1: gate_up_proj [E, 2I, H], gate rows first; down_proj [E, H, I].
+_STACKED_PARTS = {"gate_up_proj": ("gate", "up"), "down_proj": ("down",)}
 
 # In a subdirectory: the checkpoint loader reads every *.safetensors file of the model directory.
 QUANTIZED_FILE = Path("gguf_blocks") / "blocks.safetensors"
@@ -83,7 +86,7 @@ def _matching_blocks(tensor: Converted) -> dict[str, tuple[np.ndarray, str]]:
             part = _EXPERT_TENSOR.match(source.name)
             if part is None or len(source.data.shape) != 3:
                 continue
-            expected = _expert_part(tensor.values, stacked.group(2), part.group(2))
+            expected = _stacked_part(tensor.values, stacked.group(2), part.group(2))
             if expected is not None and values.shape == tuple(expected.shape) and np.array_equal(values, expected.numpy()):
                 kept[f"{stacked.group(1)}.{part.group(2)}"] = (np.ascontiguousarray(source.data), source.tensor_type.name)
             continue
@@ -99,15 +102,12 @@ def _matching_blocks(tensor: Converted) -> dict[str, tuple[np.ndarray, str]]:
     return kept
 
 
-def _expert_part(stacked: torch.Tensor, stacked_name: str, part: str) -> torch.Tensor | None:
-    """The gate's, up's or down's values in a stacked experts tensor (gate_up_proj: gate rows first); None where that
-    tensor does not hold the part."""
-    if stacked_name == "down_proj":
-        return stacked if part == "down" else None
-    if part == "down":
+def _stacked_part(stacked: torch.Tensor, stacked_name: str, part: str) -> torch.Tensor | None:
+    """The gate's, up's or down's values in a stacked experts tensor; None where that tensor does not hold the part."""
+    parts = _STACKED_PARTS[stacked_name]
+    if part not in parts:
         return None
-    width = stacked.shape[1] // 2
-    return stacked[:, :width] if part == "gate" else stacked[:, width:]
+    return stacked.chunk(len(parts), dim=1)[parts.index(part)]
 
 
 def _row_order(values: np.ndarray, converted: np.ndarray) -> np.ndarray | None:
@@ -141,36 +141,35 @@ def dense_counterpart(name: str) -> str:
     """The converted checkpoint's float tensor that holds a block tensor's values: a mixture's experts' gate and up are
     stacked in one gate_up_proj."""
     module, _, part = name.rpartition(".")
-    if module.endswith(".mlp.experts") and part in ("gate", "up", "down"):
-        return f"{module}.{'down_proj' if part == 'down' else 'gate_up_proj'}"
+    if module.endswith(".mlp.experts"):
+        for stacked, parts in _STACKED_PARTS.items():
+            if part in parts:
+                return f"{module}.{stacked}"
     return name
 
 
+def blocks_filling(name: str) -> list[str]:
+    """The block tensors whose values fill the converted checkpoint's float tensor `name`, in their order in it."""
+    stacked = _STACKED_EXPERTS.match(name)
+    if stacked is None:
+        return [name]
+    return [f"{stacked.group(1)}.{part}" for part in _STACKED_PARTS[stacked.group(2)]]
+
+
 def tensors_held_by_blocks(block_names: set[str]) -> set[str]:
-    """The converted checkpoint's float tensors whose every value the named blocks hold (a stacked gate_up_proj needs
-    both its gate's and its up's)."""
-    held = {dense_counterpart(name) for name in block_names}
-    return {name for name in held if not name.endswith(".gate_up_proj")
-            or {f"{name.rpartition('.')[0]}.{part}" for part in ("gate", "up")} <= block_names}
+    """The converted checkpoint's float tensors whose every value the named blocks hold."""
+    return {name for name in map(dense_counterpart, block_names) if set(blocks_filling(name)) <= block_names}
 
 
 def dequantized_tensors(blocks: dict[str, tuple[torch.Tensor, int]], names: set[str], kernels=None) -> Iterator[tuple[str, torch.Tensor]]:
     """The float32 checkpoint tensors of the named blocks (a mixture's experts' gate and up stacked into gate_up_proj),
     for the layers that do not run on them: the values gguf dequantizes, by the C++ kernels where given."""
-    stacked: dict[str, dict[str, torch.Tensor]] = {}
-    for name in sorted(names):
-        values = dequantize_blocks(*blocks[name], kernels)
-        counterpart = dense_counterpart(name)
-        if counterpart == name or counterpart.endswith(".down_proj"):
-            yield counterpart, values
-            continue
-        parts = stacked.setdefault(counterpart, {})
-        parts[name.rpartition(".")[2]] = values
-        if len(parts) == 2:
-            yield counterpart, torch.cat([parts["gate"], parts["up"]], dim=1)
-            del stacked[counterpart]
-    if stacked:
-        raise ValueError(f"GGUF blocks of a mixture hold gate without up or up without gate: {', '.join(sorted(stacked))}")
+    for counterpart in sorted({dense_counterpart(name) for name in names}):
+        parts = blocks_filling(counterpart)
+        if not set(parts) <= names:
+            raise ValueError(f"GGUF blocks fill {counterpart} only in part: {', '.join(sorted(set(parts) - names))} missing")
+        values = [dequantize_blocks(*blocks[part], kernels) for part in parts]
+        yield counterpart, values[0] if len(values) == 1 else torch.cat(values, dim=1)
 
 
 def dequantize_blocks(blocks: torch.Tensor, qtype: int, kernels=None) -> torch.Tensor:

@@ -155,7 +155,7 @@ def _transformers_tensors(reader, gguf_path: Path, skeleton):
         load_gguf_checkpoint,
     )
 
-    from pagedserve.models.gguf_blocks import Converted
+    from pagedserve.models.gguf_blocks import Converted, blocks_filling
 
     file_config = load_gguf_checkpoint(str(gguf_path), return_tensors=False).get("config", {})
     processor = TENSOR_PROCESSORS.get(_architecture(reader), TensorProcessor)(config=file_config)
@@ -170,7 +170,7 @@ def _transformers_tensors(reader, gguf_path: Path, skeleton):
                 raise ValueError(f"this GGUF file's tensor {tensor.name!r} is split into experts in a way not read here")
             sources = stack_sources.setdefault(name, [])
             sources.append(tensor)
-            if len(sources) == (2 if name.endswith(".gate_up_proj") else 1):
+            if len(sources) == len(blocks_filling(name)):
                 yield Converted(name, stacks["tensors"].pop(name).float(), tuple(stack_sources.pop(name)))
         elif result.name in names:
             yield Converted(names[result.name], torch.from_numpy(np.copy(result.weights)).float(), (tensor,))
@@ -395,7 +395,7 @@ def _named_values(reader, named: dict, unpermute_qk: bool):
 
 def _rope_factors(reader) -> list[float] | None:
     """The file's rope factors (llama.cpp's per-frequency divisors, _ROPE_FACTORS), or None where it has none."""
-    tensor = next((tensor for tensor in reader.tensors if tensor.name == _ROPE_FACTORS), None)
+    tensor = _tensor_named(reader, _ROPE_FACTORS)
     return None if tensor is None else _dequantized(tensor).tolist()
 
 

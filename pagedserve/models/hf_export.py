@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-from itertools import chain
 from pathlib import Path
 
 from pagedserve.models.safetensors_shards import ShardWriter
@@ -38,16 +37,13 @@ def transformers_checkpoint(model_dir: Path) -> Path:
 
 def export_checkpoint(model_dir: Path, out_dir: Path) -> Path:
     """Write model_dir's checkpoint whole into out_dir (made if absent), a shard at a time; returns out_dir."""
-    from pagedserve.models.gguf_blocks import dense_counterpart, dequantized_tensors, load_quantized_blocks
-    from pagedserve.models.loader import iterate_safetensors, stored_tensor_names
+    from pagedserve.models.gguf_blocks import load_quantized_blocks
+    from pagedserve.models.loader import checkpoint_tensors
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    blocks = load_quantized_blocks(model_dir)
-    stored = stored_tensor_names(model_dir)
-    blocks_alone = {name for name in blocks if dense_counterpart(name) not in stored}
     # Named by number until the count is known, then as transformers names shards.
     shards = ShardWriter(out_dir, lambda number: f"shard-{number:05d}.partial")
-    for name, tensor in chain(iterate_safetensors(model_dir), dequantized_tensors(blocks, blocks_alone)):
+    for name, tensor in checkpoint_tensors(model_dir, load_quantized_blocks(model_dir)):
         shards.add(name, tensor)
     files = shards.close()
     final = {file: f"model-{number:05d}-of-{len(files):05d}.safetensors" for number, file in enumerate(files, start=1)}

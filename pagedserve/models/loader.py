@@ -36,6 +36,16 @@ def iterate_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                     yield ours, handle.get_tensor(name)
 
 
+def checkpoint_tensors(model_dir: Path, blocks: dict[str, tuple[torch.Tensor, int]], on_blocks: set[str] = frozenset(),
+                       kernels=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every checkpoint tensor, by the names the model reads: the float tensors, then the values of the GGUF blocks
+    (load_quantized_blocks) no float tensor holds, dequantized (by kernels, the C++ kernels, where given), but for the
+    blocks in on_blocks (a layer runs on them)."""
+    stored = stored_tensor_names(model_dir)
+    dequantize = {name for name in blocks if dense_counterpart(name) not in stored and name not in on_blocks}
+    return itertools.chain(iterate_safetensors(model_dir), dequantized_tensors(blocks, dequantize, kernels))
+
+
 def stored_tensor_names(model_dir: Path) -> set[str]:
     """The names of the checkpoint's tensors (as iterate_safetensors gives them), read from the files' headers."""
     from safetensors import safe_open
@@ -86,9 +96,7 @@ def load_model(hf_config, model_dir: Path, dtype: torch.dtype, device: torch.dev
         model = model_class(hf_config, max_position, attn_backend, pooling=pooling)
     blocks = load_quantized_blocks(model_dir)
     taken = place_blocks(model, blocks) if place_blocks is not None and blocks else set()
-    stored = stored_tensor_names(model_dir)
-    blocks_alone = {name for name in blocks if dense_counterpart(name) not in stored and name not in taken}
-    model.load_weights(itertools.chain(iterate_safetensors(model_dir), dequantized_tensors(blocks, blocks_alone, kernels)))
+    model.load_weights(checkpoint_tensors(model_dir, blocks, taken, kernels))
     # Rotary caches stay float32 (they are cast per step); weights take the serving dtype.
     for _name, param in model.named_parameters():
         param.data = param.data.to(dtype)
