@@ -480,16 +480,16 @@ def test_a_quick_product_is_timed_at_larger_sizes_and_the_best_rate_kept(monkeyp
     size is timed too (two doublings at most), and the best rate is the machine's; a slow product stops the growth."""
     import torch
 
-    from pagedserve.benchmarks import machine
+    from pagedserve.executor import matmul_rate
 
     rates = {1024: 1400.0, 2048: 2400.0, 4096: 2300.0, 8192: 9999.0}  # GFLOP/s; 4096^3 at 2300 takes ~60 ms
     timed = []
-    monkeypatch.setattr(machine, "_matmul_rate", lambda dtype, size, repeats: timed.append(size) or rates[size])
-    assert machine.max_rate_and_size(torch.bfloat16, 1024, 3) == (2400.0, 2048)
+    monkeypatch.setattr(matmul_rate, "matmul_rate_at", lambda dtype, size, repeats: timed.append(size) or rates[size])
+    assert matmul_rate.max_rate_and_size(torch.bfloat16, 1024, 3) == (2400.0, 2048)
     assert timed == [1024, 2048, 4096]
     timed.clear()
     rates[1024] = 20.0  # 1024^3 takes ~0.1 s: no larger product
-    assert machine.max_rate_and_size(torch.bfloat16, 1024, 3) == (20.0, 1024) and timed == [1024]
+    assert matmul_rate.max_rate_and_size(torch.bfloat16, 1024, 3) == (20.0, 1024) and timed == [1024]
 
 
 def test_kv_capacity_per_dtype_and_kv_accuracy_against_float32(tmp_path, tiny_models):

@@ -178,23 +178,49 @@ def test_bfloat16_greedy_output_does_not_depend_on_the_batch(bfloat16_llm):
     assert together == alone * 4
 
 
-@pytest.mark.parametrize("flags,expected", [
-    ({"avx2", "fma", "avx512f", "avx512_bf16"}, torch.bfloat16),  # AVX-512 BF16 dot products (Zen 4/5, Cooper Lake on)
-    ({"avx2", "fma", "avx512f", "amx_tile", "amx_bf16"}, torch.bfloat16),  # AMX tiles
-    ({"avx2", "fma", "avx512f"}, torch.float32),  # AVX-512 without bfloat16
-    ({"avx2", "fma"}, torch.float32),
+@pytest.mark.parametrize("flags,rates,expected", [
+    ({"avx2", "fma", "avx512f", "avx512_bf16"}, (220.0, 450.0), torch.bfloat16),  # AVX-512 BF16 at twice float32's rate
+    ({"avx2", "fma", "avx512f", "avx512_bf16"}, (300.0, 150.0), torch.float32),  # ... at half of it: float32 is faster
+    ({"avx2", "fma", "avx512f", "avx512_bf16"}, (300.0, 285.0), torch.bfloat16),  # a near-tie keeps bfloat16's bytes
+    ({"avx2", "fma", "avx512f", "amx_tile", "amx_bf16"}, (400.0, 1700.0), torch.bfloat16),  # AMX tiles
+    ({"avx2", "fma", "avx512f"}, None, torch.float32),  # AVX-512 without bfloat16: nothing to measure
+    ({"avx2", "fma"}, None, torch.float32),
 ])
-def test_auto_picks_bfloat16_on_processors_that_multiply_it_in_hardware(flags, expected, monkeypatch):
+def test_auto_picks_bfloat16_where_its_gemms_measure_no_slower_than_float32(flags, rates, expected, monkeypatch, tmp_path):
+    from pagedserve.executor import auto_dtype
+
     monkeypatch.delenv("PAGEDSERVE_CPU_AUTO_DTYPE")
-    monkeypatch.setattr(worker_module, "cpu_features", lambda: CPUFeatures("test CPU", frozenset(flags)))
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(worker_module, "cpu_features", lambda: CPUFeatures(f"test CPU {sorted(flags)}", frozenset(flags)))
+    measured = []
+    monkeypatch.setattr(auto_dtype, "measure_gemm_rates", lambda: measured.append(rates) or auto_dtype.GemmRates(*rates))
+    auto_dtype.gemm_rates.cache_clear()
     cpu = torch.device("cpu")
     assert worker_module.resolve_dtype(EngineConfig(), cpu) == expected
+    assert measured == ([rates] if rates else [])
+    # The KV cache is bfloat16 wherever the processor has bfloat16 instructions, whatever the GEMMs measured; asked-for
+    # dtypes keep theirs.
+    cache_dtype = torch.bfloat16 if "avx512_bf16" in flags or "amx_bf16" in flags else torch.float32
+    assert worker_module.cache_dtype_of_model(EngineConfig(), cpu, expected) == cache_dtype
+    assert worker_module.cache_dtype_of_model(EngineConfig(dtype="float32"), cpu, torch.float32) == torch.float32
+    auto_dtype.gemm_rates.cache_clear()  # a later start reads the measurement back instead of measuring again
+    assert worker_module.resolve_dtype(EngineConfig(), cpu) == expected and len(measured) == (1 if rates else 0)
     assert worker_module.resolve_dtype(EngineConfig(dtype="float32"), cpu) == torch.float32  # the exact mode, asked for
     monkeypatch.setenv("PAGEDSERVE_CPU_AUTO_DTYPE", "float32")
     assert worker_module.resolve_dtype(EngineConfig(), cpu) == torch.float32
+    assert worker_module.cache_dtype_of_model(EngineConfig(), cpu, torch.float32) == torch.float32
     monkeypatch.setenv("PAGEDSERVE_CPU_AUTO_DTYPE", "half")
     with pytest.raises(ValueError, match="PAGEDSERVE_CPU_AUTO_DTYPE must be float32 or bfloat16, got 'half'"):
         worker_module.resolve_dtype(EngineConfig(), cpu)
+    auto_dtype.gemm_rates.cache_clear()
+
+
+def test_the_measured_gemm_rates_are_this_machines():
+    """The measurement itself: both dtypes multiplied through torch on this processor, float32 always."""
+    from pagedserve.executor import auto_dtype
+
+    rates = auto_dtype.measure_gemm_rates()
+    assert rates.float32 > 1.0 and (rates.bfloat16 is None or rates.bfloat16 > 1.0)
 
 
 def test_bfloat16_products_are_the_same_through_onednn_and_through_torch():

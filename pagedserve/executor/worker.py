@@ -16,6 +16,7 @@ from pagedserve.core.contracts import ModelRunnerOutput, SchedulerOutput
 from pagedserve.cpu_features import cpu_features
 from pagedserve.distributed.parallel_state import expert_groups, init_expert_groups, rank_info
 from pagedserve.executor import cpu_host, gemm_choice, int8_calibration
+from pagedserve.executor.auto_dtype import auto_cache_dtype, auto_gemm_dtype
 from pagedserve.executor.lora_manager import LoRAManager
 from pagedserve.executor.model_runner import ModelRunner
 from pagedserve.kv_transfer.factory import worker_connector
@@ -60,13 +61,22 @@ def resolve_device(config: EngineConfig) -> torch.device:
 
 
 def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
-    """What config.dtype names; auto is bfloat16 on accelerators and on processors that multiply bfloat16 in
-    hardware, float32 on other CPUs (the environment can fix it: envs.cpu_auto_dtype)."""
+    """What config.dtype names; auto is bfloat16 on accelerators, and on CPUs where it is the faster GEMM
+    (auto_dtype.auto_gemm_dtype), else float32 (the environment can fix it: envs.cpu_auto_dtype)."""
     if config.dtype != "auto":
         return _DTYPES[config.dtype]
     if device.type != "cpu":
         return torch.bfloat16
-    return _DTYPES[envs.cpu_auto_dtype() or ("bfloat16" if cpu_features().has_bfloat16_matrix else "float32")]
+    fixed = envs.cpu_auto_dtype()
+    return _DTYPES[fixed] if fixed else auto_gemm_dtype(cpu_features())
+
+
+def cache_dtype_of_model(config: EngineConfig, device: torch.device, gemm_dtype: torch.dtype) -> torch.dtype:
+    """What `kv_cache_dtype auto` stores: the GEMMs' dtype, except where `dtype auto` is measured on a CPU
+    (auto_dtype.auto_cache_dtype: bfloat16 wherever the processor has bfloat16 instructions, float32 GEMMs or not)."""
+    if config.dtype == "auto" and device.type == "cpu" and not envs.cpu_auto_dtype():
+        return auto_cache_dtype(cpu_features())
+    return gemm_dtype
 
 
 def block_products_round_activations(config: EngineConfig, device: torch.device) -> bool:
@@ -164,7 +174,7 @@ class Worker:
             logger.info("CPU %s: %s; torch's CPU kernels use %s", features.model_name, " ".join(features.isa) or "no AVX2",
                         torch.backends.cpu.get_cpu_capability())
         self.dtype, self.gemm_dtype = activation_and_gemm_dtypes(resolve_dtype(config, self.device), self.device)
-        self.kv_cache_dtype = kv_cache_element(config.kv_cache_dtype, self.gemm_dtype)
+        self.kv_cache_dtype = kv_cache_element(config.kv_cache_dtype, cache_dtype_of_model(config, self.device, self.gemm_dtype))
         self.kv_format = kv_format(config.kv_cache_dtype)
         self.model_dir = resolve_model_dir(config.model)
         self.hf_config = load_hf_config(self.model_dir, config.hf_overrides)
