@@ -18,6 +18,7 @@ import torch
 from pagedserve import cached_json
 from pagedserve.cpu_features import CPUFeatures
 from pagedserve.executor.matmul_rate import matmul_rate_at
+from pagedserve.version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +56,9 @@ def auto_cache_dtype(features: CPUFeatures) -> torch.dtype:
 
 @lru_cache(maxsize=4)
 def gemm_rates(features: CPUFeatures) -> GemmRates:
-    """The two rates on this machine: from the cache, or measured now and kept."""
-    path = cached_json.cache_file("gemm_rates", features.identity, torch.__version__, str(torch.get_num_threads()))
+    """The two rates on this machine: from the cache, or measured now and kept (keyed by the processor, torch, the
+    threads and pagedserve's version, which fixes how they are measured)."""
+    path = cached_json.cache_file("gemm_rates", features.identity, torch.__version__, str(torch.get_num_threads()), __version__)
     stored = cached_json.read(path)
     if isinstance(stored, dict) and isinstance(stored.get("float32"), float):
         rates = GemmRates(stored["float32"], stored.get("bfloat16"))
