@@ -32,7 +32,7 @@ class EngineConfig:
     tokenizer: str | None = field(default=None, metadata={"help": "tokenizer directory (defaults to the model's)"})
     dtype: str = field(default="auto", metadata={
         "help": "float32, bfloat16, float16, or auto (bfloat16 on accelerators and on CPUs with bfloat16 matrix instructions "
-                "whose bfloat16 GEMMs measure no slower than float32's, else float32). On CPU, bfloat16 runs the GEMMs in "
+                "whose bfloat16 GEMMs measure at 0.9x float32's rate or more, else float32). On CPU, bfloat16 runs the GEMMs in "
                 "bfloat16 between float32 activations; float32 is exact"})
     quantization: str | None = field(default=None, metadata={
         "help": "int8: run the linear layers' GEMMs in int8 on CPU (W8A8: weights per output channel at load, activations per "

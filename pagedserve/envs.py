@@ -12,7 +12,7 @@ PAGEDSERVE_CACHE_DIR = "PAGEDSERVE_CACHE_DIR"
 # Log level of pagedserve's processes (default INFO).
 PAGEDSERVE_LOG_LEVEL = "PAGEDSERVE_LOG_LEVEL"
 # What `dtype auto` resolves to on CPU: float32 or bfloat16 (default: bfloat16 where the processor has bfloat16 dot
-# products or AMX tiles and its bfloat16 GEMMs measure no slower than float32 ones, else float32: executor/auto_dtype.py).
+# products or AMX tiles and its bfloat16 GEMMs measure at 0.9x float32's rate or more, else float32: executor/auto_dtype.py).
 # The test suite sets float32, the exact mode its transformers references need.
 PAGEDSERVE_CPU_AUTO_DTYPE = "PAGEDSERVE_CPU_AUTO_DTYPE"
 # How the mp executor starts its worker processes: fork or spawn (default: fork where it is safe, else spawn).
