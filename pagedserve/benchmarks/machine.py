@@ -10,15 +10,14 @@ import torch
 
 from pagedserve.benchmarks.report import print_table, write_json
 from pagedserve.cpu_features import cpu_features
-from pagedserve.executor import matmul_rate
-from pagedserve.executor.matmul_rate import matmul_gflop_s, max_rate_and_size
+from pagedserve.executor.matmul_rate import matmul_gflop_s, max_rate_and_size, seconds
 from pagedserve.executor.vector_rate import int8_vector_gop_s
 
 
 def read_bandwidth_gb_s(num_bytes: int, repeats: int) -> float:
     """GB/s of reading a float32 tensor of num_bytes (far larger than the caches) on every thread; best of repeats."""
     tensor = torch.ones(num_bytes // 4, dtype=torch.float32)
-    best = min(matmul_rate.seconds(lambda: tensor.sum()) for _ in range(repeats))
+    best = min(seconds(lambda: tensor.sum()) for _ in range(repeats))
     return num_bytes / best / 1e9
 
 

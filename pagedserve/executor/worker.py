@@ -63,20 +63,22 @@ def resolve_device(config: EngineConfig) -> torch.device:
 def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     """What config.dtype names; auto is bfloat16 on accelerators, and on CPUs where it is the faster GEMM
     (auto_dtype.auto_gemm_dtype), else float32 (the environment can fix it: envs.cpu_auto_dtype)."""
+    if _auto_measured(config, device):
+        return auto_gemm_dtype(cpu_features())
     if config.dtype != "auto":
         return _DTYPES[config.dtype]
-    if device.type != "cpu":
-        return torch.bfloat16
-    fixed = envs.cpu_auto_dtype()
-    return _DTYPES[fixed] if fixed else auto_gemm_dtype(cpu_features())
+    return torch.bfloat16 if device.type != "cpu" else _DTYPES[envs.cpu_auto_dtype()]
 
 
 def cache_dtype_of_model(config: EngineConfig, device: torch.device, gemm_dtype: torch.dtype) -> torch.dtype:
     """What `kv_cache_dtype auto` stores: the GEMMs' dtype, except where `dtype auto` is measured on a CPU
     (auto_dtype.auto_cache_dtype: bfloat16 wherever the processor has bfloat16 instructions, float32 GEMMs or not)."""
-    if config.dtype == "auto" and device.type == "cpu" and not envs.cpu_auto_dtype():
-        return auto_cache_dtype(cpu_features())
-    return gemm_dtype
+    return auto_cache_dtype(cpu_features()) if _auto_measured(config, device) else gemm_dtype
+
+
+def _auto_measured(config: EngineConfig, device: torch.device) -> bool:
+    """Whether auto_dtype decides the dtypes: dtype auto on a CPU, with nothing in the environment fixing it."""
+    return config.dtype == "auto" and device.type == "cpu" and not envs.cpu_auto_dtype()
 
 
 def block_products_round_activations(config: EngineConfig, device: torch.device) -> bool:
