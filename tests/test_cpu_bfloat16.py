@@ -31,9 +31,9 @@ def test_bfloat16_gemms_run_between_float32_activations_on_the_float32_kernels(b
     assert linears and all(m.packed.dtype == torch.bfloat16 and (m.bf16_products is not None) == on_tiles for m in linears)
     model = worker.model
     if worker.cpu_kernels.bf16_dot_products():  # the lm_head multiplies in bfloat16 too, its sums kept in float32
-        assert model.bfloat16_lm_head is not None and model.packed_lm_head is None
+        assert model.lm_head_pairs is not None and model.packed_lm_head is None
     else:
-        assert model.bfloat16_lm_head is None and model.packed_lm_head.dtype == torch.float32
+        assert model.lm_head_pairs is None and model.packed_lm_head.dtype == torch.float32
     assert model.compute_logits(torch.randn(3, model.config.hidden_size)).dtype == torch.float32  # the logits stay float32
     assert all(p.dtype == torch.float32 for p in worker.model.parameters())  # norms and embeddings stay float32
     # On oneDNN a GEMM's bfloat16 output stays bfloat16 where what reads it takes it so: the gate-up's (SiLU-and-mul, the

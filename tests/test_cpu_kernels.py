@@ -1,5 +1,7 @@
 """The C++ CPU kernels match the plain-torch reference paths they replace."""
 
+from functools import partial
+
 import numpy as np
 import pytest
 import torch
@@ -499,8 +501,8 @@ def test_bfloat16_products_linear_sums_the_bfloat16_products_in_float32(rows, ou
     weight, x = torch.randn(out_features, in_features), torch.randn(rows, in_features)
     packed = kernels.pack_bf16_pairs(weight)
 
-    def product(rows_in, out=None):
-        return kernels.bf16_pairs_linear(rows_in, packed, out_features, out, tiles)
+    def product(rows_in):
+        return kernels.bf16_pairs_linear(rows_in, packed, out_features, None, tiles)
 
     actual = product(x)
     assert actual.dtype == torch.float32 and actual.shape == (rows, out_features)
@@ -514,14 +516,53 @@ def test_bfloat16_products_linear_sums_the_bfloat16_products_in_float32(rows, ou
     assert torch.equal(product(rounded), product(rounded.float()))
     strided = torch.cat([rounded, rounded[:, :5]], dim=1)[:, :in_features]
     assert torch.equal(product(strided), product(rounded.float()))
+    assert_pairs_product_checks(partial(kernels.bf16_pairs_linear, tiles=tiles), x, packed, out_features, actual)
+
+
+def assert_pairs_product_checks(linear, x, packed, out_features, actual):
+    """A product on packed pairs writes into the out given (and returns it), and refuses an out, out_features or
+    in_features that is not the weight's."""
+    rows, in_features = x.shape
     out = torch.full((rows, out_features), float("nan"))
-    assert product(x, out).data_ptr() == out.data_ptr() and torch.equal(out, actual)
+    assert linear(x, packed, out_features, out).data_ptr() == out.data_ptr() and torch.equal(out, actual)
     with pytest.raises(RuntimeError, match="out must be a contiguous float32 tensor"):
-        product(x, torch.empty(rows + 1, out_features))
+        linear(x, packed, out_features, torch.empty(rows + 1, out_features))
     with pytest.raises(RuntimeError, match="out_features .* must be the packed weight's"):
-        kernels.bf16_pairs_linear(x, packed, out_features + 16)
+        linear(x, packed, out_features + 16)
     with pytest.raises(RuntimeError, match="must be the packed weight's in_features"):
-        product(torch.randn(rows, in_features + 32))
+        linear(torch.randn(rows, in_features + 32), packed, out_features)
+
+
+@pytest.mark.parametrize("rows,out_features,in_features", [(1, 16, 2), (7, 100, 33), (9, 37, 64), (64, 4100, 576), (121, 70, 1536),
+                                                           (250, 1000, 577)])
+def test_float32_products_of_bfloat16_values_are_exact_and_do_not_depend_on_the_batch(rows, out_features, in_features):
+    """bf16_weights_linear: float32 x times a weight of bfloat16 values, read from its bfloat16 pairs; tiles of 8 rows x
+    3 blocks of 16 outputs and their remainders, chunks of 120 rows, the pairs 128 at a time (the sums stored and taken
+    up again), an odd in_features (a half pair). The products are the float32 weight's own (x is not rounded), summed in
+    float32, and a row's sums do not depend on its batch."""
+    kernels = built_kernels()
+    weight, x = torch.randn(out_features, in_features).bfloat16().float(), torch.randn(rows, in_features)
+    packed = kernels.pack_bf16_pairs(weight)
+
+    def product(rows_in):
+        return kernels.bf16_weights_linear(rows_in, packed, out_features)
+
+    actual = product(x)
+    assert actual.dtype == torch.float32 and actual.shape == (rows, out_features)
+    torch.testing.assert_close(actual.double(), x.double() @ weight.double().T, rtol=1e-5, atol=1e-5 * in_features**0.5)
+    assert torch.equal(product(x[-3:].contiguous()), actual[-3:])
+    assert torch.equal(product(x[:1].contiguous()), actual[:1])
+    assert torch.equal(product(x.view(1, rows, in_features)), actual.view(1, rows, out_features))
+    strided = torch.cat([x, x[:, :5]], dim=1)[:, :in_features]
+    assert torch.equal(product(strided), actual)
+    assert_pairs_product_checks(kernels.bf16_weights_linear, x, packed, out_features, actual)
+
+
+def test_float32_products_of_bfloat16_values_read_pairs_only():
+    kernels = built_kernels()
+    records = kernels.pack_tile_blocks(torch.zeros(16, 18, dtype=torch.uint8), 2)  # Q4_0 blocks repacked for the tiles
+    with pytest.raises(RuntimeError, match="packed must come from pack_bf16_pairs"):
+        kernels.bf16_weights_linear(torch.zeros(2, 32), records, 16)
 
 
 @pytest.mark.parametrize("tiles", [True, False], ids=["tiles-where-offered", "vectors"])

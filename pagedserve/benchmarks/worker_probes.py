@@ -58,14 +58,16 @@ def _flops_by_product(gemms, rows: int, dense: str) -> dict[str, int]:
 
 
 def _dense_weight(module):
-    """What a linear layer's dense product reads: its int8 values, its packed copy (as many bytes as its AMX tiles'
-    copy), or None (the weight itself)."""
-    return module.int8_weight.values if module.int8_weight is not None else module.packed
+    """What a linear layer's dense product reads: its int8 values, its bfloat16 values' pairs, its packed copy (as many
+    bytes as its AMX tiles' copy), or None (the weight itself)."""
+    if module.int8_weight is not None:
+        return module.int8_weight.values
+    return module.bf16_values.packed if module.bf16_values is not None else module.packed
 
 
 def _dense_lm_head(model):
     """What the lm_head's dense product reads: its bfloat16 pairs, its packed copy, or None (the weight itself)."""
-    return model.bfloat16_lm_head.packed if model.bfloat16_lm_head is not None else model.packed_lm_head
+    return model.lm_head_pairs.packed if model.lm_head_pairs is not None else model.packed_lm_head
 
 
 def _bytes_read(rows: int, blocks, packed, weight) -> int:

@@ -6,6 +6,12 @@
 // Where the build has AMX tiles and the OS grants them, every call runs on the tiles instead (TDPBF16PS: 16 rows by
 // 16 outputs by 32 inputs an instruction), whatever its row count, so that a row's sums do not depend on its batch.
 //
+// bf16_weights_linear multiplies the same packed weight by float32 x in float32: each bfloat16 weight widened to the
+// float32 it stands for (a shift), its products with x's float32 values summed by FMAs. It reads the bytes of a
+// bfloat16 weight and gives exact float32 products of its values, on processors whose bfloat16 dot products run
+// slower than their float32 FMAs (AVX-512 without AMX tiles). Each sum takes its pairs in the same order whatever
+// the step's row count, so a row's sums do not depend on its batch.
+//
 // The weight is packed once into pairs along k: block b holds output rows 16b..16b+15, and for each pair of inputs
 // (2j, 2j+1) 16 x 2 bfloat16 values, row by row: one 64-byte vector per pair, what one vdpbf16ps multiplies. 16 such
 // vectors in a row are an AMX tile of the weight as TDPBF16PS reads it, so the pairs are padded with zeros to a
@@ -15,6 +21,7 @@
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -24,7 +31,7 @@
 #include "amx_tiles.h"
 #include "tile_blocks.h"
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -47,11 +54,11 @@ float bf16_value(uint16_t bits) {
   return value;
 }
 
-// x [rows, k] rounded to bfloat16 as rows x pairs words, each the values of inputs 2j (low half) and 2j + 1 (high
-// half), zero past k: x itself where it comes so (a bfloat16 producer's output), else torch's conversion (vectorized).
-at::Tensor input_pairs(const at::Tensor& x, int64_t pairs) {
-  if (x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.size(1) == 2 * pairs) return x;
-  auto out = at::empty({x.size(0), 2 * pairs}, x.options().dtype(at::kBFloat16));
+// x [rows, k] in dtype, zero past k to 2 x pairs values: x itself where it comes so, else torch's conversion
+// (vectorized). In bfloat16, rows x pairs words, each the values of inputs 2j (low half) and 2j + 1 (high half).
+at::Tensor padded_rows(const at::Tensor& x, int64_t pairs, at::ScalarType dtype) {
+  if (x.scalar_type() == dtype && x.is_contiguous() && x.size(1) == 2 * pairs) return x;
+  auto out = at::empty({x.size(0), 2 * pairs}, x.options().dtype(dtype));
   if (x.size(1) < 2 * pairs) out.narrow(1, x.size(1), 2 * pairs - x.size(1)).zero_();
   out.narrow(1, 0, x.size(1)).copy_(x);
   return out;
@@ -122,6 +129,117 @@ void any_tile(int rows, int blocks, const uint32_t* x, int64_t pairs, const uint
     case 3: tile_of_rows<3>(rows, x, pairs, w, out, ld, columns); break;
     case 2: tile_of_rows<2>(rows, x, pairs, w, out, ld, columns); break;
     default: tile_of_rows<1>(rows, x, pairs, w, out, ld, columns); break;
+  }
+}
+
+constexpr int kFloatTileRows = 8;     // bf16_weights_linear's tiles: 8 x 3 accumulators, 3 widened weight vectors,
+constexpr int kFloatTileBlocks = 3;   //   a broadcast and the mask of the odd inputs fit the 32 vector registers
+constexpr int64_t kFloatChunkRows = 120;  // input rows a task takes: their float32 values stay in L2 as it sweeps
+constexpr int64_t kFloatStepPairs = 128;  // pairs a task's tiles take at a time: that part of its panel stays in L1
+
+// What a float tile multiplies: x's rows (x_stride floats apart, from the first pair's values), `pairs` pairs of the
+// weight's blocks (block_stride words apart, from the first pair's), and the sums (ld apart; columns of them wanted),
+// which it adds to where `accumulate` (the pairs before these are in them).
+struct FloatTile {
+  const float* x;
+  int64_t x_stride;
+  const uint16_t* w;
+  int64_t block_stride;
+  int64_t pairs;
+  float* out;
+  int64_t ld;
+  int64_t columns;
+  bool accumulate;
+};
+
+// A tile of rows x (blocks x 16) float32 sums: for each pair, the even input's product with the low halves (the
+// weights widened by a shift), then the odd input's with the high halves (the low bits masked off). A sum continued
+// from the sums stored takes the same steps as one that never left the registers.
+#if defined(__AVX512F__)
+template <int Rows, int Blocks>
+void float_tile(const FloatTile& t) {
+  const __m512i high_halves = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  __mmask16 wanted[Blocks];  // each block's columns that are stored (and read back where accumulating)
+  for (int b = 0; b < Blocks; ++b) {
+    const int64_t left = std::clamp<int64_t>(t.columns - b * kRowsPerBlock, 0, kRowsPerBlock);
+    wanted[b] = static_cast<__mmask16>((1u << left) - 1);
+  }
+  __m512 sums[Rows][Blocks];
+  for (int r = 0; r < Rows; ++r)
+    for (int b = 0; b < Blocks; ++b)
+      sums[r][b] = t.accumulate ? _mm512_maskz_loadu_ps(wanted[b], t.out + r * t.ld + b * kRowsPerBlock) : _mm512_setzero_ps();
+  for (int64_t j = 0; j < t.pairs; ++j) {
+    const uint16_t* pair = t.w + j * 2 * kRowsPerBlock;
+    __m512 weights[Blocks];
+    for (int b = 0; b < Blocks; ++b)
+      weights[b] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(pair + b * t.block_stride), 16));
+    for (int r = 0; r < Rows; ++r) {
+      const __m512 input = _mm512_set1_ps(t.x[r * t.x_stride + 2 * j]);
+      for (int b = 0; b < Blocks; ++b) sums[r][b] = _mm512_fmadd_ps(input, weights[b], sums[r][b]);
+    }
+    for (int b = 0; b < Blocks; ++b)
+      weights[b] = _mm512_castsi512_ps(_mm512_and_si512(_mm512_loadu_si512(pair + b * t.block_stride), high_halves));
+    for (int r = 0; r < Rows; ++r) {
+      const __m512 input = _mm512_set1_ps(t.x[r * t.x_stride + 2 * j + 1]);
+      for (int b = 0; b < Blocks; ++b) sums[r][b] = _mm512_fmadd_ps(input, weights[b], sums[r][b]);
+    }
+  }
+  for (int r = 0; r < Rows; ++r)
+    for (int b = 0; b < Blocks; ++b) _mm512_mask_storeu_ps(t.out + r * t.ld + b * kRowsPerBlock, wanted[b], sums[r][b]);
+}
+#else
+template <int Rows, int Blocks>
+void float_tile(const FloatTile& t) {
+  for (int r = 0; r < Rows; ++r) {
+    for (int64_t c = 0; c < std::min<int64_t>(t.columns, Blocks * kRowsPerBlock); ++c) {
+      const uint16_t* block = t.w + (c / kRowsPerBlock) * t.block_stride + (c % kRowsPerBlock) * 2;
+      const float* x = t.x + r * t.x_stride;
+      float sum = t.accumulate ? t.out[r * t.ld + c] : 0.f;
+      for (int64_t j = 0; j < t.pairs; ++j) {  // in the vector loop's order, each product fused with its sum
+        const uint16_t* weight = block + j * 2 * kRowsPerBlock;
+        sum = std::fma(x[2 * j], bf16_value(weight[0]), sum);
+        sum = std::fma(x[2 * j + 1], bf16_value(weight[1]), sum);
+      }
+      t.out[r * t.ld + c] = sum;
+    }
+  }
+}
+#endif
+
+template <int Blocks>
+void float_tile_of_rows(int rows, const FloatTile& t) {
+  switch (rows) {
+    case 8: float_tile<8, Blocks>(t); break;
+    case 7: float_tile<7, Blocks>(t); break;
+    case 6: float_tile<6, Blocks>(t); break;
+    case 5: float_tile<5, Blocks>(t); break;
+    case 4: float_tile<4, Blocks>(t); break;
+    case 3: float_tile<3, Blocks>(t); break;
+    case 2: float_tile<2, Blocks>(t); break;
+    default: float_tile<1, Blocks>(t); break;
+  }
+}
+
+void any_float_tile(int rows, int blocks, const FloatTile& t) {
+  static_assert(kFloatTileBlocks == 3 && kFloatTileRows == 8, "the switches below spell out the tile sizes");
+  switch (blocks) {
+    case 3: float_tile_of_rows<3>(rows, t); break;
+    case 2: float_tile_of_rows<2>(rows, t); break;
+    default: float_tile_of_rows<1>(rows, t); break;
+  }
+}
+
+// A task's rows (`rows` of x's, x_stride floats apart) against its panel (`blocks` blocks of `pairs` pairs), into out:
+// kFloatStepPairs pairs at a time for all of its rows, so that part of the panel is read from L1 by every tile.
+void float_task(const float* x, int64_t x_stride, int64_t rows, const uint16_t* panel, int64_t pairs, int blocks, float* out,
+                int64_t ld, int64_t columns) {
+  for (int64_t first = 0; first < pairs; first += kFloatStepPairs) {
+    const int64_t step_pairs = std::min(kFloatStepPairs, pairs - first);
+    for (int64_t r = 0; r < rows; r += kFloatTileRows) {
+      const FloatTile t{x + r * x_stride + 2 * first, x_stride, panel + first * 2 * kRowsPerBlock, pairs * 2 * kRowsPerBlock,
+                        step_pairs, out + r * ld, ld, columns, first > 0};
+      any_float_tile(static_cast<int>(std::min<int64_t>(kFloatTileRows, rows - r)), blocks, t);
+    }
   }
 }
 
@@ -361,28 +479,44 @@ WeightPairs weight_pairs(const at::Tensor& packed) {
 
 }  // namespace
 
-at::Tensor bf16_pairs_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, const c10::optional<at::Tensor>& out,
-                             bool tiles) {
-  const WeightPairs weight = weight_pairs(packed);
+namespace {
+
+// The m x out_features float32 sums' tensor: out (viewed so) where given, else a new one.
+at::Tensor sums_of(const at::Tensor& x, int64_t m, int64_t out_features, const c10::optional<at::Tensor>& out) {
+  if (!out.has_value() || !out->defined()) return at::empty({m, out_features}, x.options().dtype(at::kFloat));
+  TORCH_CHECK(out->scalar_type() == at::kFloat && out->is_contiguous() && out->numel() == m * out_features,
+              "out must be a contiguous float32 tensor of ", m, " x ", out_features, " values");
+  return out->view({m, out_features});
+}
+
+// x's rows ([m, k]) against weight, checked to have out_features and x's k.
+at::Tensor checked_rows(const at::Tensor& x, const WeightPairs& weight, int64_t out_features) {
   TORCH_CHECK(out_features > (weight.blocks - 1) * kRowsPerBlock && out_features <= weight.blocks * kRowsPerBlock,
               "out_features (", out_features, ") must be the packed weight's");
   TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1, "x must be a CPU tensor");
-  const int64_t pairs = weight.pairs;
   const int64_t k = x.size(-1);
-  TORCH_CHECK(padded_pairs(k) == pairs, "x's last dimension (", k, ") must be the packed weight's in_features");
-  const auto rows_in = x.reshape({-1, k});
-  const int64_t m = rows_in.size(0);
+  TORCH_CHECK(padded_pairs(k) == weight.pairs, "x's last dimension (", k, ") must be the packed weight's in_features");
+  return x.reshape({-1, k});
+}
+
+// sums ([m, out_features]) in x's shape, its last dimension out_features.
+at::Tensor in_shape_of(const at::Tensor& sums, const at::Tensor& x, int64_t out_features) {
+  auto out_shape = x.sizes().vec();
+  out_shape.back() = out_features;
+  return sums.view(out_shape);
+}
+
+}  // namespace
+
+at::Tensor bf16_pairs_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, const c10::optional<at::Tensor>& out,
+                             bool tiles) {
+  const WeightPairs weight = weight_pairs(packed);
+  const auto rows_in = checked_rows(x, weight, out_features);
+  const int64_t m = rows_in.size(0), pairs = weight.pairs;
   const bool on_tiles = tiles && bf16_matrix_tiles();
-  const auto x_pairs = input_pairs(rows_in, pairs);
+  const auto x_pairs = padded_rows(rows_in, pairs, at::kBFloat16);
   const auto* pairs_of_x = reinterpret_cast<const uint32_t*>(x_pairs.data_ptr<at::BFloat16>());
-  at::Tensor sums;
-  if (out.has_value() && out->defined()) {
-    TORCH_CHECK(out->scalar_type() == at::kFloat && out->is_contiguous() && out->numel() == m * out_features,
-                "out must be a contiguous float32 tensor of ", m, " x ", out_features, " values");
-    sums = out->view({m, out_features});
-  } else {
-    sums = at::empty({m, out_features}, x.options().dtype(at::kFloat));
-  }
+  at::Tensor sums = sums_of(x, m, out_features, out);
   float* o = sums.data_ptr<float>();
 #if defined(PAGEDSERVE_AMX_BF16)
   if (on_tiles) {
@@ -398,7 +532,32 @@ at::Tensor bf16_pairs_linear(const at::Tensor& x, const at::Tensor& packed, int6
         },
         [] {}, [] {});
   }
-  auto out_shape = x.sizes().vec();
-  out_shape.back() = out_features;
-  return sums.view(out_shape);
+  return in_shape_of(sums, x, out_features);
+}
+
+bool bf16_weights_vector() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor bf16_weights_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, const c10::optional<at::Tensor>& out) {
+  const WeightPairs weight = weight_pairs(packed);
+  TORCH_CHECK(weight.packed != nullptr, "packed must come from pack_bf16_pairs");
+  const auto rows_in = checked_rows(x, weight, out_features);
+  const int64_t m = rows_in.size(0), pairs = weight.pairs;
+  const auto x_floats = padded_rows(rows_in, pairs, at::kFloat);
+  const float* values = x_floats.data_ptr<float>();
+  at::Tensor sums = sums_of(x, m, out_features, out);
+  float* o = sums.data_ptr<float>();
+  for_each_tile(
+      m, weight, out_features, kFloatChunkRows, kFloatTileBlocks, kFloatChunkRows, false,
+      [&](int64_t r, int64_t rows, const uint16_t* panel, int64_t first_block, int task_blocks, int64_t columns, uint16_t*) {
+        float_task(values + r * 2 * pairs, 2 * pairs, rows, panel, pairs, task_blocks, o + r * out_features + first_block * kRowsPerBlock,
+                   out_features, columns);
+      },
+      [] {}, [] {});
+  return in_shape_of(sums, x, out_features);
 }

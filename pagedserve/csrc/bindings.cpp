@@ -108,6 +108,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ W.T in float32: x and W rounded to bfloat16, their products summed in float32 (W from pack_bf16_pairs or pack_tile_blocks), into out "
         "where given; on AMX tiles where bf16_matrix_tiles() and tiles",
         py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("out") = py::none(), py::arg("tiles") = true);
+  m.def("bf16_weights_vector", &bf16_weights_vector,
+        "whether bf16_weights_linear runs on AVX-512 vectors here (elsewhere a scalar loop takes the same steps, far slower)");
+  m.def("bf16_weights_linear", &bf16_weights_linear,
+        "x @ W.T in float32: float32 x times the bfloat16 values of W (from pack_bf16_pairs), widened and summed in float32, "
+        "into out where given",
+        py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("out") = py::none());
   py::class_<LlamaDecodeLayers>(m, "LlamaDecodeLayers",
                                 "a Llama-family model's decoder layers on GGUF blocks (and AMX tiles) for a step of decodes alone, in one call")
       .def(py::init<int64_t, int64_t, int64_t, double, double, int64_t>(), py::arg("num_heads"), py::arg("num_kv_heads"),

@@ -67,6 +67,9 @@ at::Tensor pack_bf16_pairs(const at::Tensor& weight);
 at::Tensor pack_tile_blocks(const at::Tensor& weight, int64_t qtype);
 at::Tensor bf16_pairs_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, const c10::optional<at::Tensor>& out,
                              bool tiles);
+// x @ W.T in float32 of float32 x and a pack_bf16_pairs weight's values, on AVX-512 FMAs where bf16_weights_vector().
+bool bf16_weights_vector();
+at::Tensor bf16_weights_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, const c10::optional<at::Tensor>& out);
 // Causal attention of count fresh sequences of one length side by side ([count * length, heads, head_dim] bfloat16),
 // on the AMX tiles where fresh_attention_on_tiles(head_dim) (fresh_attention.cpp).
 bool fresh_attention_on_tiles(int64_t head_dim);

@@ -114,5 +114,7 @@ class LoRAManager:
 
 def _gemm_of(linear: Linear) -> tuple[torch.dtype, bool]:
     """(dtype, through oneDNN) of the layer's own dense GEMM, which its adapters' products follow."""
+    if linear.bf16_values is not None:  # float32 products: the adapters' run as a float32 layer's do
+        return torch.float32, True
     packed = linear.packed
     return (packed.dtype, packed.is_mkldnn) if packed is not None else (torch.float32, False)

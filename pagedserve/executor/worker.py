@@ -15,7 +15,7 @@ from pagedserve.config import DataParallelPlace, EngineConfig
 from pagedserve.core.contracts import ModelRunnerOutput, SchedulerOutput
 from pagedserve.cpu_features import cpu_features
 from pagedserve.distributed.parallel_state import expert_groups, init_expert_groups, rank_info
-from pagedserve.executor import cpu_host, gemm_choice, int8_calibration
+from pagedserve.executor import bfloat16_values, cpu_host, gemm_choice, int8_calibration
 from pagedserve.executor.auto_dtype import auto_cache_dtype, auto_gemm_dtype
 from pagedserve.executor.lora_manager import LoRAManager
 from pagedserve.executor.model_runner import ModelRunner
@@ -254,7 +254,13 @@ class Worker:
         onednn = self._packs_for_onednn()
         if onednn or self.gemm_dtype != self.dtype:
             tiles = self.bfloat16_on_tiles and self.config.gemm_backend == "auto"
-            model.pack_gemm_weights(self.gemm_dtype, onednn, self.dtype, self.cpu_kernels, tiles=tiles)
+            values = self.gemm_dtype == torch.float32 and self.config.gemm_backend == "auto"
+            model.pack_gemm_weights(self.gemm_dtype, onednn, self.dtype, self.cpu_kernels, tiles=tiles,
+                                    values_kernels=bfloat16_values.values_kernels(self.cpu_kernels) if values else None)
+            kept = sum(1 for module in model.modules() if isinstance(module, Linear) and module.bf16_values is not None)
+            if kept:
+                logger.info("%d linear layers%s hold bfloat16 values: kept as them, multiplied in float32", kept,
+                            " and the lm_head" if model.lm_head_pairs is not None else "")
 
     def _choose_gemm_paths(self) -> None:
         rows = gemm_choice.choose(self.model, self.dense_gemm_dtype)

@@ -1,6 +1,6 @@
 """Dense GEMMs on CPU: a weight packed once (reordered for oneDNN, in float32 or in bfloat16 where the processor
-multiplies bfloat16, or rounded to int8 for W8A8 GEMMs), and the product of an activation with it. Shared by the
-linear layers, the experts of a mixture and the LoRA adapters' products."""
+multiplies bfloat16, in bfloat16 pairs for the C++ kernels, or rounded to int8 for W8A8 GEMMs), and the product of an
+activation with it. Shared by the linear layers, the experts of a mixture and the LoRA adapters' products."""
 
 from __future__ import annotations
 
@@ -83,6 +83,28 @@ class BFloat16ProductsWeight:
     @staticmethod
     def offered(kernels) -> bool:
         return kernels is not None and kernels.bf16_dot_products()
+
+    def linear(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ weight.T in float32, into out where given."""
+        return self._kernel(x, self.packed, self.out_features, out)
+
+
+class BFloat16ValuesWeight:
+    """A float32 GEMM's weight whose values are all bfloat16 values (a checkpoint stored in bfloat16), kept as them:
+    packed in pairs (as BFloat16ProductsWeight's), each value widened as it is read and multiplied by the float32 input in
+    float32 (csrc/bf16_gemm.cpp, bf16_weights_linear). The products are the float32 weight's, from half its bytes, which
+    steps of few rows wait on reading. Where the kernels widen on vectors and keep pace with float32 GEMMs
+    (executor/bfloat16_values.py chooses)."""
+
+    def __init__(self, weight: torch.Tensor, kernels) -> None:
+        self.out_features = weight.shape[0]
+        self.packed = kernels.pack_bf16_pairs(weight)
+        self._kernel = kernels.bf16_weights_linear  # looked up once, not per call
+
+    @staticmethod
+    def holds(weight: torch.Tensor) -> bool:
+        """Whether every value of a float32 weight is a bfloat16 value, so that keeping it in bfloat16 changes none."""
+        return weight.dtype == torch.float32 and torch.equal(weight, weight.to(torch.bfloat16).float())
 
     def linear(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x @ weight.T in float32, into out where given."""

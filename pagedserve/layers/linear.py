@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.distributed.parallel_state import tp_all_reduce, tp_rank, tp_size
-from pagedserve.layers.gemm import BFloat16ProductsWeight, Int8Weight, pack_weight, packed_linear, packed_silu_and_mul
+from pagedserve.layers.gemm import BFloat16ProductsWeight, BFloat16ValuesWeight, Int8Weight, pack_weight, packed_linear, packed_silu_and_mul
 from pagedserve.layers.lora import LinearLoRA
 
 # Rows up to which a GEMM runs on the GGUF blocks until measured on the machine (executor/gemm_choice.py): few-row
@@ -183,6 +183,7 @@ class Linear(nn.Linear):
     packed_parts: tuple[torch.Tensor, torch.Tensor] | None = None
     int8_weight: Int8Weight | None = None  # the dense product's weight where GEMMs run in int8 (W8A8)
     bf16_products: BFloat16ProductsWeight | None = None  # where bfloat16 GEMMs run on AMX tiles: the weight for steps of few rows
+    bf16_values: BFloat16ValuesWeight | None = None  # a float32 GEMM's weight of bfloat16 values, kept as them (pack)
     # A router's scores pick experts: rounding its input to 8 bits would move tokens between experts, so a router keeps
     # the float GEMM where the other layers run in int8.
     routes = False
@@ -203,13 +204,19 @@ class Linear(nn.Linear):
         self.register_parameter("weight", None)
 
     def pack(self, dtype: torch.dtype = torch.float32, onednn: bool = True, output_dtype: torch.dtype | None = None,
-             tile_kernels=None, parts_apart: bool = False) -> None:
+             tile_kernels=None, parts_apart: bool = False, values_kernels=None) -> None:
         """Run the dense product on a copy of the weight in dtype, reordered for oneDNN where onednn, returning
         output_dtype; given tile_kernels (kernels on AMX tiles, with dtype bfloat16), steps of up to TILES_MAX_ROWS rows
         on a second copy for the tiles instead (float32 sums out): the layer's GGUF Q4 blocks where it has them.
         parts_apart, for a gate-up layer: its gate and up packed apart (packed_parts) in place of the whole, so that
         silu(gate) * up comes out of the GEMMs themselves rather than a pass that reads their whole output back. A layer on
-        blocks alone has no dense weight to copy: only the tiles' reading of its Q4 blocks."""
+        blocks alone has no dense weight to copy: only the tiles' reading of its Q4 blocks. Given values_kernels (the
+        kernels that multiply float32 by bfloat16 values), a float32 GEMM whose weight holds bfloat16 values runs on them
+        instead of a packed copy (BFloat16ValuesWeight)."""
+        if values_kernels is not None and dtype == torch.float32 and self.weight is not None and BFloat16ValuesWeight.holds(self.weight):
+            self.bf16_values, self.packed_weight, self.packed_parts = BFloat16ValuesWeight(self.weight, values_kernels), None, None
+            self.output_dtype = output_dtype
+            return
         if tile_kernels is not None and (self.weight is not None or self._q4_blocks() is not None):
             self.bf16_products = BFloat16ProductsWeight(self.weight, tile_kernels, self._q4_blocks())
         if self.weight is None:
@@ -225,7 +232,7 @@ class Linear(nn.Linear):
     @property
     def packed(self) -> torch.Tensor | None:
         """The dense weight's packed copy (its gate half, where the parts were packed apart): what says the dtype and the
-        library of the dense product."""
+        library of the dense product; None where it has none (bf16_values' pairs are the C++ kernels' own)."""
         return self.packed_parts[0] if self.packed_parts is not None else self.packed_weight
 
     def _q4_blocks(self) -> tuple[torch.Tensor, int] | None:
@@ -238,7 +245,7 @@ class Linear(nn.Linear):
         """Run the dense product in int8 (W8A8, smoothed by the factors given: Int8Weight) from now on, returning
         output_dtype."""
         self.int8_weight = Int8Weight(self.weight, kernels, smoothing)
-        self.packed_weight = self.packed_parts = self.bf16_products = None
+        self.packed_weight = self.packed_parts = self.bf16_products = self.bf16_values = None
         self.output_dtype = output_dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -272,6 +279,10 @@ class Linear(nn.Linear):
         if self.on_tiles(x.shape[0]):
             out = self.bf16_products.linear(x)
             return out if bias is None else out + bias
+        if self.bf16_values is not None:
+            out = self.bf16_values.linear(x)
+            out = out if bias is None else out + bias
+            return out if self.output_dtype in (None, out.dtype) else out.to(self.output_dtype)
         if self.packed_weight is not None:
             return packed_linear(x, self.packed_weight, bias, self.output_dtype)
         if self.packed_parts is not None:

@@ -34,7 +34,7 @@ from pagedserve.classification import is_classifier, num_labels_of
 from pagedserve.distributed.parallel_state import rank_info, tp_size
 from pagedserve.layers.attention import Attention, AttentionBackend, AttentionMetadata
 from pagedserve.layers.fused_moe import FusedMoE
-from pagedserve.layers.gemm import BFloat16ProductsWeight, linear_into, onednn_packs, pack_weight, packed_linear
+from pagedserve.layers.gemm import BFloat16ProductsWeight, BFloat16ValuesWeight, linear_into, onednn_packs, pack_weight, packed_linear
 from pagedserve.layers.layernorm import RMSNorm, SplitRMSNorm
 from pagedserve.layers.linear import (
     ONEDNN_ROW_MULTIPLE,
@@ -348,9 +348,10 @@ class LlamaForCausalLM(nn.Module):
         # Gemma 2 caps its logits: cap * tanh(logit / cap).
         self.final_logit_softcapping = getattr(hf_config, "final_logit_softcapping", None)
         self.packed_lm_head: torch.Tensor | None = None
-        # Where GEMMs multiply in bfloat16 and the kernels have bfloat16 dot products: the lm_head's weight, multiplied
-        # in bfloat16 with float32 sums.
-        self.bfloat16_lm_head: BFloat16ProductsWeight | None = None
+        # The lm_head's weight in bfloat16 pairs for the C++ kernels: multiplied in bfloat16 with float32 sums where GEMMs
+        # multiply in bfloat16 and the kernels have bfloat16 dot products; read as bfloat16 values into float32 products
+        # where the GEMMs are float32 and its values are bfloat16 ones (values_kernels).
+        self.lm_head_pairs: BFloat16ProductsWeight | BFloat16ValuesWeight | None = None
         self.quantized_lm_head: QuantizedWeight | None = None
         head_dim = head_dim_of(hf_config)
         self.rotary_order = rotary_order(hf_config, head_dim)
@@ -394,8 +395,8 @@ class LlamaForCausalLM(nn.Module):
     def dense_logits(self, hidden_states: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's logits on the dense lm_head (packed where pack_gemm_weights ran), whatever the blocks would take;
         into out where given."""
-        if self.bfloat16_lm_head is not None:
-            return self.bfloat16_lm_head.linear(hidden_states, out)
+        if self.lm_head_pairs is not None:
+            return self.lm_head_pairs.linear(hidden_states, out)
         if self.packed_lm_head is not None:
             product = partial(packed_linear, packed_weight=self.packed_lm_head, bias=None)
         elif self.lm_head.weight is None:  # on its blocks alone
@@ -405,13 +406,14 @@ class LlamaForCausalLM(nn.Module):
         return product(hidden_states) if out is None else linear_into(product, hidden_states, out)
 
     def pack_gemm_weights(self, dtype: torch.dtype, onednn: bool, activation_dtype: torch.dtype, kernels=None,
-                          tiles: bool = False) -> None:
+                          tiles: bool = False, values_kernels=None) -> None:
         """Run every dense GEMM on a copy of its weight in dtype (float32, or bfloat16 multiplying activations rounded to
         it), reordered for oneDNN where onednn; the originals stay for reading. GEMMs return activation_dtype, but the
         MLP's gate-up, whose output SiLU-and-mul and the down projection read, keeps dtype, and so do others whose
         readers take it (LlamaDecoderLayer.keep_gemm_outputs); but for steps on AMX tiles, which return their float32
         sums (Linear.pack, where tiles). The lm_head returns
-        LOGITS_DTYPE: in bfloat16 on the kernels' bfloat16 dot products where they have them, else in float32."""
+        LOGITS_DTYPE: in bfloat16 on the kernels' bfloat16 dot products where they have them, else in float32. Given
+        values_kernels, float32 GEMMs whose weights hold bfloat16 values read them so (Linear.pack), the lm_head's too."""
         # Where the tiles take the steps of few rows, the steps that reach oneDNN's bfloat16 GEMMs are the large ones:
         # there a pass over the gate-up output costs most, and a new row count costs each GEMM shape a primitive.
         onednn_beyond_tiles = tiles and dtype == torch.bfloat16 and onednn and onednn_packs(dtype)
@@ -419,7 +421,7 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack(dtype, onednn, activation_dtype, kernels if tiles else None,
-                            parts_apart=onednn_beyond_tiles and module in gate_ups)
+                            parts_apart=onednn_beyond_tiles and module in gate_ups, values_kernels=values_kernels)
         self.model.pads_gemm_rows = onednn_beyond_tiles and not any(isinstance(module, FusedMoE) for module in self.modules())
         for module in self.modules():
             if isinstance(module, GatedMLP):
@@ -431,7 +433,9 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None or self.lm_head.weight is None:  # none, or on its blocks alone
             return
         if dtype == torch.bfloat16 and BFloat16ProductsWeight.offered(kernels):
-            self.bfloat16_lm_head = BFloat16ProductsWeight(self.lm_head.weight, kernels)
+            self.lm_head_pairs = BFloat16ProductsWeight(self.lm_head.weight, kernels)
+        elif values_kernels is not None and BFloat16ValuesWeight.holds(self.lm_head.weight):
+            self.lm_head_pairs = BFloat16ValuesWeight(self.lm_head.weight, values_kernels)
         elif onednn:
             self.packed_lm_head = pack_weight(self.lm_head.weight, LOGITS_DTYPE)
 
