@@ -7,6 +7,7 @@ import torch
 from conftest import greedy, hf_greedy, hf_token_logprobs, make_tiny_model, worker_of
 
 from pagedserve import LLM
+from pagedserve.benchmarks.worker_probes import gemm_work
 from pagedserve.executor import bfloat16_values
 from pagedserve.layers.gemm import BFloat16ValuesWeight
 from pagedserve.layers.linear import Linear
@@ -40,8 +41,12 @@ def test_a_bfloat16_checkpoint_in_float32_keeps_its_weights_as_bfloat16_and_give
     llm = LLM(str(bfloat16_checkpoint), dtype="float32", kv_cache_memory=8 * 1024**2)
     worker = worker_of(llm)
     linears = [m for m in worker.model.modules() if isinstance(m, Linear)]
-    assert linears and all(m.bf16_values is not None and m.packed is None for m in linears)
+    assert linears and all(m.bf16_values is not None and m.packed is None and m.weight is None for m in linears)
     assert isinstance(worker.model.lm_head_pairs, BFloat16ValuesWeight) and worker.model.packed_lm_head is None
+    # The ceiling's decode reads two bytes a weight: the pairs, not a float32 copy.
+    config = worker.model.config
+    weights = sum(m.in_features * m.out_features for m in linears) + config.vocab_size * config.hidden_size
+    assert gemm_work(worker, decode_rows=1, prefill_rows=64)["decode_weight_bytes"] == 2 * weights
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy(12, logprobs=0), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(bfloat16_checkpoint, PROMPTS, 12)
     for prompt, output in zip(PROMPTS, outputs):
@@ -92,3 +97,17 @@ def test_the_measured_share_is_this_machines():
 
     kernels = cpu_kernels.load()
     assert bfloat16_values._kernel_rate(kernels) > 1.0
+
+
+def test_an_adapter_over_bfloat16_values_equals_peft(bfloat16_checkpoint, values_kernels_anywhere, tmp_path):
+    """The adapters' products add to the layers' float32 products as on float32 copies."""
+    from test_lora import ALL_TARGETS, make_adapter
+
+    from pagedserve import LoRARequest
+
+    adapter = make_adapter(bfloat16_checkpoint, tmp_path / "adapter", 8, ALL_TARGETS, 5)
+    llm = LLM(str(bfloat16_checkpoint), dtype="float32", enable_lora=True, max_lora_rank=8, kv_cache_memory=8 * 1024**2)
+    assert all(m.bf16_values is not None for m in worker_of(llm).model.modules() if isinstance(m, Linear))
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy(10), lora_request=LoRARequest("a", 1, str(adapter)),
+                           use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(bfloat16_checkpoint, PROMPTS, 10, adapter_dir=adapter)

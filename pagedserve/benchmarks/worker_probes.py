@@ -34,7 +34,7 @@ def gemm_work(worker, decode_rows: int, prefill_rows: int) -> dict:
     dense = str(worker.dense_gemm_dtype).removeprefix("torch.")
     gemms = [(module.in_features * module.out_features, module.quantized, _dense_weight(module), module.weight)
              for module in model.modules() if hasattr(module, "quantized") and hasattr(module, "packed_weight")]
-    decode_bytes = sum(_bytes_read(decode_rows, blocks, packed, weight) for _, blocks, packed, weight in gemms)
+    decode_bytes = sum(_bytes_read(decode_rows, size, blocks, packed, weight) for size, blocks, packed, weight in gemms)
     steps = (("prefill", prefill_rows), ("decode", decode_rows))
     flops = {step: _flops_by_product(((2 * size, blocks) for size, blocks, *_ in gemms), rows, dense) for step, rows in steps}
     lm_head_flops = {"prefill": {}, "decode": {}}
@@ -44,7 +44,8 @@ def gemm_work(worker, decode_rows: int, prefill_rows: int) -> dict:
         # The lm_head's dense product is in the activations' GEMM dtype, whatever the layers' quantization.
         lm_head_dense = str(worker.gemm_dtype).removeprefix("torch.")
         lm_head_flops = {step: _flops_by_product(lm_head, rows, lm_head_dense) for step, rows in steps}
-        decode_bytes += _bytes_read(decode_rows, model.quantized_lm_head, _dense_lm_head(model), model.lm_head.weight)
+        decode_bytes += _bytes_read(decode_rows, vocab * model.config.hidden_size, model.quantized_lm_head, _dense_lm_head(model),
+                                    model.lm_head.weight)
     return {"gemm_dtype": dense, "flops_per_token": flops, "lm_head_flops_per_row": lm_head_flops, "decode_weight_bytes": decode_bytes}
 
 
@@ -70,8 +71,9 @@ def _dense_lm_head(model):
     return model.lm_head_pairs.packed if model.lm_head_pairs is not None else model.packed_lm_head
 
 
-def _bytes_read(rows: int, blocks, packed, weight) -> int:
-    """weight None: a layer on blocks alone, whose dense steps read its blocks too (dequantizing them)."""
+def _bytes_read(rows: int, size: int, blocks, packed, weight) -> int:
+    """Of a GEMM of `size` weights. weight None: a layer on its blocks alone, whose dense steps read its blocks too
+    (dequantizing them), or on a packed copy alone (its bfloat16 values' pairs)."""
     if blocks is not None and (blocks.takes_rows(rows) or weight is None):
         return blocks.stored_bytes
-    return weight.numel() * (packed.dtype.itemsize if packed is not None else weight.element_size())
+    return size * (packed.dtype.itemsize if packed is not None else weight.element_size())

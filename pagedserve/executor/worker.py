@@ -254,7 +254,8 @@ class Worker:
         onednn = self._packs_for_onednn()
         if onednn or self.gemm_dtype != self.dtype:
             tiles = self.bfloat16_on_tiles and self.config.gemm_backend == "auto"
-            values = self.gemm_dtype == torch.float32 and self.config.gemm_backend == "auto"
+            # int8 GEMMs round the float32 weights themselves, later (int8_calibration).
+            values = self.gemm_dtype == torch.float32 and self.config.gemm_backend == "auto" and not self.int8_gemms
             model.pack_gemm_weights(self.gemm_dtype, onednn, self.dtype, self.cpu_kernels, tiles=tiles,
                                     values_kernels=bfloat16_values.values_kernels(self.cpu_kernels) if values else None)
             kept = sum(1 for module in model.modules() if isinstance(module, Linear) and module.bf16_values is not None)

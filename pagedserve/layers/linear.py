@@ -212,9 +212,10 @@ class Linear(nn.Linear):
         silu(gate) * up comes out of the GEMMs themselves rather than a pass that reads their whole output back. A layer on
         blocks alone has no dense weight to copy: only the tiles' reading of its Q4 blocks. Given values_kernels (the
         kernels that multiply float32 by bfloat16 values), a float32 GEMM whose weight holds bfloat16 values runs on them
-        instead of a packed copy (BFloat16ValuesWeight)."""
+        instead of a packed copy (BFloat16ValuesWeight), and the float32 weight is let go: the pairs hold its values."""
         if values_kernels is not None and dtype == torch.float32 and self.weight is not None and BFloat16ValuesWeight.holds(self.weight):
             self.bf16_values, self.packed_weight, self.packed_parts = BFloat16ValuesWeight(self.weight, values_kernels), None, None
+            self.register_parameter("weight", None)
             self.output_dtype = output_dtype
             return
         if tile_kernels is not None and (self.weight is not None or self._q4_blocks() is not None):
