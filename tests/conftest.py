@@ -170,6 +170,28 @@ def tiny_models(tmp_path_factory, default_model_dir):
     return dirs
 
 
+@pytest.fixture(scope="session")
+def bfloat16_checkpoint(tiny_models, tmp_path_factory):
+    """The tiny Llama saved in bfloat16, as most checkpoints are (its lm_head apart from the embedding)."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path_factory.mktemp("bfloat16_checkpoint")
+    AutoModelForCausalLM.from_pretrained(tiny_models["llama"], dtype=torch.bfloat16).save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        if (tiny_models["llama"] / name).exists():
+            shutil.copy(tiny_models["llama"] / name, out / name)
+    return out
+
+
+@pytest.fixture
+def values_kernels_anywhere(monkeypatch):
+    """Float32 GEMMs read weights of bfloat16 values on the kernels (executor/bfloat16_values.py) whatever this processor
+    measures: a processor without AVX-512 runs their scalar loop, the same products, slower."""
+    from pagedserve.executor import bfloat16_values
+
+    monkeypatch.setattr(bfloat16_values, "values_kernels", lambda kernels: kernels)
+
+
 def hf_model(model_dir, dtype=torch.float32, adapter_dir=None, model_class=None):
     """transformers' model of model_dir in dtype (model_class's, default AutoModelForCausalLM's); with adapter_dir,
     through peft with that LoRA adapter."""

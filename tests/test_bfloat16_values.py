@@ -4,7 +4,7 @@ kernels into float32 products (layers/gemm.BFloat16ValuesWeight), where measured
 
 import pytest
 import torch
-from conftest import greedy, hf_greedy, hf_token_logprobs, make_tiny_model, worker_of
+from conftest import greedy, hf_greedy, hf_token_logprobs, worker_of
 
 from pagedserve import LLM
 from pagedserve.benchmarks.worker_probes import gemm_work
@@ -13,27 +13,6 @@ from pagedserve.layers.gemm import BFloat16ValuesWeight
 from pagedserve.layers.linear import Linear
 
 PROMPTS = [[1, 400, 500, 600, 700], list(range(100, 170)), [5] * 3]
-
-
-@pytest.fixture(scope="module")
-def bfloat16_checkpoint(tmp_path_factory, default_model_dir):
-    """A tiny Llama saved in bfloat16, as most checkpoints are (the lm_head apart from the embedding)."""
-    from transformers import AutoModelForCausalLM
-
-    float32_dir = make_tiny_model(tmp_path_factory.mktemp("float32"), "llama", default_model_dir)
-    out = tmp_path_factory.mktemp("bfloat16")
-    AutoModelForCausalLM.from_pretrained(float32_dir, dtype=torch.bfloat16).save_pretrained(out)
-    for file in float32_dir.iterdir():
-        if file.name.startswith("tokenizer"):
-            (out / file.name).write_bytes(file.read_bytes())
-    return out
-
-
-@pytest.fixture
-def values_kernels_anywhere(monkeypatch):
-    """The kernels take such weights whatever this processor measures (a processor without AVX-512 runs their scalar
-    loop: the same products, slower)."""
-    monkeypatch.setattr(bfloat16_values, "values_kernels", lambda kernels: kernels)
 
 
 def test_a_bfloat16_checkpoint_in_float32_keeps_its_weights_as_bfloat16_and_gives_transformers_float32_output(

@@ -39,9 +39,11 @@ def tiny_gguf(tmp_path, tiny_hf_llama, type_name: str):
 @pytest.mark.parametrize("type_name", sorted(QUANT_TYPES))
 def test_gguf_weights_load_as_their_dequantized_values(type_name, tiny_hf_llama, tmp_path):
     """Off their blocks, every layer holds the file's values: those the converted checkpoint keeps only as blocks are
-    dequantized at load."""
+    dequantized at load. (oneDNN's float32 copies keep the loaded weights to read back: a BF16 file's would otherwise
+    be kept as bfloat16 values alone.)"""
     config, hf_model = tiny_hf_llama
-    llm = LLM(str(tiny_gguf(tmp_path, tiny_hf_llama, type_name)), kv_cache_memory=4 * 1024**2, gguf_quantized_weights=False)
+    llm = LLM(str(tiny_gguf(tmp_path, tiny_hf_llama, type_name)), kv_cache_memory=4 * 1024**2, gguf_quantized_weights=False,
+              gemm_backend="onednn")
     ours = worker_of(llm).model
     layer, hf_layer = ours.model.layers[1], hf_model.model.layers[1]
     q_size = layer.self_attn.q_size

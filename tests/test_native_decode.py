@@ -7,6 +7,7 @@ from conftest import draw_norm_weights, greedy, worker_of
 from gguf_writer import tiny_llama_config, write_gguf
 
 from pagedserve import LLM
+from pagedserve.layers.linear import TILES_MAX_ROWS
 
 KV_CACHE = 4 * 1024**2
 
@@ -104,6 +105,14 @@ def test_native_decode_steps_of_layers_beyond_llamas_give_the_modules_bits(arch,
     layers = worker_of(native).model.model.native_decode
     assert layers is not None and layers.max_rows >= 6
     assert_same_bits(native, modules_only(LLM(path, kv_cache_memory=KV_CACHE, dtype=dtype)))
+
+
+def test_native_decode_steps_on_bfloat16_values_give_the_modules_bits(bfloat16_checkpoint, values_kernels_anywhere):
+    """A dense checkpoint of bfloat16 values, its float32 GEMMs on the values (Linear.bf16_values): its decode steps take
+    the native layers too."""
+    native = LLM(str(bfloat16_checkpoint), dtype="float32", kv_cache_memory=KV_CACHE)
+    assert worker_of(native).model.model.native_decode.max_rows == TILES_MAX_ROWS
+    assert_same_bits(native, modules_only(LLM(str(bfloat16_checkpoint), dtype="float32", kv_cache_memory=KV_CACHE)))
 
 
 def test_native_decode_steps_run_the_kernels(tiny_gguf, monkeypatch):

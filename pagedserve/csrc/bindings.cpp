@@ -5,14 +5,14 @@
 
 namespace {
 
-// (blocks, qtype, interleaved or None, panels or None, blocks_max_rows, AMX tiles' pairs or None, out_features), as
-// models/native_decode.py passes a Linear.
+// (blocks, qtype, interleaved or None, panels or None, blocks_max_rows, AMX tiles' pairs or None, out_features, whether
+// those pairs are the weight's bfloat16 values), as models/native_decode.py passes a Linear.
 using BlockLinearArgs = std::tuple<at::Tensor, int64_t, c10::optional<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>,
-                                   std::vector<int64_t>, int64_t, c10::optional<at::Tensor>, int64_t>;
+                                   std::vector<int64_t>, int64_t, c10::optional<at::Tensor>, int64_t, bool>;
 
 BlockLinear block_linear(const BlockLinearArgs& args) {
   return {std::get<0>(args), std::get<1>(args), std::get<2>(args), std::get<3>(args), std::get<4>(args),
-          std::get<5>(args), std::get<6>(args), std::get<7>(args), std::get<8>(args)};
+          std::get<5>(args), std::get<6>(args), std::get<7>(args), std::get<8>(args), std::get<9>(args)};
 }
 
 }  // namespace
@@ -115,7 +115,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "into out where given",
         py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("out") = py::none());
   py::class_<LlamaDecodeLayers>(m, "LlamaDecodeLayers",
-                                "a Llama-family model's decoder layers on GGUF blocks (and AMX tiles) for a step of decodes alone, in one call")
+                                "a Llama-family model's decoder layers on GGUF blocks (and AMX tiles), or on bfloat16 values, for a step of "
+                                "decodes alone, in one call")
       .def(py::init<int64_t, int64_t, int64_t, double, double, int64_t>(), py::arg("num_heads"), py::arg("num_kv_heads"),
            py::arg("head_dim"), py::arg("eps"), py::arg("scale"), py::arg("kv_format"))
       .def(
@@ -130,7 +131,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                             mlp_out_norm.value_or(at::Tensor())});
           },
           "the next layer: its norms' weights, its linear layers as (blocks, qtype, interleaved or None, the panels of its parts "
-          "([] for none), their types, their output rows, blocks_max_rows, AMX tiles' bfloat16 pairs or None, out_features), "
+          "([] for none), their types, their output rows, blocks_max_rows, AMX tiles' bfloat16 pairs or None, out_features, "
+          "whether those pairs are the weight's bfloat16 values, to multiply in float32), "
           "its KV cache's static scales (0: each row's own), "
           "its rotary table, its sliding window and soft cap (0: none), its MLP's activation, and the norms it has beyond "
           "Llama's (None: none)",

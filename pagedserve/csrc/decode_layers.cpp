@@ -10,6 +10,7 @@
 
 at::Tensor BlockLinear::operator()(const at::Tensor& x) const {
   const int64_t rows = x.size(0);
+  if (values_of_pairs) return bf16_weights_linear(x, *tile_pairs, out_features, c10::nullopt);
   if (on_tiles(rows)) return bf16_pairs_linear(x, *tile_pairs, out_features, c10::nullopt, true);
   if (!panels.empty()) return quantized_linear_q8_parts(x, panels, panel_types, panel_rows);
   return quantized_linear(x, blocks, qtype, c10::nullopt, interleaved);

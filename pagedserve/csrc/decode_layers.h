@@ -9,7 +9,9 @@
 // A linear layer as Linear runs it on its GGUF blocks (QuantizedWeight) and, where it has them, on AMX tiles: steps of
 // more than blocks_max_rows rows on the bfloat16 pairs (bf16_pairs_linear) where tile_pairs is given; on the blocks,
 // integer products on input rounded to 8 bits where there are panels (one for each part of a layer whose parts come in
-// types of their own), else float32 ones (on the interleaved copy from 3 rows, where there is one).
+// types of their own), else float32 ones (on the interleaved copy from 3 rows, where there is one). Or, where
+// values_of_pairs, a layer of no blocks whose tile_pairs are its weight's bfloat16 values (BFloat16ValuesWeight): every
+// step on them, in float32 (bf16_weights_linear).
 struct BlockLinear {
   at::Tensor blocks;
   int64_t qtype;
@@ -19,13 +21,14 @@ struct BlockLinear {
   int64_t blocks_max_rows;
   c10::optional<at::Tensor> tile_pairs;
   int64_t out_features;
+  bool values_of_pairs;
   at::Tensor operator()(const at::Tensor& x) const;
   // What a step of `rows` rows multiplies: bfloat16 on the tiles (an input that comes in it is read in place, the same
-  // product as float32 rounded), float32 on the blocks.
+  // product as float32 rounded), float32 on the blocks and on bfloat16 values.
   at::ScalarType input_dtype(int64_t rows) const;
 
  private:
-  bool on_tiles(int64_t rows) const { return rows > blocks_max_rows && tile_pairs.has_value(); }
+  bool on_tiles(int64_t rows) const { return !values_of_pairs && rows > blocks_max_rows && tile_pairs.has_value(); }
 };
 
 struct DecoderLayerWeights {

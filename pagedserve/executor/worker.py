@@ -254,14 +254,20 @@ class Worker:
         onednn = self._packs_for_onednn()
         if onednn or self.gemm_dtype != self.dtype:
             tiles = self.bfloat16_on_tiles and self.config.gemm_backend == "auto"
-            # int8 GEMMs round the float32 weights themselves, later (int8_calibration).
-            values = self.gemm_dtype == torch.float32 and self.config.gemm_backend == "auto" and not self.int8_gemms
             model.pack_gemm_weights(self.gemm_dtype, onednn, self.dtype, self.cpu_kernels, tiles=tiles,
-                                    values_kernels=bfloat16_values.values_kernels(self.cpu_kernels) if values else None)
+                                    values_kernels=self._values_kernels(model))
             kept = sum(1 for module in model.modules() if isinstance(module, Linear) and module.bf16_values is not None)
             if kept:
                 logger.info("%d linear layers%s hold bfloat16 values: kept as them, multiplied in float32", kept,
                             " and the lm_head" if model.lm_head_pairs is not None else "")
+
+    def _values_kernels(self, model: torch.nn.Module):
+        """The kernels that read float32 GEMMs' weights of bfloat16 values (executor/bfloat16_values.py), where the
+        model's GEMMs may run on them: float32 GEMMs on dense weights under gemm_backend auto, not int8 ones (which round
+        the float32 weights later: int8_calibration). Nothing is measured for a model whose layers all run on GGUF blocks."""
+        dense = any(isinstance(module, Linear) and module.weight is not None for module in model.modules())
+        wanted = dense and self.gemm_dtype == torch.float32 and self.config.gemm_backend == "auto" and not self.int8_gemms
+        return bfloat16_values.values_kernels(self.cpu_kernels) if wanted else None
 
     def _choose_gemm_paths(self) -> None:
         rows = gemm_choice.choose(self.model, self.dense_gemm_dtype)

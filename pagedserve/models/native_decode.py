@@ -2,12 +2,14 @@
 
 A decode step of a few rows through a small model spends longer in Python, between its kernels, than in them: the
 modules' calls, splits, views and checks come to a few hundred a step. Where a model's layers are all of the plain
-form (no biases, clipping or norms across the heads, a dense gated MLP, every linear layer on its GGUF blocks, one rank;
-per-head q/k norms, Gemma's norms around attention and the MLP and its GELU, sliding windows and soft caps included),
+form (no biases, clipping or norms across the heads, a dense gated MLP, every linear layer on its GGUF blocks or every
+one on its bfloat16 values, one rank; per-head q/k norms, Gemma's norms around attention and the MLP and its GELU,
+sliding windows and soft caps included),
 the C++ object runs the same kernels on the same arguments in the same order, so a step gives the same bits either way
 (tests/test_native_decode.py). Where every linear layer also has AMX tiles (Linear.bf16_products), the C++ layers take
-the steps beyond the blocks' rows on them too, up to TILES_MAX_ROWS. Everything else (prefills, larger decode batches
-oneDNN's dense weights take, LoRA adapters, tensor or pipeline parallelism, other attention backends) keeps the modules.
+the steps beyond the blocks' rows on them too, up to TILES_MAX_ROWS, as do layers on bfloat16 values
+(Linear.bf16_values). Everything else (prefills, larger decode batches oneDNN's dense weights take, LoRA adapters,
+tensor or pipeline parallelism, other attention backends) keeps the modules.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from pagedserve.models.mlp import GatedMLP
 class NativeDecodeLayers:
     """A model's decoder layers as one kernels.LlamaDecodeLayers, for decode steps of up to max_rows rows (the fewest
     rows any of its linear layers takes on its blocks, as measured on the machine, or TILES_MAX_ROWS where every one
-    has AMX tiles for the steps beyond its blocks)."""
+    has AMX tiles for the steps beyond its blocks, or where every one runs on its bfloat16 values)."""
 
     def __init__(self, native, max_rows: int) -> None:
         self.native = native
@@ -44,8 +46,7 @@ class NativeDecodeLayers:
         attention = layers[0].self_attn
         backend = attention.attn.backend
         linears = [m for layer in layers for m in layer.modules() if isinstance(m, Linear)]
-        on_tiles = all(m.bf16_products is not None for m in linears)
-        max_rows = TILES_MAX_ROWS if on_tiles else min(m.quantized.max_rows for m in linears)
+        max_rows = _max_rows(linears)
         if not isinstance(backend, CPUAttentionBackend) or backend.kernels is None or max_rows < 1:
             return None
         # One scale of the scores and one epsilon serve every layer.
@@ -73,11 +74,21 @@ class NativeDecodeLayers:
                                    meta.decode_seq_lens)
 
 
+def _max_rows(linears: list[Linear]) -> int:
+    """The most rows of a decode step the native layers take: TILES_MAX_ROWS where every linear layer has AMX tiles or
+    runs on its bfloat16 values, else the fewest its blocks take (0: none, where the layers mix the two kinds)."""
+    if all(m.bf16_products is not None for m in linears) or all(m.bf16_values is not None for m in linears):
+        return TILES_MAX_ROWS
+    if any(m.quantized is None for m in linears):
+        return 0
+    return min(m.quantized.max_rows for m in linears)
+
+
 def _plain(layer) -> bool:
     """Whether a decoder layer is what the native layers compute: float32 norms on the kernels (Gemma's around
     attention and the MLP, and per-head q/k norms, included), attention without biases, clipping or norms across the
-    heads, a dense gated MLP (SiLU, or Gemma's GELU) without biases, every linear layer on its blocks and without
-    adapters, and no residual multiplier."""
+    heads, a dense gated MLP (SiLU, or Gemma's GELU) without biases, every linear layer on its blocks or its bfloat16
+    values and without adapters, and no residual multiplier."""
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     if attn is None or not isinstance(mlp, GatedMLP) or not isinstance(mlp.act_fn, (SiluAndMul, GeluTanhAndMul)):
         return False
@@ -86,7 +97,7 @@ def _plain(layer) -> bool:
     if isinstance(attn.rotary_emb, NoRotary) or attn.query_position_scaling is not None:  # nor does it scale queries
         return False
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    if any(m.bias is not None or m.lora is not None or m.quantized is None for m in linears):
+    if any(m.bias is not None or m.lora is not None or (m.quantized is None and m.bf16_values is None) for m in linears):
         return False
     by_place = layer.norms_by_place()
     if by_place is None:
@@ -102,9 +113,11 @@ def _epsilons(layers) -> set[float]:
 
 def _linear_args(linear: Linear) -> tuple:
     """A linear layer's paths as the C++ layers take them: its blocks (none for a layer of mixed types, which multiplies on
-    its parts' panels alone) and their row limits, its AMX tiles' pairs (or None)."""
+    its parts' panels alone) and their row limits, its AMX tiles' pairs (or None); or its bfloat16 values' pairs alone."""
+    if linear.bf16_values is not None:
+        return torch.empty(0, dtype=torch.uint8), -1, None, [], [], [], 0, linear.bf16_values.packed, linear.out_features, True
     blocks, tiles = linear.quantized, linear.bf16_products
     panels, types, rows = (list(column) for column in zip(*blocks.panel_parts())) if blocks.rounds_activations else ([], [], [])
     whole = (blocks.blocks, blocks.qtype) if isinstance(blocks, QuantizedWeight) else (torch.empty(0, dtype=torch.uint8), -1)
     return (*whole, blocks.interleaved, panels, types, rows, blocks.max_rows, tiles.packed if tiles is not None else None,
-            linear.out_features)
+            linear.out_features, False)
