@@ -15,7 +15,7 @@ from functools import lru_cache
 import torch
 
 from pagedserve import cached_json
-from pagedserve.executor.matmul_rate import matmul_rate_at, seconds
+from pagedserve.executor.matmul_rate import matmul_rate_at, product_rate
 from pagedserve.layers import cpu_kernels
 from pagedserve.version import __version__
 
@@ -52,6 +52,4 @@ def measured_share(kernels) -> float:
 def _kernel_rate(kernels) -> float:
     """GFLOP/s of the kernels' product of _SIZE rows with a _SIZE x _SIZE weight of bfloat16 values."""
     x, packed = torch.randn(_SIZE, _SIZE), kernels.pack_bf16_pairs(torch.randn(_SIZE, _SIZE))
-    kernels.bf16_weights_linear(x, packed, _SIZE)  # the first call sizes the threads' scratch
-    best = min(seconds(lambda: kernels.bf16_weights_linear(x, packed, _SIZE)) for _ in range(_REPEATS))
-    return 2 * _SIZE**3 / best / 1e9
+    return product_rate(lambda: kernels.bf16_weights_linear(x, packed, _SIZE), _SIZE, _REPEATS) or 0.0

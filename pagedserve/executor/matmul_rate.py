@@ -45,7 +45,7 @@ def matmul_rate_at(dtype: torch.dtype, size: int, repeats: int) -> float | None:
     else:
         a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
         products = [lambda: torch.mm(a, b), *_onednn_product(a, b)]
-    rates = [rate for rate in (_rate(product, size, repeats) for product in products) if rate is not None]
+    rates = [rate for rate in (product_rate(product, size, repeats) for product in products) if rate is not None]
     return max(rates, default=None)
 
 
@@ -58,7 +58,9 @@ def _onednn_product(a: torch.Tensor, b: torch.Tensor) -> list:
     return [lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "")]
 
 
-def _rate(product, size: int, repeats: int) -> float | None:
+def product_rate(product, size: int, repeats: int) -> float | None:
+    """GFLOP/s of a size x size by size x size product (a call of `product`), best of repeats after a first call; None
+    where it raises (no such product here)."""
     try:
         product()  # the first call sets the kernel up
     except RuntimeError:

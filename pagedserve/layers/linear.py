@@ -216,7 +216,6 @@ class Linear(nn.Linear):
         if values_kernels is not None and dtype == torch.float32 and self.weight is not None and BFloat16ValuesWeight.holds(self.weight):
             self.bf16_values, self.packed_weight, self.packed_parts = BFloat16ValuesWeight(self.weight, values_kernels), None, None
             self.register_parameter("weight", None)
-            self.output_dtype = output_dtype
             return
         if tile_kernels is not None and (self.weight is not None or self._q4_blocks() is not None):
             self.bf16_products = BFloat16ProductsWeight(self.weight, tile_kernels, self._q4_blocks())
@@ -277,13 +276,10 @@ class Linear(nn.Linear):
         """The product on the dense weight (packed where pack() or pack_int8() ran), whatever the blocks would take."""
         if self.int8_weight is not None:
             return self.int8_weight.linear(x, bias, self.output_dtype or x.dtype)
-        if self.on_tiles(x.shape[0]):
-            out = self.bf16_products.linear(x)
+        pairs = self.bf16_products if self.on_tiles(x.shape[0]) else self.bf16_values  # float32 sums out, either way
+        if pairs is not None:
+            out = pairs.linear(x)
             return out if bias is None else out + bias
-        if self.bf16_values is not None:
-            out = self.bf16_values.linear(x)
-            out = out if bias is None else out + bias
-            return out if self.output_dtype in (None, out.dtype) else out.to(self.output_dtype)
         if self.packed_weight is not None:
             return packed_linear(x, self.packed_weight, bias, self.output_dtype)
         if self.packed_parts is not None:
